@@ -1,0 +1,17 @@
+"""Pure-PyTorch reference ops: the semantics source and the oracle every fused kernel is tested against.
+
+They accept float64 and are differentiable by autograd (exact gradients through the unrolled Sinkhorn).
+The model runs these when no fused kernel is selected; no other copy of this math exists.
+"""
+from .amax import composite_products, gain_metrics, gain_report
+from .coefficients import (
+    RES_LAYOUTS, compute_dtype, hc_coefficients, head_weights, mhc_coefficients, mhc_logit_count,
+)
+from .sinkhorn import EXACT_AXES, STARTS, sinkhorn, sinkhorn_residuals
+from .streams import expand_streams, stream_post_res, stream_pre
+
+__all__ = [
+    "EXACT_AXES", "RES_LAYOUTS", "STARTS", "composite_products", "compute_dtype", "expand_streams",
+    "gain_metrics", "gain_report", "hc_coefficients", "head_weights", "mhc_coefficients",
+    "mhc_logit_count", "sinkhorn", "sinkhorn_residuals", "stream_post_res", "stream_pre",
+]

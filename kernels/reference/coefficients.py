@@ -1,0 +1,115 @@
+"""Per-token mixing coefficients H^pre, H^post, H^res for mHC (mhc-math.md §2) and HC (§5).
+
+Conventions shared by every op here and by the fused kernels:
+- x is the n-stream residual [..., n, C]; row i is stream i.
+- h_pre, h_post are [..., n]; h_res is [..., n, n] and LEFT-multiplies the stream vector.
+- Coefficient maths runs in promote(x.dtype, float32): fp32 for bf16/fp16/fp32 inputs, fp64 for fp64.
+"""
+from typing import Literal, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .sinkhorn import ExactAxis, SinkhornStart, sinkhorn
+
+ResLayout = Literal["src_dst", "dst_src"]
+RES_LAYOUTS = ("src_dst", "dst_src")
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def mhc_logit_count(n: int, with_res: bool = True) -> int:
+    """Columns of the fused projection: [pre (n) | post (n) | res (n^2)]."""
+    return 2 * n + (n * n if with_res else 0)
+
+
+def mhc_coefficients(
+    x: torch.Tensor,
+    phi: torch.Tensor,
+    bias: torch.Tensor,
+    alpha: torch.Tensor,
+    *,
+    sinkhorn_iters: int = 20,
+    sinkhorn_eps: float = 1e-6,
+    exact_axis: ExactAxis = "rows",
+    start: SinkhornStart = "softmax_eps",
+    res_layout: ResLayout = "src_dst",
+    rms_eps: float = 1e-6,
+    pre_eps: float = 1e-6,
+    post_mult: float = 2.0,
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """mHC Eq. 14-19: one GEMM on the flattened un-normalised stream, norm applied after it.
+
+    phi: [n*C, n^2+2n] (or [n*C, 2n] for identity-HC, which returns h_res=None); bias: same
+    column count; alpha: [3] gates (pre, post, res). The res block is read row-major as R;
+    res_layout "src_dst" (DeepSeek, canonical) means H^res = R^T, "dst_src" (Liger) means H^res = R.
+    """
+    n = x.shape[-2]
+    with_res = phi.shape[-1] == mhc_logit_count(n, True)
+    if not with_res and phi.shape[-1] != mhc_logit_count(n, False):
+        raise ValueError(f"phi has {phi.shape[-1]} columns; expected {mhc_logit_count(n)} or {2 * n} for n={n}")
+    if res_layout not in RES_LAYOUTS:
+        raise ValueError(f"res_layout must be one of {RES_LAYOUTS}, got {res_layout!r}")
+    cd = compute_dtype(x.dtype)
+    flat = x.flatten(-2).to(cd)
+    logits = flat @ phi.to(cd)
+    rinv = torch.rsqrt(flat.square().mean(dim=-1, keepdim=True) + rms_eps)
+    a, b = alpha.to(cd), bias.to(cd)
+    h_pre = torch.sigmoid(a[0] * rinv * logits[..., :n] + b[:n]) + pre_eps
+    h_post = post_mult * torch.sigmoid(a[1] * rinv * logits[..., n : 2 * n] + b[n : 2 * n])
+    if not with_res:
+        return h_pre, h_post, None
+    r = (a[2] * rinv * logits[..., 2 * n :] + b[2 * n :]).unflatten(-1, (n, n))
+    z = r.transpose(-1, -2) if res_layout == "src_dst" else r
+    h_res = sinkhorn(z, sinkhorn_iters, sinkhorn_eps, exact_axis, start)
+    return h_pre, h_post, h_res
+
+
+def head_weights(
+    x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor,
+    rms_eps: float = 1e-6, eps: float = 1e-6,
+) -> torch.Tensor:
+    """Learned stream collapse weights (DeepSeek mhc_head): sigma(alpha * x.phi / r + b) + eps, [..., n]."""
+    cd = compute_dtype(x.dtype)
+    flat = x.flatten(-2).to(cd)
+    rinv = torch.rsqrt(flat.square().mean(dim=-1, keepdim=True) + rms_eps)
+    return torch.sigmoid(alpha.to(cd) * rinv * (flat @ phi.to(cd)) + bias.to(cd)) + eps
+
+
+def hc_coefficients(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    w_beta: torch.Tensor,
+    w_m: torch.Tensor,
+    w_r: torch.Tensor,
+    s_alpha: torch.Tensor,
+    s_beta: torch.Tensor,
+    b_static: torch.Tensor,
+    am_static: torch.Tensor,
+    ar_static: torch.Tensor,
+    *,
+    dynamic: bool = True,
+    use_tanh: bool = True,
+    norm_eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Dynamic Hyper-Connections (HC paper Eq. 1-5), in mHC notation.
+
+    Each stream is normalised on its own (RMSNorm over C) and yields its own row:
+    B_i = s_beta tanh(xn_i w_beta) + B_i;  A_m,i = s_alpha tanh(xn_i w_m) + A_m,i;
+    A_r,i: = s_alpha tanh(xn_i W_r) + A_r,i:.  Then H^pre = A_m^T, H^post = B, H^res = A_r^T.
+    Unbounded and signed: this is the unconstrained baseline.
+    """
+    cd = compute_dtype(x.dtype)
+    shape = x.shape[:-2]
+    h_post = b_static.to(cd).expand(*shape, -1)
+    h_pre = am_static.to(cd).expand(*shape, -1)
+    a_r = ar_static.to(cd).expand(*shape, -1, -1)
+    if dynamic:
+        xn = F.rms_norm(x.to(cd), (x.shape[-1],), norm_weight.to(cd), norm_eps)
+        act = torch.tanh if use_tanh else (lambda t: t)
+        h_post = h_post + s_beta.to(cd) * act(xn @ w_beta.to(cd))
+        h_pre = h_pre + s_alpha.to(cd) * act(xn @ w_m.to(cd))
+        a_r = a_r + s_alpha.to(cd) * act(xn @ w_r.to(cd))
+    return h_pre, h_post, a_r.transpose(-1, -2)
