@@ -1,0 +1,107 @@
+"""Byte-level language-modelling data: fixed-length windows over the train / val splits of a corpus."""
+from __future__ import annotations
+
+from typing import Optional
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from .corpus import SHAKESPEARE, CorpusError, fetch_shakespeare, load_corpus
+
+
+class ByteWindows(Dataset):
+    """Windows of ``seq_len + 1`` bytes at stride ``seq_len`` starting at ``offset``: item i is (x, y) with y = x shifted by one."""
+
+    def __init__(self, data: torch.Tensor, seq_len: int, offset: int = 0):
+        self.data, self.seq_len, self.offset = data, seq_len, offset
+        self.n = max(0, (len(data) - offset - 1) // seq_len)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        start = self.offset + i * self.seq_len
+        window = self.data[start : start + self.seq_len + 1].long()
+        return window[:-1], window[1:]
+
+
+class ByteTextDataModule(L.LightningDataModule):
+    """Bytes of ``corpus`` ("shakespeare" or a local text file / folder) as (x, y) int64 batches of shape (batch_size, seq_len)."""
+
+    def __init__(
+        self,
+        corpus: str = "shakespeare",
+        seq_len: int = 128,
+        batch_size: int = 16,
+        cache_dir: Optional[str] = None,
+        val_works: int = 4,
+        val_fraction: float = 0.05,
+        num_workers: int = 0,
+        seed: int = 1234,
+    ):
+        super().__init__()
+        for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("val_works", val_works)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not 0 < val_fraction < 1:
+            raise ValueError(f"val_fraction must be in the open interval (0, 1), got {val_fraction!r}")
+        if not isinstance(num_workers, int) or num_workers < 0:
+            raise ValueError(f"num_workers must be an integer >= 0, got {num_workers!r}")
+        self.save_hyperparameters()
+        self.vocab_size = 256  # byte-level tokens; the CLI links this to the model at instantiation
+        self.train_bytes: Optional[int] = None
+        self.val_bytes: Optional[int] = None
+        self.train_dataset: Optional[ByteWindows] = None
+        self.val_dataset: Optional[ByteWindows] = None
+
+    def prepare_data(self) -> None:
+        # Runs on one process per node: only the download belongs here, not state.
+        if self.hparams.corpus == SHAKESPEARE["name"]:
+            fetch_shakespeare(self.hparams.cache_dir)
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        if self.train_dataset is not None:
+            return
+        hp = self.hparams
+        train, val = load_corpus(hp.corpus, hp.cache_dir, hp.val_works, hp.val_fraction)
+        self.train_bytes, self.val_bytes = len(train), len(val)
+        self._check_length("train", len(train), hp.batch_size * hp.seq_len + 1)
+        self._check_length("val", len(val), hp.seq_len + 1)
+        # A seeded start offset so train windows do not share boundaries with the val layout (offset 0).
+        # It is capped by the slack beyond the last full batch, so it never costs the one batch we require.
+        offset = int(torch.randint(hp.seq_len, (1,), generator=torch.Generator().manual_seed(hp.seed)))
+        offset = min(offset, len(train) - 1 - hp.batch_size * hp.seq_len)
+        self.train_dataset = ByteWindows(_as_tensor(train), hp.seq_len, offset)
+        self.val_dataset = ByteWindows(_as_tensor(val), hp.seq_len)
+
+    def _check_length(self, split: str, n_bytes: int, needed: int) -> None:
+        if n_bytes < needed:
+            hp = self.hparams
+            raise CorpusError(
+                f"the {split} split of corpus {hp.corpus!r} has {n_bytes} bytes, but seq_len={hp.seq_len} and "
+                f"batch_size={hp.batch_size} need at least {needed} bytes for one "
+                f"{'batch' if split == 'train' else 'window'}; use a smaller seq_len/batch_size or a larger corpus."
+            )
+
+    def train_dataloader(self) -> DataLoader:
+        # A seeded generator makes the shuffle order a function of `seed` alone.
+        return self._loader(self.train_dataset, shuffle=True, drop_last=True,
+                            generator=torch.Generator().manual_seed(self.hparams.seed))
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_dataset, shuffle=False, drop_last=False)
+
+    def _loader(self, dataset: Optional[ByteWindows], **kwargs) -> DataLoader:
+        if dataset is None:
+            raise RuntimeError("call setup() before asking ByteTextDataModule for a dataloader")
+        nw = self.hparams.num_workers
+        return DataLoader(dataset, batch_size=self.hparams.batch_size, num_workers=nw,
+                          persistent_workers=nw > 0, **kwargs)
+
+
+def _as_tensor(data: bytes) -> torch.Tensor:
+    # bytearray gives a writable buffer, which torch.frombuffer needs to avoid a warning.
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)

