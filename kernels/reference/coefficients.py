@@ -5,6 +5,7 @@ Conventions shared by every op here and by the fused kernels:
 - h_pre, h_post are [..., n]; h_res is [..., n, n] and LEFT-multiplies the stream vector.
 - Coefficient maths runs in promote(x.dtype, float32): fp32 for bf16/fp16/fp32 inputs, fp64 for fp64.
 """
+import functools
 from typing import Literal, Optional
 
 import torch
@@ -20,11 +21,23 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def no_autocast(fn):
+    """Run an op with autocast off: under bf16-mixed its fp32 coefficient maths must stay fp32."""
+
+    @functools.wraps(fn)
+    def wrapper(x, *args, **kwargs):
+        with torch.autocast(x.device.type, enabled=False):
+            return fn(x, *args, **kwargs)
+
+    return wrapper
+
+
 def mhc_logit_count(n: int, with_res: bool = True) -> int:
     """Columns of the fused projection: [pre (n) | post (n) | res (n^2)]."""
     return 2 * n + (n * n if with_res else 0)
 
 
+@no_autocast
 def mhc_coefficients(
     x: torch.Tensor,
     phi: torch.Tensor,
@@ -67,6 +80,7 @@ def mhc_coefficients(
     return h_pre, h_post, h_res
 
 
+@no_autocast
 def head_weights(
     x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor,
     rms_eps: float = 1e-6, eps: float = 1e-6,
@@ -78,6 +92,7 @@ def head_weights(
     return torch.sigmoid(alpha.to(cd) * rinv * (flat @ phi.to(cd)) + bias.to(cd)) + eps
 
 
+@no_autocast
 def hc_coefficients(
     x: torch.Tensor,
     norm_weight: torch.Tensor,

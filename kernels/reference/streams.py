@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from .coefficients import compute_dtype
+from .coefficients import compute_dtype, no_autocast
 
 
 def expand_streams(h: torch.Tensor, n: int) -> torch.Tensor:
@@ -14,12 +14,14 @@ def expand_streams(h: torch.Tensor, n: int) -> torch.Tensor:
     return h.unsqueeze(-2).expand(*h.shape[:-1], n, h.shape[-1]).contiguous()
 
 
+@no_autocast
 def stream_pre(x: torch.Tensor, h_pre: torch.Tensor) -> torch.Tensor:
     """Layer input u = sum_j h_pre_j x_j: [..., n, C] x [..., n] -> [..., C]. Also the weighted collapse."""
     cd = compute_dtype(x.dtype)
     return (h_pre.to(cd).unsqueeze(-1) * x.to(cd)).sum(dim=-2).to(x.dtype)
 
 
+@no_autocast
 def stream_post_res(
     x: torch.Tensor, f: torch.Tensor, h_post: torch.Tensor, h_res: Optional[torch.Tensor]
 ) -> torch.Tensor:

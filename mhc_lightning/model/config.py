@@ -1,0 +1,105 @@
+"""Architecture configuration: plain dataclasses that LightningCLI exposes field by field."""
+from dataclasses import dataclass, field
+from typing import Literal
+
+ResidualMode = Literal["residual", "hc", "mhc", "identity"]
+RESIDUAL_MODES = ("residual", "hc", "mhc", "identity")
+BiasInit = Literal["zeros", "hc_identity", "a6", "near_identity"]
+BIAS_INITS = ("zeros", "hc_identity", "a6", "near_identity")
+PhiInit = Literal["zeros", "normal", "xavier"]
+PHI_INITS = ("zeros", "normal", "xavier")
+Collapse = Literal["sum", "head"]
+COLLAPSES = ("sum", "head")
+
+
+def _one_of(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+
+
+def _at_least(name: str, value, low) -> None:
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value!r}")
+
+
+@dataclass
+class HyperConfig:
+    """How each attention / MLP sublayer is wired into the residual stream.
+
+    residual_mode: residual = x + F(x); hc = dynamic Hyper-Connections (unconstrained);
+        mhc = manifold-constrained HC (H_res projected by Sinkhorn-Knopp); identity = mhc with H_res = I.
+    n_streams: number of residual streams n (ignored by residual; the paper uses 4).
+    """
+
+    residual_mode: ResidualMode = "mhc"
+    n_streams: int = 4
+    sinkhorn_iters: int = 20  # t_max; changed at run time by the scheduler callback
+    sinkhorn_eps: float = 1e-6
+    sinkhorn_exact_axis: Literal["rows", "cols"] = "rows"  # rows = DeepSeek/paper, cols = Liger/lucidrains
+    sinkhorn_start: Literal["softmax_eps", "exp", "log_domain"] = "softmax_eps"
+    res_layout: Literal["src_dst", "dst_src"] = "src_dst"  # how the n^2 res logits are indexed
+    alpha_init: float = 0.01  # gates alpha_pre/post/res (mHC Table 5); also HC's s_alpha, s_beta
+    bias_init: BiasInit = "zeros"
+    phi_init: PhiInit = "zeros"
+    phi_std: float = 0.02
+    post_mult: float = 2.0
+    pre_eps: float = 1e-6
+    hc_dynamic: bool = True  # False = static HC
+    hc_tanh: bool = True
+    collapse: Collapse = "sum"
+    kernel_backend: Literal["auto", "triton", "torch"] = "auto"
+
+    def __post_init__(self) -> None:
+        _one_of("residual_mode", self.residual_mode, RESIDUAL_MODES)
+        _at_least("n_streams", self.n_streams, 1)
+        _at_least("sinkhorn_iters", self.sinkhorn_iters, 1)
+        _at_least("sinkhorn_eps", self.sinkhorn_eps, 0.0)
+        _one_of("sinkhorn_exact_axis", self.sinkhorn_exact_axis, ("rows", "cols"))
+        _one_of("sinkhorn_start", self.sinkhorn_start, ("softmax_eps", "exp", "log_domain"))
+        _one_of("res_layout", self.res_layout, ("src_dst", "dst_src"))
+        _one_of("bias_init", self.bias_init, BIAS_INITS)
+        _one_of("phi_init", self.phi_init, PHI_INITS)
+        _one_of("collapse", self.collapse, COLLAPSES)
+        _one_of("kernel_backend", self.kernel_backend, ("auto", "triton", "torch"))
+
+    @property
+    def streams(self) -> int:
+        return 1 if self.residual_mode == "residual" else self.n_streams
+
+
+@dataclass
+class GPTConfig:
+    """GPT-style decoder: byte tokens, RoPE attention, SwiGLU MLP, RMSNorm pre-norm.
+
+    n_layers counts blocks; each block has two sublayers (attention, MLP), so L = 2 * n_layers.
+    """
+
+    vocab_size: int = 256
+    n_layers: int = 4
+    d_model: int = 128
+    n_heads: int = 4
+    context: int = 128
+    mlp_ratio: float = 8 / 3
+    tied_head: bool = True
+    norm_eps: float = 1e-6
+    rope_base: float = 10000.0
+    init_std: float = 0.02
+    hyper: HyperConfig = field(default_factory=HyperConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.hyper, dict):
+            self.hyper = HyperConfig(**self.hyper)
+        for name in ("vocab_size", "n_layers", "d_model", "n_heads", "context"):
+            _at_least(name, getattr(self, name), 1)
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"d_model must be divisible by n_heads, got d_model={self.d_model}, n_heads={self.n_heads}"
+            )
+        if (self.d_model // self.n_heads) % 2:
+            raise ValueError(f"head size d_model/n_heads must be even for RoPE, got {self.d_model // self.n_heads}")
+        if self.mlp_ratio <= 0:
+            raise ValueError(f"mlp_ratio must be > 0, got {self.mlp_ratio}")
+
+    @property
+    def n_sublayers(self) -> int:
+        return 2 * self.n_layers

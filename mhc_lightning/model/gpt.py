@@ -1,0 +1,92 @@
+"""GPT-style decoder whose sublayers are wired by HyperConnection (residual / HC / mHC / identity-HC).
+
+Streams are expanded once after the embedding, persist through every sublayer, and are collapsed
+once before the final norm (mhc-math.md §4): expanding per block would make n independent residuals.
+"""
+import contextlib
+import math
+from typing import Iterator
+
+import torch
+import torch.nn as nn
+
+from ..kernels.reference import expand_streams, head_weights, stream_pre
+from .config import GPTConfig
+from .hyper_connection import HyperConnection
+from .layers import Attention, RMSNorm, SwiGLU
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        h, C = cfg.hyper, cfg.d_model
+        self.n = h.streams
+        self.multi_stream = h.residual_mode != "residual"
+        self.embed = nn.Embedding(cfg.vocab_size, C)
+        branches = []
+        for _ in range(cfg.n_layers):
+            branches.append(Attention(C, cfg.n_heads, cfg.context, cfg.rope_base, cfg.norm_eps))
+            branches.append(SwiGLU(C, cfg.mlp_ratio, cfg.norm_eps))
+        self.sublayers = nn.ModuleList(HyperConnection(b, C, k, h) for k, b in enumerate(branches))
+        if self.multi_stream and h.collapse == "head":
+            self.head_phi = nn.Parameter(torch.zeros(self.n * C, self.n))
+            self.head_bias = nn.Parameter(torch.zeros(self.n))
+            self.head_alpha = nn.Parameter(torch.tensor(h.alpha_init))
+        self.norm = RMSNorm(C, cfg.norm_eps)
+        self.lm_head = nn.Linear(C, cfg.vocab_size, bias=False)
+        self._init_weights()
+        if cfg.tied_head:
+            self.lm_head.weight = self.embed.weight
+
+    def _init_weights(self) -> None:
+        std = self.cfg.init_std
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=std)
+        for layer in self.sublayers:  # GPT-2: scale output projections by depth
+            nn.init.normal_(layer.branch.out.weight, std=std / math.sqrt(self.cfg.n_sublayers))
+
+    def collapse(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.multi_stream:
+            return x
+        if self.cfg.hyper.collapse == "sum":
+            return x.sum(dim=-2)
+        return stream_pre(x, head_weights(x, self.head_phi, self.head_bias, self.head_alpha))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if idx.shape[-1] > self.cfg.context:
+            raise ValueError(f"sequence length {idx.shape[-1]} exceeds model context {self.cfg.context}")
+        x = self.embed(idx)
+        if self.multi_stream:
+            x = expand_streams(x, self.n)
+        for layer in self.sublayers:
+            x = layer(x)
+        return self.lm_head(self.norm(self.collapse(x)))
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """Within this block, every sublayer keeps its first sequence's H_pre / H_post / H_res."""
+        for layer in self.sublayers:
+            layer.record, layer.last = True, None
+        try:
+            yield
+        finally:
+            for layer in self.sublayers:
+                layer.record = False
+
+    def recorded(self) -> dict[str, torch.Tensor]:
+        """Stacked coefficients of the last recorded forward: h_res [L, T, n, n], h_pre/h_post [L, T, n]."""
+        lasts = [layer.last for layer in self.sublayers]
+        if not self.multi_stream or any(l is None for l in lasts):
+            return {}
+        out = {k: torch.stack([l[k][0] for l in lasts]) for k in ("h_pre", "h_post")}
+        if lasts[0]["h_res"] is not None:
+            out["h_res"] = torch.stack([l["h_res"][0] for l in lasts])
+        else:  # identity-HC: H_res = I by construction
+            L, T, n = out["h_pre"].shape
+            out["h_res"] = torch.eye(n, dtype=out["h_pre"].dtype, device=out["h_pre"].device).expand(L, T, n, n)
+        return out
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())

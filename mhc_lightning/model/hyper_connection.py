@@ -1,0 +1,98 @@
+"""One wrapper for every sublayer: residual, HC, mHC or identity-HC (mhc-math.md §1-§6).
+
+The maths lives in the kernels package (reference ops or fused kernels, chosen by `get_ops`);
+this module only owns the parameters, their initialisation and the wiring.
+"""
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from ..kernels import get_ops
+from ..kernels.reference import hc_coefficients, mhc_logit_count
+from .config import HyperConfig
+
+
+def mhc_bias_init(scheme: str, n: int, home: int, with_res: bool) -> torch.Tensor:
+    """Biases [pre (n) | post (n) | res (n^2)] of mhc-math.md §6; res logits are diagonal, so layout-free."""
+    eye = torch.eye(n)
+    onehot = eye[home]
+    if scheme == "zeros":
+        pre, post, res = torch.zeros(n), torch.zeros(n), torch.zeros(n, n)
+    elif scheme == "hc_identity":
+        pre, post, res = onehot, torch.ones(n), eye
+    elif scheme == "a6":
+        pre, post, res = 6 * onehot - 3, torch.zeros(n), 6 * eye - 3
+    elif scheme == "near_identity":
+        p = min(1.0 / n, 0.999)  # n = 1 would need logit(1) = inf
+        pre, post, res = torch.full((n,), math.log(p / (1 - p))), torch.zeros(n), 10 * eye
+    else:
+        raise ValueError(f"bias_init must be one of ['zeros', 'hc_identity', 'a6', 'near_identity'], got {scheme!r}")
+    parts = [pre, post] + ([res.flatten()] if with_res else [])
+    return torch.cat(parts)
+
+
+class HyperConnection(nn.Module):
+    """x_{l+1} = H_res x_l + H_post^T F(H_pre x_l) on x [..., n, C]; plain x + F(x) on [..., C] for residual."""
+
+    def __init__(self, branch: nn.Module, d_model: int, layer_index: int, cfg: HyperConfig):
+        super().__init__()
+        self.branch, self.cfg, self.layer_index = branch, cfg, layer_index
+        self.mode = cfg.residual_mode
+        self.sinkhorn_iters = cfg.sinkhorn_iters  # per layer: the scheduler callback changes it at run time
+        self.record = False  # when set, keep the first sequence's coefficients for diagnostics
+        self.last: Optional[dict[str, torch.Tensor]] = None
+        n, home = cfg.streams, layer_index % cfg.streams
+        if self.mode in ("mhc", "identity"):
+            with_res = self.mode == "mhc"
+            self.phi = nn.Parameter(torch.empty(n * d_model, mhc_logit_count(n, with_res)))
+            self.bias = nn.Parameter(mhc_bias_init(cfg.bias_init, n, home, with_res))
+            self.alpha = nn.Parameter(torch.full((3,), cfg.alpha_init))
+            self.reset_phi()
+        elif self.mode == "hc":
+            # HC paper §2.3: W = 0, s = 0.01, B = 1, A_m = e_{k mod n}, A_r = I -> exactly a pre-norm residual.
+            self.norm_weight = nn.Parameter(torch.ones(d_model))
+            self.w_beta = nn.Parameter(torch.zeros(d_model))
+            self.w_m = nn.Parameter(torch.zeros(d_model))
+            self.w_r = nn.Parameter(torch.zeros(d_model, n))
+            self.s_alpha = nn.Parameter(torch.tensor(cfg.alpha_init))
+            self.s_beta = nn.Parameter(torch.tensor(cfg.alpha_init))
+            self.b_static = nn.Parameter(torch.ones(n))
+            self.am_static = nn.Parameter(torch.eye(n)[home].clone())
+            self.ar_static = nn.Parameter(torch.eye(n))
+
+    def reset_phi(self) -> None:
+        if self.cfg.phi_init == "zeros":
+            nn.init.zeros_(self.phi)
+        elif self.cfg.phi_init == "normal":
+            nn.init.normal_(self.phi, std=self.cfg.phi_std)
+        else:
+            nn.init.xavier_uniform_(self.phi)
+
+    def coefficients(self, x: torch.Tensor, ops) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        c = self.cfg
+        if self.mode == "hc":
+            return hc_coefficients(
+                x, self.norm_weight, self.w_beta, self.w_m, self.w_r, self.s_alpha, self.s_beta,
+                self.b_static, self.am_static, self.ar_static, dynamic=c.hc_dynamic, use_tanh=c.hc_tanh,
+            )
+        return ops.mhc_coefficients(
+            x, self.phi, self.bias, self.alpha, sinkhorn_iters=self.sinkhorn_iters, sinkhorn_eps=c.sinkhorn_eps,
+            exact_axis=c.sinkhorn_exact_axis, start=c.sinkhorn_start, res_layout=c.res_layout,
+            pre_eps=c.pre_eps, post_mult=c.post_mult,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "residual":
+            return x + self.branch(x)
+        ops = get_ops(self.cfg.kernel_backend, x.device)
+        h_pre, h_post, h_res = self.coefficients(x, ops)
+        if self.record:
+            self.last = {"h_pre": h_pre[:1].detach(), "h_post": h_post[:1].detach(),
+                         "h_res": None if h_res is None else h_res[:1].detach()}
+        f = self.branch(ops.stream_pre(x, h_pre))
+        return ops.stream_post_res(x, f, h_post, h_res)
+
+    def extra_repr(self) -> str:
+        return f"mode={self.mode}, layer={self.layer_index}, n={self.cfg.streams}, sinkhorn_iters={self.sinkhorn_iters}"

@@ -1,0 +1,180 @@
+"""LightningModule: next-token LM training of the GPT with residual / HC / mHC sublayers."""
+import copy
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torchmetrics import MeanMetric
+from torchmetrics.text import Perplexity
+
+from .diagnostics import plot_per_layer, summarize
+from .model import GPT, GPTConfig, HyperConfig
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup then cosine decay to min_lr_ratio * lr (per optimizer step)."""
+
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1
+
+    def __post_init__(self) -> None:
+        self.betas = tuple(self.betas)
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas must each be in [0, 1), got {self.betas}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+
+def _as(cls, value):
+    return cls(**value) if isinstance(value, dict) else value
+
+
+def lr_lambda(warmup: int, total: int, min_ratio: float):
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+class LitLM(L.LightningModule):
+    """Byte-level language model. `arch` and `optim` appear as --model.arch.* and --model.optim.* in the CLI.
+
+    diagnostics_every: every k optimizer steps, record one sequence's H coefficients during the
+    training forward (no extra forward) and log Amax gains, Sinkhorn residuals and coefficient ranges.
+    """
+
+    def __init__(
+        self,
+        arch: GPTConfig = GPTConfig(),  # never mutated: copied below
+        optim: OptimConfig = OptimConfig(),
+        diagnostics_every: int = 25,
+        compile: bool = False,
+    ):
+        super().__init__()
+        arch, optim = copy.deepcopy(_as(GPTConfig, arch)), copy.deepcopy(_as(OptimConfig, optim))
+        if diagnostics_every < 0:
+            raise ValueError(f"diagnostics_every must be >= 0 (0 = off), got {diagnostics_every}")
+        self.arch, self.optim = arch, optim
+        self.diagnostics_every = diagnostics_every
+        self.save_hyperparameters({"arch": asdict(arch), "optim": asdict(optim),
+                                   "diagnostics_every": diagnostics_every, "compile": compile})
+        self.model = GPT(arch)
+        self.forward_fn = torch.compile(self.model) if compile else self.model
+        self.val_loss = MeanMetric()
+        self.val_ppl = Perplexity()
+        self.last_per_layer: Optional[dict[str, list[float]]] = None
+        self.last_grad_norm: Optional[float] = None
+        self._t_last: Optional[float] = None
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.forward_fn(idx)
+
+    # ---- training -------------------------------------------------------------------------
+    def diagnostics_due(self) -> bool:
+        k = self.diagnostics_every
+        return bool(k) and self.model.multi_stream and self.global_step % k == 0
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.diagnostics_due():
+            with self.model.recording():
+                logits = self(x)
+            scalars, self.last_per_layer = summarize(self.model.recorded())
+            self.log_dict(scalars, on_step=True, on_epoch=False)
+        else:
+            logits = self(x)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        self.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=True)
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        now = time.perf_counter()
+        if self._t_last is not None:
+            self.log("train/tokens_per_sec", batch[0].numel() / (now - self._t_last), on_step=True, on_epoch=False)
+        self._t_last = now
+        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        # Called before clipping (and after unscaling under 16-mixed): this is the pre-clip norm,
+        # the one that clipping would otherwise hide (mhc-math.md §7).
+        norms = [p.grad.detach().float().norm() for p in self.parameters() if p.grad is not None]
+        total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.tensor(0.0)
+        self.last_grad_norm = total.item()
+        self.log("train/grad_norm", total, on_step=True, on_epoch=False)
+
+    # ---- validation -----------------------------------------------------------------------
+    def _eval_step(self, batch):
+        x, y = batch
+        logits = self(x).float()
+        self.val_loss.update(F.cross_entropy(logits.flatten(0, 1), y.flatten()), weight=y.numel())
+        self.val_ppl.update(logits, y)
+
+    def validation_step(self, batch, batch_idx):
+        self._eval_step(batch)
+
+    def test_step(self, batch, batch_idx):
+        self._eval_step(batch)
+
+    def _eval_epoch_end(self, stage: str) -> None:
+        loss = self.val_loss.compute()
+        # byte-level tokens: bits per byte = nats per token / ln 2
+        self.log_dict({f"{stage}/loss": loss, f"{stage}/bpb": loss / math.log(2), f"{stage}/ppl": self.val_ppl.compute()})
+        self.val_loss.reset()
+        self.val_ppl.reset()
+
+    def on_validation_epoch_end(self) -> None:
+        self._eval_epoch_end("val")
+        if not self.trainer.sanity_checking:
+            self._log_per_layer_artifacts()
+
+    def on_test_epoch_end(self) -> None:
+        self._eval_epoch_end("test")
+
+    def _log_per_layer_artifacts(self) -> None:
+        if not self.last_per_layer or self.trainer.global_rank != 0:
+            return
+        from lightning.pytorch.loggers import MLFlowLogger
+
+        for lg in self.trainer.loggers:
+            if isinstance(lg, MLFlowLogger):
+                step = self.global_step
+                lg.experiment.log_dict(lg.run_id, self.last_per_layer, f"diagnostics/per_layer_step{step:07d}.json")
+                fig = plot_per_layer(self.last_per_layer, f"{self.arch.hyper.residual_mode}, step {step}")
+                lg.experiment.log_figure(lg.run_id, fig, f"diagnostics/amax_per_layer_step{step:07d}.png")
+                import matplotlib.pyplot as plt
+
+                plt.close(fig)
+
+    # ---- optimisation ---------------------------------------------------------------------
+    def param_groups(self) -> list[dict[str, Any]]:
+        """Weight decay only on the branch matrices and the embedding; never on norms, biases or HC coefficients."""
+        decay, no_decay = [], []
+        for name, p in self.model.named_parameters():
+            is_matrix = p.ndim == 2 and (".branch." in name or name == "embed.weight")
+            (decay if is_matrix else no_decay).append(p)
+        return [{"params": decay, "weight_decay": self.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+    def configure_optimizers(self):
+        o = self.optim
+        opt = torch.optim.AdamW(self.param_groups(), lr=o.lr, betas=o.betas, eps=o.eps)
+        total = int(self.trainer.estimated_stepping_batches)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(o.warmup_steps, total, o.min_lr_ratio))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
