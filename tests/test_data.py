@@ -4,7 +4,6 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-import random
 import subprocess
 import tarfile
 from pathlib import Path
@@ -12,22 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import make_text
 from mhc_lightning.data import ByteTextDataModule, CorpusError, load_corpus
 from mhc_lightning.data import corpus as corpus_mod
-
-WORDS = ("the king speaks of love and honour while a storm rolls over the sea and "
-         "every lord in the hall waits for news from the north with fear").split()
-
-
-def make_text(n_bytes: int, seed: int = 0) -> str:
-    """English-like sentences of random words, at least n_bytes long."""
-    rng = random.Random(seed)
-    out, size = [], 0
-    while size < n_bytes:
-        s = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 14))).capitalize() + rng.choice(".!?") + " "
-        out.append(s)
-        size += len(s)
-    return "".join(out)
 
 
 @pytest.fixture

@@ -1,0 +1,39 @@
+"""Fixtures shared across the test suite."""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from helpers import make_text
+
+os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
+
+
+@pytest.fixture
+def tiny_corpus(tmp_path: Path) -> Path:
+    """A generated text file large enough for a few tiny batches and validation windows."""
+    p = tmp_path / "tiny_corpus.txt"
+    p.write_text(make_text(60_000, seed=7))
+    return p
+
+
+@pytest.fixture(scope="session")
+def _mlflow_template(tmp_path_factory) -> Path:
+    """One migrated SQLite store per session: creating one runs alembic migrations (~3 s)."""
+    import mlflow
+
+    path = tmp_path_factory.mktemp("mlflow_template") / "mlflow.db"
+    mlflow.MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()
+    return path
+
+
+@pytest.fixture
+def mlflow_uri(tmp_path: Path, _mlflow_template: Path, monkeypatch) -> str:
+    """A fresh MLflow SQLite store for this test; artifacts land under tmp_path."""
+    db = tmp_path / "mlflow.db"
+    shutil.copy(_mlflow_template, db)
+    monkeypatch.chdir(tmp_path)  # sqlite stores without a server put artifacts under ./mlruns
+    return f"sqlite:///{db}"
