@@ -1,0 +1,306 @@
+"""torch.library custom ops around the fused kernels, with fake (meta) impls and autograd.
+
+Each op is opaque to torch.compile (fullgraph, no graph break); its fake impl gives shapes that are
+symbolic in the token count N, and the Triton kernels take N as a runtime argument
+(`do_not_specialize`), so a new batch or sequence length neither re-traces nor re-JITs.
+Ops work on flattened [N, n, C] streams; the public wrappers in `__init__.py` reshape and fall back
+to the reference for what the kernels do not cover.
+"""
+import os
+
+import torch
+import triton
+
+from .coefficients import DOT_IEEE, DOT_NATIVE, DOT_TF32, _coef_bwd_tok, _coef_bwd_x, _coef_fwd
+from .stream_post_res import _post_bwd, _post_fwd
+from .stream_pre import _pre_bwd, _pre_fwd
+
+Tensor = torch.Tensor
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Tests set this: outputs start as NaN, so any element a kernel fails to write fails the comparison.
+POISON = False
+
+# Launch parameters, per kernel; the benchmark may override them. Interpreter runs use small tiles.
+CONFIG = {
+    "coef_fwd": dict(BT=32, BK=128, num_warps=4, num_stages=3),
+    "coef_bwd_tok": dict(BT=32, num_warps=4),
+    "coef_bwd_x": dict(BT=64, BK=64, num_warps=4, num_stages=2, programs_per_sm=4),
+    "pre_fwd": dict(BT=8, BC=256, num_warps=4),
+    "pre_bwd": dict(BT=8, BC=256, num_warps=4),
+    "post_fwd": dict(BT=4, BC=256, num_warps=4),
+    "post_bwd": dict(BT=4, BC=128, num_warps=4),
+}
+
+
+def _new(shape, dtype, device) -> Tensor:
+    if POISON:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _cfg(name: str, **limits) -> dict:
+    cfg = dict(CONFIG[name])
+    for k, cap in limits.items():  # never tile wider than the problem (powers of 2, dot needs >= 16)
+        cfg[k] = min(cfg[k], cap)
+    return cfg
+
+
+def _launch(cfg: dict) -> dict:
+    return {k: v for k, v in cfg.items() if k in ("num_warps", "num_stages")}
+
+
+def _np2(v: int, lo: int = 1) -> int:
+    return max(lo, triton.next_power_of_2(v))
+
+
+def _dot_mode(x: Tensor, phi: Tensor) -> int:
+    if x.dtype == torch.float32:
+        return DOT_IEEE  # fp32 activations: full-precision products (the fp32 test tier)
+    # bf16 x is exact in tf32, phi goes in as tf32 (the paper's precision). Native 16-bit dots only when phi
+    # has x's dtype, and never under the interpreter (its bf16 dot is wrong in triton 3.9).
+    return DOT_NATIVE if phi.dtype == x.dtype and not INTERPRET else DOT_TF32
+
+
+def _rows(x: Tensor) -> Tensor:
+    """[N, n, C] with each token's n*C values contiguous (the coefficient GEMM reads rows of n*C)."""
+    n, c = x.shape[1], x.shape[2]
+    return x if (x.stride(2) == 1 and x.stride(1) == c) or x.shape[0] == 0 else x.contiguous()
+
+
+def _c_contig(x: Tensor) -> Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# coefficients
+# ---------------------------------------------------------------------------------------------------------------
+@torch.library.custom_op("mhc_lightning::coef_fwd", mutates_args=())
+def coef_fwd(
+    x: Tensor, phi: Tensor, bias: Tensor, alpha: Tensor, iters: int, eps: float, t_in: bool, t_out: bool,
+    rms_eps: float, pre_eps: float, post_mult: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """x [N, n, C] -> h_pre [N, n], h_post [N, n], h_res [N, n, n] (or [N, 0, 0]), raw logits [N, M], 1/r [N]."""
+    N, n, C = x.shape
+    M = phi.shape[1]
+    has_res = M == n * n + 2 * n
+    dev = x.device
+    h_pre, h_post = _new((N, n), torch.float32, dev), _new((N, n), torch.float32, dev)
+    h_res = _new((N, n, n) if has_res else (N, 0, 0), torch.float32, dev)
+    lg, rinv = _new((N, M), torch.float32, dev), _new((N,), torch.float32, dev)
+    if N == 0:
+        return h_pre, h_post, h_res, lg, rinv
+    x = _rows(x)
+    phi = _c_contig(phi)
+    K = n * C
+    cfg = _cfg("coef_fwd", BK=_np2(K, 16))
+    _coef_fwd[(triton.cdiv(N, cfg["BT"]),)](
+        x, phi, bias.contiguous(), alpha.contiguous(), lg, rinv, h_pre, h_post, h_res,
+        N, K, x.stride(0), phi.stride(0), iters, eps, rms_eps, pre_eps, post_mult,
+        NS=n, M=M, MP=_np2(M, 16), HAS_RES=has_res, T_IN=t_in, T_OUT=t_out, DOT=_dot_mode(x, phi),
+        BT=cfg["BT"], BK=cfg["BK"], **_launch(cfg),
+    )
+    return h_pre, h_post, h_res, lg, rinv
+
+
+@coef_fwd.register_fake
+def _(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult):
+    N, n, C = x.shape
+    M = phi.shape[1]
+    f32 = dict(dtype=torch.float32)
+    res = (N, n, n) if M == n * n + 2 * n else (N, 0, 0)
+    return (x.new_empty((N, n), **f32), x.new_empty((N, n), **f32), x.new_empty(res, **f32),
+            x.new_empty((N, M), **f32), x.new_empty((N,), **f32))
+
+
+@torch.library.custom_op("mhc_lightning::coef_bwd", mutates_args=())
+def coef_bwd(
+    x: Tensor, phi: Tensor, bias: Tensor, alpha: Tensor, lg: Tensor, rinv: Tensor,
+    d_pre: Tensor, d_post: Tensor, d_res: Tensor, iters: int, eps: float, t_in: bool, t_out: bool,
+    post_mult: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    N, n, C = x.shape
+    M = phi.shape[1]
+    K = n * C
+    has_res = M == n * n + 2 * n
+    dev = x.device
+    dx = _new((N, n, C), x.dtype, dev)
+    if N == 0:
+        return dx, torch.zeros_like(phi), torch.zeros_like(bias), torch.zeros_like(alpha)
+    x = _rows(x)
+    phi = _c_contig(phi)
+    d_pre, d_post, d_res = d_pre.contiguous(), d_post.contiguous(), d_res.contiguous()
+    # 1) per token: dh_* -> dL [N, M], d(sum x^2) [N], per-program bias / alpha partials
+    ct = _cfg("coef_bwd_tok")
+    n_prog = triton.cdiv(N, ct["BT"])
+    pw = M + 3
+    dl, dss = _new((N, M), torch.float32, dev), _new((N,), torch.float32, dev)
+    part = _new((n_prog, pw), torch.float32, dev)
+    _coef_bwd_tok[(n_prog,)](
+        lg, rinv, bias.contiguous(), alpha.contiguous(), d_pre, d_post, d_res, dl, dss, part,
+        N, K, iters, eps, post_mult,
+        NS=n, M=M, HAS_RES=has_res, T_IN=t_in, T_OUT=t_out, BT=ct["BT"], PW=pw, **_launch(ct),
+    )
+    # 2) one pass over x: dx and split-partials of dphi = x^T dL
+    cx = _cfg("coef_bwd_x", BK=_np2(K, 16))
+    kblocks = triton.cdiv(K, cx["BK"])
+    want = max(1, cx["programs_per_sm"] * _num_sms(dev) // kblocks)
+    tok = max(cx["BT"], triton.cdiv(triton.cdiv(N, want), cx["BT"]) * cx["BT"])
+    splits = triton.cdiv(N, tok)
+    dphi_part = _new((splits, K, M), torch.float32, dev)
+    _coef_bwd_x[(kblocks, splits)](
+        x, phi, dl, dss, dx, dphi_part, N, K, x.stride(0), phi.stride(0), tok,
+        M=M, MP=_np2(M, 16), DOT=DOT_IEEE if x.dtype == torch.float32 else DOT_TF32,
+        BT=cx["BT"], BK=cx["BK"], **_launch(cx),
+    )
+    dphi = dphi_part[0] if splits == 1 else dphi_part.sum(0)
+    red = part.sum(0)
+    # separate storages: custom-op outputs may not alias each other
+    return dx, dphi.to(phi.dtype), red[:M].to(bias.dtype, copy=True), red[M:].to(alpha.dtype, copy=True).reshape(alpha.shape)
+
+
+@coef_bwd.register_fake
+def _(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult):
+    return torch.empty_like(x), torch.empty_like(phi), torch.empty_like(bias), torch.empty_like(alpha)
+
+
+def _coef_setup(ctx, inputs, output):
+    x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult = inputs
+    _, _, _, lg, rinv = output
+    ctx.save_for_backward(x, phi, bias, alpha, lg, rinv)
+    ctx.opts = (iters, eps, t_in, t_out, post_mult)
+    ctx.mark_non_differentiable(lg, rinv)
+
+
+def _coef_backward(ctx, d_pre, d_post, d_res, _dlg, _drinv):
+    x, phi, bias, alpha, lg, rinv = ctx.saved_tensors
+    N, n = x.shape[0], x.shape[1]
+    has_res = phi.shape[1] == n * n + 2 * n
+    z = dict(dtype=torch.float32, device=x.device)
+    d_pre = torch.zeros((N, n), **z) if d_pre is None else d_pre
+    d_post = torch.zeros((N, n), **z) if d_post is None else d_post
+    if d_res is None:
+        d_res = torch.zeros((N, n, n) if has_res else (N, 0, 0), **z)
+    dx, dphi, dbias, dalpha = coef_bwd(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, *ctx.opts)
+    return dx, dphi, dbias, dalpha, None, None, None, None, None, None, None
+
+
+coef_fwd.register_autograd(_coef_backward, setup_context=_coef_setup)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# stream_pre
+# ---------------------------------------------------------------------------------------------------------------
+@torch.library.custom_op("mhc_lightning::stream_pre", mutates_args=())
+def pre_fwd(x: Tensor, h_pre: Tensor) -> Tensor:
+    N, n, C = x.shape
+    u = _new((N, C), x.dtype, x.device)
+    if N == 0:
+        return u
+    x, h_pre = _c_contig(x), h_pre.contiguous()
+    cfg = _cfg("pre_fwd", BC=_np2(C, 16))
+    grid = (triton.cdiv(N, cfg["BT"]), triton.cdiv(C, cfg["BC"]))
+    _pre_fwd[grid](x, h_pre, u, N, C, x.stride(0), x.stride(1), NS=n, BT=cfg["BT"], BC=cfg["BC"], **_launch(cfg))
+    return u
+
+
+@pre_fwd.register_fake
+def _(x, h_pre):
+    return x.new_empty((x.shape[0], x.shape[2]))
+
+
+@torch.library.custom_op("mhc_lightning::stream_pre_bwd", mutates_args=())
+def pre_bwd(du: Tensor, x: Tensor, h_pre: Tensor) -> tuple[Tensor, Tensor]:
+    N, n, C = x.shape
+    dx = _new((N, n, C), x.dtype, x.device)
+    dh = _new((N, n), torch.float32, x.device)
+    if N > 0:
+        x, h_pre, du = _c_contig(x), h_pre.contiguous(), du.contiguous()
+        cfg = _cfg("pre_bwd", BC=_np2(C, 16))
+        _pre_bwd[(triton.cdiv(N, cfg["BT"]),)](
+            x, h_pre, du, dx, dh, N, C, x.stride(0), x.stride(1), NS=n, BT=cfg["BT"], BC=cfg["BC"], **_launch(cfg))
+    return dx, dh.to(h_pre.dtype)
+
+
+@pre_bwd.register_fake
+def _(du, x, h_pre):
+    return torch.empty_like(x), torch.empty_like(h_pre)
+
+
+def _pre_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _pre_backward(ctx, du):
+    x, h_pre = ctx.saved_tensors
+    return pre_bwd(du, x, h_pre)
+
+
+pre_fwd.register_autograd(_pre_backward, setup_context=_pre_setup)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# stream_post_res
+# ---------------------------------------------------------------------------------------------------------------
+@torch.library.custom_op("mhc_lightning::stream_post_res", mutates_args=())
+def post_fwd(x: Tensor, f: Tensor, h_post: Tensor, h_res: Tensor) -> Tensor:
+    """h_res [N, n, n], or [N, 0, 0] for H^res = I."""
+    N, n, C = x.shape
+    out = _new((N, n, C), x.dtype, x.device)
+    if N == 0:
+        return out
+    x, f = _c_contig(x), _c_contig(f)
+    has_res = h_res.shape[-1] != 0
+    cfg = _cfg("post_fwd", BC=_np2(C, 16))
+    grid = (triton.cdiv(N, cfg["BT"]), triton.cdiv(C, cfg["BC"]))
+    _post_fwd[grid](
+        x, f, h_post.contiguous(), h_res.contiguous(), out, N, C, x.stride(0), x.stride(1), f.stride(0),
+        NS=n, HAS_RES=has_res, BT=cfg["BT"], BC=cfg["BC"], **_launch(cfg))
+    return out
+
+
+@post_fwd.register_fake
+def _(x, f, h_post, h_res):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("mhc_lightning::stream_post_res_bwd", mutates_args=())
+def post_bwd(g: Tensor, x: Tensor, f: Tensor, h_post: Tensor, h_res: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    N, n, C = x.shape
+    has_res = h_res.shape[-1] != 0
+    dev = x.device
+    dx, df = _new((N, n, C), x.dtype, dev), _new((N, C), f.dtype, dev)
+    dhp = _new((N, n), torch.float32, dev)
+    dhr = _new((N, n, n) if has_res else (N, 0, 0), torch.float32, dev)
+    if N > 0:
+        x, f, g = _c_contig(x), _c_contig(f), g.contiguous()
+        cfg = _cfg("post_bwd", BC=_np2(C, 16))
+        _post_bwd[(triton.cdiv(N, cfg["BT"]),)](
+            x, f, h_post.contiguous(), h_res.contiguous(), g, dx, df, dhp, dhr,
+            N, C, x.stride(0), x.stride(1), f.stride(0),
+            NS=n, HAS_RES=has_res, BT=cfg["BT"], BC=cfg["BC"], **_launch(cfg))
+    return dx, df, dhp.to(h_post.dtype), dhr.to(h_res.dtype)
+
+
+@post_bwd.register_fake
+def _(g, x, f, h_post, h_res):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(f, memory_format=torch.contiguous_format),
+            torch.empty_like(h_post), torch.empty_like(h_res))
+
+
+def _post_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _post_backward(ctx, g):
+    x, f, h_post, h_res = ctx.saved_tensors
+    return post_bwd(g, x, f, h_post, h_res)
+
+
+post_fwd.register_autograd(_post_backward, setup_context=_post_setup)

@@ -1,0 +1,261 @@
+"""Fused Triton kernels vs the float64 reference: forward and every gradient.
+
+Without CUDA the kernels run under the Triton interpreter on small shapes (the env var must be set
+before triton is first imported); with CUDA the same tests run at larger shapes. Every kernel output
+starts NaN-filled (ops.POISON), so unwritten elements fail; a NaN never compares equal.
+Tolerances follow mhc-math.md §11 (Liger tiers): fp32 5e-4 / 1e-3 / 2e-3, bf16 1.5e-2 / 2.5e-2 / 5e-2,
+with atol scaled by the reference's magnitude (reductions over tokens grow with N).
+"""
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from mhc_lightning.kernels import fused  # noqa: E402
+from mhc_lightning.kernels import reference as R  # noqa: E402
+from mhc_lightning.kernels.fused import ops  # noqa: E402
+
+DEV = "cuda" if CUDA else "cpu"
+if not CUDA and not ops.INTERPRET:  # imported earlier in this process without the interpreter
+    raise RuntimeError("mhc_lightning.kernels.fused was imported before TRITON_INTERPRET=1 was set")
+
+# (leading shape, C): token counts that are not multiples of any block, C not a power of two
+SHAPES = [((37,), 24), ((2, 19), 40)] if not CUDA else [((4099,), 1000), ((2, 1031), 1024)]
+TOL = {  # (h_pre / h_post / outputs, h_res, gradients)
+    torch.float32: (5e-4, 1e-3, 2e-3),
+    torch.bfloat16: (1.5e-2, 2.5e-2, 5e-2),
+}
+ITERS = 4 if not CUDA else 20  # interpreter time grows ~ iters^2 in the backward
+
+
+@pytest.fixture(autouse=True)
+def _poison():
+    ops.POISON = True
+    yield
+    ops.POISON = False
+
+
+def check(out, ref, tol, name=""):
+    assert out is not None and out.shape == ref.shape, f"{name}: shape {None if out is None else out.shape} != {ref.shape}"
+    out = out.detach().double()
+    assert torch.isfinite(out).all(), f"{name}: {(~torch.isfinite(out)).sum().item()} non-finite elements"
+    scale = max(1.0, ref.abs().max().item())
+    torch.testing.assert_close(out, ref.detach(), atol=tol * scale, rtol=tol, msg=lambda m: f"{name}: {m}")
+
+
+def _leaf(t):
+    return t.detach().clone().requires_grad_(True)
+
+
+def _f64(ts):
+    return [_leaf(t.double()) for t in ts]
+
+
+def _grads(outs, ins, gs):
+    loss = sum((o * g.to(o.dtype)).sum() for o, g in zip(outs, gs) if o is not None)
+    return torch.autograd.grad(loss, ins)
+
+
+def _coef_inputs(lead, c, n, dtype, with_res=True, phi_dtype=torch.float32, gate=1.0):
+    m = R.mhc_logit_count(n, with_res)
+    x = torch.randn(*lead, n, c, device=DEV).to(dtype)
+    phi = (torch.randn(n * c, m, device=DEV) / (n * c) ** 0.5).to(phi_dtype)
+    bias = torch.randn(m, device=DEV)
+    alpha = torch.tensor([0.8, 1.3, 1.7], device=DEV) * gate
+    return [_leaf(t) for t in (x, phi, bias, alpha)]
+
+
+def _run_coef(inputs, dtype, **kw):
+    x, phi, bias, alpha = inputs
+    out = fused.mhc_coefficients(x, phi, bias, alpha, **kw)
+    ref_in = _f64(inputs)
+    ref = R.mhc_coefficients(*ref_in, **kw)
+    gs = [None if r is None else torch.randn_like(r) for r in ref]
+    g_out = _grads(out, inputs, gs)
+    g_ref = _grads(ref, ref_in, gs)
+    t_h, t_res, t_g = TOL[dtype]
+    check(out[0], ref[0], t_h, "h_pre")
+    check(out[1], ref[1], t_h, "h_post")
+    if ref[2] is None:
+        assert out[2] is None
+    else:
+        check(out[2], ref[2], t_res, "h_res")
+    for name, a, b in zip(("dx", "dphi", "dbias", "dalpha"), g_out, g_ref):
+        check(a, b, t_g, name)
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+@pytest.mark.parametrize("exact_axis", ["rows", "cols"])
+@pytest.mark.parametrize("res_layout", ["src_dst", "dst_src"])
+def test_coefficients_fp32(n, exact_axis, res_layout):
+    torch.manual_seed(n * 7 + len(exact_axis) + len(res_layout))
+    for lead, c in SHAPES:
+        out = _run_coef(_coef_inputs(lead, c, n, torch.float32), torch.float32, sinkhorn_iters=ITERS,
+                        exact_axis=exact_axis, res_layout=res_layout)
+        h_res = out[2].detach()
+        assert (h_res >= 0).all()
+        rows, cols = R.sinkhorn_residuals(h_res)
+        exact = rows if exact_axis == "rows" else cols
+        assert exact.max().item() <= 1e-5 * n, "the exact axis must sum to 1"
+
+
+def test_coefficients_fp32_20_iters_and_saturation():
+    torch.manual_seed(11)
+    lead, c = SHAPES[0]
+    _run_coef(_coef_inputs(lead, c, 4, torch.float32), torch.float32, sinkhorn_iters=20)
+    # x10 logits: near-permutation H^res, the slow-convergence regime trained models reach
+    _run_coef(_coef_inputs(lead, c, 4, torch.float32, gate=10.0), torch.float32, sinkhorn_iters=ITERS,
+              exact_axis="cols")
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_coefficients_identity_hc(n):
+    """phi with 2n columns: no res block, h_res is None."""
+    torch.manual_seed(100 + n)
+    for lead, c in SHAPES:
+        _run_coef(_coef_inputs(lead, c, n, torch.float32, with_res=False), torch.float32)
+
+
+@pytest.mark.parametrize("phi_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("exact_axis", ["rows", "cols"])
+def test_coefficients_bf16(phi_dtype, exact_axis):
+    torch.manual_seed(3)
+    for lead, c in SHAPES:
+        _run_coef(_coef_inputs(lead, c, 4, torch.bfloat16, phi_dtype=phi_dtype), torch.bfloat16,
+                  sinkhorn_iters=ITERS, exact_axis=exact_axis)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stream_pre(n, dtype):
+    torch.manual_seed(20 + n)
+    for lead, c in SHAPES:
+        x = _leaf(torch.randn(*lead, n, c, device=DEV).to(dtype))
+        h = _leaf(torch.rand(*lead, n, device=DEV) + 0.1)
+        out = fused.stream_pre(x, h)
+        assert out.dtype == dtype
+        ref_in = _f64([x, h])
+        ref = R.stream_pre(*ref_in)
+        g = torch.randn_like(ref)
+        tol = TOL[dtype]
+        check(out, ref, tol[0], "u")
+        for name, a, b in zip(("dx", "dh_pre"), _grads([out], [x, h], [g]), _grads([ref], ref_in, [g])):
+            check(a, b, tol[2], name)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_res", [True, False])
+def test_stream_post_res(n, dtype, with_res):
+    torch.manual_seed(40 + n + 2 * with_res)
+    for lead, c in SHAPES:
+        x = _leaf(torch.randn(*lead, n, c, device=DEV).to(dtype))
+        f = _leaf(torch.randn(*lead, c, device=DEV).to(dtype))
+        hp = _leaf(2 * torch.rand(*lead, n, device=DEV))
+        hr = _leaf(torch.rand(*lead, n, n, device=DEV)) if with_res else None
+        ins = [x, f, hp] + ([hr] if with_res else [])
+        out = fused.stream_post_res(x, f, hp, hr)
+        assert out.dtype == dtype
+        ref_in = _f64(ins)
+        ref = R.stream_post_res(*ref_in[:3], ref_in[3] if with_res else None)
+        g = torch.randn_like(ref)
+        tol = TOL[dtype]
+        check(out, ref, tol[0], "x_next")
+        names = ("dx", "df", "dh_post", "dh_res")
+        for name, a, b in zip(names, _grads([out], ins, [g]), _grads([ref], ref_in, [g])):
+            check(a, b, tol[2], name)
+
+
+def test_checker_rejects_nan_and_unwritten():
+    ref = torch.zeros(4, dtype=torch.float64)
+    with pytest.raises(AssertionError):
+        check(torch.tensor([0.0, float("nan"), 0.0, 0.0]), ref, 1e-3)
+    with pytest.raises(AssertionError):
+        check(torch.full((4,), float("nan")), ref, 1e-3)
+
+
+def test_fallbacks_match_reference():
+    """Options the kernels do not cover go to the reference: identical results."""
+    torch.manual_seed(5)
+    x, phi, bias, alpha = _coef_inputs((5,), 8, 4, torch.float32)
+    for kw in (dict(start="exp"), dict(start="log_domain")):
+        a = fused.mhc_coefficients(x, phi, bias, alpha, sinkhorn_iters=3, **kw)
+        b = R.mhc_coefficients(x, phi, bias, alpha, sinkhorn_iters=3, **kw)
+        for u, v in zip(a, b):
+            assert torch.equal(u, v)
+    x3 = torch.randn(5, 3, 8, device=DEV)  # n = 3: not a kernel size
+    h = torch.rand(5, 3, device=DEV)
+    assert torch.equal(fused.stream_pre(x3, h), R.stream_pre(x3, h))
+    xd = torch.randn(5, 4, 8, dtype=torch.float64, device=DEV)
+    hd = torch.rand(5, 4, dtype=torch.float64, device=DEV)
+    assert torch.equal(fused.stream_pre(xd, hd), R.stream_pre(xd, hd))
+    with pytest.raises(ValueError):
+        fused.mhc_coefficients(x, phi, bias, alpha, exact_axis="diag")
+
+
+def _block(x, phi, bias, alpha, w):
+    h_pre, h_post, h_res = fused.mhc_coefficients(x, phi, bias, alpha, sinkhorn_iters=3)
+    u = fused.stream_pre(x, h_pre)
+    f = torch.tanh(u * w)
+    return fused.stream_post_res(x, f, h_post, h_res)
+
+
+def test_compile_fullgraph_matches_eager():
+    torch.manual_seed(9)
+    backend = "inductor" if CUDA else "aot_eager"  # the CPU check is graph capture + fake impls + autograd
+    x, phi, bias, alpha = _coef_inputs((2, 13), 24, 4, torch.float32)
+    w = _leaf(torch.randn(24, device=DEV))
+    ins = [x, phi, bias, alpha, w]
+    eager = _block(*ins)
+    g = torch.randn_like(eager)
+    g_eager = torch.autograd.grad((eager * g).sum(), ins)
+    torch._dynamo.reset()
+    comp = torch.compile(_block, fullgraph=True, backend=backend)
+    out = comp(*ins)
+    g_comp = torch.autograd.grad((out * g).sum(), ins)
+    torch.testing.assert_close(out, eager, atol=1e-5, rtol=1e-5)
+    for a, b in zip(g_comp, g_eager):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_token_count_change_does_not_recompile():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch.manual_seed(10)
+    cnt = CompileCounterWithBackend("inductor" if CUDA else "aot_eager")
+    torch._dynamo.reset()
+    comp = torch.compile(_block, fullgraph=True, backend=cnt)
+    w = _leaf(torch.randn(24, device=DEV))
+    for i, tokens in enumerate((37, 53, 64, 17)):
+        x, phi, bias, alpha = _coef_inputs((tokens,), 24, 4, torch.float32)
+        torch._dynamo.mark_dynamic(x, 0)  # the token dim, as a trainer marks batch / sequence
+        out = comp(x, phi, bias, alpha, w)
+        out.square().sum().backward()
+        assert torch.isfinite(x.grad).all() and torch.isfinite(phi.grad).all()
+        if i == 0:
+            first = cnt.frame_count
+    assert cnt.frame_count == first
+
+
+@pytest.mark.skipif(not CUDA, reason="the Triton JIT cache exists only for compiled (non-interpreted) kernels")
+def test_token_count_change_does_not_rejit():
+    from mhc_lightning.kernels.fused import coefficients as K, stream_post_res as P, stream_pre as S
+
+    kernels = [K._coef_fwd, K._coef_bwd_tok, K._coef_bwd_x, S._pre_fwd, S._pre_bwd, P._post_fwd, P._post_bwd]
+
+    def n_compiled():
+        return sum(len(k.device_caches[torch.cuda.current_device()][0]) for k in kernels)
+
+    w = torch.randn(64, device=DEV)
+    sizes = [(1000,), (1031,), (4096,), (777,)]
+    for i, lead in enumerate(sizes):
+        x, phi, bias, alpha = _coef_inputs(lead, 64, 4, torch.bfloat16)
+        _block(x, phi, bias, alpha, w).float().square().sum().backward()
+        if i == 0:
+            first = n_compiled()
+    assert n_compiled() == first
