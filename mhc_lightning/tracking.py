@@ -16,4 +16,4 @@ class MLflowSaveConfig(SaveConfigCallback):
         for lg in trainer.loggers:
             if isinstance(lg, MLFlowLogger):
                 lg.experiment.log_text(lg.run_id, text, "config.yaml")
-                lg.experiment.set_tag(lg.run_id, "stage", stage)
+                lg.experiment.set_tag(lg.run_id, "stage", getattr(stage, "value", stage))

@@ -94,6 +94,10 @@ class ByteTextDataModule(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_dataset, shuffle=False, drop_last=False)
 
+    def test_dataloader(self) -> DataLoader:
+        # The corpus has two splits; `mhc test` reports on the held-out one.
+        return self.val_dataloader()
+
     def _loader(self, dataset: Optional[ByteWindows], **kwargs) -> DataLoader:
         if dataset is None:
             raise RuntimeError("call setup() before asking ByteTextDataModule for a dataloader")

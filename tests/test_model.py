@@ -1,0 +1,164 @@
+"""The GPT with residual / HC / mHC / identity-HC sublayers: shapes, causality, init identities, training."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import make_text
+from mhc_lightning.kernels.reference import gain_report
+from mhc_lightning.model import GPT, GPTConfig, HyperConfig
+
+MODES = ["residual", "hc", "mhc", "identity"]
+
+
+def tiny(mode="mhc", n_layers=2, d_model=32, **hyper) -> GPTConfig:
+    return GPTConfig(n_layers=n_layers, d_model=d_model, n_heads=2, context=32,
+                     hyper=HyperConfig(residual_mode=mode, **hyper))
+
+
+def text_batch(B=4, T=32, seed=0) -> torch.Tensor:
+    data = torch.tensor(list(make_text(B * (T + 1) + 10, seed=seed).encode()), dtype=torch.long)
+    return data[: B * (T + 1)].view(B, T + 1)
+
+
+def copy_shared_weights(dst: GPT, src: GPT) -> None:
+    """Copy every parameter the two models share by name and shape (embedding, branches, final norm)."""
+    src_params = dict(src.named_parameters())
+    with torch.no_grad():
+        for name, p in dst.named_parameters():
+            if name in src_params and src_params[name].shape == p.shape:
+                p.copy_(src_params[name])
+
+
+def final_hidden(m: GPT, idx: torch.Tensor) -> torch.Tensor:
+    """The collapsed stream entering the final norm."""
+    seen = {}
+    handle = m.norm.register_forward_hook(lambda mod, inp, out: seen.setdefault("x", inp[0]))
+    with torch.no_grad():
+        m(idx)
+    handle.remove()
+    return seen["x"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_shapes(mode):
+    m = GPT(tiny(mode))
+    idx = text_batch()[:, :-1]
+    assert m(idx).shape == (4, 32, 256)
+    assert m(idx[:, :7]).shape == (4, 7, 256)
+    with pytest.raises(ValueError, match="context"):
+        m(torch.zeros(1, 33, dtype=torch.long))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_causality(mode):
+    torch.manual_seed(0)
+    m = GPT(tiny(mode, phi_init="normal", bias_init="hc_identity"))
+    idx = text_batch(B=1)[:, :-1]
+    t = 17
+    idx2 = idx.clone()
+    idx2[0, t + 1:] = (idx2[0, t + 1:] + 11) % 256
+    with torch.no_grad():
+        a, b = m(idx), m(idx2)
+    torch.testing.assert_close(a[:, : t + 1], b[:, : t + 1], rtol=0, atol=1e-6)
+    assert (a[:, t + 1:] - b[:, t + 1:]).abs().max() > 1e-3
+
+
+def test_hc_at_init_equals_a_prenorm_residual_model():
+    """HC §2.3: with W = 0, B = 1, A_m = e_{k mod n}, A_r = I every stream carries the residual stream."""
+    torch.manual_seed(0)
+    res, hc = GPT(tiny("residual")), GPT(tiny("hc"))
+    copy_shared_weights(hc, res)
+    idx = text_batch()[:, :-1]
+    # the sum collapse of 4 identical streams is 4x the residual stream, exactly
+    torch.testing.assert_close(final_hidden(hc, idx), 4 * final_hidden(res, idx), rtol=1e-5, atol=1e-6)
+
+
+def test_mhc_with_one_stream_equals_residual():
+    """n = 1: H_res = 1 (up to eps), H_post = 2 sigma(0) = 1, H_pre = 1/2 is absorbed by the branch pre-norm."""
+    torch.manual_seed(0)
+    cfg_res, cfg_mhc = tiny("residual"), tiny("mhc", n_streams=1)
+    cfg_res.norm_eps = cfg_mhc.norm_eps = 1e-12  # so that RMSNorm(x / 2) == RMSNorm(x) to rounding
+    res, mhc = GPT(cfg_res), GPT(cfg_mhc)
+    copy_shared_weights(mhc, res)
+    idx = text_batch()[:, :-1]
+    with torch.no_grad():
+        torch.testing.assert_close(mhc(idx), res(idx), rtol=1e-4, atol=1e-4)
+
+
+def test_streams_persist_across_blocks():
+    """With A_r = c I and silent branches, the collapsed stream is n c^L h: expanded once, never re-expanded."""
+    c, cfg = 1.1, tiny("hc", n_layers=3)
+    m = GPT(cfg)
+    with torch.no_grad():
+        for layer in m.sublayers:
+            layer.ar_static.mul_(c)
+            layer.branch.out.weight.zero_()
+    idx = text_batch()[:, :-1]
+    torch.testing.assert_close(final_hidden(m, idx), 4 * c ** cfg.n_sublayers * m.embed(idx).detach())
+
+
+def test_composite_gain_depends_on_hc_depth():
+    def composite(n_layers):
+        m = GPT(tiny("hc", n_layers=n_layers))
+        with torch.no_grad():
+            for layer in m.sublayers:
+                layer.ar_static.mul_(1.1)
+        with m.recording(), torch.no_grad():
+            m(text_batch()[:, :-1])
+        return gain_report(m.recorded()["h_res"])["composite_fwd_max"][0].item()
+
+    assert composite(1) == pytest.approx(1.1 ** 2)
+    assert composite(3) == pytest.approx(1.1 ** 6)
+
+
+def test_recorded_mhc_coefficients():
+    m = GPT(tiny("mhc", bias_init="hc_identity"))
+    with m.recording(), torch.no_grad():
+        m(text_batch()[:, :-1])
+    rec = m.recorded()
+    assert rec["h_res"].shape == (4, 32, 4, 4) and rec["h_pre"].shape == (4, 32, 4)
+    assert torch.allclose(rec["h_res"].sum(-1), torch.ones(()), atol=1e-5)
+    assert all(layer.last is not None and not layer.record for layer in m.sublayers)
+    ident = GPT(tiny("identity"))
+    with ident.recording(), torch.no_grad():
+        ident(text_batch()[:, :-1])
+    assert torch.equal(ident.recorded()["h_res"][0, 0], torch.eye(4))
+    assert GPT(tiny("residual")).recorded() == {}
+
+
+@pytest.mark.parametrize("scheme,diag", [("zeros", 0.25), ("hc_identity", 0.475), ("a6", 0.9926), ("near_identity", 0.99986)])
+def test_bias_init_schemes_give_documented_h_res(scheme, diag):
+    """mhc-math §6 table: H_res at step 0 with phi = 0 and n = 4."""
+    m = GPT(tiny("mhc", bias_init=scheme))
+    with m.recording(), torch.no_grad():
+        m(text_batch(B=1)[:, :-1])
+    h = m.recorded()["h_res"]
+    assert h.diagonal(dim1=-2, dim2=-1).mean().item() == pytest.approx(diag, abs=2e-3)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_each_mode_trains(mode):
+    torch.manual_seed(0)
+    m = GPT(tiny(mode))
+    opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
+    batch = text_batch(B=8)
+    x, y = batch[:, :-1], batch[:, 1:]
+    losses = []
+    for _ in range(25):
+        loss = F.cross_entropy(m(x).flatten(0, 1), y.flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0], losses
+
+
+def test_config_errors_name_field_and_allowed_values():
+    with pytest.raises(ValueError, match=r"residual_mode must be one of \['residual', 'hc', 'mhc', 'identity'\]"):
+        HyperConfig(residual_mode="dense")
+    with pytest.raises(ValueError, match="n_streams must be >= 1"):
+        HyperConfig(n_streams=0)
+    with pytest.raises(ValueError, match="sinkhorn_iters must be >= 1"):
+        HyperConfig(sinkhorn_iters=0)
+    with pytest.raises(ValueError, match="d_model must be divisible by n_heads"):
+        GPTConfig(d_model=30, n_heads=4)
