@@ -118,6 +118,42 @@ def _(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult)
             x.new_empty((N, M), **f32), x.new_empty((N,), **f32))
 
 
+def bwd_tok(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult):
+    """Per token: dh_* -> dL [N, M], d(sum x^2) [N], and per-program bias / alpha partials [programs, M + 3]."""
+    N, n, C = x.shape
+    M = phi.shape[1]
+    dev = x.device
+    ct = _cfg("coef_bwd_tok")
+    n_prog = triton.cdiv(N, ct["BT"])
+    pw = M + 3
+    dl, dss = _new((N, M), torch.float32, dev), _new((N,), torch.float32, dev)
+    part = _new((n_prog, pw), torch.float32, dev)
+    _coef_bwd_tok[(n_prog,)](
+        lg, rinv, bias.contiguous(), alpha.contiguous(), d_pre.contiguous(), d_post.contiguous(), d_res.contiguous(),
+        dl, dss, part, N, n * C, iters, eps, post_mult,
+        NS=n, M=M, HAS_RES=M == n * n + 2 * n, T_IN=t_in, T_OUT=t_out, BT=ct["BT"], PW=pw, **_launch(ct),
+    )
+    return dl, dss, part
+
+
+def bwd_x(x, phi, dl, dss, dx):
+    """One pass over x: writes dx, returns split-partials [splits, nC, M] of dphi = x^T dL."""
+    N, n, C = x.shape
+    K, M = n * C, phi.shape[1]
+    cx = _cfg("coef_bwd_x", BK=_np2(K, 16))
+    kblocks = triton.cdiv(K, cx["BK"])
+    want = max(1, cx["programs_per_sm"] * _num_sms(x.device) // kblocks)
+    tok = max(cx["BT"], triton.cdiv(triton.cdiv(N, want), cx["BT"]) * cx["BT"])
+    splits = triton.cdiv(N, tok)
+    dphi_part = _new((splits, K, M), torch.float32, x.device)
+    _coef_bwd_x[(kblocks, splits)](
+        x, phi, dl, dss, dx, dphi_part, N, K, x.stride(0), phi.stride(0), tok,
+        M=M, MP=_np2(M, 16), DOT=DOT_IEEE if x.dtype == torch.float32 else DOT_TF32,
+        BT=cx["BT"], BK=cx["BK"], **_launch(cx),
+    )
+    return dphi_part
+
+
 @torch.library.custom_op("mhc_lightning::coef_bwd", mutates_args=())
 def coef_bwd(
     x: Tensor, phi: Tensor, bias: Tensor, alpha: Tensor, lg: Tensor, rinv: Tensor,
@@ -126,39 +162,14 @@ def coef_bwd(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     N, n, C = x.shape
     M = phi.shape[1]
-    K = n * C
-    has_res = M == n * n + 2 * n
-    dev = x.device
-    dx = _new((N, n, C), x.dtype, dev)
+    dx = _new((N, n, C), x.dtype, x.device)
     if N == 0:
         return dx, torch.zeros_like(phi), torch.zeros_like(bias), torch.zeros_like(alpha)
     x = _rows(x)
     phi = _c_contig(phi)
-    d_pre, d_post, d_res = d_pre.contiguous(), d_post.contiguous(), d_res.contiguous()
-    # 1) per token: dh_* -> dL [N, M], d(sum x^2) [N], per-program bias / alpha partials
-    ct = _cfg("coef_bwd_tok")
-    n_prog = triton.cdiv(N, ct["BT"])
-    pw = M + 3
-    dl, dss = _new((N, M), torch.float32, dev), _new((N,), torch.float32, dev)
-    part = _new((n_prog, pw), torch.float32, dev)
-    _coef_bwd_tok[(n_prog,)](
-        lg, rinv, bias.contiguous(), alpha.contiguous(), d_pre, d_post, d_res, dl, dss, part,
-        N, K, iters, eps, post_mult,
-        NS=n, M=M, HAS_RES=has_res, T_IN=t_in, T_OUT=t_out, BT=ct["BT"], PW=pw, **_launch(ct),
-    )
-    # 2) one pass over x: dx and split-partials of dphi = x^T dL
-    cx = _cfg("coef_bwd_x", BK=_np2(K, 16))
-    kblocks = triton.cdiv(K, cx["BK"])
-    want = max(1, cx["programs_per_sm"] * _num_sms(dev) // kblocks)
-    tok = max(cx["BT"], triton.cdiv(triton.cdiv(N, want), cx["BT"]) * cx["BT"])
-    splits = triton.cdiv(N, tok)
-    dphi_part = _new((splits, K, M), torch.float32, dev)
-    _coef_bwd_x[(kblocks, splits)](
-        x, phi, dl, dss, dx, dphi_part, N, K, x.stride(0), phi.stride(0), tok,
-        M=M, MP=_np2(M, 16), DOT=DOT_IEEE if x.dtype == torch.float32 else DOT_TF32,
-        BT=cx["BT"], BK=cx["BK"], **_launch(cx),
-    )
-    dphi = dphi_part[0] if splits == 1 else dphi_part.sum(0)
+    dl, dss, part = bwd_tok(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult)
+    dphi_part = bwd_x(x, phi, dl, dss, dx)
+    dphi = dphi_part[0] if dphi_part.shape[0] == 1 else dphi_part.sum(0)
     red = part.sum(0)
     # separate storages: custom-op outputs may not alias each other
     return dx, dphi.to(phi.dtype), red[:M].to(bias.dtype, copy=True), red[M:].to(alpha.dtype, copy=True).reshape(alpha.shape)
