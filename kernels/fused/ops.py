@@ -6,6 +6,7 @@ symbolic in the token count N, and the Triton kernels take N as a runtime argume
 Ops work on flattened [N, n, C] streams; the public wrappers in `__init__.py` reshape and fall back
 to the reference for what the kernels do not cover.
 """
+import functools
 import os
 
 import torch
@@ -71,10 +72,13 @@ def _c_contig(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+@functools.lru_cache(maxsize=None)
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 1
+    return _sms(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else 1
 
 
 # ---------------------------------------------------------------------------------------------------------------
