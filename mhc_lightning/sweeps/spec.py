@@ -1,0 +1,449 @@
+"""Sweep files (`sweeps/*.yaml`): load, validate, and turn a trial's values into `mhc fit` arguments.
+
+A sweep file is plain YAML; every error names the field (``space.model.optim.lr.low``) and, where
+there is a closed set, the allowed values. Nothing here imports torch or Lightning except the
+model-config check, which only reads the dataclasses' field names and Literal choices.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+SAMPLERS = ("tpe", "random", "gp", "nsga2", "nsga3", "qmc", "cmaes", "bruteforce")
+PRUNERS = ("none", "median", "percentile", "successive_halving", "hyperband", "threshold", "patient", "wilcoxon")
+REDUCTIONS = ("last", "min", "max", "mean", "median")
+DIRECTIONS = ("minimize", "maximize")
+PARAM_TYPES = ("float", "int", "categorical")
+TOP_KEYS = ("name", "description", "base", "fixed", "space", "objectives", "sampler", "pruner", "budget",
+            "storage", "mlflow", "enqueue")
+CALLBACK_PREFIX = "callbacks."  # space keys "callbacks.<Class>.<init arg>" become a trial callback
+CLI_ROOTS = ("model.", "data.", "trainer.", "seed_everything", "optimizer", "lr_scheduler", "ckpt_path")
+
+
+class SpecError(ValueError):
+    """A sweep file that cannot run; the message names the file and the field."""
+
+
+@dataclass
+class Param:
+    key: str  # CLI key, e.g. model.arch.hyper.sinkhorn_iters, or callbacks.SinkhornScheduler.intensity
+    type: str
+    low: Optional[float] = None
+    high: Optional[float] = None
+    log: bool = False
+    step: Optional[float] = None
+    choices: Optional[list] = None
+    when: dict[str, list] = field(default_factory=dict)  # sample only if these params took these values
+    optional: bool = False  # for callbacks.*: drop the parameter if the callback class does not exist
+
+    @property
+    def is_callback(self) -> bool:
+        return self.key.startswith(CALLBACK_PREFIX)
+
+    def callback_parts(self) -> tuple[str, str]:
+        cls, _, arg = self.key[len(CALLBACK_PREFIX):].rpartition(".")
+        return cls, arg
+
+
+@dataclass
+class Objective:
+    metric: str
+    direction: str = "minimize"
+    reduce: str = "last"  # over the values seen during the trial (val/* at validation ends, others per step)
+
+    @property
+    def label(self) -> str:
+        return self.metric if self.reduce == "last" else f"{self.metric}:{self.reduce}"
+
+
+@dataclass
+class SweepSpec:
+    name: str
+    path: Optional[Path]
+    base: list[Path]
+    fixed: dict[str, Any]
+    space: list[Param]
+    objectives: list[Objective]
+    sampler: dict[str, Any]
+    pruner: dict[str, Any]
+    n_trials: int
+    timeout_s: Optional[float]
+    max_failed: int
+    storage: dict[str, Any]
+    mlflow: dict[str, Any]
+    enqueue: list[dict[str, Any]]
+    description: str = ""
+    skipped: dict[str, str] = field(default_factory=dict)  # param key -> why it was dropped
+    raw_text: str = ""
+
+    @property
+    def directions(self) -> list[str]:
+        return [o.direction for o in self.objectives]
+
+    @property
+    def multi_objective(self) -> bool:
+        return len(self.objectives) > 1
+
+    @property
+    def pruning(self) -> bool:
+        return self.pruner["name"] != "none"
+
+
+# ---- loading ----------------------------------------------------------------------------------
+def _err(where: str, msg: str) -> SpecError:
+    return SpecError(f"{where}: {msg}")
+
+
+def _expect(where: str, value, types, what: str):
+    types = types if isinstance(types, tuple) else (types,)
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):  # True is an int
+        raise _err(where, f"must be {what}, got {value!r}")
+    return value
+
+
+def _mapping(where: str, value, allowed: tuple[str, ...]) -> dict:
+    value = {} if value is None else value
+    _expect(where, value, dict, "a mapping")
+    unknown = sorted(set(value) - set(allowed))
+    if unknown:
+        raise _err(where, f"unknown key(s) {unknown}; allowed keys: {list(allowed)}")
+    return value
+
+
+def _resolve_config(where: str, raw: str, spec_path: Optional[Path]) -> Path:
+    """Relative paths: the current directory first, then the folder above the sweep file (the repo root for sweeps/)."""
+    p = Path(os.path.expandvars(str(raw))).expanduser()
+    candidates = [p] if p.is_absolute() else [Path.cwd() / p] + ([spec_path.parent.parent / p] if spec_path else [])
+    for c in candidates:
+        if c.is_file():
+            return c.resolve()
+    raise _err(where, f"config file {raw!r} not found (looked in: {', '.join(str(c) for c in candidates)})")
+
+
+def load_spec(path, overrides: Optional[dict[str, Any]] = None) -> SweepSpec:
+    """Read and validate a sweep file. `overrides` are extra fixed CLI values (`--set key=value`)."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError(f"sweep file {str(path)!r} not found")
+    text = path.read_text()
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise SpecError(f"{path}: not valid YAML: {err}") from err
+    spec = parse_spec(data, path, overrides)
+    spec.raw_text = text
+    return spec
+
+
+def parse_spec(data: Any, path: Optional[Path] = None, overrides: Optional[dict[str, Any]] = None) -> SweepSpec:
+    src = str(path) if path else "<sweep>"
+    data = _mapping(src, data, TOP_KEYS)
+    at = lambda key: f"{src}: {key}"  # noqa: E731
+
+    name = data.get("name")
+    if not isinstance(name, str) or not name.strip() or any(c.isspace() for c in name):
+        raise _err(at("name"), f"must be a non-empty string without spaces (the Optuna study name), got {name!r}")
+
+    base_raw = data.get("base")
+    if isinstance(base_raw, str):
+        base_raw = [base_raw]
+    if not isinstance(base_raw, list) or not base_raw:
+        raise _err(at("base"), f"must be a list of config files from conf/ (at least one), got {base_raw!r}")
+    base = [_resolve_config(at(f"base[{i}]"), b, path) for i, b in enumerate(base_raw)]
+
+    fixed = dict(_expect(at("fixed"), data.get("fixed") or {}, dict, "a mapping of CLI keys to values"))
+    fixed.update(overrides or {})
+    for key in fixed:
+        if not str(key).startswith(CALLBACK_PREFIX):  # fixed init args of a swept callback are fine too
+            _check_cli_key(at(f"fixed.{key}"), key)
+
+    space = _parse_space(at("space"), data.get("space"))
+    objectives = _parse_objectives(at("objectives"), data.get("objectives"))
+    sampler = _parse_choice_block(at("sampler"), data.get("sampler") or {"name": "tpe"}, SAMPLERS, ("name", "seed", "options"))
+    pruner = _parse_choice_block(at("pruner"), data.get("pruner") or {"name": "none"}, PRUNERS, ("name", "options"))
+    if sampler.get("seed") is not None:
+        _expect(at("sampler.seed"), sampler["seed"], int, "an integer (each worker adds its index) or null")
+    if len(objectives) > 1 and pruner["name"] != "none":
+        raise _err(at("pruner.name"), f"must be 'none' for a multi-objective study ({len(objectives)} objectives): "
+                                      "Optuna does not prune multi-objective trials")
+
+    budget = _mapping(at("budget"), data.get("budget"), ("n_trials", "timeout_s", "max_failed"))
+    n_trials = budget.get("n_trials", 20)
+    _expect(at("budget.n_trials"), n_trials, int, "an integer >= 1 (COMPLETE + PRUNED trials in the whole study)")
+    if n_trials < 1:
+        raise _err(at("budget.n_trials"), f"must be >= 1, got {n_trials}")
+    timeout_s = budget.get("timeout_s")
+    if timeout_s is not None:
+        _expect(at("budget.timeout_s"), timeout_s, (int, float), "a number of seconds per worker, or null")
+    max_failed = budget.get("max_failed", max(3, n_trials // 2))
+    _expect(at("budget.max_failed"), max_failed, int, "an integer >= 0")
+
+    storage = _mapping(at("storage"), data.get("storage"), ("url", "heartbeat_interval", "grace_period", "max_retry"))
+    storage = {"url": None, "heartbeat_interval": 30, "grace_period": 90, "max_retry": 2, **storage}
+    for key in ("heartbeat_interval", "grace_period"):
+        v = storage[key]
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise _err(at(f"storage.{key}"), f"must be an integer number of seconds >= 1, or null, got {v!r}")
+    mlflow = _mapping(at("mlflow"), data.get("mlflow"), ("tracking_uri", "experiment", "log_model"))
+    mlflow = {"tracking_uri": None, "experiment": name, "log_model": False, **mlflow}
+    if mlflow["log_model"] not in (True, False, "all"):
+        raise _err(at("mlflow.log_model"), f"must be one of [true, false, 'all'], got {mlflow['log_model']!r}")
+
+    enqueue = data.get("enqueue") or []
+    _expect(at("enqueue"), enqueue, list, "a list of {param: value} mappings")
+    keys = {p.key: p for p in space}
+    for i, point in enumerate(enqueue):
+        _expect(at(f"enqueue[{i}]"), point, dict, "a mapping of space keys to values")
+        for k, v in point.items():
+            if k not in keys:
+                raise _err(at(f"enqueue[{i}].{k}"), f"not a key of space; space keys: {sorted(keys)}")
+            p = keys[k]
+            if p.type == "categorical" and v not in p.choices:
+                raise _err(at(f"enqueue[{i}].{k}"), f"{v!r} is not one of the choices {p.choices}")
+
+    return SweepSpec(
+        name=name, path=path, base=base, fixed=fixed, space=space, objectives=objectives, sampler=sampler,
+        pruner=pruner, n_trials=n_trials, timeout_s=timeout_s, max_failed=max_failed, storage=storage,
+        mlflow=mlflow, enqueue=enqueue, description=str(data.get("description") or ""),
+    )
+
+
+def _parse_choice_block(where: str, block, allowed: tuple[str, ...], keys: tuple[str, ...]) -> dict:
+    if isinstance(block, str):
+        block = {"name": block}
+    block = dict(_mapping(where, block, keys))
+    name = block.get("name")
+    if name not in allowed:
+        raise _err(f"{where}.name", f"{name!r} is not supported; allowed values: {list(allowed)}")
+    block.setdefault("options", {})
+    _expect(f"{where}.options", block["options"], dict, "a mapping of keyword arguments")
+    return block
+
+
+def _parse_objectives(where: str, raw) -> list[Objective]:
+    raw = raw or [{"metric": "val/loss"}]
+    _expect(where, raw, list, "a list of {metric, direction, reduce}")
+    out = []
+    for i, item in enumerate(raw):
+        w = f"{where}[{i}]"
+        if isinstance(item, str):
+            item = {"metric": item}
+        item = _mapping(w, item, ("metric", "direction", "reduce"))
+        if not isinstance(item.get("metric"), str):
+            raise _err(f"{w}.metric", "required: a metric the LightningModule logs, e.g. val/loss, "
+                                       "train/tokens_per_sec, amax/composite_fwd_max")
+        obj = Objective(item["metric"], item.get("direction", "minimize"),
+                        item.get("reduce", "last" if item["metric"].startswith("val/") else "median"))
+        if obj.direction not in DIRECTIONS:
+            raise _err(f"{w}.direction", f"{obj.direction!r} is not allowed; allowed values: {list(DIRECTIONS)}")
+        if obj.reduce not in REDUCTIONS:
+            raise _err(f"{w}.reduce", f"{obj.reduce!r} is not allowed; allowed values: {list(REDUCTIONS)}")
+        out.append(obj)
+    labels = [o.label for o in out]
+    if len(set(labels)) != len(labels):
+        raise _err(where, f"duplicate objectives {labels}")
+    return out
+
+
+def _parse_space(where: str, raw) -> list[Param]:
+    _expect(where, raw, dict, "a mapping of CLI keys (or callbacks.<Class>.<arg>) to distributions")
+    if not raw:
+        raise _err(where, "is empty: a sweep needs at least one parameter")
+    params = []
+    for key, d in raw.items():
+        w = f"{where}.{key}"
+        d = _mapping(w, d, ("type", "low", "high", "log", "step", "choices", "when", "optional"))
+        t = d.get("type")
+        if t not in PARAM_TYPES:
+            raise _err(f"{w}.type", f"{t!r} is not allowed; allowed values: {list(PARAM_TYPES)}")
+        p = Param(key=key, type=t, log=bool(d.get("log", False)), step=d.get("step"), choices=d.get("choices"),
+                  when=d.get("when") or {}, optional=bool(d.get("optional", False)))
+        if p.is_callback:
+            cls, arg = p.callback_parts()
+            if not cls or not arg or not all(part.isidentifier() for part in cls.split(".")) or not arg.isidentifier():
+                raise _err(w, "callback parameters are written callbacks.<ClassName or dotted.class.Path>.<init_arg>, "
+                              "e.g. callbacks.SinkhornScheduler.intensity")
+        else:
+            _check_cli_key(w, key)
+            if p.optional:
+                raise _err(f"{w}.optional", "only callbacks.<Class>.<arg> parameters can be optional")
+        if t == "categorical":
+            if not isinstance(p.choices, list) or not p.choices:
+                raise _err(f"{w}.choices", f"a categorical parameter needs a non-empty list of choices, got {p.choices!r}")
+            for extra in ("low", "high", "step"):
+                if d.get(extra) is not None:
+                    raise _err(f"{w}.{extra}", "not used by a categorical parameter (give choices)")
+        else:
+            num = (int,) if t == "int" else (int, float)
+            for bound in ("low", "high"):
+                _expect(f"{w}.{bound}", d.get(bound), num, f"{'an integer' if t == 'int' else 'a number'}")
+            p.low, p.high = d["low"], d["high"]
+            if not p.low <= p.high:
+                raise _err(w, f"low must be <= high, got low={p.low}, high={p.high}")
+            if p.log and p.low <= 0:
+                raise _err(f"{w}.low", f"must be > 0 with log: true, got {p.low}")
+            if p.log and p.step is not None:
+                raise _err(f"{w}.step", "cannot be combined with log: true")
+            if p.choices is not None:
+                raise _err(f"{w}.choices", f"only for categorical parameters (type is {t})")
+        _expect(f"{w}.when", p.when, dict, "a mapping of other space keys to lists of values")
+        params.append(p)
+    keys = {p.key: p for p in params}
+    for p in params:
+        for k, vals in p.when.items():
+            w = f"{where}.{p.key}.when.{k}"
+            if k not in keys or k == p.key:
+                raise _err(w, f"must name another key of space; space keys: {sorted(keys)}")
+            if not isinstance(vals, list):
+                p.when[k] = vals = [vals]
+            if keys[k].type == "categorical":
+                bad = [v for v in vals if v not in keys[k].choices]
+                if bad:
+                    raise _err(w, f"{bad} not among the choices of {k}: {keys[k].choices}")
+    # conditions must refer to parameters sampled earlier (define-by-run order = file order)
+    order = [p.key for p in params]
+    for p in params:
+        for k in p.when:
+            if order.index(k) > order.index(p.key):
+                raise _err(f"{where}.{p.key}.when.{k}", f"{k} must be listed before {p.key} in space")
+    _check_model_fields(where, params)
+    return params
+
+
+def _check_cli_key(where: str, key: str) -> None:
+    if not isinstance(key, str) or not key.startswith(CLI_ROOTS):
+        raise _err(where, f"{key!r} is not a `mhc fit` key; keys start with one of {list(CLI_ROOTS)} "
+                          "(or callbacks.<Class>.<arg> in space)")
+
+
+def _literal_choices(tp) -> Optional[tuple]:
+    return typing.get_args(tp) if typing.get_origin(tp) is typing.Literal else None
+
+
+def _check_model_fields(where: str, params: list[Param]) -> None:
+    """Catch typos and impossible choices for model.arch(.hyper) keys before any trial runs."""
+    from ..model.config import GPTConfig, HyperConfig
+
+    sections = {"model.arch.hyper.": HyperConfig, "model.arch.": GPTConfig}
+    for p in params:
+        for prefix, cls in sections.items():
+            if not p.key.startswith(prefix):
+                continue
+            name = p.key[len(prefix):]
+            if "." in name:
+                break
+            hints = typing.get_type_hints(cls)
+            known = [f.name for f in fields(cls)]
+            if name not in known:
+                raise _err(f"{where}.{p.key}", f"{cls.__name__} has no field {name!r}; fields: {known}")
+            allowed = _literal_choices(hints[name])
+            if allowed and p.type == "categorical":
+                bad = [c for c in p.choices if c not in allowed]
+                if bad:
+                    raise _err(f"{where}.{p.key}.choices", f"{bad} not allowed; allowed values: {list(allowed)}")
+            elif allowed:
+                raise _err(f"{where}.{p.key}.type", f"must be categorical (allowed values: {list(allowed)})")
+            break
+
+
+# ---- trials -------------------------------------------------------------------------------------
+def sample(trial, spec: SweepSpec) -> dict[str, Any]:
+    """Define-by-run sampling in file order; conditional parameters are skipped when their condition fails."""
+    values: dict[str, Any] = {}
+    for p in spec.space:
+        if p.key in spec.skipped:
+            continue
+        if any(k not in values or values[k] not in allowed for k, allowed in p.when.items()):
+            continue
+        if p.type == "categorical":
+            values[p.key] = trial.suggest_categorical(p.key, p.choices)
+        elif p.type == "int":
+            values[p.key] = trial.suggest_int(p.key, p.low, p.high, step=p.step or 1, log=p.log)
+        else:
+            values[p.key] = trial.suggest_float(p.key, p.low, p.high, step=p.step, log=p.log)
+    return values
+
+
+def cli_value(v: Any) -> str:
+    """Render a value the way jsonargparse reads it back (strings raw, everything else as JSON)."""
+    if isinstance(v, str):
+        return v
+    if isinstance(v, float) and (math.isnan(v) or math.isinf(v)):
+        raise ValueError(f"cannot pass {v} on the command line")
+    return json.dumps(v)
+
+
+def resolve_callback_class(name: str):
+    """`SinkhornScheduler` -> mhc_lightning.callbacks.SinkhornScheduler (or a dotted class path); None if absent."""
+    import importlib
+
+    module, _, cls = name.rpartition(".") if "." in name else ("mhc_lightning.callbacks", "", name)
+    try:
+        return getattr(importlib.import_module(module), cls, None)
+    except ImportError:
+        return None
+
+
+def check_callbacks(spec: SweepSpec) -> list[str]:
+    """Resolve callbacks.<Class>.<arg> parameters; optional ones whose class is missing are skipped.
+
+    Returns warnings to show the user. Raises SpecError for a missing class that is not optional, an
+    argument the class does not take, or a class already present in the base configs (it would run twice).
+    """
+    import inspect
+
+    warnings = []
+    base_text = "\n".join(p.read_text() for p in spec.base)
+    for p in spec.space:
+        if not p.is_callback:
+            continue
+        cls_name, arg = p.callback_parts()
+        cls = resolve_callback_class(cls_name)
+        where = f"{spec.path or '<sweep>'}: space.{p.key}"
+        if cls is None:
+            if p.optional:
+                spec.skipped[p.key] = f"{cls_name} not found in mhc_lightning.callbacks"
+                warnings.append(f"skipping {p.key}: {spec.skipped[p.key]} (optional: true)")
+                continue
+            raise _err(where, f"callback class {cls_name!r} not found in mhc_lightning.callbacks; "
+                              "write a dotted class path, or add `optional: true` to skip it when absent")
+        params = inspect.signature(cls.__init__).parameters
+        if arg not in params and not any(q.kind is q.VAR_KEYWORD for q in params.values()):
+            raise _err(where, f"{cls.__name__} takes no argument {arg!r}; its arguments: "
+                              f"{[n for n in params if n != 'self']}")
+        if f"{cls.__name__}" in base_text:
+            raise _err(where, f"{cls.__name__} already appears in the base configs; the sweep adds it to each "
+                              "trial with the sampled arguments, so remove it from the base configs")
+    return warnings
+
+
+def trial_args(spec: SweepSpec, values: dict[str, Any], logger: Optional[dict] = None) -> list[str]:
+    """`mhc fit` arguments (without the `fit` subcommand) for one trial: base configs, fixed values, sampled
+    values, one appended callback per callbacks.<Class> group, and the per-trial logger."""
+    args: list[str] = []
+    for p in spec.base:
+        args += ["--config", str(p)]
+    # Many trials share a terminal or a log file: no progress bars unless the sweep file asks for them.
+    quiet = {"trainer.enable_progress_bar": False, "trainer.enable_model_summary": False}
+    args += [f"--{k}={cli_value(v)}" for k, v in quiet.items() if k not in spec.fixed]
+    cb_args: dict[str, dict[str, Any]] = {}
+    for key, v in {**spec.fixed, **values}.items():
+        if key.startswith(CALLBACK_PREFIX):
+            cls, _, arg = key[len(CALLBACK_PREFIX):].rpartition(".")
+            cb_args.setdefault(cls, {})[arg] = v
+        else:
+            args.append(f"--{key}={cli_value(v)}")
+    for cls_name, init in cb_args.items():
+        cls = resolve_callback_class(cls_name)
+        path = f"{cls.__module__}.{cls.__qualname__}" if cls is not None else cls_name
+        args.append("--trainer.callbacks+=" + json.dumps({"class_path": path, "init_args": init}))
+    if logger is not None:
+        args.append("--trainer.logger=" + json.dumps(logger))
+    return args
