@@ -29,7 +29,11 @@ class ByteWindows(Dataset):
 
 
 class ByteTextDataModule(L.LightningDataModule):
-    """Bytes of ``corpus`` ("shakespeare" or a local text file / folder) as (x, y) int64 batches of shape (batch_size, seq_len)."""
+    """Bytes of ``corpus`` ("shakespeare" or a local text file / folder) as (x, y) int64 batches of shape (batch_size, seq_len).
+
+    batch_size is per process: under DDP / FSDP the global batch is world_size x batch_size.
+    shuffle: shuffle the train windows (seeded); false = corpus order (reproducible comparisons across device counts).
+    """
 
     def __init__(
         self,
@@ -41,6 +45,7 @@ class ByteTextDataModule(L.LightningDataModule):
         val_fraction: float = 0.05,
         num_workers: int = 0,
         seed: int = 1234,
+        shuffle: bool = True,
     ):
         super().__init__()
         for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("val_works", val_works)):
@@ -50,6 +55,8 @@ class ByteTextDataModule(L.LightningDataModule):
             raise ValueError(f"val_fraction must be in the open interval (0, 1), got {val_fraction!r}")
         if not isinstance(num_workers, int) or num_workers < 0:
             raise ValueError(f"num_workers must be an integer >= 0, got {num_workers!r}")
+        if not isinstance(shuffle, bool):
+            raise ValueError(f"shuffle must be true or false, got {shuffle!r}")
         self.save_hyperparameters()
         self.vocab_size = 256  # byte-level tokens; the CLI links this to the model at instantiation
         self.train_bytes: Optional[int] = None
@@ -87,8 +94,11 @@ class ByteTextDataModule(L.LightningDataModule):
             )
 
     def train_dataloader(self) -> DataLoader:
-        # A seeded generator makes the shuffle order a function of `seed` alone.
-        return self._loader(self.train_dataset, shuffle=True, drop_last=True,
+        # A seeded generator makes the shuffle order a function of `seed` alone. Under DDP / FSDP Lightning swaps
+        # the sampler for a DistributedSampler (shuffled with the seed_everything seed when `shuffle` is on).
+        # shuffle=False keeps window order: single-process batch i is windows [B*i, B*i+B), and a 2-rank
+        # DistributedSampler gives rank r the windows r, r+2, ...: the same global batch, so runs are comparable.
+        return self._loader(self.train_dataset, shuffle=self.hparams.shuffle, drop_last=True,
                             generator=torch.Generator().manual_seed(self.hparams.seed))
 
     def val_dataloader(self) -> DataLoader:
