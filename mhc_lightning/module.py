@@ -12,6 +12,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.text import Perplexity
 
 from .diagnostics import plot_per_layer, summarize
+from .distributed import reduce_diagnostics
 from .model import GPT, GPTConfig, HyperConfig
 
 
@@ -98,6 +99,9 @@ class LitLM(L.LightningModule):
             with self.model.recording():
                 logits = self(x)
             scalars, self.last_per_layer = summarize(self.model.recorded())
+            # DDP: one recorded sequence per rank, reduced so every rank (and the callbacks acting on them)
+            # holds the same values; rank 0 logs them. No-op in a single process.
+            scalars, self.last_per_layer = reduce_diagnostics(scalars, self.last_per_layer, self.device)
             self.log_dict(scalars, on_step=True, on_epoch=False)
         else:
             logits = self(x)

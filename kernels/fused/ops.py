@@ -21,15 +21,16 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Tests set this: outputs start as NaN, so any element a kernel fails to write fails the comparison.
 POISON = False
 
-# Launch parameters, per kernel; the benchmark may override them. Interpreter runs use small tiles.
+# Launch parameters per kernel: the fastest of bench_mhc.py --sweep on an H200 at C=1024, N=16384, bf16
+# (2026-11-29, docs/benchmarks.md). The benchmark may override them. Tiles shrink to the problem size.
 CONFIG = {
-    "coef_fwd": dict(BT=32, BK=128, num_warps=4, num_stages=3),
-    "coef_bwd_tok": dict(BT=32, num_warps=4),
-    "coef_bwd_x": dict(BT=64, BK=64, num_warps=4, num_stages=2, programs_per_sm=4),
-    "pre_fwd": dict(BT=8, BC=256, num_warps=4),
-    "pre_bwd": dict(BT=8, BC=256, num_warps=4),
+    "coef_fwd": dict(BT=64, BK=64, num_warps=4, num_stages=3),
+    "coef_bwd_tok": dict(BT=64, num_warps=4),
+    "coef_bwd_x": dict(BT=64, BK=128, num_warps=8, num_stages=2, programs_per_sm=4),
+    "pre_fwd": dict(BT=4, BC=512, num_warps=4),
+    "pre_bwd": dict(BT=4, BC=256, num_warps=4),
     "post_fwd": dict(BT=4, BC=256, num_warps=4),
-    "post_bwd": dict(BT=4, BC=128, num_warps=4),
+    "post_bwd": dict(BT=2, BC=256, num_warps=4),
 }
 
 
