@@ -84,6 +84,15 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True, **kwargs) -> M
 
 def main(argv: Optional[list[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    # `mhc sweep ...` and `mhc compare ...` have their own argparse front ends; the rest is LightningCLI.
+    if argv and argv[0] == "sweep":
+        from .sweeps.runner import main as sweep_main
+
+        sys.exit(sweep_main(list(argv[1:])))
+    if argv and argv[0] == "compare":
+        from .compare import main as compare_main
+
+        sys.exit(compare_main(list(argv[1:])))
     build_cli(argv)
 
 
