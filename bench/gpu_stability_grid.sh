@@ -12,7 +12,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
 store=/tmp/stability; mkdir -p $store
 python3 -m mlflow server --backend-store-uri sqlite:///$store/mlflow.db --artifacts-destination $store/artifacts \
   --serve-artifacts --host 127.0.0.1 --port 5055 --workers 2 > $store/server.log 2>&1 &
-for _ in $(seq 60); do curl -sf http://127.0.0.1:5055/health >/dev/null && break; sleep 1; done
+for _ in $(seq 60); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:5055/health')" 2>/dev/null && break; sleep 1; done
 export MLFLOW_TRACKING_URI=http://127.0.0.1:5055
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/gpu.txt
 python3 -c "import torch, triton, lightning; print('torch', torch.__version__, 'triton', triton.__version__, 'lightning', lightning.__version__)" | tee -a $OUT/gpu.txt

@@ -84,6 +84,16 @@ class LitLM(L.LightningModule):
         self.last_per_layer: Optional[dict[str, list[float]]] = None
         self.last_grad_norm: Optional[float] = None
         self._t_last: Optional[float] = None
+        # ---- hooks for the stability callbacks (mhc_lightning/callbacks); inert unless a callback sets them ----
+        self.last_loss: Optional[torch.Tensor] = None  # detached loss of the latest training_step (None: skipped)
+        self.last_diagnostics: dict[str, float] = {}  # scalars of the latest diagnostics step
+        self.last_diagnostics_step: int = -1  # global_step at which last_diagnostics / last_per_layer were taken
+        self.skip_batch = False  # set in on_train_batch_start: training_step returns None (no backward, no update)
+        self.skip_optimizer_step = False  # set in on_before_optimizer_step: gradients dropped, no parameter update
+        self.lr_scale = 1.0  # multiplies every param group's lr during the optimizer step (rollback cool-down)
+        self._diagnostics_requested = False
+        self._grad_norms: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self._grad_groups: Optional[tuple[list[torch.nn.Parameter], torch.Tensor]] = None
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.forward_fn(idx)
@@ -91,21 +101,42 @@ class LitLM(L.LightningModule):
     # ---- training -------------------------------------------------------------------------
     def diagnostics_due(self) -> bool:
         k = self.diagnostics_every
-        return bool(k) and self.model.multi_stream and self.global_step % k == 0
+        return self.model.multi_stream and (self._diagnostics_requested or (bool(k) and self.global_step % k == 0))
+
+    def request_diagnostics(self) -> None:
+        """Record and summarize the coefficients in the next training step even off the diagnostics_every cadence."""
+        self._diagnostics_requested = True
+
+    @staticmethod
+    def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+    def batch_loss(self, batch) -> torch.Tensor:
+        """Loss of one (x, y) batch without logging or recording (probe batches of the snapshot callback)."""
+        x, y = batch
+        return self.lm_loss(self(x), y)
 
     def training_step(self, batch, batch_idx):
+        self._grad_norms = None
+        if self.skip_batch:  # a callback skips this batch (data window after a rollback): no backward, no update
+            self.skip_batch, self.last_loss = False, None
+            self.log("train/skipped_batch", 1.0, on_step=True, on_epoch=False)
+            return None
         x, y = batch
         if self.diagnostics_due():
+            self._diagnostics_requested = False
             with self.model.recording():
                 logits = self(x)
             scalars, self.last_per_layer = summarize(self.model.recorded())
             # DDP: one recorded sequence per rank, reduced so every rank (and the callbacks acting on them)
             # holds the same values; rank 0 logs them. No-op in a single process.
             scalars, self.last_per_layer = reduce_diagnostics(scalars, self.last_per_layer, self.device)
+            self.last_diagnostics, self.last_diagnostics_step = scalars, self.global_step
             self.log_dict(scalars, on_step=True, on_epoch=False)
         else:
             logits = self(x)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        loss = self.lm_loss(logits, y)
+        self.last_loss = loss.detach()
         self.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=True)
         return loss
 
@@ -116,13 +147,63 @@ class LitLM(L.LightningModule):
         self._t_last = now
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
 
+    def grad_norms(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(global grad norm, per-sublayer grad norms [L]) of the current gradients, computed once per step.
+
+        Sublayer l groups every parameter under model.sublayers.l (branch and its HC coefficients); embedding,
+        final norm and head are in the global norm only. Valid from backward until the next training_step.
+        """
+        if self._grad_norms is None:
+            if self._grad_groups is None:
+                params, group = [], []
+                for name, p in self.model.named_parameters():
+                    parts = name.split(".")
+                    params.append(p)
+                    group.append(int(parts[1]) if parts[0] == "sublayers" else -1)
+                self._grad_groups = (params, torch.tensor(group))
+            params, group = self._grad_groups
+            with_grad = [i for i, p in enumerate(params) if p.grad is not None]
+            n_layers = len(self.model.sublayers)
+            if not with_grad:
+                zero = torch.zeros((), device=self.device)
+                self._grad_norms = (zero, torch.zeros(n_layers, device=self.device))
+            else:
+                norms = torch.stack(torch._foreach_norm([params[i].grad.detach().float() for i in with_grad]))
+                sq = norms.square()
+                g = group[with_grad].to(norms.device)
+                inside = g >= 0
+                per_layer = torch.zeros(n_layers, device=norms.device, dtype=sq.dtype).index_add_(
+                    0, g[inside], sq[inside])
+                self._grad_norms = (sq.sum().sqrt(), per_layer.sqrt())
+        return self._grad_norms
+
     def on_before_optimizer_step(self, optimizer) -> None:
         # Called before clipping (and after unscaling under 16-mixed): this is the pre-clip norm,
         # the one that clipping would otherwise hide (mhc-math.md §7).
-        norms = [p.grad.detach().float().norm() for p in self.parameters() if p.grad is not None]
-        total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.tensor(0.0)
+        total = self.grad_norms()[0]
         self.last_grad_norm = total.item()
         self.log("train/grad_norm", total, on_step=True, on_epoch=False)
+        if self.skip_optimizer_step:
+            # A stability callback vetoed this update (runs after the callbacks' hooks): with no gradients,
+            # AdamW leaves parameters and moments untouched; the step counter and LR schedule still advance.
+            self.skip_optimizer_step = False
+            optimizer.zero_grad(set_to_none=True)
+            self.log("train/skipped_step", 1.0, on_step=True, on_epoch=False)
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
+        scale = self.lr_scale
+        if scale == 1.0:
+            return super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        # Scale only for this update and restore before the LR scheduler steps, so any scheduler
+        # (chainable or not) keeps its own trajectory.
+        saved = [g["lr"] for g in optimizer.param_groups]
+        for g in optimizer.param_groups:
+            g["lr"] = g["lr"] * scale
+        try:
+            return super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        finally:
+            for g, lr in zip(optimizer.param_groups, saved):
+                g["lr"] = lr
 
     # ---- validation -----------------------------------------------------------------------
     def _eval_step(self, batch):

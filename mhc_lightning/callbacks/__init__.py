@@ -1,0 +1,16 @@
+"""Lightning callbacks: the stability toolkit (one focused callback per file).
+
+- InstabilityDetector (instability.py): detects loss spikes, gradient explosions, non-finite values, Amax
+  growth, Sinkhorn residuals and fp16 overflows every step; logs and acts (log / skip / rollback / stop).
+- GradientSnapshots (snapshots.py): snapshot ring with validated rollback; resumable data position.
+- SinkhornScheduler (sinkhorn_schedule.py): adaptive Sinkhorn iteration count ("constraint intensity").
+
+They share one record (events.py) and work alone or together: conf/presets/stability.yaml, docs/stability.md.
+"""
+from .events import StabilityChannel, StabilityEvent, channel_of
+from .instability import InstabilityDetector
+from .sinkhorn_schedule import SinkhornScheduler
+from .snapshots import GradientSnapshots, RollbackError
+
+__all__ = ["GradientSnapshots", "InstabilityDetector", "RollbackError", "SinkhornScheduler", "StabilityChannel",
+           "StabilityEvent", "channel_of"]
