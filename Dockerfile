@@ -1,0 +1,21 @@
+# The project's image: `mhc` (fit / validate / sweep / compare) and optuna-dashboard, same pinned versions
+# as a local install. CPU torch by default; docker/compose.gpu.yml passes a CUDA wheel index instead.
+FROM python:3.11-slim
+
+ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 MHC_CACHE_DIR=/cache \
+    MPLBACKEND=Agg
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# torch first, from the chosen index, so that installing the package never swaps in another build
+RUN pip install --index-url "${TORCH_INDEX_URL}" "torch>=2.4,<=2.14.1"
+
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY mhc_lightning ./mhc_lightning
+COPY kernels ./kernels
+RUN pip install ".[postgres,dashboard]"
+# configs and sweep files stay editable data, outside site-packages
+COPY conf ./conf
+COPY sweeps ./sweeps
+
+ENTRYPOINT ["mhc"]
+CMD ["--help"]

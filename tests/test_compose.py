@@ -1,0 +1,149 @@
+"""docker-compose.yml, .env.example, Dockerfile and docker/: structure and agreement, checked without a Docker engine.
+
+The running topology itself is exercised with real processes in test_tracking_server.py.
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from helpers import REPO
+
+COMPOSE = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+SERVICES = COMPOSE["services"]
+VAR = re.compile(r"(?<!\$)\$\{([A-Z_][A-Z0-9_]*)(?::?[-?][^}]*)?\}")
+
+
+def env_example() -> dict[str, str]:
+    out = {}
+    for line in (REPO / ".env.example").read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            k, _, v = line.partition("=")
+            out[k.strip()] = v.strip()
+    return out
+
+
+def interpolate(text: str, env: dict[str, str]) -> str:
+    return VAR.sub(lambda m: env[m.group(1)], text).replace("$$", "$")
+
+
+def compose_text() -> str:
+    return (REPO / "docker-compose.yml").read_text() + (REPO / "docker" / "compose.gpu.yml").read_text()
+
+
+def flat(value) -> str:
+    return value if isinstance(value, str) else " ".join(value)
+
+
+def test_services_and_profiles():
+    assert set(SERVICES) == {"postgres", "mlflow", "optuna-dashboard", "trainer"}
+    assert SERVICES["trainer"]["profiles"] == ["train"]  # `docker compose up` starts the infrastructure only
+    for name in ("postgres", "mlflow", "optuna-dashboard"):
+        assert "healthcheck" in SERVICES[name], name
+    assert "pg_isready" in flat(SERVICES["postgres"]["healthcheck"]["test"])
+
+
+def test_every_variable_is_in_env_example_and_every_example_is_used():
+    env = env_example()
+    used = set(VAR.findall(compose_text()))
+    assert used - set(env) == set(), "variables without a value in .env.example"
+    init = (REPO / "docker" / "postgres" / "init-sweeps.sh").read_text()
+    assert set(env) - used - set(re.findall(r"\$\{?([A-Z_]+)", init)) == set(), "unused .env.example entries"
+    # credentials and ports must come from .env, never be hard-coded
+    assert "change-me" not in compose_text() and env["POSTGRES_PASSWORD"]
+
+
+def test_named_volumes_declared_and_used():
+    declared = set(COMPOSE["volumes"])
+    used = {v.split(":")[0] for s in SERVICES.values() for v in s.get("volumes", []) if not v.startswith((".", "/"))}
+    assert used == declared
+    assert "pgdata:/var/lib/postgresql/data" in SERVICES["postgres"]["volumes"]
+    assert any(v.startswith("mlartifacts:") for v in SERVICES["mlflow"]["volumes"])
+
+
+def test_ports_agree_with_commands_and_healthchecks():
+    env = env_example()
+    ports = {name: [interpolate(p, env) for p in s.get("ports", [])] for name, s in SERVICES.items()}
+    assert ports["postgres"] == [f"{env['POSTGRES_PORT']}:5432"]
+    assert ports["mlflow"] == [f"{env['MLFLOW_PORT']}:5000"]
+    assert ports["optuna-dashboard"] == [f"{env['DASHBOARD_PORT']}:8080"]
+    ml = flat(SERVICES["mlflow"]["command"])
+    assert "--port 5000" in ml and "--host 0.0.0.0" in ml and "--serve-artifacts" in ml
+    assert "localhost:5000/health" in flat(SERVICES["mlflow"]["healthcheck"]["test"])
+    dash = SERVICES["optuna-dashboard"]
+    assert dash["command"][dash["command"].index("--port") + 1] == "8080"
+    assert "localhost:8080/api/studies" in flat(dash["healthcheck"]["test"])
+
+
+def test_urls_point_at_the_services_and_databases():
+    env = env_example()
+    ml_env = {k: interpolate(str(v), env) for k, v in SERVICES["mlflow"]["environment"].items()}
+    pg_user, pg_pass = env["POSTGRES_USER"], env["POSTGRES_PASSWORD"]
+    assert ml_env["MLFLOW_BACKEND_STORE_URI"] == f"postgresql+psycopg2://{pg_user}:{pg_pass}@postgres:5432/{env['POSTGRES_DB']}"
+    assert ml_env["MLFLOW_ARTIFACTS_DESTINATION"] in [v.split(":", 1)[1] for v in SERVICES["mlflow"]["volumes"]]
+    assert "mlflow:5000" in ml_env["MLFLOW_ALLOWED_HOSTS"].split(",")  # containers call the service by name
+    assert f"localhost:{env['MLFLOW_PORT']}" in ml_env["MLFLOW_ALLOWED_HOSTS"].split(",")
+    sweeps_url = f"postgresql+psycopg2://{pg_user}:{pg_pass}@postgres:5432/{env['SWEEPS_DB']}"
+    trainer_env = {k: interpolate(str(v), env) for k, v in SERVICES["trainer"]["environment"].items()}
+    assert trainer_env["OPTUNA_STORAGE"] == sweeps_url
+    assert trainer_env["MLFLOW_TRACKING_URI"] == "http://mlflow:5000"
+    assert interpolate(SERVICES["optuna-dashboard"]["command"][0], env) == sweeps_url  # dashboard reads the same study DB
+    pg_env = SERVICES["postgres"]["environment"]
+    assert {"POSTGRES_USER", "POSTGRES_PASSWORD", "POSTGRES_DB", "SWEEPS_DB"} <= set(pg_env)
+    # the init script creates the database named by SWEEPS_DB, as the owner the others log in as
+    init = (REPO / "docker" / "postgres" / "init-sweeps.sh").read_text()
+    assert "CREATE DATABASE" in init and "SWEEPS_DB" in init and "POSTGRES_USER" in init
+    mount = [v for v in SERVICES["postgres"]["volumes"] if "init-sweeps.sh" in v][0]
+    assert mount.split(":")[1].startswith("/docker-entrypoint-initdb.d/")
+    assert (REPO / mount.split(":")[0]).is_file()
+
+
+def test_dependencies_wait_for_health():
+    for name, s in SERVICES.items():
+        for dep, cond in s.get("depends_on", {}).items():
+            assert "healthcheck" in SERVICES[dep]
+            assert cond["condition"] == "service_healthy", (name, dep)
+    assert set(SERVICES["trainer"]["depends_on"]) == {"postgres", "mlflow"}
+
+
+def test_trainer_image_and_command():
+    dockerfile = (REPO / "Dockerfile").read_text()
+    assert SERVICES["trainer"]["build"] == "." and SERVICES["optuna-dashboard"]["image"] == SERVICES["trainer"]["image"]
+    assert 'ENTRYPOINT ["mhc"]' in dockerfile and ".[postgres,dashboard]" in dockerfile
+    for path in re.findall(r"^COPY (\S+)", dockerfile, re.M):
+        assert (REPO / path).exists(), path
+    env = env_example()
+    cmd = [interpolate(c, env) for c in SERVICES["trainer"]["command"]]
+    assert cmd[:2] == ["sweep", "run"] and (REPO / cmd[2]).is_file() and cmd[cmd.index("--workers") + 1].isdigit()
+    gpu = yaml.safe_load((REPO / "docker" / "compose.gpu.yml").read_text())["services"]["trainer"]
+    assert gpu["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    assert re.search(r"^ARG TORCH_INDEX_URL", dockerfile, re.M) and "TORCH_INDEX_URL" in gpu["build"]["args"]
+
+
+def test_the_sweep_command_in_the_image_parses():
+    """What the trainer runs (`mhc sweep run <SWEEP_FILE> --workers N`) is a valid invocation here too."""
+    from mhc_lightning.sweeps.runner import build_parser
+
+    env = env_example()
+    cmd = [interpolate(c, env) for c in SERVICES["trainer"]["command"]]
+    assert cmd[0] == "sweep"  # the image's entrypoint is `mhc`
+    args = build_parser().parse_args(cmd[1:])
+    assert args.command == "run" and args.workers == int(env["TRAINER_WORKERS"])
+
+
+def _has_compose() -> bool:
+    if shutil.which("docker") is None:
+        return False
+    return subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=30).returncode == 0
+
+
+@pytest.mark.skipif(not _has_compose(), reason="no `docker compose` here (the structure is checked above)")
+def test_docker_compose_config(tmp_path):
+    shutil.copy(REPO / ".env.example", tmp_path / ".env")
+    res = subprocess.run(["docker", "compose", "-f", str(REPO / "docker-compose.yml"), "--env-file", str(tmp_path / ".env"),
+                          "config", "-q"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
