@@ -354,7 +354,8 @@ SWEEP = {
     "pre_fwd": [dict(BT=bt, BC=bc, num_warps=w) for bt, bc, w in [(8, 256, 4), (4, 512, 4)]],
     "pre_bwd": [dict(BT=bt, BC=bc, num_warps=w) for bt, bc, w in [(8, 256, 4), (4, 256, 4), (4, 512, 8)]],
     "post_fwd": [dict(BT=bt, BC=bc, num_warps=w) for bt, bc, w in [(4, 256, 4), (2, 512, 4)]],
-    "post_bwd": [dict(BT=bt, BC=bc, num_warps=w) for bt, bc, w in [(4, 128, 4), (2, 256, 4), (8, 64, 4)]],
+    "post_bwd": [dict(BT=bt, BC=bc, num_warps=w, impl=impl) for bt, bc, w, impl in
+                 [(2, 256, 4, "loop"), (4, 128, 4, "loop"), (4, 256, 4, "2d"), (2, 512, 4, "2d"), (8, 128, 4, "2d")]],
 }
 
 

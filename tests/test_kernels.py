@@ -148,10 +148,19 @@ def test_stream_pre(n, dtype):
             check(a, b, tol[2], name)
 
 
+@pytest.fixture(params=["loop", "2d"])
+def post_bwd_impl(request):
+    """Both stream_post_res backward kernels (ops.CONFIG selects one)."""
+    saved = dict(ops.CONFIG["post_bwd"])
+    ops.CONFIG["post_bwd"] = dict(saved, impl=request.param)
+    yield request.param
+    ops.CONFIG["post_bwd"] = saved
+
+
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_res", [True, False])
-def test_stream_post_res(n, dtype, with_res):
+def test_stream_post_res(n, dtype, with_res, post_bwd_impl):
     torch.manual_seed(40 + n + 2 * with_res)
     for lead, c in SHAPES:
         x = _leaf(torch.randn(*lead, n, c, device=DEV).to(dtype))

@@ -13,7 +13,7 @@ import torch
 import triton
 
 from .coefficients import DOT_IEEE, DOT_NATIVE, DOT_TF32, _coef_bwd_tok, _coef_bwd_x, _coef_fwd
-from .stream_post_res import _post_bwd, _post_fwd
+from .stream_post_res import _post_bwd, _post_bwd_2d, _post_fwd
 from .stream_pre import _pre_bwd, _pre_fwd
 
 Tensor = torch.Tensor
@@ -30,7 +30,9 @@ CONFIG = {
     "pre_fwd": dict(BT=4, BC=512, num_warps=4),
     "pre_bwd": dict(BT=4, BC=256, num_warps=4),
     "post_fwd": dict(BT=4, BC=256, num_warps=4),
-    "post_bwd": dict(BT=2, BC=256, num_warps=4),
+    # impl "loop": measured above (12 % of copy, the slowest kernel); "2d": the forward's grid with per-C-block
+    # partial reductions, tested for correctness but not yet timed on a GPU (bench_mhc.py --sweep compares both).
+    "post_bwd": dict(BT=2, BC=256, num_warps=4, impl="loop"),
 }
 
 
@@ -296,10 +298,21 @@ def post_bwd(g: Tensor, x: Tensor, f: Tensor, h_post: Tensor, h_res: Tensor) -> 
     if N > 0:
         x, f, g = _c_contig(x), _c_contig(f), g.contiguous()
         cfg = _cfg("post_bwd", BC=_np2(C, 16))
-        _post_bwd[(triton.cdiv(N, cfg["BT"]),)](
-            x, f, h_post.contiguous(), h_res.contiguous(), g, dx, df, dhp, dhr,
-            N, C, x.stride(0), x.stride(1), f.stride(0),
-            NS=n, HAS_RES=has_res, BT=cfg["BT"], BC=cfg["BC"], **_launch(cfg))
+        if cfg.get("impl", "loop") == "2d":
+            n_cblk = triton.cdiv(C, cfg["BC"])
+            part = _new((N, n_cblk, n * n + n), torch.float32, dev)
+            _post_bwd_2d[(triton.cdiv(N, cfg["BT"]), n_cblk)](
+                x, f, h_post.contiguous(), h_res.contiguous(), g, dx, df, part,
+                N, C, x.stride(0), x.stride(1), f.stride(0), n_cblk,
+                NS=n, HAS_RES=has_res, BT=cfg["BT"], BC=cfg["BC"], **_launch(cfg))
+            red = part.sum(1)
+            dhp = red[:, n * n:].contiguous()
+            dhr = red[:, : n * n].reshape(N, n, n).contiguous() if has_res else dhr
+        else:
+            _post_bwd[(triton.cdiv(N, cfg["BT"]),)](
+                x, f, h_post.contiguous(), h_res.contiguous(), g, dx, df, dhp, dhr,
+                N, C, x.stride(0), x.stride(1), f.stride(0),
+                NS=n, HAS_RES=has_res, BT=cfg["BT"], BC=cfg["BC"], **_launch(cfg))
     return dx, df, dhp.to(h_post.dtype), dhr.to(h_res.dtype)
 
 

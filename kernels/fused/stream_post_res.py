@@ -77,3 +77,49 @@ def _post_bwd(
     if HAS_RES:
         m3h = tokn[:, :, None] & (ii[None, None, :] < NS)
         tl.store(dhr_ptr + rows64[:, None, None] * (NS * NS) + ii[None, :, None] * NS + ii[None, None, :], dhr, mask=m3h)
+
+
+@triton.jit(do_not_specialize=["N"])
+def _post_bwd_2d(
+    x_ptr, f_ptr, hp_ptr, hr_ptr, g_ptr, dx_ptr, df_ptr, part_ptr,
+    N, C, stride_xt, stride_xn, stride_ft, n_cblk,
+    NS: tl.constexpr, HAS_RES: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+):
+    """Alternative backward on the forward's 2-D grid (token block x C block), no C loop: every stream sum is a
+    broadcast multiply-add, the only reductions are over this C block, and their results go to a partial
+    buffer part [N, n_cblk, n*n + n] (dH rows, then dh_post) that the host sums over C blocks."""
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    cb = tl.program_id(1)
+    cc = cb * BC + tl.arange(0, BC)
+    rmask = rows < N
+    rows64 = rows.to(tl.int64)
+    ii = tl.arange(0, NS)
+    m2 = rmask[:, None] & (cc[None, :] < C)
+    m3 = m2[:, None, :] & (ii[None, :, None] < NS)
+    tokn = rmask[:, None] & (ii[None, :] < NS)
+    f = tl.load(f_ptr + rows64[:, None] * stride_ft + cc[None, :], mask=m2, other=0.0).to(tl.float32)
+    hp = tl.load(hp_ptr + rows64[:, None] * NS + ii[None, :], mask=tokn, other=0.0).to(tl.float32)
+    pw = NS * NS + NS
+    pbase = part_ptr + (rows64 * n_cblk + cb) * pw
+    df = tl.zeros([BT, BC], dtype=tl.float32)
+    dhp = tl.zeros([BT, NS], dtype=tl.float32)
+    if HAS_RES:
+        x3 = tl.load(x_ptr + rows64[:, None, None] * stride_xt + ii[None, :, None] * stride_xn + cc[None, None, :],
+                     mask=m3, other=0.0).to(tl.float32)
+        dx = tl.zeros([BT, NS, BC], dtype=tl.float32)
+    for i in tl.static_range(NS):
+        gi = tl.load(g_ptr + rows64[:, None] * (NS * C) + i * C + cc[None, :], mask=m2, other=0.0).to(tl.float32)
+        hpi = tl.sum(tl.where(ii[None, :] == i, hp, 0.0), axis=1)
+        df += hpi[:, None] * gi
+        dhp += tl.where(ii[None, :] == i, tl.sum(gi * f, axis=1)[:, None], 0.0)
+        if HAS_RES:
+            hri = tl.load(hr_ptr + rows64[:, None] * (NS * NS) + i * NS + ii[None, :], mask=tokn, other=0.0)
+            dx += hri.to(tl.float32)[:, :, None] * gi[:, None, :]  # dx_j += H_ij g_i for all j
+            tl.store(pbase[:, None] + i * NS + ii[None, :], tl.sum(gi[:, None, :] * x3, axis=2), mask=tokn)
+        else:
+            tl.store(dx_ptr + rows64[:, None] * (NS * C) + i * C + cc[None, :], gi.to(dx_ptr.dtype.element_ty), mask=m2)
+    tl.store(df_ptr + rows64[:, None] * C + cc[None, :], df.to(df_ptr.dtype.element_ty), mask=m2)
+    tl.store(pbase[:, None] + NS * NS + ii[None, :], dhp, mask=tokn)
+    if HAS_RES:
+        off = rows64[:, None, None] * (NS * C) + ii[None, :, None] * C + cc[None, None, :]
+        tl.store(dx_ptr + off, dx.to(dx_ptr.dtype.element_ty), mask=m3)
