@@ -208,6 +208,7 @@ class RankConsistencyCheck(Callback):
         self.every_n_steps, self.on_mismatch = every_n_steps, on_mismatch
         self.dirpath = Path(dirpath) if dirpath is not None else None
         self.checks = 0
+        self.mismatch_steps: list[int] = []
         self._warned_sharded = False
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -228,10 +229,13 @@ class RankConsistencyCheck(Callback):
         ok, everyone = ranks_in_sync(trainer, pl_module)
         self.checks += 1
         step = trainer.global_step
+        if not ok:
+            self.mismatch_steps.append(step)
         if self.dirpath is not None:
             self.dirpath.mkdir(parents=True, exist_ok=True)
             record = {"rank": trainer.global_rank, "world_size": trainer.world_size, "global_step": step,
-                      **everyone[trainer.global_rank], "in_sync": ok}
+                      **everyone[trainer.global_rank], "in_sync": ok, "checks": self.checks,
+                      "mismatch_steps": self.mismatch_steps}
             (self.dirpath / f"rank{trainer.global_rank}.json").write_text(json.dumps(record, indent=1))
         if trainer.global_rank == 0:
             for lg in trainer.loggers:

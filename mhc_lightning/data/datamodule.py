@@ -5,7 +5,7 @@ from typing import Optional
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from .corpus import SHAKESPEARE, CorpusError, fetch_shakespeare, load_corpus
 
@@ -94,12 +94,26 @@ class ByteTextDataModule(L.LightningDataModule):
             )
 
     def train_dataloader(self) -> DataLoader:
-        # A seeded generator makes the shuffle order a function of `seed` alone. Under DDP / FSDP Lightning swaps
-        # the sampler for a DistributedSampler (shuffled with the seed_everything seed when `shuffle` is on).
-        # shuffle=False keeps window order: single-process batch i is windows [B*i, B*i+B), and a 2-rank
-        # DistributedSampler gives rank r the windows r, r+2, ...: the same global batch, so runs are comparable.
-        return self._loader(self.train_dataset, shuffle=self.hparams.shuffle, drop_last=True,
-                            generator=torch.Generator().manual_seed(self.hparams.seed))
+        # A seeded generator makes the shuffle order a function of `seed` alone.
+        hp = self.hparams
+        dist_kwargs = self._distributed_sampler_kwargs()
+        if dist_kwargs:
+            # Lightning would inject a DistributedSampler that always shuffles the train split, with the
+            # seed_everything seed; ours keeps `shuffle` and `seed` meaning the same on any number of processes.
+            # shuffle=False: single-process batch i is windows [B*i, B*i+B); with W ranks of B/W each, rank r gets
+            # windows r, r+W, ...: the same global batch, so runs compare step by step across device counts.
+            sampler = DistributedSampler(self.train_dataset, shuffle=hp.shuffle, seed=hp.seed, **dist_kwargs)
+            return self._loader(self.train_dataset, sampler=sampler, drop_last=True)
+        return self._loader(self.train_dataset, shuffle=hp.shuffle, drop_last=True,
+                            generator=torch.Generator().manual_seed(hp.seed))
+
+    def _distributed_sampler_kwargs(self) -> Optional[dict]:
+        """num_replicas / rank of the data-parallel group when the trainer runs more than one, else None."""
+        trainer = self.trainer
+        kwargs = getattr(trainer, "distributed_sampler_kwargs", None) if trainer is not None else None
+        if not kwargs or kwargs.get("num_replicas", 1) <= 1:
+            return None
+        return {"num_replicas": kwargs["num_replicas"], "rank": kwargs["rank"]}
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_dataset, shuffle=False, drop_last=False)

@@ -1,0 +1,215 @@
+"""DDP on CPU (gloo, 2 processes) through the real `mhc` command and Lightning's subprocess launcher.
+
+Each DDP run re-executes `mhc fit ...` once for rank 1 (Lightning's `ddp` launcher), exactly as on GPUs; nothing is
+spawned from inside pytest. Probe callbacks below are loaded by the `mhc` processes from this file (PYTHONPATH).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import mlflow
+import pytest
+import torch
+
+from helpers import CONF, REPO, mlflow_logger_arg, tiny_fit_args
+
+MHC = Path(sys.executable).with_name("mhc")
+TIMEOUT = 240
+
+
+# ---- callbacks loaded inside the `mhc` processes -------------------------------------------------
+class StepProbe(L.Callback):
+    """Per rank: the global-batch loss of every step (mean of the ranks' losses), the local one, the first
+    window of each batch, the diagnostics each rank holds, and final weight digests -> <dirpath>/probe-rank<r>.json.
+    Rank 0 also saves the final weights (probe-weights.pt)."""
+
+    def __init__(self, dirpath: str):
+        self.dirpath = Path(dirpath)
+        self.steps: list[dict] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        from mhc_lightning.distributed import mean_across_ranks
+
+        loss = outputs["loss"].detach() if isinstance(outputs, dict) and outputs.get("loss") is not None else None
+        local = float("nan") if loss is None else float(loss)
+        self.steps.append({"step": trainer.global_step - 1, "local": local,
+                           "global": float(mean_across_ranks(local)), "first": batch[0][:, :4].tolist()})
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        from mhc_lightning.distributed import state_digests
+
+        self.dirpath.mkdir(parents=True, exist_ok=True)
+        r = trainer.global_rank
+        record = {"rank": r, "world_size": trainer.world_size, "steps": self.steps,
+                  "diagnostics": getattr(pl_module, "last_diagnostics", None),
+                  "per_layer": pl_module.last_per_layer, **state_digests(trainer, pl_module)}
+        (self.dirpath / f"probe-rank{r}.json").write_text(json.dumps(record))
+        if r == 0:
+            torch.save({k: v.detach().cpu() for k, v in pl_module.model.state_dict().items()},
+                       self.dirpath / "probe-weights.pt")
+
+
+class CorruptBatchOnRanks(L.Callback):
+    """Fault: at the given optimizer steps the targets of the batch on `ranks` become byte 0 (absent from the
+    text), i.e. a loss spike on those ranks only — a bad data shard, the case a rollback must coordinate."""
+
+    def __init__(self, steps: list[int], ranks: list[int]):
+        self.steps, self.ranks = set(steps), set(ranks)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step in self.steps and trainer.global_rank in self.ranks:
+            batch[1].zero_()
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+def _callback_arg(cls: str, **init_args) -> str:
+    return "--trainer.callbacks+=" + json.dumps({"class_path": cls, "init_args": init_args})
+
+
+def _start(args: list[str], cwd: Path, log: Path) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        [str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]), MLFLOW_ENABLE_ASYNC_LOGGING="false")
+    env.pop("MLFLOW_TRACKING_URI", None)
+    return subprocess.Popen([str(MHC), *args], cwd=cwd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def _wait(proc: subprocess.Popen, log: Path) -> str:
+    try:
+        rc = proc.wait(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError(f"`mhc fit` timed out; log tail:\n{log.read_text()[-4000:]}")
+    out = log.read_text()
+    assert rc == 0, f"`mhc fit` exited {rc}; log tail:\n{out[-4000:]}"
+    return out
+
+
+def _ddp_args() -> list[str]:
+    return ["-c", str(CONF / "machine" / "ddp-cpu.yaml")]
+
+
+def _probes(d: Path) -> list[dict]:
+    return [json.loads((d / f"probe-rank{r}.json").read_text()) for r in range(2)]
+
+
+def _run(client, experiment: str):
+    exp = client.get_experiment_by_name(experiment)
+    return client.search_runs([exp.experiment_id]) if exp else []
+
+
+# ---- tests ---------------------------------------------------------------------------------------
+def test_ddp_matches_single_process_and_writes_one_mlflow_run(tiny_corpus, mlflow_uri, tmp_path):
+    """Same global batch (1 x 8 vs 2 x 4, corpus order): same losses step by step, same validation loss,
+    one MLflow run for the DDP fit, identical weights and diagnostics on both ranks."""
+    steps = 4
+    runs = {}
+    for name, per_rank, extra in (("single", 8, []), ("ddp", 4, _ddp_args())):
+        args = tiny_fit_args(tiny_corpus, mlflow_uri, tmp_path / name, mode="mhc", steps=steps,
+                             experiment=name, run_name=name)
+        args = [a for a in args if not a.startswith("--data.batch_size")]
+        args += [f"--data.batch_size={per_rank}", "--data.shuffle=false", *extra,
+                 _callback_arg("test_distributed.StepProbe", dirpath=str(tmp_path / name / "probe"))]
+        log = tmp_path / f"{name}.log"
+        runs[name] = (_start(args, tmp_path, log), log)  # both at once: DDP's rank 1 import overlaps the single run
+    out = {name: _wait(proc, log) for name, (proc, log) in runs.items()}
+
+    single = json.loads((tmp_path / "single" / "probe" / "probe-rank0.json").read_text())
+    ddp = _probes(tmp_path / "ddp" / "probe")
+    assert [p["world_size"] for p in ddp] == [2, 2]
+    # the global batch is the same windows: rank r holds rows r, r+2, ... of the single-process batch
+    for s_step, r0, r1 in zip(single["steps"], ddp[0]["steps"], ddp[1]["steps"]):
+        assert s_step["first"][0::2] == r0["first"] and s_step["first"][1::2] == r1["first"]
+    s_loss = torch.tensor([s["global"] for s in single["steps"]], dtype=torch.float64)
+    d_loss = torch.tensor([s["global"] for s in ddp[0]["steps"]], dtype=torch.float64)
+    assert len(s_loss) == len(d_loss) == steps
+    torch.testing.assert_close(d_loss, s_loss, rtol=1e-4, atol=0)
+    assert s_loss[-1] < s_loss[0]  # it trained
+    # after 4 identical updates the weights agree with the single-process ones (float reduction order aside)
+    w_single = torch.load(tmp_path / "single" / "probe" / "probe-weights.pt")
+    w_ddp = torch.load(tmp_path / "ddp" / "probe" / "probe-weights.pt")
+    for k in w_single:
+        torch.testing.assert_close(w_ddp[k], w_single[k], rtol=1e-4, atol=1e-5)
+    # every rank: bitwise equal weights and optimizer state; the same (reduced) mHC diagnostics
+    assert ddp[0]["model"] == ddp[1]["model"] and ddp[0]["optimizer"] == ddp[1]["optimizer"]
+    assert ddp[0]["per_layer"] and ddp[0]["per_layer"] == ddp[1]["per_layer"]
+    if ddp[0]["diagnostics"] is not None:
+        assert ddp[0]["diagnostics"] == ddp[1]["diagnostics"]
+
+    client = mlflow.MlflowClient(tracking_uri=mlflow_uri)
+    ddp_runs, single_runs = _run(client, "ddp"), _run(client, "single")
+    assert len(ddp_runs) == 1 and len(single_runs) == 1, "one MLflow run per fit, not one per rank"
+    assert len(client.search_experiments()) == 3  # Default + single + ddp: rank 1 created nothing
+    run = ddp_runs[0]
+    assert run.info.status == "FINISHED" and run.info.run_name == "ddp"
+    assert out["ddp"].count(f"MLflow run {run.info.run_id}") == 1  # announced once, by rank 0
+    history = client.get_metric_history(run.info.run_id, "train/loss")
+    assert sorted(m.step for m in history) == list(range(steps))  # once per step, not once per rank
+    # train/loss is logged from rank 0: its share of the global batch
+    torch.testing.assert_close(torch.tensor([m.value for m in sorted(history, key=lambda m: m.step)]),
+                               torch.tensor([s["local"] for s in ddp[0]["steps"]]), rtol=1e-6, atol=0)
+    m = run.data.metrics
+    assert {"amax/composite_fwd_max", "sinkhorn/col_residual_max", "val/loss", "train/grad_norm"} <= m.keys()
+    amax_steps = [sorted(m.step for m in client.get_metric_history(r.info.run_id, "amax/composite_fwd_max"))
+                  for r in (run, single_runs[0])]
+    assert amax_steps[0] and amax_steps[0] == amax_steps[1]  # diagnostics at the same steps as one process
+    # validation metrics are reduced over ranks (torchmetrics): the 2 x 2 x 4 windows are the single run's 2 x 8
+    torch.testing.assert_close(torch.tensor(m["val/loss"]), torch.tensor(single_runs[0].data.metrics["val/loss"]),
+                               rtol=1e-4, atol=0)
+    arts = [a.path for a in client.list_artifacts(run.info.run_id)]
+    assert "config.yaml" in arts
+
+
+def _stability_available() -> bool:
+    try:
+        from mhc_lightning.callbacks import GradientSnapshots, InstabilityDetector  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _rollback_fit(tiny_corpus, mlflow_uri, tmp_path: Path, name: str, fault_ranks: list[int]) -> list[dict]:
+    """40 steps of DDP with the stability callbacks, a loss spike injected at step 35 on `fault_ranks`;
+    returns each rank's RankConsistencyCheck records (checked after every step)."""
+    args = tiny_fit_args(tiny_corpus, mlflow_uri, tmp_path / name, mode="mhc", steps=40, experiment=name,
+                         run_name=name)
+    args += [*_ddp_args(), "--trainer.val_check_interval=40", "--model.diagnostics_every=10",
+             # short windows: the tiny model's loss still falls fast (as in tests/test_callbacks_snapshots.py)
+             _callback_arg("mhc_lightning.callbacks.InstabilityDetector", loss_window=20, loss_min_history=10),
+             _callback_arg("mhc_lightning.callbacks.GradientSnapshots", every_n_steps=10, skip_batches=1,
+                           cooldown_steps=3),
+             _callback_arg("test_distributed.CorruptBatchOnRanks", steps=[35], ranks=fault_ranks),
+             _callback_arg("mhc_lightning.distributed.RankConsistencyCheck", every_n_steps=1, on_mismatch="warn",
+                           dirpath=str(tmp_path / name / "consistency")),
+             _callback_arg("test_distributed.StepProbe", dirpath=str(tmp_path / name / "probe"))]
+    log = tmp_path / f"{name}.log"
+    _wait(_start(args, tmp_path, log), log)
+    client = mlflow.MlflowClient(tracking_uri=mlflow_uri)
+    runs = _run(client, name)
+    assert len(runs) == 1
+    rollbacks = client.get_metric_history(runs[0].info.run_id, "stability/rollback_to_step")
+    assert [m.value for m in rollbacks] == [30.0], "the spike at step 35 was rolled back to the step-30 snapshot"
+    return _probes(tmp_path / name / "probe")
+
+
+@pytest.mark.skipif(not _stability_available(), reason="stability callbacks (mhc_lightning.callbacks) not present")
+def test_rollback_under_ddp_fault_on_every_rank_keeps_ranks_equal(tiny_corpus, mlflow_uri, tmp_path):
+    probes = _rollback_fit(tiny_corpus, mlflow_uri, tmp_path, "rollback-all", fault_ranks=[0, 1])
+    assert probes[0]["model"] == probes[1]["model"] and probes[0]["optimizer"] == probes[1]["optimizer"]
+
+
+@pytest.mark.skipif(not _stability_available(), reason="stability callbacks (mhc_lightning.callbacks) not present")
+def test_rollback_under_ddp_fault_on_one_rank_keeps_ranks_equal(tiny_corpus, mlflow_uri, tmp_path):
+    """The hard case: only rank 0 sees the spike. Every rank must take the same decision (skip, restore the same
+    snapshot, skip the same batches), or the weights diverge silently."""
+    probes = _rollback_fit(tiny_corpus, mlflow_uri, tmp_path, "rollback-one", fault_ranks=[0])
+    records = [json.loads((tmp_path / "rollback-one" / "consistency" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["mismatch_steps"] for r in records] == [[], []], "ranks diverged after these steps"
+    assert probes[0]["model"] == probes[1]["model"] and probes[0]["optimizer"] == probes[1]["optimizer"]
+    # both ranks skipped the same steps (the vetoed update and the skipped batch)
+    skipped = [[s["step"] for s in p["steps"] if s["local"] != s["local"]] for p in probes]
+    assert skipped[0] == skipped[1]
