@@ -7,15 +7,18 @@ set -u
 OUT=${OUT:-out}; PARALLEL=${PARALLEL:-12}; LIMIT=${LIMIT:-480}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpuwheels/*.whl || exit 1
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 MHC_CACHE_DIR=$PWD/.cache/corpus
-python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
+# An editable install did not take effect on that machine; a link gives kernels/ its package name instead.
+[ -e mhc_lightning/kernels ] || ln -sfn ../kernels mhc_lightning/kernels
+export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 MHC_CACHE_DIR=$PWD/.cache/corpus
 store=/tmp/stability; mkdir -p $store
 python3 -m mlflow server --backend-store-uri sqlite:///$store/mlflow.db --artifacts-destination $store/artifacts \
   --serve-artifacts --host 127.0.0.1 --port 5055 --workers 2 > $store/server.log 2>&1 &
+server=$!; trap 'kill $server 2>/dev/null' EXIT
 for _ in $(seq 60); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:5055/health')" 2>/dev/null && break; sleep 1; done
 export MLFLOW_TRACKING_URI=http://127.0.0.1:5055
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/gpu.txt
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | tee $OUT/gpu.txt
 python3 -c "import torch, triton, lightning; print('torch', torch.__version__, 'triton', triton.__version__, 'lightning', lightning.__version__)" | tee -a $OUT/gpu.txt
+[ -n "${SKIP_DIAG_BENCH:-}" ] || timeout 120 python3 bench/bench_diagnostics.py --accelerator gpu --out $OUT/bench_diagnostics_gpu.json 2>&1 | tail -8
 timeout $LIMIT python3 -m mhc_lightning.grid conf/experiments/stability_grid.yaml --parallel $PARALLEL \
   --logs $store/logs "$@" 2>&1 | tee $OUT/grid.log
 sleep 2

@@ -8,6 +8,7 @@ Runs get the tags variant / <axis> / grid so that `mhc compare` can group them (
 import argparse
 import itertools
 import json
+import os
 import subprocess
 import sys
 import time
@@ -37,29 +38,37 @@ def expand(spec: dict, root: Path, extra: list[str]) -> list[tuple[str, dict, li
     """Every (run name, tags, argv) of the grid."""
     axes = spec["axes"]
     runs = []
-    for variant, overrides in spec["variants"].items():
-        for values in itertools.product(*axes.values()):
-            point = dict(zip(axes, values))
+    # The first axis varies fastest and variants fastest of all, so a grid cut short (a time limit)
+    # still holds every variant for the seeds it reached.
+    keys = list(axes)[::-1]
+    for values in itertools.product(*(axes[k] for k in keys)):
+        point = dict(sorted(zip(keys, values), key=lambda kv: list(axes).index(kv[0])))
+        for variant, overrides in spec["variants"].items():
             name = "-".join([variant] + [f"{AXIS_SHORT.get(k, k.split('.')[-1])}{v}" for k, v in point.items()])
             tags = {"grid": spec["experiment"], "variant": variant, **{k: str(v) for k, v in point.items()}}
             argv = ["fit"] + [a for c in spec["configs"] for a in ("-c", str(root / c))]
             argv += [_flag(k, v) for k, v in {**(overrides or {}), **point}.items()]
             argv += [f"--trainer.logger.init_args.experiment_name={spec['experiment']}",
-                     f"--trainer.logger.init_args.run_name={name}",
-                     f"--trainer.logger.init_args.tags={json.dumps(tags)}"] + extra
+                     f"--trainer.logger.init_args.run_name={name}"] + extra
             runs.append((name, tags, argv))
     return runs
 
 
-def prepare_store(experiment: str) -> None:
+def prepare_store(experiment: str):
     """Create the tracking store and experiment once: parallel first runs would race on both."""
-    import os
-
     import mlflow
 
     client = mlflow.MlflowClient(os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db"))
-    if client.get_experiment_by_name(experiment) is None:
-        client.create_experiment(experiment)
+    exp = client.get_experiment_by_name(experiment)
+    return client, exp.experiment_id if exp else client.create_experiment(experiment)
+
+
+def tag_runs(client, experiment_id: str, name: str, tags: dict) -> None:
+    """Tag a finished run by name. Tags go on afterwards: passed through the CLI, jsonargparse turns
+    numeric strings into ints, which the MLflow REST client rejects."""
+    for run in client.search_runs([experiment_id], filter_string=f"attributes.run_name = '{name}'"):
+        for k, v in tags.items():
+            client.set_tag(run.info.run_id, k, str(v))
 
 
 def main(argv=None) -> int:
@@ -79,22 +88,23 @@ def main(argv=None) -> int:
         for name, _, a in runs:
             print(name, " ".join(a))
         return 0
-    prepare_store(spec["experiment"])
+    client, exp_id = prepare_store(spec["experiment"])
     args.logs.mkdir(parents=True, exist_ok=True)
     exe = [sys.executable, "-m", "mhc_lightning.cli"]
     pending, active, failed = list(runs), [], []
     t0 = time.time()
     while pending or active:
         while pending and len(active) < args.parallel:
-            name, _, a = pending.pop(0)
+            name, tags, a = pending.pop(0)
             log = open(args.logs / f"{name}.log", "w")
-            active.append((name, subprocess.Popen(exe + a, stdout=log, stderr=subprocess.STDOUT), log))
+            active.append((name, tags, subprocess.Popen(exe + a, stdout=log, stderr=subprocess.STDOUT), log))
         time.sleep(0.5)
         for item in list(active):
-            name, proc, log = item
+            name, tags, proc, log = item
             if proc.poll() is not None:
                 active.remove(item)
                 log.close()
+                tag_runs(client, exp_id, name, tags)
                 status = "ok" if proc.returncode == 0 else f"FAILED ({proc.returncode})"
                 if proc.returncode:
                     failed.append(name)
