@@ -11,6 +11,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 [ -e mhc_lightning/kernels ] || ln -sfn ../kernels mhc_lightning/kernels
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 MHC_CACHE_DIR=$PWD/.cache/corpus
 store=/tmp/stability; mkdir -p $store
+# SEED_DB: the store of an earlier part; with --skip-finished the grid continues where that part stopped
+[ -n "${SEED_DB:-}" ] && cp "$SEED_DB" $store/mlflow.db
 python3 -m mlflow server --backend-store-uri sqlite:///$store/mlflow.db --artifacts-destination $store/artifacts \
   --serve-artifacts --host 127.0.0.1 --port 5055 --workers 2 > $store/server.log 2>&1 &
 server=$!; trap 'kill $server 2>/dev/null' EXIT

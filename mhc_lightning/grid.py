@@ -78,6 +78,8 @@ def main(argv=None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra override for every run")
     p.add_argument("--logs", type=Path, default=Path("grid_logs"), help="one log file per run")
     p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--skip-finished", action="store_true",
+                   help="skip runs whose name already has a FINISHED run in the experiment (continue a grid in parts)")
     args = p.parse_args(argv)
     if args.parallel < 1:
         p.error(f"--parallel must be >= 1, got {args.parallel}")
@@ -89,6 +91,10 @@ def main(argv=None) -> int:
             print(name, " ".join(a))
         return 0
     client, exp_id = prepare_store(spec["experiment"])
+    if args.skip_finished:
+        done = {r.info.run_name for r in client.search_runs([exp_id], filter_string="attributes.status = 'FINISHED'")}
+        runs = [r for r in runs if r[0] not in done]
+        print(f"{len(done)} runs already finished; {len(runs)} to go")
     args.logs.mkdir(parents=True, exist_ok=True)
     exe = [sys.executable, "-m", "mhc_lightning.cli"]
     pending, active, failed = list(runs), [], []
