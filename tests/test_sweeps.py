@@ -44,7 +44,15 @@ def _children(client, study="smoke"):
     return parents, [r for r in runs if r.data.tags.get("optuna.role") == "trial"]
 
 
-def test_sweep_records_parent_children_pruned_and_best(sweep):
+def test_sqlite_sweep_end_to_end(sweep, capsys):
+    """One test on purpose: under `pytest -n 2`, tests sharing a module fixture may land on both xdist workers
+    and run the sweep twice."""
+    check_records(sweep)
+    check_resume(sweep)
+    check_compare(sweep)
+
+
+def check_records(sweep):
     assert sweep["code"] == 0
     study = optuna.load_study(study_name="smoke", storage=sweep["storage"])
     states = [t.state for t in study.trials]
@@ -87,7 +95,7 @@ def test_sweep_records_parent_children_pruned_and_best(sweep):
     assert cmd.startswith("mhc fit --config ") and "--model.optim.lr=0.01" in cmd
 
 
-def test_rerun_resumes_the_study(sweep):
+def check_resume(sweep):
     """The same command again runs nothing new; a larger budget continues the same study and parent run."""
     mp = pytest.MonkeyPatch()
     mp.chdir(sweep["root"])
@@ -104,7 +112,7 @@ def test_rerun_resumes_the_study(sweep):
     assert len(parents) == 1 and len(children) == 5
 
 
-def test_compare_on_the_sweep(sweep, capsys):
+def check_compare(sweep):
     from mhc_lightning.compare import main as compare_main
 
     out = sweep["root"] / "report"

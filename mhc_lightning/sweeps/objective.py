@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import Callback
 from .pruning import StepPruning
 from .spec import SweepSpec, sample, trial_args
 
-LOGGER_CLASS = "mhc_lightning.sweeps.tracking.ResilientMLFlowLogger"
+LOGGER_CLASS = "mhc_lightning.sweeps.logger.ResilientMLFlowLogger"
 
 
 class TrialConfigError(ValueError):

@@ -1,4 +1,6 @@
-"""MLflow for sweeps: a logger that survives a tracking-server outage, and the study's parent/child runs.
+"""MLflow for sweeps: writes that survive a tracking-server outage, and the study's parent/child runs.
+
+(The Lightning logger built on this is in logger.py, so that launchers need not import Lightning.)
 
 Outage policy (docs/sweeps.md, "When the MLflow server is down"):
 - at start, an unreachable server is an error that names the URL (`check_tracking`);
@@ -21,10 +23,6 @@ import uuid
 import warnings
 from pathlib import Path
 from typing import Any, Optional
-
-from lightning.pytorch.loggers import MLFlowLogger
-from lightning.pytorch.loggers.logger import rank_zero_experiment
-from lightning.pytorch.utilities import rank_zero_only
 
 # Fail fast instead of MLflow's default 7 retries with exponential backoff (minutes per call).
 _HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
@@ -53,6 +51,9 @@ def is_outage(err: BaseException) -> bool:
         return True
     if isinstance(err, MlflowException):
         msg = str(err)
+        code = re.search(r"error code (\d{3})", msg)  # a non-JSON HTTP answer, e.g. the Host-header check's 403
+        if code:
+            return int(code.group(1)) >= 500
         return any(s in msg for s in ("API request to", "Max retries exceeded", "Connection", "database is locked"))
     return False
 
@@ -75,11 +76,13 @@ def check_tracking(uri: str, timeout: float = 10.0) -> None:
             raise TrackingUnreachable(
                 f"MLflow tracking server {redact(uri)} is unreachable ({type(err).__name__}: {err}). Start it "
                 "(`docker compose up -d mlflow`, or `mlflow server ...`) or pass another --tracking-uri.") from err
-        return
+    # /health skips the server's Host-header check; one API call does not
     try:
         MlflowClient(uri).search_experiments(max_results=1)
-    except Exception as err:  # sqlite path not writable, postgres down, ...
-        raise TrackingUnreachable(f"MLflow tracking store {redact(uri)} cannot be opened: {err}") from err
+    except Exception as err:
+        hint = (" (add this host name to the server's --allowed-hosts / MLFLOW_ALLOWED_HOSTS)"
+                if "Invalid Host header" in str(err) else "")
+        raise TrackingUnreachable(f"MLflow tracking store {redact(uri)} refused the connection: {err}{hint}") from err
 
 
 # ---- spool: failed writes kept on disk, replayed in order ------------------------------------------
@@ -131,6 +134,8 @@ class GuardedClient:
         self._last_try = time.monotonic()
         left = replay_file(self._file, self._client)
         self._pending = left
+        if not left:
+            self._file = None  # replay_file removed it; the next outage starts a new one
         return left == 0
 
     def drain(self, timeout: float, uri: str = "") -> bool:
@@ -152,7 +157,7 @@ class GuardedClient:
         run_id = kwargs.get("run_id", args[0] if args else "unknown")
         if self._file is None:
             self._file = self.spool_root / str(run_id) / f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}.jsonl"
-            self._file.parent.mkdir(parents=True, exist_ok=True)
+        self._file.parent.mkdir(parents=True, exist_ok=True)
         try:
             record = _to_record(name, args, kwargs, self._file.parent / "files" / uuid.uuid4().hex[:12])
         except Exception as err:  # an object we cannot serialise: say so rather than fail the run
@@ -278,49 +283,6 @@ def replay_spool(spool_root, tracking_uri: str) -> dict[str, int]:
                 f.unlink()
         out[run_dir.name] = replay_file(merged, client)
     return out
-
-
-class ResilientMLFlowLogger(MLFlowLogger):
-    """MLFlowLogger that keeps training when the tracking server goes away mid-run (see the module doc).
-
-    spool_dir: where failed writes wait (default ./mlflow_spool); retry_every: seconds between retries
-    while the server is down; flush_timeout: seconds to keep retrying at the end of fit.
-    """
-
-    def __init__(self, *args, spool_dir: str = "mlflow_spool", retry_every: float = 30.0,
-                 flush_timeout: float = 30.0, **kwargs):
-        use_fast_http_failures()
-        super().__init__(*args, **kwargs)
-        self._spool_dir = spool_dir
-        self._retry_every = retry_every
-        self._flush_timeout = flush_timeout
-        self._guard: Optional[GuardedClient] = None
-
-    @property
-    @rank_zero_experiment
-    def experiment(self):
-        if self._guard is None:
-            try:
-                MLFlowLogger.experiment.fget(self)
-            except Exception as err:
-                if is_outage(err):
-                    raise TrackingUnreachable(
-                        f"MLflow tracking server {redact(self._tracking_uri)} is unreachable at the start of the run: {err}"
-                    ) from err
-                raise
-            self._guard = GuardedClient(self._mlflow_client, self._spool_dir, self._retry_every,
-                                        f" at {redact(self._tracking_uri)}")
-        return self._guard
-
-    @rank_zero_only
-    def finalize(self, status: str = "success") -> None:
-        if not self._initialized:
-            return
-        status = {"success": "FINISHED", "failed": "FAILED", "finished": "FINISHED"}.get(status, status)
-        if self._checkpoint_callback:
-            self._scan_and_log_checkpoints(self._checkpoint_callback)
-        self.experiment.set_terminated(self.run_id, status)
-        self._guard.drain(self._flush_timeout, self._tracking_uri)
 
 
 # ---- the study's runs ---------------------------------------------------------------------------

@@ -1,0 +1,123 @@
+"""`mhc compare` on runs written straight to an MLflow store (no training): table, plots, logging, errors."""
+from __future__ import annotations
+
+import csv
+import time
+
+import matplotlib.image as mpimg
+import numpy as np
+import pytest
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param
+
+from mhc_lightning.compare import main as compare_main
+
+TAB = [(0.12, 0.47, 0.71), (1.0, 0.50, 0.05), (0.17, 0.63, 0.17)]  # matplotlib C0, C1, C2
+
+
+def colour_pixels(path, rgb, tol=0.06) -> int:
+    img = mpimg.imread(path)[..., :3]
+    return int((np.abs(img - np.array(rgb)).max(axis=-1) < tol).sum())
+
+
+def fake_run(client, exp_id, name, mode, final, amax=None, tps=1000.0, tags=None) -> str:
+    """A run shaped like `mhc fit` output: hparams as params, step metrics, a per-layer diagnostics artifact."""
+    run = client.create_run(exp_id, run_name=name, tags=tags or {})
+    rid, now = run.info.run_id, int(time.time() * 1000)
+    params = {"arch/hyper/residual_mode": mode, "arch/hyper/n_streams": "4", "arch/hyper/sinkhorn_iters": "20",
+              "optim/lr": "0.002", "arch/n_layers": "2"}
+    metrics = []
+    for step in range(0, 40):
+        metrics.append(Metric("train/grad_norm", 1.0 + (amax or 1.0) * step / 40, now, step))
+        metrics.append(Metric("train/tokens_per_sec", tps * (1 + 0.05 * np.sin(step)), now, step))
+    for i, step in enumerate((9, 19, 29, 39)):
+        metrics.append(Metric("val/loss", final + 1.5 / (i + 1) - 1.5 / 4, now, step))
+    metrics.append(Metric("val/bpb", final / np.log(2), now, 39))
+    client.log_batch(rid, metrics=metrics, params=[Param(k, v) for k, v in params.items()])
+    if amax is not None:
+        layers = 4
+        per_layer = {"composite_fwd_max": [amax ** ((layers - l) / layers) for l in range(layers)],
+                     "composite_bwd_max": [amax ** ((l + 1) / layers) for l in range(layers)]}
+        client.log_dict(rid, per_layer, "diagnostics/per_layer_step0000020.json")
+        client.log_dict(rid, {k: [1.0] * layers for k in per_layer}, "diagnostics/per_layer_step0000005.json")
+    client.set_terminated(rid, "FINISHED")
+    return rid
+
+
+@pytest.fixture
+def runs(mlflow_uri):
+    client = MlflowClient(mlflow_uri)
+    exp = client.create_experiment("cmp")
+    ids = {"mhc": fake_run(client, exp, "mhc-run", "mhc", 2.0, amax=1.0),
+           "hc": fake_run(client, exp, "hc-run", "hc", 2.3, amax=300.0, tps=1500.0),
+           "residual": fake_run(client, exp, "res-run", "residual", 2.6, tps=2500.0)}
+    return client, ids
+
+
+def test_compare_experiment_table_plots_and_logging(runs, mlflow_uri, tmp_path, capsys):
+    client, ids = runs
+    out = tmp_path / "report"
+    assert compare_main(["--experiment", "cmp", "--tracking-uri", mlflow_uri, "--out", str(out)]) == 0
+    rows = list(csv.DictReader(open(out / "runs.csv")))
+    assert [r["run"] for r in rows] == ["mhc-run", "hc-run", "res-run"]  # best val/loss first
+    assert float(rows[0]["val/loss"]) == pytest.approx(2.0) and rows[0]["steps"] == "39"
+    assert float(rows[2]["tokens/s (median)"]) == pytest.approx(2500.0, rel=0.05)
+    # settings a mode does not use are left blank instead of showing the config default
+    assert rows[1]["sinkhorn_iters"] == "" and rows[2]["n_streams"] == "" and rows[0]["sinkhorn_iters"] == "20"
+    assert "lr" not in rows[0]  # equal in every run: says nothing about the difference
+    md = (out / "runs.md").read_text().splitlines()
+    assert md[0].startswith("| run |") and len(md) == 2 + 3
+
+    for name in ("val_loss", "grad_norm", "tokens_per_sec", "amax_vs_layer"):
+        assert (out / f"{name}.png").stat().st_size > 10_000, name
+    # three runs -> three curve colours in the loss plot
+    assert all(colour_pixels(out / "val_loss.png", c) > 300 for c in TAB)
+    # Amax plot: the two multi-stream runs only (the residual baseline has no diagnostics), from the last file
+    assert colour_pixels(out / "amax_vs_layer.png", TAB[0]) > 300 and colour_pixels(out / "amax_vs_layer.png", TAB[1]) > 300
+    assert colour_pixels(out / "amax_vs_layer.png", TAB[2]) < 50
+
+    exp = client.get_experiment_by_name("cmp")
+    logged = [r for r in client.search_runs([exp.experiment_id]) if r.data.tags.get("mhc.kind") == "comparison"]
+    assert len(logged) == 1 and logged[0].info.status == "FINISHED"
+    arts = {a.path for a in client.list_artifacts(logged[0].info.run_id, "comparison")}
+    assert {"comparison/runs.md", "comparison/runs.csv", "comparison/val_loss.png", "comparison/amax_vs_layer.png",
+            "comparison/grad_norm.png", "comparison/tokens_per_sec.png"} <= arts
+    # a second comparison does not compare the first comparison run
+    assert compare_main(["--experiment", "cmp", "--tracking-uri", mlflow_uri, "--out", str(out), "--no-log"]) == 0
+    assert len(list(csv.DictReader(open(out / "runs.csv")))) == 3
+
+
+def test_compare_run_ids_and_study(runs, mlflow_uri, tmp_path):
+    client, ids = runs
+    out = tmp_path / "two"
+    assert compare_main(["--runs", ids["hc"], ids["residual"], "--tracking-uri", mlflow_uri, "--out", str(out),
+                         "--no-log"]) == 0
+    assert [r["run"] for r in csv.DictReader(open(out / "runs.csv"))] == ["hc-run", "res-run"]
+    exp = client.get_experiment_by_name("cmp").experiment_id
+    parent = client.create_run(exp, run_name="study", tags={"optuna.role": "study", "optuna.study_name": "s1"}).info.run_id
+    for n in range(2):
+        fake_run(client, exp, f"s1-t{n}", "mhc", 2.0 + n, amax=2.0,
+                 tags={"optuna.role": "trial", "optuna.study_name": "s1", "optuna.trial": str(n),
+                       "optuna.state": "COMPLETE", "mlflow.parentRunId": parent})
+    out = tmp_path / "study"
+    assert compare_main(["--study", "s1", "--tracking-uri", mlflow_uri, "--out", str(out)]) == 0
+    rows = list(csv.DictReader(open(out / "runs.csv")))
+    assert [r["trial"] for r in rows] == ["0", "1"] and {r["state"] for r in rows} == {"COMPLETE"}
+    # a study's comparison goes into its parent run
+    assert "comparison/runs.md" in {a.path for a in client.list_artifacts(parent, "comparison")}
+
+
+def test_compare_errors(mlflow_uri, tmp_path, capsys):
+    assert compare_main(["--experiment", "nope", "--tracking-uri", mlflow_uri, "--out", str(tmp_path)]) == 2
+    assert "experiment 'nope' not found" in capsys.readouterr().err
+    assert compare_main(["--study", "nope", "--tracking-uri", mlflow_uri, "--out", str(tmp_path)]) == 2
+    assert "no trial runs of study 'nope'" in capsys.readouterr().err
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert compare_main(["--experiment", "x", "--tracking-uri", f"http://127.0.0.1:{port}", "--out", str(tmp_path)]) == 2
+    assert f"http://127.0.0.1:{port}" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        compare_main(["--experiment", "a", "--study", "b"])  # exactly one selection

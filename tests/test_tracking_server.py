@@ -1,0 +1,422 @@
+"""The compose topology with real processes: PostgreSQL at 127.0.0.1:5432 (MLflow's backend store and
+Optuna's storage), an `mlflow server` started here on a free loopback port, sweep workers as separate
+processes, optuna-dashboard; plus the MLflow server going away at start and in the middle of a run.
+
+Tests that need PostgreSQL skip, saying why, only when nothing answers at 127.0.0.1:5432.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import optuna
+import pytest
+import requests
+import yaml
+from mlflow import MlflowClient
+
+from helpers import REPO, make_text, tiny_fit_args
+from mhc_lightning.sweeps import runner
+
+PG = dict(host="127.0.0.1", port=5432, user="postgres")
+S = optuna.trial.TrialState
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pg_admin(sql: str) -> None:
+    import psycopg2
+
+    conn = psycopg2.connect(dbname="test", connect_timeout=5, **PG)
+    conn.autocommit = True
+    with conn.cursor() as cur:
+        cur.execute(sql)
+    conn.close()
+
+
+def pg_url(db: str) -> str:
+    return f"postgresql+psycopg2://{PG['user']}@{PG['host']}:{PG['port']}/{db}"
+
+
+@pytest.fixture(scope="module")
+def postgres():
+    """Two fresh databases (MLflow, sweeps) on the local server; dropped afterwards."""
+    try:
+        pg_admin("select 1")
+    except Exception as err:
+        pytest.skip(f"PostgreSQL unreachable at {PG['host']}:{PG['port']} as user {PG['user']}: {err}")
+    tag = uuid.uuid4().hex[:10]
+    dbs = {"mlflow": f"mhc_test_mlflow_{tag}", "sweeps": f"mhc_test_sweeps_{tag}"}
+    for db in dbs.values():
+        pg_admin(f'create database "{db}"')
+    yield {k: pg_url(v) for k, v in dbs.items()}
+    for db in dbs.values():
+        try:
+            pg_admin(f"select pg_terminate_backend(pid) from pg_stat_activity where datname = '{db}' and pid <> pg_backend_pid()")
+            pg_admin(f'drop database if exists "{db}"')
+        except Exception as err:  # never hide the test's own result behind cleanup
+            print(f"could not drop {db}: {err}", file=sys.stderr)
+
+
+def _clean_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "OPTUNA_STORAGE")}
+    env.update(MLFLOW_ENABLE_ASYNC_LOGGING="false", MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false",
+               MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR="false", PYTHONUNBUFFERED="1")
+    return env
+
+
+def stop(proc: subprocess.Popen, timeout: float = 20) -> None:
+    """SIGTERM the process group we started, then SIGKILL; always bounded."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=timeout)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def server(postgres, tmp_path_factory):
+    """`mlflow server` with PostgreSQL as backend store and a served artifact store, as in docker-compose.yml."""
+    root = tmp_path_factory.mktemp("mlflow_server")
+    port, proxy_port = free_port(), free_port()  # the outage test's relay needs its Host name allowed too
+    hosts = f"mlflow,mlflow:{port},localhost,localhost:{port},127.0.0.1,127.0.0.1:{port},127.0.0.1:{proxy_port}"
+    log = open(root / "server.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", postgres["mlflow"],
+         "--artifacts-destination", str(root / "artifacts"), "--serve-artifacts", "--host", "127.0.0.1",
+         "--port", str(port), "--workers", "1", "--allowed-hosts", hosts],
+        stdout=log, stderr=subprocess.STDOUT, env=_clean_env(), start_new_session=True, cwd=root)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"mlflow server exited with {proc.returncode}:\n{(root / 'server.log').read_text()[-3000:]}")
+            try:
+                if requests.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"mlflow server not healthy after 240 s:\n{(root / 'server.log').read_text()[-3000:]}")
+            time.sleep(0.5)
+        yield {"url": url, "port": port, "proxy_port": proxy_port, "root": root, **postgres}
+    finally:
+        stop(proc)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    p.write_text(make_text(60_000, seed=7))
+    return p
+
+
+def derived_spec(path: Path, name: str, **changes) -> Path:
+    """sweeps/smoke.yaml with another name and test settings; base configs made absolute."""
+    d = yaml.safe_load((REPO / "sweeps" / "smoke.yaml").read_text())
+    d["name"] = name
+    d["base"] = [str(REPO / b) for b in d["base"]]
+    for k, v in changes.items():
+        if k in ("fixed", "budget", "storage"):
+            d[k].update(v)
+        else:
+            d[k] = v
+    path.write_text(yaml.safe_dump(d, sort_keys=False))
+    return path
+
+
+def launch(spec: Path, cwd: Path, server, corpus: Path, *extra: str, log_name: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "mhc_lightning.sweeps", "run", str(spec), "--storage", server["sweeps"],
+           "--tracking-uri", server["url"], "--set", f"data.corpus={corpus}", "--set",
+           f"trainer.default_root_dir={cwd / 'runs'}", "--spool-dir", str(cwd / "spool"), *extra]
+    log = open(cwd / log_name, "w")
+    return subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env=_clean_env(), start_new_session=True)
+
+
+def wait(proc: subprocess.Popen, timeout: float, log: Path) -> int:
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stop(proc)
+        pytest.fail(f"sweep did not finish in {timeout} s; log tail:\n{log.read_text()[-4000:]}")
+
+
+def check_one_run_per_trial(client: MlflowClient, study, name: str) -> dict[int, object]:
+    """Every Optuna trial has exactly one MLflow child run and every child run belongs to a trial."""
+    exp = client.get_experiment_by_name(name)
+    runs = client.search_runs([exp.experiment_id], f"tags.`optuna.study_name` = '{name}'", max_results=1000)
+    parents = [r for r in runs if r.data.tags.get("optuna.role") == "study"]
+    children = [r for r in runs if r.data.tags.get("optuna.role") == "trial"]
+    assert len(parents) == 1
+    numbers = [int(r.data.tags["optuna.trial"]) for r in children]
+    assert sorted(numbers) == sorted(set(numbers)), "duplicate MLflow runs for a trial"
+    trials = {t.number: t for t in study.get_trials() if t.state != S.WAITING}
+    assert sorted(numbers) == sorted(trials), "trials missing in MLflow, or runs without a trial"
+    by_trial = {int(r.data.tags["optuna.trial"]): r for r in children}
+    for n, t in trials.items():
+        run = by_trial[n]
+        assert run.info.run_id == t.user_attrs["mlflow_run_id"]
+        assert run.data.tags["mlflow.parentRunId"] == parents[0].info.run_id
+        assert run.data.tags["optuna.state"] == {S.COMPLETE: "COMPLETE", S.PRUNED: "PRUNED", S.FAIL: "FAILED"}[t.state]
+    return by_trial
+
+
+# ---- tests -----------------------------------------------------------------------------------------
+def test_unreachable_server_at_start_names_the_url(tmp_path, capsys):
+    url = f"http://127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    code = runner.main(["run", str(REPO / "sweeps" / "smoke.yaml"), "--tracking-uri", url,
+                        "--storage", f"sqlite:///{tmp_path}/s.db"])
+    err = capsys.readouterr().err
+    assert code == 2 and url in err and "unreachable" in err, err
+    assert time.monotonic() - t0 < 30
+    assert not (tmp_path / "s.db").exists()  # nothing was started
+
+
+def test_server_accepts_the_compose_host_names(server):
+    """--allowed-hosts as in docker-compose.yml: other containers call it `mlflow:<port>`."""
+    api = f"{server['url']}/api/2.0/mlflow/experiments/search?max_results=1"
+    assert requests.get(api, headers={"Host": f"mlflow:{server['port']}"}, timeout=10).status_code == 200
+    assert requests.get(api, headers={"Host": f"evil.example:{server['port']}"}, timeout=10).status_code == 403
+
+
+def test_two_workers_one_study_on_postgres(server, corpus, tmp_path):
+    """`mhc sweep --workers 2`: two processes share one study; every trial is recorded once in Optuna and MLflow."""
+    name = f"two-{uuid.uuid4().hex[:6]}"
+    spec = derived_spec(tmp_path / "two.yaml", name, budget={"n_trials": 4, "max_failed": 2})
+    proc = launch(spec, tmp_path, server, corpus, "--workers", "2", log_name="launcher.log")
+    assert wait(proc, 420, tmp_path / "launcher.log") == 0, (tmp_path / "launcher.log").read_text()[-4000:]
+
+    study = optuna.load_study(study_name=name, storage=server["sweeps"])
+    finished = [t for t in study.trials if t.state in (S.COMPLETE, S.PRUNED)]
+    assert 4 <= len(finished) <= 5 and not [t for t in study.trials if t.state == S.RUNNING]
+    workers = {t.user_attrs["worker"] for t in study.trials}
+    seeds = {t.user_attrs["sampler_seed"] for t in study.trials}
+    assert len(workers) == 2 and len(seeds) == 2  # two processes, each with its own sampler seed
+    client = MlflowClient(server["url"])
+    check_one_run_per_trial(client, study, name)
+    parent = client.get_run(study.user_attrs["mlflow_parent_run_id"])
+    assert parent.data.tags["best.trial"] == str(study.best_trial.number)
+    logs = sorted((tmp_path / "sweep_logs" / name).glob("worker-*.log"))
+    assert len(logs) == 2
+
+    # mhc compare against the tracking server: artifacts come through --serve-artifacts
+    from mhc_lightning.compare import main as compare_main
+
+    out = tmp_path / "report"
+    assert compare_main(["--study", name, "--tracking-uri", server["url"], "--out", str(out)]) == 0
+    assert (out / "runs.csv").read_text().count("\n") >= 5
+    assert (out / "val_loss.png").stat().st_size > 10_000 and (out / "amax_vs_layer.png").exists()
+    assert "comparison/val_loss.png" in {a.path for a in client.list_artifacts(parent.info.run_id, "comparison")}
+
+
+def test_dashboard_reads_the_sweeps_database(postgres):
+    """optuna-dashboard on the sweeps database, as the compose service runs it."""
+    exe = Path(sys.executable).with_name("optuna-dashboard")  # console script of the [dashboard] extra
+    if not exe.exists():
+        pytest.skip("optuna-dashboard is not installed (pip install -e '.[dashboard]')")
+    name = f"dash-{uuid.uuid4().hex[:6]}"
+    study = optuna.create_study(study_name=name, storage=runner.make_storage(postgres["sweeps"], {}))
+    study.optimize(lambda t: t.suggest_float("x", 0, 1) ** 2, n_trials=2)
+    port = free_port()
+    dash = subprocess.Popen([str(exe), postgres["sweeps"], "--host", "127.0.0.1", "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_clean_env(), start_new_session=True)
+    try:
+        deadline, studies = time.monotonic() + 60, None
+        while time.monotonic() < deadline and studies is None:
+            try:
+                studies = requests.get(f"http://127.0.0.1:{port}/api/studies", timeout=2).json()
+            except requests.RequestException:
+                time.sleep(0.5)
+        assert studies is not None, "optuna-dashboard did not answer within 60 s"
+        assert name in [s["study_name"] for s in studies["study_summaries"]]
+    finally:
+        stop(dash)
+
+
+def test_killed_worker_trial_is_failed_and_retried(server, corpus, tmp_path):
+    """Two launchers (as on two machines); one is SIGKILLed mid-trial. The heartbeat marks its trial FAIL, the
+    retry callback re-queues it, the other worker runs it, and the study finishes with nothing lost."""
+    name = f"kill-{uuid.uuid4().hex[:6]}"
+    spec = derived_spec(tmp_path / "kill.yaml", name, enqueue=[], pruner={"name": "none"},
+                        budget={"n_trials": 3, "max_failed": 2},
+                        storage={"heartbeat_interval": 1, "grace_period": 4, "max_retry": 2},
+                        fixed={"trainer.max_steps": 20, "trainer.val_check_interval": 10})
+    survivor = launch(spec, tmp_path, server, corpus, "--machine-rank", "0", log_name="survivor.log")
+    victim = launch(spec, tmp_path, server, corpus, "--machine-rank", "1", log_name="victim.log")
+    killed = None
+    try:
+        deadline = time.monotonic() + 240
+        while killed is None and time.monotonic() < deadline:
+            time.sleep(1)
+            assert victim.poll() is None, (tmp_path / "victim.log").read_text()[-3000:]
+            try:
+                study = optuna.load_study(study_name=name, storage=server["sweeps"])
+            except KeyError:
+                continue
+            mine = [t for t in study.get_trials(states=(S.RUNNING,))
+                    if str(t.user_attrs.get("worker", "")).split(":")[1:2] == [str(victim.pid)]
+                    and "mlflow_run_id" in t.user_attrs]
+            if mine:
+                time.sleep(2)  # well inside fit
+                os.killpg(victim.pid, signal.SIGKILL)
+                victim.wait(timeout=20)
+                killed = mine[0].number
+        assert killed is not None, "the victim never started a trial"
+        assert wait(survivor, 420, tmp_path / "survivor.log") == 0, (tmp_path / "survivor.log").read_text()[-4000:]
+    finally:
+        stop(victim)
+        stop(survivor)
+
+    study = optuna.load_study(study_name=name, storage=server["sweeps"])
+    trials = {t.number: t for t in study.trials}
+    assert trials[killed].state == S.FAIL
+    retries = [t for t in study.trials if t.system_attrs.get("failed_trial") == killed]
+    assert len(retries) == 1 and retries[0].state == S.COMPLETE and retries[0].params == trials[killed].params
+    assert sum(t.state == S.COMPLETE for t in study.trials) == 3 and not study.get_trials(states=(S.RUNNING, S.WAITING))
+    client = MlflowClient(server["url"])
+    by_trial = check_one_run_per_trial(client, study, name)
+    dead = by_trial[killed]
+    assert dead.info.status == "FAILED" and dead.data.tags["optuna.state"] == "FAILED"  # reconciled by the survivor
+    assert by_trial[retries[0].number].data.tags["optuna.retry_of"] == str(killed)
+
+
+class Proxy:
+    """A TCP relay in front of the MLflow server; `down()` refuses connections like a dead server, `up()` restores."""
+
+    def __init__(self, target_port: int, port: int):
+        self.target, self.port = target_port, port
+        self.conns: list[socket.socket] = []
+        self.lock = threading.Lock()
+        self.listener = None
+        self.up()
+
+    def up(self) -> None:
+        ls = socket.socket()
+        ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        ls.bind(("127.0.0.1", self.port))
+        ls.listen(16)
+        self.listener = ls
+        threading.Thread(target=self._accept, args=(ls,), daemon=True).start()
+
+    def down(self) -> None:
+        ls, self.listener = self.listener, None
+        if ls is not None:
+            try:
+                ls.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept(); close() alone leaves it listening
+            except OSError:
+                pass
+            ls.close()
+        with self.lock:
+            for c in self.conns:
+                try:
+                    c.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                c.close()
+            self.conns.clear()
+
+    def _accept(self, ls) -> None:
+        while True:
+            try:
+                client, _ = ls.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            with self.lock:
+                self.conns += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(a, b) -> None:
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (a, b):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+
+def test_server_down_during_run_training_continues_then_replay(server, corpus, tmp_path, monkeypatch):
+    """The server disappears at step 3, returns at step 6 (kept writes flushed during training), disappears
+    again at step 9 until the end: training finishes, what is left waits in the spool, `mhc sweep replay`
+    sends it, and the run ends up complete with every step's metrics."""
+    from lightning.pytorch.callbacks import Callback
+
+    from mhc_lightning.cli import build_cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # fail fast; the guard retries on its own schedule
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    proxy = Proxy(server["port"], server["proxy_port"])
+    uri = f"http://127.0.0.1:{proxy.port}"
+    events = []
+
+    class Outage(Callback):
+        def on_train_batch_end(self, trainer, *args):
+            step = trainer.global_step
+            if step in (3, 9):
+                proxy.down()
+                events.append(("down", step))
+            elif step == 6:
+                proxy.up()
+                events.append(("up", step))
+
+    spool = tmp_path / "spool"
+    args = tiny_fit_args(corpus, uri, tmp_path / "runs", steps=12, experiment="outage", run_name="outage")[1:]
+    args = [a for a in args if not a.startswith("--trainer.logger=")]
+    logger = {"class_path": "mhc_lightning.sweeps.logger.ResilientMLFlowLogger",
+              "init_args": {"experiment_name": "outage", "run_name": "outage", "tracking_uri": uri,
+                            "spool_dir": str(spool), "retry_every": 0.05, "flush_timeout": 1.0}}
+    args += ["--trainer.log_every_n_steps=1", "--trainer.val_check_interval=4", "--model.diagnostics_every=4",
+             "--trainer.logger=" + json.dumps(logger)]
+    try:
+        with pytest.warns(RuntimeWarning, match="MLflow"):
+            cli = build_cli(args, run=False, trainer_defaults={"callbacks": [Outage()]})
+            cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+        assert cli.trainer.global_step == 12 and cli.trainer.state.finished  # training never stopped
+        assert events == [("down", 3), ("up", 6), ("down", 9)]
+        run_id = cli.trainer.logger.run_id
+        client = MlflowClient(server["url"])
+        assert client.get_run(run_id).info.status == "RUNNING"  # its end is still in the spool
+        kept = list(spool.glob(f"{run_id}/*.jsonl"))
+        assert kept and kept[0].read_text().count("\n") > 3
+        # steps 3..5 were kept and flushed once the server returned at step 6, during training
+        steps_before_replay = {m.step for m in client.get_metric_history(run_id, "train/loss")}
+        assert {3, 4, 5} <= steps_before_replay and 11 not in steps_before_replay
+        proxy.up()
+        assert runner.main(["replay", str(spool), "--tracking-uri", uri]) == 0
+    finally:
+        proxy.down()
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert {m.step for m in client.get_metric_history(run_id, "train/loss")} == set(range(12))
+    diag = {a.path for a in client.list_artifacts(run_id, "diagnostics")}
+    assert "diagnostics/per_layer_step0000012.json" in diag  # an artifact logged while the server was down
+    assert not list(spool.glob("*/*.jsonl"))
