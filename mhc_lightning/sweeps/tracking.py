@@ -5,8 +5,9 @@
 Outage policy (docs/sweeps.md, "When the MLflow server is down"):
 - at start, an unreachable server is an error that names the URL (`check_tracking`);
 - during a run, every write that fails because the server is unreachable is kept, in order, in a
-  spool file on local disk (artifacts are copied there) and retried at most every `retry_every`
-  seconds; training never waits on the server for longer than one failed request;
+  spool file on local disk (artifacts are copied there) and retried after `retry_every` seconds,
+  then after twice as long while it keeps failing (up to 10 min); training waits on the server for
+  at most one failed request per retry;
 - at the end of fit the spool is retried for up to `flush_timeout` seconds; what is still left stays
   on disk and `mhc sweep replay <spool dir> --tracking-uri URI` sends it later, original timestamps kept.
 """
@@ -26,7 +27,7 @@ from typing import Any, Optional
 
 # Fail fast instead of MLflow's default 7 retries with exponential backoff (minutes per call).
 _HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-                  "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+                  "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
 PARENT_TAG, TRIAL_TAG, STUDY_TAG, ROLE_TAG, STATE_TAG = (
     "mlflow.parentRunId", "optuna.trial", "optuna.study_name", "optuna.role", "optuna.state")
 
@@ -100,6 +101,7 @@ class GuardedClient:
         self._file: Optional[Path] = None  # this guard's journal; created at the first failure
         self._pending = 0
         self._last_try = 0.0
+        self._delay = retry_every  # doubles while retries keep failing (a black-holed server costs a timeout each)
         self.dropped = 0
 
     @property
@@ -129,13 +131,16 @@ class GuardedClient:
         """Send the spooled writes; True when nothing is left. Tries at most every retry_every seconds."""
         if not self._pending:
             return True
-        if not force and time.monotonic() - self._last_try < self.retry_every:
+        if not force and time.monotonic() - self._last_try < self._delay:
             return False
         self._last_try = time.monotonic()
         left = replay_file(self._file, self._client)
         self._pending = left
-        if not left:
+        if left:
+            self._delay = min(2 * self._delay, max(self.retry_every, 600.0))
+        else:
             self._file = None  # replay_file removed it; the next outage starts a new one
+            self._delay = self.retry_every
         return left == 0
 
     def drain(self, timeout: float, uri: str = "") -> bool:
