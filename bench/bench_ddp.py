@@ -1,0 +1,406 @@
+#!/usr/bin/env python3
+"""DDP on GPUs through the platform itself: a correctness check, then scaling of residual and mHC training.
+
+Every run is a real `mhc fit` (started as `python -m mhc_lightning.cli fit ...`, which Lightning's DDP launcher
+re-executes once per extra rank) composed from the repo's presets: conf/machine/gpu.yaml for one GPU,
+conf/machine/ddp.yaml for two, conf/machine/fsdp.yaml for the FSDP check. No downloads: the text is generated.
+
+1. check (fp32, small mHC model with the fused kernels, corpus order, same global batch 8 everywhere):
+   1 GPU vs DDP on 2 vs FSDP on 2 — per-step loss of the global batch, identical weights / optimizer state /
+   diagnostics on every DDP rank, one MLflow run for the DDP fit (when mlflow is importable).
+2. bench (bf16-mixed, C=1024, 12 blocks, B=8 per GPU, T=2048, kernel_backend auto = Triton on CUDA):
+   steady-state tokens/s of residual and mHC on 1 and 2 GPUs, from CUDA events at every step end after warm-up
+   (no extra synchronisation inside the timed window). Scaling efficiency = tok/s(2) / (2 x tok/s(1)).
+
+    python bench/bench_ddp.py --out $OUT          # GPU machine with >= 2 GPUs, ~4-5 minutes
+    python bench/bench_ddp.py --smoke             # CPU, gloo, tiny shapes: exercises every code path
+Writes bench_ddp.json and bench_ddp_logs.txt (the runs' logs) to --out (default $OUT, else ./out/bench_ddp).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import lightning as L
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+CONF = REPO / "conf"
+WORDS = ("the king speaks of love and honour while a storm rolls over the sea and every lord in the hall waits "
+         "for news from the north with fear but no one knows what the queen will say when she returns at dawn "
+         "from her long ride across the frozen hills").split()
+
+
+def make_corpus(path: Path, n_bytes: int, seed: int = 0) -> None:
+    """English-like sentences of random words (never constant, never zeros)."""
+    rng = random.Random(seed)
+    out, size = [], 0
+    while size < n_bytes:
+        s = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 16))).capitalize() + rng.choice(".!?;") + " "
+        out.append(s)
+        size += len(s)
+    path.write_text("".join(out))
+
+
+# ---- callbacks loaded inside the `mhc fit` processes (bench/ is on their PYTHONPATH) -------------------------
+class Throughput(L.Callback):
+    """Step times after `warmup` optimizer steps; rank 0 writes them (and tokens/s of the global batch) to `out`.
+
+    On CUDA: one event recorded at every step end, read after training, so the timed window has no host sync.
+    """
+
+    def __init__(self, warmup: int, out: str):
+        self.warmup, self.out = warmup, out
+        self.events: list = []
+        self.walls: list[float] = []
+        self.tokens_per_step = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step  # optimizer steps done, this one included
+        if step < self.warmup:
+            return
+        if step == self.warmup:
+            self.tokens_per_step = batch[0].numel() * trainer.world_size
+        if pl_module.device.type == "cuda":
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.events.append(ev)
+        self.walls.append(time.perf_counter())
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        cuda = pl_module.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+            times = [a.elapsed_time(b) for a, b in zip(self.events, self.events[1:])]
+        else:
+            times = [1e3 * (b - a) for a, b in zip(self.walls, self.walls[1:])]
+        if trainer.global_rank != 0 or not times:
+            return
+        mean = sum(times) / len(times)
+        med = statistics.median(times)
+        cfg = pl_module.arch
+        record = {
+            "mode": cfg.hyper.residual_mode, "world_size": trainer.world_size,
+            "strategy": type(trainer.strategy).__name__, "precision": str(trainer.precision),
+            "kernel_backend": cfg.hyper.kernel_backend, "d_model": cfg.d_model, "n_layers": cfg.n_layers,
+            "params": sum(p.numel() for p in pl_module.parameters()),
+            "tokens_per_step": self.tokens_per_step, "timed_steps": len(times),
+            "step_ms_mean": mean, "step_ms_median": med, "step_ms_min": min(times), "step_ms_max": max(times),
+            "tokens_per_s": self.tokens_per_step / (mean / 1e3),
+            "tokens_per_s_median_step": self.tokens_per_step / (med / 1e3),
+            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+            "step_ms": times,
+        }
+        Path(self.out).write_text(json.dumps(record, indent=1))
+
+
+class CheckProbe(L.Callback):
+    """Per rank: the global-batch loss of each step, state digests (not under FSDP: shards differ by design),
+    the diagnostics each rank holds, and how the optimizer groups weight decay -> <dirpath>/rank<r>.json."""
+
+    def __init__(self, dirpath: str):
+        self.dirpath = Path(dirpath)
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        from mhc_lightning.distributed import mean_across_ranks
+
+        loss = outputs["loss"].detach().float() if isinstance(outputs, dict) else torch.tensor(float("nan"))
+        self.losses.append(float(mean_across_ranks(loss, pl_module.device)))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        from mhc_lightning.distributed import _sharded, state_digests
+
+        groups = [{"weight_decay": g["weight_decay"], "params": len(g["params"]),
+                   "numel": sum(p.numel() for p in g["params"]), "matrices": sum(p.ndim == 2 for p in g["params"])}
+                  for g in trainer.optimizers[0].param_groups]
+        record = {"rank": trainer.global_rank, "world_size": trainer.world_size,
+                  "strategy": type(trainer.strategy).__name__, "losses": self.losses,
+                  "digests": None if _sharded(trainer) else state_digests(trainer, pl_module),
+                  "per_layer": pl_module.last_per_layer, "param_groups": groups}
+        self.dirpath.mkdir(parents=True, exist_ok=True)
+        (self.dirpath / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+# ---- driver -----------------------------------------------------------------------------------------------
+def _cb(cls: str, **init_args) -> str:
+    return "--trainer.callbacks+=" + json.dumps({"class_path": cls, "init_args": init_args})
+
+
+def _env(smoke: bool) -> dict:
+    env = dict(os.environ)  # keeps the machine's NCCL settings (e.g. NCCL_NVLS_ENABLE=0)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), str(REPO / "bench"), env.get("PYTHONPATH")) if p)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.setdefault("OMP_NUM_THREADS", "1" if smoke else "4")
+    env.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
+    env.pop("MLFLOW_TRACKING_URI", None)
+    return env
+
+
+def run_fit(name: str, args: list[str], work: Path, smoke: bool, timeout: int) -> tuple[int, float, str]:
+    log = work / f"{name}.log"
+    t0 = time.time()
+    cmd = [sys.executable, "-m", "mhc_lightning.cli", "fit", *args]
+    try:
+        with log.open("w") as f:
+            f.write(" ".join(cmd) + "\n\n")
+            f.flush()
+            rc = subprocess.run(cmd, cwd=work, env=_env(smoke), stdout=f, stderr=subprocess.STDOUT,
+                                timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+        rc = 124
+    dt = time.time() - t0
+    text = log.read_text()
+    print(f"  {name}: exit {rc} in {dt:.0f} s" + ("" if rc == 0 else f"\n{text[-3000:]}"), flush=True)
+    return rc, dt, text
+
+
+def machine_args(smoke: bool, devices: int, fsdp: bool = False) -> list[str]:
+    if smoke:
+        if devices == 1:
+            return ["-c", str(CONF / "machine" / "cpu.yaml")]
+        return ["-c", str(CONF / "machine" / "ddp-cpu.yaml"), f"--trainer.devices={devices}"]
+    if devices == 1:
+        return ["-c", str(CONF / "machine" / "gpu.yaml")]
+    preset = "fsdp.yaml" if fsdp else "ddp.yaml"
+    return ["-c", str(CONF / "machine" / preset), f"--trainer.devices={devices}"]
+
+
+def common_args(corpus: Path, root: Path, steps: int, d_model: int, layers: int, heads: int, seq: int,
+                batch: int, diagnostics_every: int) -> list[str]:
+    return [
+        f"--seed_everything=1234", f"--data.corpus={corpus}", f"--data.seq_len={seq}", f"--data.batch_size={batch}",
+        "--data.val_fraction=0.02", f"--model.arch.d_model={d_model}", f"--model.arch.n_layers={layers}",
+        f"--model.arch.n_heads={heads}", f"--model.diagnostics_every={diagnostics_every}",
+        "--model.optim.lr=1e-3", "--model.optim.warmup_steps=5",
+        f"--trainer.max_steps={steps}", "--trainer.limit_val_batches=0", "--trainer.num_sanity_val_steps=0",
+        "--trainer.val_check_interval=null", "--trainer.check_val_every_n_epoch=null",
+        "--trainer.enable_checkpointing=false", "--trainer.callbacks=[]", "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false", "--trainer.log_every_n_steps=10", f"--trainer.default_root_dir={root}",
+    ]
+
+
+def _mlflow_available() -> bool:
+    try:
+        import mlflow  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def check_phase(args, work: Path, corpus: Path) -> dict:
+    """1 device vs DDP on 2 (vs FSDP on 2 on GPUs): same global batch, fp32, corpus order."""
+    print("check: DDP (and FSDP) against one device at the same global batch, fp32", flush=True)
+    steps, global_batch = 6, 8
+    shape = dict(d_model=64, layers=2, heads=2, seq=64) if args.smoke else dict(d_model=256, layers=4, heads=4, seq=256)
+    runs = [("one", 1, False), ("ddp", 2, False)] + ([] if args.smoke else [("fsdp", 2, True)])
+    use_mlflow = _mlflow_available()
+    out: dict = {"steps": steps, "global_batch": global_batch, **shape, "runs": {}}
+    for name, devices, fsdp in runs:
+        probe = work / "check" / name
+        a = ["-c", str(CONF / "base.yaml"), "-c", str(CONF / "model" / "mhc.yaml"), *machine_args(args.smoke, devices, fsdp),
+             *common_args(corpus, work / "check" / "root", steps, batch=global_batch // devices,
+                          diagnostics_every=2, **shape),
+             "--data.shuffle=false", "--trainer.precision=32-true", "--trainer.gradient_clip_val=null",
+             _cb("bench_ddp.CheckProbe", dirpath=str(probe))]
+        if name == "ddp":
+            a.append(_cb("mhc_lightning.distributed.RankConsistencyCheck", every_n_steps=1, on_mismatch="warn"))
+        if use_mlflow:
+            logger = {"class_path": "lightning.pytorch.loggers.MLFlowLogger", "init_args": {
+                "experiment_name": f"check-{name}", "run_name": name, "log_model": False,
+                "tracking_uri": f"sqlite:///{work / 'check' / 'mlflow.db'}"}}
+            a += ["--trainer.logger=" + json.dumps(logger), "--trainer.log_every_n_steps=1"]
+        else:
+            a.append("--trainer.logger=false")
+        rc, dt, text = run_fit(f"check-{name}", a, work, args.smoke, args.timeout)
+        rec = {"exit": rc, "seconds": round(dt, 1)}
+        files = sorted(probe.glob("rank*.json")) if rc == 0 else []
+        if files:
+            ranks = [json.loads(f.read_text()) for f in files]
+            rec.update(losses=ranks[0]["losses"], world_size=ranks[0]["world_size"],
+                       param_groups=ranks[0]["param_groups"], strategy=ranks[0]["strategy"])
+            if ranks[0]["digests"] is not None:
+                rec["ranks_equal_state"] = all(r["digests"] == ranks[0]["digests"] for r in ranks)
+            rec["ranks_equal_diagnostics"] = all(r["per_layer"] == ranks[0]["per_layer"] for r in ranks)
+            rec["diagnostics_recorded"] = bool(ranks[0]["per_layer"])
+            rec["rank_consistency_warning"] = "RankConsistencyCheck" in text and "hold different" in text
+        out["runs"][name] = rec
+    ref = out["runs"]["one"].get("losses")
+    for name in [r for r in out["runs"] if r != "one"]:
+        rec = out["runs"][name]
+        if ref and rec.get("losses"):
+            rel = [abs(a - b) / abs(b) for a, b in zip(rec["losses"], ref)]
+            rec["max_rel_loss_diff_vs_one"] = max(rel)
+            rec["losses_match"] = len(rec["losses"]) == len(ref) and max(rel) <= 1e-3
+    if use_mlflow and out["runs"]["ddp"].get("exit") == 0:
+        import mlflow
+
+        client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{work / 'check' / 'mlflow.db'}")
+        exp = client.get_experiment_by_name("check-ddp")
+        found = client.search_runs([exp.experiment_id]) if exp else []
+        out["mlflow_ddp_runs"] = len(found)
+        if found:
+            hist = client.get_metric_history(found[0].info.run_id, "train/loss")
+            out["mlflow_ddp_train_loss_points"] = len(hist)
+            out["mlflow_ddp_has_amax"] = "amax/composite_fwd_max" in found[0].data.metrics
+    for name, rec in out["runs"].items():
+        extra = ""
+        if "max_rel_loss_diff_vs_one" in rec:
+            extra = f" max rel loss diff vs 1 device {rec['max_rel_loss_diff_vs_one']:.2e}"
+        if "ranks_equal_state" in rec:
+            extra += f", ranks equal state {rec['ranks_equal_state']}"
+        if "ranks_equal_diagnostics" in rec:
+            extra += f", ranks equal diagnostics {rec['ranks_equal_diagnostics']}"
+        print(f"  {name}: exit {rec['exit']}{extra}", flush=True)
+    return out
+
+
+def bench_phase(args, work: Path, corpus: Path) -> dict:
+    print(f"bench: {args.modes} on 1 and {args.gpus} devices, C={args.d_model}, {args.layers} blocks, "
+          f"B={args.batch}/device, T={args.seq}, {args.warmup} warm-up + {args.steps} timed steps", flush=True)
+    results: dict = {}
+    for devices in (1, args.gpus):
+        for mode in args.modes:
+            name = f"{mode}-{devices}"
+            out = work / f"{name}.json"
+            precision = "32-true" if args.smoke else "bf16-mixed"
+            a = ["-c", str(CONF / "base.yaml"), "-c", str(CONF / "model" / f"{mode}.yaml"),
+                 *machine_args(args.smoke, devices),
+                 *common_args(corpus, work / "root", args.warmup + args.steps, args.d_model, args.layers, args.heads,
+                              args.seq, args.batch, args.diagnostics_every),
+                 f"--trainer.precision={precision}", "--trainer.logger=false",
+                 _cb("bench_ddp.Throughput", warmup=args.warmup, out=str(out))]
+            rc, dt, _ = run_fit(name, a, work, args.smoke, args.timeout)
+            rec = json.loads(out.read_text()) if rc == 0 and out.exists() else {"exit": rc}
+            rec["seconds"] = round(dt, 1)
+            results[name] = rec
+            if "tokens_per_s" in rec:
+                print(f"    {rec['tokens_per_s']:,.0f} tok/s, step {rec['step_ms_mean']:.1f} ms mean / "
+                      f"{rec['step_ms_median']:.1f} median, peak {rec['peak_mem_gib'] or 0:.1f} GiB", flush=True)
+    return results
+
+
+def summary(results: dict, modes: list[str], gpus: int) -> dict:
+    s: dict = {"scaling_efficiency": {}, "x_residual": {}}
+    for mode in modes:
+        one, many = results.get(f"{mode}-1", {}), results.get(f"{mode}-{gpus}", {})
+        if "tokens_per_s" in one and "tokens_per_s" in many:
+            s["scaling_efficiency"][mode] = many["tokens_per_s"] / (gpus * one["tokens_per_s"])
+    if "residual" in modes:
+        for mode in modes:
+            for d in (1, gpus):
+                r, m = results.get(f"residual-{d}", {}), results.get(f"{mode}-{d}", {})
+                if "step_ms_mean" in r and "step_ms_mean" in m:
+                    s["x_residual"].setdefault(mode, {})[str(d)] = m["step_ms_mean"] / r["step_ms_mean"]
+    return s
+
+
+def print_table(results: dict, s: dict, modes: list[str], gpus: int) -> None:
+    print(f"\n| variant | tok/s, 1 device | tok/s, {gpus} devices | scaling efficiency | step ms 1 / {gpus} | "
+          f"x residual, 1 | x residual, {gpus} |")
+    print("|---|---|---|---|---|---|---|")
+    for mode in modes:
+        one, many = results.get(f"{mode}-1", {}), results.get(f"{mode}-{gpus}", {})
+        eff = s["scaling_efficiency"].get(mode)
+        xr = s["x_residual"].get(mode, {})
+        f = lambda v, fmt: format(v, fmt) if v is not None else "n/a"  # noqa: E731
+        print(f"| {mode} | {f(one.get('tokens_per_s'), ',.0f')} | {f(many.get('tokens_per_s'), ',.0f')} | "
+              f"{f(eff * 100 if eff is not None else None, '.1f')} % | {f(one.get('step_ms_mean'), '.1f')} / "
+              f"{f(many.get('step_ms_mean'), '.1f')} | {f(xr.get('1'), '.3f')} | {f(xr.get(str(gpus)), '.3f')} |")
+
+
+def environment() -> dict:
+    env = {"python": platform.python_version(), "torch": torch.__version__, "lightning": L.__version__,
+           "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host_cpus": os.cpu_count()}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+        env["gpus"] = torch.cuda.device_count()
+        env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        try:
+            env["topology"] = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True,
+                                             timeout=30).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            env["topology"] = None
+    env["nccl_env"] = {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "TORCH_SYMM", "NVSHMEM_"))}
+    return env
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny shapes (checks the script, not speed)")
+    p.add_argument("--out", default=os.environ.get("OUT") or "out/bench_ddp")
+    p.add_argument("--gpus", type=int, default=2)
+    p.add_argument("--modes", default="residual,mhc")
+    p.add_argument("--d-model", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=12, help="blocks (each = attention + MLP sublayer)")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=8, help="per device")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--steps", type=int, default=40, help="timed steps")
+    p.add_argument("--diagnostics-every", type=int, default=0,
+                   help="0: pure training throughput; the check phase always runs the diagnostics")
+    p.add_argument("--timeout", type=int, default=240, help="seconds per `mhc fit`")
+    p.add_argument("--work", default=None, help="folder for runs and logs (default: a new temporary folder)")
+    p.add_argument("--no-check", action="store_true")
+    p.add_argument("--no-bench", action="store_true")
+    args = p.parse_args(argv)
+    args.modes = [m for m in args.modes.split(",") if m]
+    if args.smoke:
+        args.d_model, args.layers, args.heads, args.seq, args.batch = 64, 2, 2, 64, 4
+        args.warmup, args.steps, args.timeout = 3, 5, min(args.timeout, 300)
+    elif torch.cuda.device_count() < args.gpus:
+        print(f"needs {args.gpus} CUDA devices, found {torch.cuda.device_count()} (use --smoke on CPU)")
+        return 2
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    # runs, logs and the corpus stay outside --out: only the JSON and one log file go back from a device machine
+    work = Path(args.work).resolve() if args.work else Path(tempfile.mkdtemp(prefix="bench_ddp_"))
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    corpus = work / "corpus.txt"
+    # enough windows for the longest run: every device its own batches, plus the validation split
+    need = int((args.warmup + args.steps + 8) * args.batch * args.gpus * (args.seq + 1) * 1.2) + 2_000_000
+    make_corpus(corpus, need if not args.smoke else 400_000)
+    report: dict = {"args": vars(args), "environment": environment()}
+    print(json.dumps({k: v for k, v in report["environment"].items() if k != "topology"}), flush=True)
+    if report["environment"].get("topology"):
+        print(report["environment"]["topology"], flush=True)
+    path = out / "bench_ddp.json"
+    if not args.no_check:
+        report["check"] = check_phase(args, work, corpus)
+        path.write_text(json.dumps(report, indent=1))
+    if not args.no_bench:
+        report["bench"] = bench_phase(args, work, corpus)
+        report["summary"] = summary(report["bench"], args.modes, args.gpus)
+        print_table(report["bench"], report["summary"], args.modes, args.gpus)
+    report["seconds"] = round(time.time() - t0, 1)
+    path.write_text(json.dumps(report, indent=1))
+    # the logs travel back with the JSON, in one file (the device tool returns few files)
+    with open(out / "bench_ddp_logs.txt", "w") as f:
+        for log in sorted(work.glob("*.log")):
+            f.write(f"==== {log.name}\n{log.read_text()[-20000:]}\n")
+    print(f"\nwrote {path} ({report['seconds']:.0f} s)")
+    ok_check = all(r.get("exit") == 0 for r in report.get("check", {}).get("runs", {}).values())
+    ok_bench = all("tokens_per_s" in r for r in report.get("bench", {}).values())
+    return 0 if ok_check and ok_bench else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
