@@ -101,6 +101,9 @@ class TrialRunner:
         # Optuna has no public accessor for a running trial's system attrs (where the retry callback
         # records the original trial), hence the storage call.
         sys_attrs = trial.study._storage.get_trial_system_attrs(trial._trial_id)
+        # a re-queued trial inherits the original's user attributes: clear the outcome of the old attempt
+        trial.set_user_attr("error", None)
+        trial.set_user_attr("interrupted", False)
         trial.set_user_attr("worker", self.worker["id"])
         trial.set_user_attr("sampler_seed", self.worker["seed"])
         run_id = self.tracker.start_trial(trial, values, self.worker, retry_of=sys_attrs.get("failed_trial"))

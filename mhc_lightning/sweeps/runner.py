@@ -176,7 +176,7 @@ def counts(study) -> dict[str, int]:
     return {"complete": c[TrialState.COMPLETE], "pruned": c[TrialState.PRUNED], "failed": c[TrialState.FAIL],
             "running": c[TrialState.RUNNING], "waiting": c[TrialState.WAITING],
             # trials whose objective raised (not interrupted, not heartbeat-stale): what max_failed limits
-            "errors": sum(t.state == TrialState.FAIL and "error" in t.user_attrs and not t.user_attrs.get("interrupted")
+            "errors": sum(t.state == TrialState.FAIL and t.user_attrs.get("error") and not t.user_attrs.get("interrupted")
                           for t in trials)}
 
 
@@ -277,6 +277,7 @@ def run_worker(sweep: Sweep, index: int, machine: int, threads: Optional[int] = 
                 time.sleep(POLL_S)  # the last trials run elsewhere; stay to re-run them if their worker dies
                 continue
             study.optimize(runner, n_trials=1, catch=(Exception,), gc_after_trial=True)
+            runner.current = None  # an interrupt from now on is not inside a trial
     except KeyboardInterrupt:
         # The interrupted trial is FAIL now; queue it again so that a re-run of the sweep resumes it.
         t = runner.current
