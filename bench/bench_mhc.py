@@ -2,6 +2,8 @@
 
     python bench/bench_mhc.py [--out DIR] [--shapes 1,2] [--ref-compile] [--budget-s 420]
     python bench/bench_mhc.py --smoke        # CPU, Triton interpreter, tiny shapes: checks the script only
+    python bench/bench_mhc.py --quick --sweep --out $OUT   # ~2-3 min on an H200: residual + ours eager at both
+        shapes, per-kernel table, sweep of the launch variants that have not been timed yet (SWEEP_QUICK)
 
 Stack = pre-norm causal attention (SDPA) and pre-norm SwiGLU MLP sublayers in bf16; streams are expanded
 once after the input and sum-collapsed at the end. Variants: residual; mHC through the project's
@@ -33,6 +35,8 @@ p.add_argument("--budget-s", type=float, default=420.0, help="skip remaining sta
 p.add_argument("--no-kernels", action="store_true", help="skip the per-kernel bandwidth table")
 p.add_argument("--sweep", action="store_true", help="try launch configs per kernel at the first shape, keep the best")
 p.add_argument("--smoke", action="store_true", help="CPU + Triton interpreter at tiny shapes")
+p.add_argument("--quick", action="store_true",
+               help="only residual + ours (eager) per shape, per-kernel table; --sweep then tries only SWEEP_QUICK")
 args = p.parse_args()
 if args.smoke:
     os.environ["TRITON_INTERPRET"] = "1"
@@ -131,8 +135,8 @@ class MiniHyper(nn.Module):
 
     def forward(self, x):
         ops = fused if self.backend == "triton" else R
-        h_pre, h_post, h_res = ops.mhc_coefficients(x, self.phi, self.bias, self.alpha, sinkhorn_iters=20)
-        return ops.stream_post_res(x, self.branch(ops.stream_pre(x, h_pre)), h_post, h_res)
+        u, _, h_post, h_res = ops.mhc_pre(x, self.phi, self.bias, self.alpha, sinkhorn_iters=20)
+        return ops.stream_post_res(x, self.branch(u), h_post, h_res)
 
 
 class Hyper(nn.Module):
@@ -259,8 +263,7 @@ def check_ops(c, tokens):
     outs = []
     for ops, ins in ((fused, leaves), (R, refs)):
         xx, ph, bb, aa, ff = ins
-        h_pre, h_post, h_res = ops.mhc_coefficients(xx, ph, bb, aa, sinkhorn_iters=20)
-        u = ops.stream_pre(xx, h_pre)
+        u, h_pre, h_post, h_res = ops.mhc_pre(xx, ph, bb, aa, sinkhorn_iters=20)  # the model's path
         y = ops.stream_post_res(xx, ff * u, h_post, h_res)
         outs.append([h_pre, h_post, h_res, u, y])
     torch.manual_seed(2)
@@ -320,7 +323,16 @@ def kernel_table(c, tokens, copy_bw):
     e, f32 = x.element_size(), 4
     N, NC = tokens, n * c
     small = N * (2 * n + n * n) * f32  # h_pre, h_post, h_res
+    pre_bwd_args = (x, phi, bias, alpha, lg, rinv, h_pre, du, *dh, 20, 1e-6, True, False, 2.0)
     rows = [
+        # the model's path: fused pre op (coefficients + u from one read of x; one dx in the backward)
+        ("mhc_pre fwd (coef + u)", lambda: K.mhc_pre_fwd(x, phi, bias, alpha, *opts),
+         N * NC * e + NC * m * e + small + N * (m + 1) * f32 + N * c * e),
+        ("mhc_pre bwd, per token (<du,x>+Sinkhorn)",
+         lambda: K.bwd_tok(x, phi, bias, alpha, lg, rinv, *dh, 20, 1e-6, True, False, 2.0, du=du),
+         N * NC * e + N * c * e + small + 2 * N * (m + 1) * f32),
+        ("mhc_pre bwd (whole op)", lambda: K.mhc_pre_bwd(*pre_bwd_args),
+         2 * N * NC * e + 2 * N * c * e + 2 * NC * m * e + small + N * (m + 1) * f32),
         ("coef fwd (GEMM+rms+sigma+Sinkhorn)", lambda: K.coef_fwd(x, phi, bias, alpha, *opts),
          N * NC * e + NC * m * e + small + N * (m + 1) * f32),
         ("coef bwd, per token (Sinkhorn bwd)",
@@ -345,6 +357,19 @@ def kernel_table(c, tokens, copy_bw):
     return out
 
 
+# --quick --sweep: only what no GPU run has timed yet (the new kernels / variants), at C=1024 and C=2048 (each
+# shape keeps its own winner when --quick: they differ for post_bwd whole-row tiles).
+SWEEP_QUICK = {
+    "post_bwd": [dict(BT=bt, BC=bc, num_warps=w, impl=impl) for bt, bc, w, impl in
+                 [(2, 256, 4, "loop"), (4, 256, 4, "2d"), (2, 512, 4, "2d"), (1, 4096, 4, "2d"), (1, 4096, 8, "2d"),
+                  (2, 4096, 8, "2d")]],
+    "coef_fwd": [dict(BT=bt, BK=bk, num_warps=w, num_stages=st, BC=bc, split_tail=sp) for bt, bk, w, st, bc, sp in
+                 [(64, 64, 4, 3, 64, False), (64, 64, 4, 3, 64, True), (32, 128, 4, 3, 128, True),
+                  (16, 128, 4, 3, 256, True), (32, 128, 4, 3, 128, False)]],
+    "coef_tail": [dict(BT=bt, num_warps=w) for bt, w in [(16, 4), (32, 4), (8, 2)]],
+    "coef_bwd_tok": [dict(BT=bt, num_warps=w, BC=bc) for bt, w, bc in [(64, 4, 64), (32, 4, 128), (16, 4, 256)]],
+}
+
 SWEEP = {
     "coef_fwd": [dict(BT=bt, BK=bk, num_warps=w, num_stages=st) for bt, bk, w, st in
                  [(32, 128, 4, 3), (16, 128, 4, 3), (64, 64, 4, 3), (32, 256, 8, 3)]],
@@ -359,8 +384,8 @@ SWEEP = {
 }
 
 
-def sweep(c, tokens):
-    """Time every SWEEP config of each kernel, keep the fastest in K.CONFIG; returns the log."""
+def sweep(c, tokens, table=None):
+    """Time every config of each kernel in table (default SWEEP), keep the fastest in K.CONFIG; returns the log."""
     torch.manual_seed(5)
     n, m = N_STREAMS, R.mhc_logit_count(N_STREAMS)
     x = torch.randn(tokens, n, c, device=DEV, dtype=DT)
@@ -372,9 +397,11 @@ def sweep(c, tokens):
     dh = [torch.randn_like(h) for h in (h_pre, h_post, h_res)]
     dl, dss, _ = K.bwd_tok(x, phi, bias, alpha, lg, rinv, *dh, 20, 1e-6, True, False, 2.0)
     dx = torch.empty_like(x)
+    # coefficient kernels are timed on the model's path: the fused pre op (u in the forward, du in the backward)
     calls = {
-        "coef_fwd": lambda: K.coef_fwd(x, phi, bias, alpha, *opts),
-        "coef_bwd_tok": lambda: K.bwd_tok(x, phi, bias, alpha, lg, rinv, *dh, 20, 1e-6, True, False, 2.0),
+        "coef_fwd": lambda: K.mhc_pre_fwd(x, phi, bias, alpha, *opts),
+        "coef_tail": lambda: K.mhc_pre_fwd(x, phi, bias, alpha, *opts),
+        "coef_bwd_tok": lambda: K.bwd_tok(x, phi, bias, alpha, lg, rinv, *dh, 20, 1e-6, True, False, 2.0, du=du),
         "coef_bwd_x": lambda: K.bwd_x(x, phi, dl, dss, dx),
         "pre_fwd": lambda: K.pre_fwd(x, h_pre),
         "pre_bwd": lambda: K.pre_bwd(du, x, h_pre),
@@ -382,7 +409,9 @@ def sweep(c, tokens):
         "post_bwd": lambda: K.post_bwd(g, x, f, h_post, h_res),
     }
     log = {}
-    for name, cfgs in SWEEP.items():
+    for name, cfgs in (table or SWEEP).items():
+        if name == "coef_tail" and not K.CONFIG["coef_fwd"].get("split_tail"):
+            continue  # only matters when the split tail won
         res = []
         for cfg in cfgs:
             K.CONFIG[name] = cfg
@@ -459,10 +488,15 @@ def main():
         shapes = {"1": (64, 4, 1, 2, 16), "2": (96, 4, 1, 1, 24)}
     rows, checks, kernels = [], {}, []
     STATE.update(info=info, checks=checks, stack=rows, kernels=kernels)
-    STATE["sweep"] = sweep(*((1024, 16384) if not args.smoke else (64, 40))) if args.sweep else None
+    STATE["sweep"] = {}
+    if args.sweep and not args.quick:
+        STATE["sweep"] = sweep(*((1024, 16384) if not args.smoke else (64, 40)))
     for key in args.shapes.split(","):
         c, heads, blocks, b, t = shapes[key]
         print(f"== C={c} sublayers={2 * blocks} B={b} T={t}", flush=True)
+        if args.sweep and args.quick:  # per shape: the winners (CONFIG) then apply to this shape's stack
+            STATE["sweep"][f"C{c}"] = sweep(c, b * t if not args.smoke else 40, SWEEP_QUICK)
+            STATE.setdefault("config_per_shape", {})[f"C{c}"] = copy.deepcopy(K.CONFIG)
         checks[f"C{c}_ops"] = check_ops(c, min(b * t, 4096))
         checks[f"C{c}_stack"] = check_stack(c, heads, min(blocks, 2), 1, min(t, 512))
         print("  checks", checks[f"C{c}_ops"], checks[f"C{c}_stack"], flush=True)
@@ -483,6 +517,8 @@ def main():
             variants.append(("reference ops+compile", lambda: torch.compile(Hyper(c, heads, blocks, "torch").to(DEV, DT))))
         if args.smoke:
             variants = [v for v in variants if "compile" not in v[0] and "liger" not in v[0] and "lucid" not in v[0]]
+        if args.quick:
+            variants = [v for v in variants if v[0] in ("residual", "ours (fused)")]
         for name, make in variants:
             run_variant(name, make, x, rows, base)
     for c in sorted({r["C"] for r in rows}):

@@ -56,7 +56,7 @@ def _f64(ts):
 
 
 def _grads(outs, ins, gs):
-    loss = sum((o * g.to(o.dtype)).sum() for o, g in zip(outs, gs) if o is not None)
+    loss = sum((o * g.to(o.dtype)).sum() for o, g in zip(outs, gs) if o is not None and g is not None)
     return torch.autograd.grad(loss, ins)
 
 
@@ -148,12 +148,15 @@ def test_stream_pre(n, dtype):
             check(a, b, tol[2], name)
 
 
-@pytest.fixture(params=["loop", "2d"])
+@pytest.fixture(params=[("loop", 2, 256), ("2d", 8, 16), ("2d", 4, 4096)], ids=["loop", "2d-partials", "2d-rows"])
 def post_bwd_impl(request):
-    """Both stream_post_res backward kernels (ops.CONFIG selects one)."""
+    """Both stream_post_res backward kernels (ops.CONFIG selects one); the 2-D one with several C blocks
+    (partials summed afterwards) and with one C block per row (direct writes)."""
+    impl, bt, bc = request.param
     saved = dict(ops.CONFIG["post_bwd"])
-    ops.CONFIG["post_bwd"] = dict(saved, impl=request.param)
-    yield request.param
+    # C=1024 on CUDA: 4 blocks of 256; on CPU (C = 24, 40) 2-3 blocks of 16
+    ops.CONFIG["post_bwd"] = dict(saved, impl=impl, BT=bt, BC=256 if CUDA and bc == 16 else bc)
+    yield impl
     ops.CONFIG["post_bwd"] = saved
 
 
@@ -178,6 +181,76 @@ def test_stream_post_res(n, dtype, with_res, post_bwd_impl):
         names = ("dx", "df", "dh_post", "dh_res")
         for name, a, b in zip(names, _grads([out], ins, [g]), _grads([ref], ref_in, [g])):
             check(a, b, tol[2], name)
+
+
+def test_reference_mhc_pre_is_the_composition():
+    torch.manual_seed(12)
+    x, phi, bias, alpha = _coef_inputs((5,), 8, 4, torch.float64)
+    kw = dict(sinkhorn_iters=3, exact_axis="cols", res_layout="dst_src")
+    u, *h = R.mhc_pre(x, phi, bias, alpha, **kw)
+    h_ref = R.mhc_coefficients(x, phi, bias, alpha, **kw)
+    for a, b in zip(h, h_ref):
+        assert torch.equal(a, b)
+    assert torch.equal(u, R.stream_pre(x, h_ref[0]))
+
+
+def _run_pre(inputs, dtype, used=(True, True, True, True), **kw):
+    """Fused mhc_pre vs the float64 reference composition: outputs and every input gradient, with upstream
+    gradients on the outputs in `used` only (du = None exercises the coefficient-only backward)."""
+    x, phi, bias, alpha = inputs
+    out = fused.mhc_pre(x, phi, bias, alpha, **kw)
+    ref_in = _f64(inputs)
+    ref = R.mhc_pre(*ref_in, **kw)
+    gs = [None if r is None or not k else torch.randn_like(r) for r, k in zip(ref, used)]
+    g_out = _grads(out, inputs, gs)
+    g_ref = _grads(ref, ref_in, gs)
+    t_h, t_res, t_g = TOL[dtype]
+    assert out[0].dtype == x.dtype
+    for name, a, b, t in zip(("u", "h_pre", "h_post", "h_res"), out, ref, (t_h, t_h, t_h, t_res)):
+        if b is None:
+            assert a is None
+        else:
+            check(a, b, t, name)
+    for name, a, b in zip(("dx", "dphi", "dbias", "dalpha"), g_out, g_ref):
+        check(a, b, t_g, name)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+@pytest.mark.parametrize("mode", ["rows", "cols", "identity"])
+def test_mhc_pre_fp32(n, mode):
+    torch.manual_seed(60 + n + len(mode))
+    for lead, c in SHAPES:
+        inputs = _coef_inputs(lead, c, n, torch.float32, with_res=mode != "identity")
+        _run_pre(inputs, torch.float32, sinkhorn_iters=ITERS, exact_axis="cols" if mode == "cols" else "rows",
+                 res_layout="dst_src" if n == 2 else "src_dst")
+
+
+@pytest.mark.parametrize("split_tail", [False, True])
+def test_mhc_pre_bf16_partial_grads_split_tail(split_tail):
+    """bf16 (both phi dtypes), only some outputs used, Sinkhorn in the GEMM kernel or in its own launch."""
+    torch.manual_seed(70 + split_tail)
+    saved = dict(ops.CONFIG["coef_fwd"])
+    ops.CONFIG["coef_fwd"] = dict(saved, split_tail=split_tail)
+    try:
+        lead, c = SHAPES[1]
+        for phi_dtype, used in ((torch.float32, (True, False, True, True)), (torch.bfloat16, (False, True, True, True)),
+                                (torch.float32, (True, True, False, False))):
+            inputs = _coef_inputs(lead, c, 4, torch.bfloat16, phi_dtype=phi_dtype)
+            _run_pre(inputs, torch.bfloat16, used=used, sinkhorn_iters=ITERS)
+        # 20 iterations on saturated logits (near-permutation H^res): the O(iters) Sinkhorn walk-back
+        inputs = _coef_inputs(SHAPES[0][0], SHAPES[0][1], 4, torch.float32, gate=10.0)
+        _run_pre(inputs, torch.float32, sinkhorn_iters=20)
+    finally:
+        ops.CONFIG["coef_fwd"] = saved
+
+
+def test_mhc_pre_fallback_matches_reference():
+    torch.manual_seed(13)
+    x, phi, bias, alpha = _coef_inputs((5,), 8, 4, torch.float32)
+    a = fused.mhc_pre(x, phi, bias, alpha, sinkhorn_iters=3, start="exp")
+    b = R.mhc_pre(x, phi, bias, alpha, sinkhorn_iters=3, start="exp")
+    for u, v in zip(a, b):
+        assert torch.equal(u, v)
 
 
 def test_checker_rejects_nan_and_unwritten():
@@ -214,17 +287,23 @@ def _block(x, phi, bias, alpha, w):
     return fused.stream_post_res(x, f, h_post, h_res)
 
 
-def test_compile_fullgraph_matches_eager():
+def _block_pre(x, phi, bias, alpha, w):
+    u, _, h_post, h_res = fused.mhc_pre(x, phi, bias, alpha, sinkhorn_iters=3)
+    return fused.stream_post_res(x, torch.tanh(u * w), h_post, h_res)
+
+
+@pytest.mark.parametrize("block", [_block, _block_pre], ids=["three_ops", "mhc_pre"])
+def test_compile_fullgraph_matches_eager(block):
     torch.manual_seed(9)
     backend = "inductor" if CUDA else "aot_eager"  # the CPU check is graph capture + fake impls + autograd
     x, phi, bias, alpha = _coef_inputs((2, 13), 24, 4, torch.float32)
     w = _leaf(torch.randn(24, device=DEV))
     ins = [x, phi, bias, alpha, w]
-    eager = _block(*ins)
+    eager = block(*ins)
     g = torch.randn_like(eager)
     g_eager = torch.autograd.grad((eager * g).sum(), ins)
     torch._dynamo.reset()
-    comp = torch.compile(_block, fullgraph=True, backend=backend)
+    comp = torch.compile(block, fullgraph=True, backend=backend)
     out = comp(*ins)
     g_comp = torch.autograd.grad((out * g).sum(), ins)
     torch.testing.assert_close(out, eager, atol=1e-5, rtol=1e-5)
@@ -238,7 +317,7 @@ def test_token_count_change_does_not_recompile():
     torch.manual_seed(10)
     cnt = CompileCounterWithBackend("inductor" if CUDA else "aot_eager")
     torch._dynamo.reset()
-    comp = torch.compile(_block, fullgraph=True, backend=cnt)
+    comp = torch.compile(_block_pre, fullgraph=True, backend=cnt)
     w = _leaf(torch.randn(24, device=DEV))
     for i, tokens in enumerate((37, 53, 64, 17)):
         x, phi, bias, alpha = _coef_inputs((tokens,), 24, 4, torch.float32)
@@ -259,7 +338,7 @@ def test_token_count_change_does_not_rejit():
     mods = [importlib.import_module(f"mhc_lightning.kernels.fused.{m}") for m in ("coefficients", "stream_pre", "stream_post_res")]
     kernels = [getattr(m, k) for m in mods for k in dir(m) if k.startswith(("_coef_", "_pre_", "_post_"))
                and hasattr(getattr(m, k), "run")]
-    assert len(kernels) == 7
+    assert len(kernels) == 8
     dev = torch.cuda.current_device()
 
     def n_compiled():
@@ -269,6 +348,7 @@ def test_token_count_change_does_not_rejit():
     for i, lead in enumerate([(1000,), (1031,), (4096,), (777,)]):
         x, phi, bias, alpha = _coef_inputs(lead, 64, 4, torch.bfloat16)
         _block(x, phi, bias, alpha, w).float().square().sum().backward()
+        _block_pre(x, phi, bias, alpha, w).float().square().sum().backward()
         if i == 0:
             first = n_compiled()
     assert n_compiled() == first

@@ -14,7 +14,7 @@ from ..reference.coefficients import RES_LAYOUTS, mhc_logit_count
 from ..reference.sinkhorn import EXACT_AXES
 from . import ops
 
-__all__ = ["mhc_coefficients", "stream_pre", "stream_post_res", "expand_streams"]
+__all__ = ["mhc_coefficients", "mhc_pre", "stream_pre", "stream_post_res", "expand_streams"]
 
 expand_streams = reference.expand_streams
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -27,6 +27,30 @@ def _fusable(x: torch.Tensor) -> bool:
         and x.dtype in _DTYPES
         and (x.is_cuda or ops.INTERPRET)
     )
+
+
+def _coef_plan(x, phi, bias, alpha, sinkhorn_iters, exact_axis, start, res_layout):
+    """(t_in, t_out) launch flags when the kernels cover these inputs and options, else None."""
+    n, c = x.shape[-2], x.shape[-1]
+    m = phi.shape[-1] if phi.dim() == 2 else -1
+    ok = (
+        _fusable(x)
+        and start == "softmax_eps"
+        and exact_axis in EXACT_AXES
+        and res_layout in RES_LAYOUTS
+        and sinkhorn_iters >= 1
+        and phi.dim() == 2
+        and phi.shape[0] == n * c
+        and m in (mhc_logit_count(n, True), mhc_logit_count(n, False))
+        and tuple(bias.shape) == (m,)
+        and alpha.numel() == 3
+        and phi.device == x.device
+    )
+    if not ok:
+        return None
+    cols = exact_axis == "cols"
+    # The kernel runs the rows-exact K(w) on w = R^T or R and transposes the result for "cols" (§3.1).
+    return (res_layout == "src_dst") != cols, cols
 
 
 def mhc_coefficients(
@@ -44,38 +68,56 @@ def mhc_coefficients(
     pre_eps: float = 1e-6,
     post_mult: float = 2.0,
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    n, c = x.shape[-2], x.shape[-1]
-    m = phi.shape[-1] if phi.dim() == 2 else -1
-    ok = (
-        _fusable(x)
-        and start == "softmax_eps"
-        and exact_axis in EXACT_AXES
-        and res_layout in RES_LAYOUTS
-        and sinkhorn_iters >= 1
-        and phi.dim() == 2
-        and phi.shape[0] == n * c
-        and m in (mhc_logit_count(n, True), mhc_logit_count(n, False))
-        and tuple(bias.shape) == (m,)
-        and alpha.numel() == 3
-        and phi.device == x.device
-    )
-    if not ok:
+    plan = _coef_plan(x, phi, bias, alpha, sinkhorn_iters, exact_axis, start, res_layout)
+    if plan is None:
         return reference.mhc_coefficients(
             x, phi, bias, alpha, sinkhorn_iters=sinkhorn_iters, sinkhorn_eps=sinkhorn_eps, exact_axis=exact_axis,
             start=start, res_layout=res_layout, rms_eps=rms_eps, pre_eps=pre_eps, post_mult=post_mult,
         )
-    cols = exact_axis == "cols"
-    # The kernel runs the rows-exact K(w) on w = R^T or R and transposes the result for "cols" (§3.1).
-    t_in = (res_layout == "src_dst") != cols
+    n, c = x.shape[-2], x.shape[-1]
     lead = x.shape[:-2]
     h_pre, h_post, h_res, _, _ = ops.coef_fwd(
-        x.reshape(-1, n, c), phi, bias, alpha.reshape(3), int(sinkhorn_iters), float(sinkhorn_eps), t_in, cols,
+        x.reshape(-1, n, c), phi, bias, alpha.reshape(3), int(sinkhorn_iters), float(sinkhorn_eps), *plan,
         float(rms_eps), float(pre_eps), float(post_mult),
     )
     h_pre, h_post = h_pre.reshape(*lead, n), h_post.reshape(*lead, n)
-    if m == mhc_logit_count(n, False):
+    if phi.shape[-1] == mhc_logit_count(n, False):
         return h_pre, h_post, None
     return h_pre, h_post, h_res.reshape(*lead, n, n)
+
+
+def mhc_pre(
+    x: torch.Tensor,
+    phi: torch.Tensor,
+    bias: torch.Tensor,
+    alpha: torch.Tensor,
+    *,
+    sinkhorn_iters: int = 20,
+    sinkhorn_eps: float = 1e-6,
+    exact_axis: str = "rows",
+    start: str = "softmax_eps",
+    res_layout: str = "src_dst",
+    rms_eps: float = 1e-6,
+    pre_eps: float = 1e-6,
+    post_mult: float = 2.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """(u, h_pre, h_post, h_res | None) from one read of x; its backward returns a single dx."""
+    opts = dict(sinkhorn_iters=sinkhorn_iters, sinkhorn_eps=sinkhorn_eps, exact_axis=exact_axis, start=start,
+                res_layout=res_layout, rms_eps=rms_eps, pre_eps=pre_eps, post_mult=post_mult)
+    plan = _coef_plan(x, phi, bias, alpha, sinkhorn_iters, exact_axis, start, res_layout)
+    if plan is None:  # same composition as the reference, each part fused where it can be
+        h_pre, h_post, h_res = mhc_coefficients(x, phi, bias, alpha, **opts)
+        return stream_pre(x, h_pre), h_pre, h_post, h_res
+    n, c = x.shape[-2], x.shape[-1]
+    lead = x.shape[:-2]
+    u, h_pre, h_post, h_res, _, _ = ops.mhc_pre_fwd(
+        x.reshape(-1, n, c), phi, bias, alpha.reshape(3), int(sinkhorn_iters), float(sinkhorn_eps), *plan,
+        float(rms_eps), float(pre_eps), float(post_mult),
+    )
+    u, h_pre, h_post = u.reshape(*lead, c), h_pre.reshape(*lead, n), h_post.reshape(*lead, n)
+    if phi.shape[-1] == mhc_logit_count(n, False):
+        return u, h_pre, h_post, None
+    return u, h_pre, h_post, h_res.reshape(*lead, n, n)
 
 
 def stream_pre(x: torch.Tensor, h_pre: torch.Tensor) -> torch.Tensor:

@@ -4,13 +4,21 @@ Forward, one kernel: one read of x [N, nC] yields the raw projection L = x phi [
 M = n^2 + 2n) and sum(x^2); the per-token tail (norm-after-matmul, gates, bias, sigma, Sinkhorn) runs in
 fp32 registers. Only L and 1/r (M + 1 floats per token) are kept for the backward.
 
+Fused "pre" (HAS_U): the same forward kernel also writes u = sum_j h_pre_j x_j; its C loop re-reads the
+token block it has just streamed (an L2 hit), so x leaves DRAM once for coefficients and u together.
+`_coef_tail` (opt-in, CONFIG["coef_fwd"]["split_tail"]) moves Sinkhorn out of the GEMM kernel into its own
+launch with small token blocks, so the serial tail no longer sits behind each program's GEMM loop.
+
 Backward, two kernels:
-- `_coef_bwd_tok`: per token, recomputes the Sinkhorn iterates in registers (from the start for every
-  backward step: O(iters^2) tiny 4x4 ops, nothing per iterate ever touches memory), and turns
+- `_coef_bwd_tok`: per token, replays the Sinkhorn iterates once in registers, saving the 2*iters - 1
+  reciprocal row / column sums (n floats each) to a global scratch buffer, then walks back in O(iters),
+  rebuilding each iterate by undoing its scaling (exact gradient of the unrolled iterations). It turns
   dh_pre / dh_post / dh_res into dL (the gradient of the raw projection) and d(sum x^2); bias and alpha
-  gradients are reduced per program into a small partial buffer (deterministic, no atomics).
-- `_coef_bwd_x`: one read of x per (column block, token split): dx = dL phi^T + 2 x d(sum x^2) and the
-  partial phi gradient x^T dL (tl.dot), summed over splits afterwards.
+  gradients are reduced per program into a small partial buffer (deterministic, no atomics). With HAS_U
+  it first reduces dh_pre += <du, x_j> over C (the u path of the fused pre op).
+- `_coef_bwd_x`: one read of x per (column block, token split): dx = dL phi^T + 2 x d(sum x^2)
+  (+ h_pre_j du with HAS_U: the fused pre op's single dx) and the partial phi gradient x^T dL (tl.dot),
+  summed over splits afterwards.
 
 Token count is a runtime argument (never specialised); strides depend on C only.
 """
@@ -62,28 +70,38 @@ def _sinkhorn_fwd(w, iters, eps):
 
 
 @triton.jit
-def _sinkhorn_bwd(w, g, iters, eps):
-    """dL/dw for K(w) given g = dL/dK. The 2*iters - 1 normalisations are replayed from the start for each
-    backward step (registers only); step k (1-based) is a row normalisation when k is odd."""
-    p0 = _softmax_cols(w, eps)
+def _sinkhorn_bwd(w, g, iters, eps, sc_ptr, rows64, rmask, N, NS: tl.constexpr):
+    """dL/dw for K(w) given g = dL/dK, O(iters). Forward replay once, storing each normalisation's reciprocal
+    sums r_k ([tokens, n], scratch layout [2*iters - 1, N, n]: coalesced per step); backward step k uses the
+    iterate y_k = p (the output of normalisation k) and rebuilds its input as y_k / r_k. Normalisation k
+    (0-based) is a row normalisation when k is even."""
+    p = _softmax_cols(w, eps)
+    s = p - eps  # the softmax itself; +eps has no derivative
+    nn = tl.arange(0, NS)
+    m2 = rmask[:, None] & (nn[None, :] < NS)
+    ptr = sc_ptr + rows64[:, None] * NS + nn[None, :]
+    step = N * NS  # pointer increments stay 64-bit; N * n < 2^31
     n_norm = 2 * iters - 1
-    for kk in range(n_norm):
-        k = n_norm - kk  # backward over normalisation k; its input is p after normalisations 1..k-1
-        m = p0
-        for t in range(1, k):
-            if t % 2 == 1:
-                m = _rownorm(m, eps)
-            else:
-                m = _colnorm(m, eps)
-        if k % 2 == 1:
-            r = 1.0 / (tl.sum(m, axis=2) + eps)
-            y = m * r[:, :, None]
-            g = (g - tl.sum(g * y, axis=2)[:, :, None]) * r[:, :, None]
+    for k in range(n_norm):
+        if k % 2 == 0:
+            r = 1.0 / (tl.sum(p, axis=2) + eps)
+            p = p * r[:, :, None]
         else:
-            r = 1.0 / (tl.sum(m, axis=1) + eps)
-            y = m * r[:, None, :]
-            g = (g - tl.sum(g * y, axis=1)[:, None, :]) * r[:, None, :]
-    s = p0 - eps  # the softmax itself; +eps has no derivative
+            r = 1.0 / (tl.sum(p, axis=1) + eps)
+            p = p * r[:, None, :]
+        tl.store(ptr, r, mask=m2)
+        ptr += step
+    tl.debug_barrier()  # the walk back reads r_k in another layout: make this CTA's stores visible
+    for kk in range(n_norm):
+        k = n_norm - 1 - kk
+        ptr -= step
+        r = tl.load(ptr, mask=m2, other=1.0)
+        if k % 2 == 0:
+            g = (g - tl.sum(g * p, axis=2)[:, :, None]) * r[:, :, None]
+            p = p / r[:, :, None]
+        else:
+            g = (g - tl.sum(g * p, axis=1)[:, None, :]) * r[:, None, :]
+            p = p / r[:, None, :]
     return s * (g - tl.sum(g * s, axis=1)[:, None, :])
 
 
@@ -98,12 +116,26 @@ def _res_index(NS: tl.constexpr, TRANSPOSE: tl.constexpr):
         return ii * NS + jj
 
 
+@triton.jit
+def _res_tail(lg_ptr, bias_ptr, alpha_ptr, hres_ptr, rows64, rmask, rinv, iters, eps,
+              NS: tl.constexpr, M: tl.constexpr, T_IN: tl.constexpr, T_OUT: tl.constexpr):
+    a_res = tl.load(alpha_ptr + 2).to(tl.float32)
+    idx = _res_index(NS, T_IN)
+    tok3 = rmask[:, None, None] & (idx[None, :, :] >= 0)
+    l_res = tl.load(lg_ptr + rows64[:, None, None] * M + 2 * NS + idx[None, :, :], mask=tok3, other=0.0)
+    w = a_res * rinv[:, None, None] * l_res + tl.load(bias_ptr + 2 * NS + idx).to(tl.float32)[None, :, :]
+    p = _sinkhorn_fwd(w, iters, eps)
+    oidx = _res_index(NS, T_OUT)
+    tl.store(hres_ptr + rows64[:, None, None] * (NS * NS) + oidx[None, :, :], p, mask=tok3)
+
+
 @triton.jit(do_not_specialize=["N"])
 def _coef_fwd(
-    x_ptr, phi_ptr, bias_ptr, alpha_ptr, lg_ptr, rinv_ptr, hpre_ptr, hpost_ptr, hres_ptr,
-    N, K, stride_x, stride_phi, iters, eps, rms_eps, pre_eps, post_mult,
-    NS: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, HAS_RES: tl.constexpr,
-    T_IN: tl.constexpr, T_OUT: tl.constexpr, DOT: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    x_ptr, phi_ptr, bias_ptr, alpha_ptr, lg_ptr, rinv_ptr, hpre_ptr, hpost_ptr, hres_ptr, u_ptr,
+    N, K, C, stride_x, stride_phi, iters, eps, rms_eps, pre_eps, post_mult,
+    NS: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, HAS_RES: tl.constexpr, SINK: tl.constexpr,
+    HAS_U: tl.constexpr, T_IN: tl.constexpr, T_OUT: tl.constexpr, DOT: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BT + tl.arange(0, BT)
@@ -136,25 +168,42 @@ def _coef_fwd(
     l_post = tl.load(lg_ptr + rows64[:, None] * M + NS + nn[None, :], mask=tok, other=0.0)
     y_pre = a_pre * rinv[:, None] * l_pre + tl.load(bias_ptr + nn).to(tl.float32)[None, :]
     y_post = a_post * rinv[:, None] * l_post + tl.load(bias_ptr + NS + nn).to(tl.float32)[None, :]
-    tl.store(hpre_ptr + rows64[:, None] * NS + nn[None, :], tl.sigmoid(y_pre) + pre_eps, mask=tok)
+    h_pre = tl.sigmoid(y_pre) + pre_eps
+    tl.store(hpre_ptr + rows64[:, None] * NS + nn[None, :], h_pre, mask=tok)
     tl.store(hpost_ptr + rows64[:, None] * NS + nn[None, :], post_mult * tl.sigmoid(y_post), mask=tok)
-    if HAS_RES:
-        a_res = tl.load(alpha_ptr + 2).to(tl.float32)
-        idx = _res_index(NS, T_IN)
-        tok3 = rmask[:, None, None] & (idx[None, :, :] >= 0)
-        l_res = tl.load(lg_ptr + rows64[:, None, None] * M + 2 * NS + idx[None, :, :], mask=tok3, other=0.0)
-        w = a_res * rinv[:, None, None] * l_res + tl.load(bias_ptr + 2 * NS + idx).to(tl.float32)[None, :, :]
-        p = _sinkhorn_fwd(w, iters, eps)
-        oidx = _res_index(NS, T_OUT)
-        tl.store(hres_ptr + rows64[:, None, None] * (NS * NS) + oidx[None, :, :], p, mask=tok3)
+    if HAS_U:
+        # u = sum_j h_pre_j x_j: this block of x was streamed by the loop above, so these loads hit L2
+        for c0 in range(0, C, BC):
+            cc = c0 + tl.arange(0, BC)
+            m2 = rmask[:, None] & (cc[None, :] < C)
+            u = tl.zeros([BT, BC], dtype=tl.float32)
+            for j in tl.static_range(NS):
+                hj = tl.sum(tl.where(nn[None, :] == j, h_pre, 0.0), axis=1)
+                xj = tl.load(x_ptr + rows64[:, None] * stride_x + j * C + cc[None, :], mask=m2, other=0.0)
+                u += hj[:, None] * xj.to(tl.float32)
+            tl.store(u_ptr + rows64[:, None] * C + cc[None, :], u.to(u_ptr.dtype.element_ty), mask=m2)
+    if HAS_RES and SINK:
+        _res_tail(lg_ptr, bias_ptr, alpha_ptr, hres_ptr, rows64, rmask, rinv, iters, eps, NS, M, T_IN, T_OUT)
+
+
+@triton.jit(do_not_specialize=["N"])
+def _coef_tail(
+    lg_ptr, rinv_ptr, bias_ptr, alpha_ptr, hres_ptr, N, iters, eps,
+    NS: tl.constexpr, M: tl.constexpr, T_IN: tl.constexpr, T_OUT: tl.constexpr, BT: tl.constexpr,
+):
+    """Split tail: Sinkhorn on the saved logits, many small programs (opt-in, see module docstring)."""
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    rmask = rows < N
+    rinv = tl.load(rinv_ptr + rows, mask=rmask, other=0.0)
+    _res_tail(lg_ptr, bias_ptr, alpha_ptr, hres_ptr, rows.to(tl.int64), rmask, rinv, iters, eps, NS, M, T_IN, T_OUT)
 
 
 @triton.jit(do_not_specialize=["N"])
 def _coef_bwd_tok(
-    lg_ptr, rinv_ptr, bias_ptr, alpha_ptr, dpre_ptr, dpost_ptr, dres_ptr, dl_ptr, dss_ptr, part_ptr,
-    N, K, iters, eps, post_mult,
+    lg_ptr, rinv_ptr, bias_ptr, alpha_ptr, dpre_ptr, dpost_ptr, dres_ptr, dl_ptr, dss_ptr, part_ptr, sc_ptr,
+    x_ptr, du_ptr, N, K, C, stride_x, iters, eps, post_mult,
     NS: tl.constexpr, M: tl.constexpr, HAS_RES: tl.constexpr, T_IN: tl.constexpr, T_OUT: tl.constexpr,
-    BT: tl.constexpr, PW: tl.constexpr,
+    HAS_U: tl.constexpr, BT: tl.constexpr, PW: tl.constexpr, BC: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BT + tl.arange(0, BT)
@@ -168,7 +217,17 @@ def _coef_bwd_tok(
     # masked rows load dh = 0, so they contribute nothing to any reduction below
     l_pre = tl.load(lg_ptr + rows64[:, None] * M + nn[None, :], mask=tok, other=0.0)
     s = tl.sigmoid(a_pre * rinv[:, None] * l_pre + tl.load(bias_ptr + nn).to(tl.float32)[None, :])
-    dy_pre = tl.load(dpre_ptr + rows64[:, None] * NS + nn[None, :], mask=tok, other=0.0) * s * (1.0 - s)
+    dh_pre = tl.load(dpre_ptr + rows64[:, None] * NS + nn[None, :], mask=tok, other=0.0)
+    if HAS_U:
+        # fused pre op: u = sum_j h_pre_j x_j adds <du, x_j> to dh_pre_j (one read of du and x here)
+        for c0 in range(0, C, BC):
+            cc = c0 + tl.arange(0, BC)
+            m2 = rmask[:, None] & (cc[None, :] < C)
+            du = tl.load(du_ptr + rows64[:, None] * C + cc[None, :], mask=m2, other=0.0).to(tl.float32)
+            for j in tl.static_range(NS):
+                xj = tl.load(x_ptr + rows64[:, None] * stride_x + j * C + cc[None, :], mask=m2, other=0.0)
+                dh_pre += tl.where(nn[None, :] == j, tl.sum(du * xj.to(tl.float32), axis=1)[:, None], 0.0)
+    dy_pre = dh_pre * s * (1.0 - s)
     l_post = tl.load(lg_ptr + rows64[:, None] * M + NS + nn[None, :], mask=tok, other=0.0)
     s = tl.sigmoid(a_post * rinv[:, None] * l_post + tl.load(bias_ptr + NS + nn).to(tl.float32)[None, :])
     dy_post = tl.load(dpost_ptr + rows64[:, None] * NS + nn[None, :], mask=tok, other=0.0) * post_mult * s * (1.0 - s)
@@ -188,7 +247,7 @@ def _coef_bwd_tok(
         w = a_res * rinv[:, None, None] * l_res + tl.load(bias_ptr + 2 * NS + idx).to(tl.float32)[None, :, :]
         oidx = _res_index(NS, T_OUT)
         g = tl.load(dres_ptr + rows64[:, None, None] * (NS * NS) + oidx[None, :, :], mask=tok3, other=0.0)
-        dw = _sinkhorn_bwd(w, g.to(tl.float32), iters, eps)
+        dw = _sinkhorn_bwd(w, g.to(tl.float32), iters, eps, sc_ptr, rows64, rmask, N, NS)
         tl.store(dl_ptr + rows64[:, None, None] * M + 2 * NS + idx[None, :, :], dw * a_res * rinv[:, None, None], mask=tok3)
         drinv += tl.sum(tl.sum(dw * a_res * l_res, axis=2), axis=1)
         tl.store(part_ptr + pid * PW + 2 * NS + idx, tl.sum(dw, axis=0))
@@ -201,9 +260,10 @@ def _coef_bwd_tok(
 
 @triton.jit(do_not_specialize=["N", "tok_per_split"])
 def _coef_bwd_x(
-    x_ptr, phi_ptr, dl_ptr, dss_ptr, dx_ptr, dphi_ptr,
-    N, K, stride_x, stride_phi, tok_per_split,
-    M: tl.constexpr, MP: tl.constexpr, DOT: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    x_ptr, phi_ptr, dl_ptr, dss_ptr, dx_ptr, dphi_ptr, hpre_ptr, du_ptr,
+    N, K, C, stride_x, stride_phi, tok_per_split,
+    NS: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, DOT: tl.constexpr, HAS_U: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr,
 ):
     pid_k = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -211,6 +271,9 @@ def _coef_bwd_x(
     kmask = kk < K
     cols = tl.arange(0, MP)
     cmask = cols < M
+    if HAS_U:  # flat column k of x is stream k // C, channel k % C
+        sidx = kk // C
+        cidx = kk - sidx * C
     phi_t = tl.load(phi_ptr + kk[:, None] * stride_phi + cols[None, :], mask=kmask[:, None] & cmask[None, :], other=0.0)
     phi_t = phi_t.to(tl.float32)
     acc = tl.zeros([BK, MP], dtype=tl.float32)
@@ -225,7 +288,12 @@ def _coef_bwd_x(
         dlt = tl.load(dl_ptr + rows64[:, None] * M + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
         dss = tl.load(dss_ptr + rows, mask=rmask, other=0.0)
         xf = xt.to(tl.float32)
-        dx = _dot(dlt, tl.trans(phi_t), 2.0 * xf * dss[:, None], DOT)
+        dx0 = 2.0 * xf * dss[:, None]
+        if HAS_U:  # the u path of the fused pre op: dx_j += h_pre_j du (one dx for the whole op)
+            hpj = tl.load(hpre_ptr + rows64[:, None] * NS + sidx[None, :], mask=m2, other=0.0)
+            duv = tl.load(du_ptr + rows64[:, None] * C + cidx[None, :], mask=m2, other=0.0)
+            dx0 += hpj * duv.to(tl.float32)
+        dx = _dot(dlt, tl.trans(phi_t), dx0, DOT)
         tl.store(dx_ptr + rows64[:, None] * K + kk[None, :], dx.to(dx_ptr.dtype.element_ty), mask=m2)
         acc = _dot(tl.trans(xf), dlt, acc, DOT)
     tl.store(dphi_ptr + (pid_s * K + kk[:, None]).to(tl.int64) * M + cols[None, :], acc, mask=kmask[:, None] & cmask[None, :])

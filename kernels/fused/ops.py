@@ -12,7 +12,7 @@ import os
 import torch
 import triton
 
-from .coefficients import DOT_IEEE, DOT_NATIVE, DOT_TF32, _coef_bwd_tok, _coef_bwd_x, _coef_fwd
+from .coefficients import DOT_IEEE, DOT_NATIVE, DOT_TF32, _coef_bwd_tok, _coef_bwd_x, _coef_fwd, _coef_tail
 from .stream_post_res import _post_bwd, _post_bwd_2d, _post_fwd
 from .stream_pre import _pre_bwd, _pre_fwd
 
@@ -24,14 +24,19 @@ POISON = False
 # Launch parameters per kernel: the fastest of bench_mhc.py --sweep on an H200 at C=1024, N=16384, bf16
 # (2026-11-29, docs/benchmarks.md). The benchmark may override them. Tiles shrink to the problem size.
 CONFIG = {
-    "coef_fwd": dict(BT=64, BK=64, num_warps=4, num_stages=3),
-    "coef_bwd_tok": dict(BT=64, num_warps=4),
+    # BC: C tile of the fused pre op's u loop (HAS_U). split_tail: Sinkhorn in its own launch (`coef_tail`)
+    # instead of after each program's GEMM loop (untimed; --sweep compares).
+    "coef_fwd": dict(BT=64, BK=64, num_warps=4, num_stages=3, BC=64, split_tail=False),
+    "coef_tail": dict(BT=16, num_warps=4),
+    # BC: C tile of the fused pre op's <du, x_j> loop
+    "coef_bwd_tok": dict(BT=64, num_warps=4, BC=64),
     "coef_bwd_x": dict(BT=64, BK=128, num_warps=8, num_stages=2, programs_per_sm=4),
     "pre_fwd": dict(BT=4, BC=512, num_warps=4),
     "pre_bwd": dict(BT=4, BC=256, num_warps=4),
     "post_fwd": dict(BT=4, BC=256, num_warps=4),
-    # impl "loop": measured above (12 % of copy, the slowest kernel); "2d": the forward's grid with per-C-block
-    # partial reductions, tested for correctness but not yet timed on a GPU (bench_mhc.py --sweep compares both).
+    # impl "loop": measured (955 us, 12 % of copy at C=1024); "2d": the forward's grid, no C loop (untimed). With
+    # "2d" and BC >= C every program owns whole rows and writes dH / dh_post directly (no partial buffer, no
+    # second reduction launch); smaller BC writes per-C-block partials summed afterwards. --sweep compares.
     "post_bwd": dict(BT=2, BC=256, num_warps=4, impl="loop"),
 }
 
@@ -45,7 +50,8 @@ def _new(shape, dtype, device) -> Tensor:
 def _cfg(name: str, **limits) -> dict:
     cfg = dict(CONFIG[name])
     for k, cap in limits.items():  # never tile wider than the problem (powers of 2, dot needs >= 16)
-        cfg[k] = min(cfg[k], cap)
+        if k in cfg:
+            cfg[k] = min(cfg[k], cap)
     return cfg
 
 
@@ -87,12 +93,8 @@ def _num_sms(device: torch.device) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 # coefficients
 # ---------------------------------------------------------------------------------------------------------------
-@torch.library.custom_op("mhc_lightning::coef_fwd", mutates_args=())
-def coef_fwd(
-    x: Tensor, phi: Tensor, bias: Tensor, alpha: Tensor, iters: int, eps: float, t_in: bool, t_out: bool,
-    rms_eps: float, pre_eps: float, post_mult: float,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """x [N, n, C] -> h_pre [N, n], h_post [N, n], h_res [N, n, n] (or [N, 0, 0]), raw logits [N, M], 1/r [N]."""
+def _fwd(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult, with_u):
+    """Coefficients (and u = sum_j h_pre_j x_j when with_u) in one launch, plus the optional split tail."""
     N, n, C = x.shape
     M = phi.shape[1]
     has_res = M == n * n + 2 * n
@@ -100,23 +102,38 @@ def coef_fwd(
     h_pre, h_post = _new((N, n), torch.float32, dev), _new((N, n), torch.float32, dev)
     h_res = _new((N, n, n) if has_res else (N, 0, 0), torch.float32, dev)
     lg, rinv = _new((N, M), torch.float32, dev), _new((N,), torch.float32, dev)
+    u = _new((N, C), x.dtype, dev) if with_u else None
     if N == 0:
-        return h_pre, h_post, h_res, lg, rinv
+        return u, h_pre, h_post, h_res, lg, rinv
     x = _rows(x)
     phi = _c_contig(phi)
     K = n * C
-    cfg = _cfg("coef_fwd", BK=_np2(K, 16))
+    cfg = _cfg("coef_fwd", BK=_np2(K, 16), BC=_np2(C, 16))
+    split = bool(cfg.get("split_tail", False)) and has_res
+    bias, alpha = bias.contiguous(), alpha.contiguous()
     _coef_fwd[(triton.cdiv(N, cfg["BT"]),)](
-        x, phi, bias.contiguous(), alpha.contiguous(), lg, rinv, h_pre, h_post, h_res,
-        N, K, x.stride(0), phi.stride(0), iters, eps, rms_eps, pre_eps, post_mult,
-        NS=n, M=M, MP=_np2(M, 16), HAS_RES=has_res, T_IN=t_in, T_OUT=t_out, DOT=_dot_mode(x, phi),
-        BT=cfg["BT"], BK=cfg["BK"], **_launch(cfg),
+        x, phi, bias, alpha, lg, rinv, h_pre, h_post, h_res, u if with_u else h_pre,
+        N, K, C, x.stride(0), phi.stride(0), iters, eps, rms_eps, pre_eps, post_mult,
+        NS=n, M=M, MP=_np2(M, 16), HAS_RES=has_res, SINK=not split, HAS_U=with_u, T_IN=t_in, T_OUT=t_out,
+        DOT=_dot_mode(x, phi), BT=cfg["BT"], BK=cfg["BK"], BC=min(cfg.get("BC", 64), _np2(C, 16)), **_launch(cfg),
     )
-    return h_pre, h_post, h_res, lg, rinv
+    if split:
+        ct = _cfg("coef_tail")
+        _coef_tail[(triton.cdiv(N, ct["BT"]),)](
+            lg, rinv, bias, alpha, h_res, N, iters, eps, NS=n, M=M, T_IN=t_in, T_OUT=t_out, BT=ct["BT"], **_launch(ct))
+    return u, h_pre, h_post, h_res, lg, rinv
 
 
-@coef_fwd.register_fake
-def _(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult):
+@torch.library.custom_op("mhc_lightning::coef_fwd", mutates_args=())
+def coef_fwd(
+    x: Tensor, phi: Tensor, bias: Tensor, alpha: Tensor, iters: int, eps: float, t_in: bool, t_out: bool,
+    rms_eps: float, pre_eps: float, post_mult: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """x [N, n, C] -> h_pre [N, n], h_post [N, n], h_res [N, n, n] (or [N, 0, 0]), raw logits [N, M], 1/r [N]."""
+    return _fwd(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult, False)[1:]
+
+
+def _coef_fake(x, phi):
     N, n, C = x.shape
     M = phi.shape[1]
     f32 = dict(dtype=torch.float32)
@@ -125,26 +142,38 @@ def _(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult)
             x.new_empty((N, M), **f32), x.new_empty((N,), **f32))
 
 
-def bwd_tok(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult):
-    """Per token: dh_* -> dL [N, M], d(sum x^2) [N], and per-program bias / alpha partials [programs, M + 3]."""
+@coef_fwd.register_fake
+def _(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult):
+    return _coef_fake(x, phi)
+
+
+def bwd_tok(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult, du=None):
+    """Per token: dh_* (+ <du, x_j> into dh_pre when du is given) -> dL [N, M], d(sum x^2) [N], and per-program
+    bias / alpha partials [programs, M + 3]."""
     N, n, C = x.shape
     M = phi.shape[1]
+    has_res = M == n * n + 2 * n
     dev = x.device
-    ct = _cfg("coef_bwd_tok")
+    ct = _cfg("coef_bwd_tok", BC=_np2(C, 16))
     n_prog = triton.cdiv(N, ct["BT"])
     pw = M + 3
     dl, dss = _new((N, M), torch.float32, dev), _new((N,), torch.float32, dev)
     part = _new((n_prog, pw), torch.float32, dev)
+    # Sinkhorn replay scratch: 2*iters - 1 reciprocal sums of n floats per token (written before it is read)
+    sc = torch.empty(((2 * iters - 1) * N * n) if has_res else 1, dtype=torch.float32, device=dev)
+    with_u = du is not None
     _coef_bwd_tok[(n_prog,)](
         lg, rinv, bias.contiguous(), alpha.contiguous(), d_pre.contiguous(), d_post.contiguous(), d_res.contiguous(),
-        dl, dss, part, N, n * C, iters, eps, post_mult,
-        NS=n, M=M, HAS_RES=M == n * n + 2 * n, T_IN=t_in, T_OUT=t_out, BT=ct["BT"], PW=pw, **_launch(ct),
+        dl, dss, part, sc, x, du.contiguous() if with_u else x, N, n * C, C, x.stride(0), iters, eps, post_mult,
+        NS=n, M=M, HAS_RES=has_res, T_IN=t_in, T_OUT=t_out, HAS_U=with_u, BT=ct["BT"], PW=pw,
+        BC=min(ct.get("BC", 64), _np2(C, 16)), **_launch(ct),
     )
     return dl, dss, part
 
 
-def bwd_x(x, phi, dl, dss, dx):
-    """One pass over x: writes dx, returns split-partials [splits, nC, M] of dphi = x^T dL."""
+def bwd_x(x, phi, dl, dss, dx, h_pre=None, du=None):
+    """One pass over x: writes dx (+ h_pre_j du when du is given), returns split-partials [splits, nC, M] of
+    dphi = x^T dL."""
     N, n, C = x.shape
     K, M = n * C, phi.shape[1]
     cx = _cfg("coef_bwd_x", BK=_np2(K, 16))
@@ -153,12 +182,31 @@ def bwd_x(x, phi, dl, dss, dx):
     tok = max(cx["BT"], triton.cdiv(triton.cdiv(N, want), cx["BT"]) * cx["BT"])
     splits = triton.cdiv(N, tok)
     dphi_part = _new((splits, K, M), torch.float32, x.device)
+    with_u = du is not None
     _coef_bwd_x[(kblocks, splits)](
-        x, phi, dl, dss, dx, dphi_part, N, K, x.stride(0), phi.stride(0), tok,
-        M=M, MP=_np2(M, 16), DOT=DOT_IEEE if x.dtype == torch.float32 else DOT_TF32,
+        x, phi, dl, dss, dx, dphi_part, h_pre.contiguous() if with_u else dl, du.contiguous() if with_u else dl,
+        N, K, C, x.stride(0), phi.stride(0), tok,
+        NS=n, M=M, MP=_np2(M, 16), DOT=DOT_IEEE if x.dtype == torch.float32 else DOT_TF32, HAS_U=with_u,
         BT=cx["BT"], BK=cx["BK"], **_launch(cx),
     )
     return dphi_part
+
+
+def _bwd(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult, h_pre=None, du=None):
+    N, n, C = x.shape
+    M = phi.shape[1]
+    dx = _new((N, n, C), x.dtype, x.device)
+    if N == 0:
+        return dx, torch.zeros_like(phi), torch.zeros_like(bias), torch.zeros_like(alpha)
+    x = _rows(x)
+    phi = _c_contig(phi)
+    dl, dss, part = bwd_tok(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult,
+                            du=du)
+    dphi_part = bwd_x(x, phi, dl, dss, dx, h_pre=h_pre, du=du)
+    dphi = dphi_part[0] if dphi_part.shape[0] == 1 else dphi_part.sum(0)
+    red = part.sum(0)
+    # separate storages: custom-op outputs may not alias each other
+    return dx, dphi.to(phi.dtype), red[:M].to(bias.dtype, copy=True), red[M:].to(alpha.dtype, copy=True).reshape(alpha.shape)
 
 
 @torch.library.custom_op("mhc_lightning::coef_bwd", mutates_args=())
@@ -167,19 +215,7 @@ def coef_bwd(
     d_pre: Tensor, d_post: Tensor, d_res: Tensor, iters: int, eps: float, t_in: bool, t_out: bool,
     post_mult: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    N, n, C = x.shape
-    M = phi.shape[1]
-    dx = _new((N, n, C), x.dtype, x.device)
-    if N == 0:
-        return dx, torch.zeros_like(phi), torch.zeros_like(bias), torch.zeros_like(alpha)
-    x = _rows(x)
-    phi = _c_contig(phi)
-    dl, dss, part = bwd_tok(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult)
-    dphi_part = bwd_x(x, phi, dl, dss, dx)
-    dphi = dphi_part[0] if dphi_part.shape[0] == 1 else dphi_part.sum(0)
-    red = part.sum(0)
-    # separate storages: custom-op outputs may not alias each other
-    return dx, dphi.to(phi.dtype), red[:M].to(bias.dtype, copy=True), red[M:].to(alpha.dtype, copy=True).reshape(alpha.shape)
+    return _bwd(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult)
 
 
 @coef_bwd.register_fake
@@ -195,8 +231,7 @@ def _coef_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(lg, rinv)
 
 
-def _coef_backward(ctx, d_pre, d_post, d_res, _dlg, _drinv):
-    x, phi, bias, alpha, lg, rinv = ctx.saved_tensors
+def _dh_zeros(x, phi, d_pre, d_post, d_res):
     N, n = x.shape[0], x.shape[1]
     has_res = phi.shape[1] == n * n + 2 * n
     z = dict(dtype=torch.float32, device=x.device)
@@ -204,11 +239,70 @@ def _coef_backward(ctx, d_pre, d_post, d_res, _dlg, _drinv):
     d_post = torch.zeros((N, n), **z) if d_post is None else d_post
     if d_res is None:
         d_res = torch.zeros((N, n, n) if has_res else (N, 0, 0), **z)
-    dx, dphi, dbias, dalpha = coef_bwd(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, *ctx.opts)
+    return d_pre, d_post, d_res
+
+
+def _coef_backward(ctx, d_pre, d_post, d_res, _dlg, _drinv):
+    x, phi, bias, alpha, lg, rinv = ctx.saved_tensors
+    dh = _dh_zeros(x, phi, d_pre, d_post, d_res)
+    dx, dphi, dbias, dalpha = coef_bwd(x, phi, bias, alpha, lg, rinv, *dh, *ctx.opts)
     return dx, dphi, dbias, dalpha, None, None, None, None, None, None, None
 
 
 coef_fwd.register_autograd(_coef_backward, setup_context=_coef_setup)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# fused pre: coefficients + u = sum_j h_pre_j x_j in one op, one dx in its backward
+# ---------------------------------------------------------------------------------------------------------------
+@torch.library.custom_op("mhc_lightning::mhc_pre", mutates_args=())
+def mhc_pre_fwd(
+    x: Tensor, phi: Tensor, bias: Tensor, alpha: Tensor, iters: int, eps: float, t_in: bool, t_out: bool,
+    rms_eps: float, pre_eps: float, post_mult: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """x [N, n, C] -> u [N, C] (x.dtype), h_pre, h_post, h_res, raw logits, 1/r (as coef_fwd)."""
+    return _fwd(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult, True)
+
+
+@mhc_pre_fwd.register_fake
+def _(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult):
+    return (x.new_empty((x.shape[0], x.shape[2])),) + _coef_fake(x, phi)
+
+
+@torch.library.custom_op("mhc_lightning::mhc_pre_bwd", mutates_args=())
+def mhc_pre_bwd(
+    x: Tensor, phi: Tensor, bias: Tensor, alpha: Tensor, lg: Tensor, rinv: Tensor, h_pre: Tensor, du: Tensor,
+    d_pre: Tensor, d_post: Tensor, d_res: Tensor, iters: int, eps: float, t_in: bool, t_out: bool,
+    post_mult: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _bwd(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult,
+                h_pre=h_pre, du=du)
+
+
+@mhc_pre_bwd.register_fake
+def _(x, phi, bias, alpha, lg, rinv, h_pre, du, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult):
+    return torch.empty_like(x), torch.empty_like(phi), torch.empty_like(bias), torch.empty_like(alpha)
+
+
+def _mhc_pre_setup(ctx, inputs, output):
+    x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult = inputs
+    _, h_pre, _, _, lg, rinv = output
+    ctx.save_for_backward(x, phi, bias, alpha, lg, rinv, h_pre)
+    ctx.opts = (iters, eps, t_in, t_out, post_mult)
+    ctx.mark_non_differentiable(lg, rinv)
+
+
+def _mhc_pre_backward(ctx, du, d_pre, d_post, d_res, _dlg, _drinv):
+    x, phi, bias, alpha, lg, rinv, h_pre = ctx.saved_tensors
+    dh = _dh_zeros(x, phi, d_pre, d_post, d_res)
+    if du is None:
+        grads = coef_bwd(x, phi, bias, alpha, lg, rinv, *dh, *ctx.opts)
+    else:
+        grads = mhc_pre_bwd(x, phi, bias, alpha, lg, rinv, h_pre, du, *dh, *ctx.opts)
+    return (*grads, None, None, None, None, None, None, None)
+
+
+mhc_pre_fwd.register_autograd(_mhc_pre_backward, setup_context=_mhc_pre_setup)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -300,14 +394,18 @@ def post_bwd(g: Tensor, x: Tensor, f: Tensor, h_post: Tensor, h_res: Tensor) -> 
         cfg = _cfg("post_bwd", BC=_np2(C, 16))
         if cfg.get("impl", "loop") == "2d":
             n_cblk = triton.cdiv(C, cfg["BC"])
-            part = _new((N, n_cblk, n * n + n), torch.float32, dev)
+            if n_cblk == 1:  # whole rows per program: the kernel writes dh_post / dH directly
+                php, phr = dhp, dhr
+            else:
+                php = _new((n_cblk, N, n), torch.float32, dev)
+                phr = _new((n_cblk, N, n, n) if has_res else (1,), torch.float32, dev)
             _post_bwd_2d[(triton.cdiv(N, cfg["BT"]), n_cblk)](
-                x, f, h_post.contiguous(), h_res.contiguous(), g, dx, df, part,
-                N, C, x.stride(0), x.stride(1), f.stride(0), n_cblk,
+                x, f, h_post.contiguous(), h_res.contiguous(), g, dx, df, php, phr,
+                N, C, x.stride(0), x.stride(1), f.stride(0),
                 NS=n, HAS_RES=has_res, BT=cfg["BT"], BC=cfg["BC"], **_launch(cfg))
-            red = part.sum(1)
-            dhp = red[:, n * n:].contiguous()
-            dhr = red[:, : n * n].reshape(N, n, n).contiguous() if has_res else dhr
+            if n_cblk > 1:
+                dhp = php.sum(0)
+                dhr = phr.sum(0) if has_res else dhr
         else:
             _post_bwd[(triton.cdiv(N, cfg["BT"]),)](
                 x, f, h_post.contiguous(), h_res.contiguous(), g, dx, df, dhp, dhr,

@@ -2,7 +2,7 @@
 
 Forward: reads x [N, n, C] and f [N, C] once, writes x_next [N, n, C]: (n+1)C read, nC written, the
 paper's fused post-res count. H^res = None (identity-HC) is the constexpr HAS_RES = False path.
-Backward, one kernel per token block, reading dx_next, x and f once:
+Backward (two kernels, ops.CONFIG["post_bwd"]["impl"] picks), reading dx_next, x and f once:
   dx_j = sum_i H_ij dx_next_i,  df = sum_i h_post_i dx_next_i,
   dH_ij = <dx_next_i, x_j>,      dh_post_i = <dx_next_i, f>   (C-reductions kept in registers).
 """
@@ -81,26 +81,25 @@ def _post_bwd(
 
 @triton.jit(do_not_specialize=["N"])
 def _post_bwd_2d(
-    x_ptr, f_ptr, hp_ptr, hr_ptr, g_ptr, dx_ptr, df_ptr, part_ptr,
-    N, C, stride_xt, stride_xn, stride_ft, n_cblk,
+    x_ptr, f_ptr, hp_ptr, hr_ptr, g_ptr, dx_ptr, df_ptr, dhp_ptr, dhr_ptr,
+    N, C, stride_xt, stride_xn, stride_ft,
     NS: tl.constexpr, HAS_RES: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
 ):
-    """Alternative backward on the forward's 2-D grid (token block x C block), no C loop: every stream sum is a
-    broadcast multiply-add, the only reductions are over this C block, and their results go to a partial
-    buffer part [N, n_cblk, n*n + n] (dH rows, then dh_post) that the host sums over C blocks."""
+    """Backward on the forward's 2-D grid (token block x C block), no C loop: every stream sum is a broadcast
+    multiply-add and the only reductions are over this C block. dH [.., n, n] and dh_post [.., n] go to
+    dhr_ptr / dhp_ptr at row (C block * N + token): with one C block (BC >= C) those are the outputs themselves
+    (no partial buffer, no second launch); otherwise per-C-block partials [n_cblk, N, ...] summed afterwards."""
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     cb = tl.program_id(1)
     cc = cb * BC + tl.arange(0, BC)
     rmask = rows < N
     rows64 = rows.to(tl.int64)
+    prow = cb.to(tl.int64) * N + rows64  # row of the (partial) dH / dh_post outputs
     ii = tl.arange(0, NS)
     m2 = rmask[:, None] & (cc[None, :] < C)
     m3 = m2[:, None, :] & (ii[None, :, None] < NS)
     tokn = rmask[:, None] & (ii[None, :] < NS)
     f = tl.load(f_ptr + rows64[:, None] * stride_ft + cc[None, :], mask=m2, other=0.0).to(tl.float32)
-    hp = tl.load(hp_ptr + rows64[:, None] * NS + ii[None, :], mask=tokn, other=0.0).to(tl.float32)
-    pw = NS * NS + NS
-    pbase = part_ptr + (rows64 * n_cblk + cb) * pw
     df = tl.zeros([BT, BC], dtype=tl.float32)
     dhp = tl.zeros([BT, NS], dtype=tl.float32)
     if HAS_RES:
@@ -109,17 +108,18 @@ def _post_bwd_2d(
         dx = tl.zeros([BT, NS, BC], dtype=tl.float32)
     for i in tl.static_range(NS):
         gi = tl.load(g_ptr + rows64[:, None] * (NS * C) + i * C + cc[None, :], mask=m2, other=0.0).to(tl.float32)
-        hpi = tl.sum(tl.where(ii[None, :] == i, hp, 0.0), axis=1)
+        hpi = tl.load(hp_ptr + rows64 * NS + i, mask=rmask, other=0.0).to(tl.float32)  # L1-resident scalar/token
         df += hpi[:, None] * gi
         dhp += tl.where(ii[None, :] == i, tl.sum(gi * f, axis=1)[:, None], 0.0)
         if HAS_RES:
             hri = tl.load(hr_ptr + rows64[:, None] * (NS * NS) + i * NS + ii[None, :], mask=tokn, other=0.0)
             dx += hri.to(tl.float32)[:, :, None] * gi[:, None, :]  # dx_j += H_ij g_i for all j
-            tl.store(pbase[:, None] + i * NS + ii[None, :], tl.sum(gi[:, None, :] * x3, axis=2), mask=tokn)
+            tl.store(dhr_ptr + prow[:, None] * (NS * NS) + i * NS + ii[None, :], tl.sum(gi[:, None, :] * x3, axis=2),
+                     mask=tokn)
         else:
             tl.store(dx_ptr + rows64[:, None] * (NS * C) + i * C + cc[None, :], gi.to(dx_ptr.dtype.element_ty), mask=m2)
     tl.store(df_ptr + rows64[:, None] * C + cc[None, :], df.to(df_ptr.dtype.element_ty), mask=m2)
-    tl.store(pbase[:, None] + NS * NS + ii[None, :], dhp, mask=tokn)
+    tl.store(dhp_ptr + prow[:, None] * NS + ii[None, :], dhp, mask=tokn)
     if HAS_RES:
         off = rows64[:, None, None] * (NS * C) + ii[None, :, None] * C + cc[None, None, :]
         tl.store(dx_ptr + off, dx.to(dx_ptr.dtype.element_ty), mask=m3)

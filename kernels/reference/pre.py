@@ -1,0 +1,19 @@
+"""Fused "pre" op semantics: coefficients and the layer input u = sum_j h_pre_j x_j together (mhc-math.md §2, §8).
+
+No new math: a thin composition of the reference `mhc_coefficients` and `stream_pre`. The fused kernel computes
+the same thing from one read of x and returns a single dx in its backward.
+"""
+from typing import Optional
+
+import torch
+
+from .coefficients import mhc_coefficients
+from .streams import stream_pre
+
+
+def mhc_pre(
+    x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, **options
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """(u, h_pre, h_post, h_res | None); options are those of `mhc_coefficients`."""
+    h_pre, h_post, h_res = mhc_coefficients(x, phi, bias, alpha, **options)
+    return stream_pre(x, h_pre), h_pre, h_post, h_res
