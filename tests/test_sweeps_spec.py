@@ -177,3 +177,14 @@ def test_bad_spec_exits_with_message(tmp_path, capsys):
     p.write_text(yaml.safe_dump(minimal(sampler={"name": "annealing"})))
     assert runner.main(["run", str(p), "--tracking-uri", f"sqlite:///{tmp_path}/m.db"]) == 2
     assert "sampler.name" in capsys.readouterr().err
+
+
+def test_counts_only_trials_that_raised_as_errors():
+    study = optuna.create_study()
+    for attrs in ({"error": "ValueError: nan"}, {"error": None}, {"error": "SystemExit: 1", "interrupted": True}, {}):
+        t = study.ask()
+        for k, v in attrs.items():
+            t.set_user_attr(k, v)
+        study.tell(t, state=optuna.trial.TrialState.FAIL)
+    c = runner.counts(study)
+    assert c["failed"] == 4 and c["errors"] == 1

@@ -176,7 +176,7 @@ def counts(study) -> dict[str, int]:
     return {"complete": c[TrialState.COMPLETE], "pruned": c[TrialState.PRUNED], "failed": c[TrialState.FAIL],
             "running": c[TrialState.RUNNING], "waiting": c[TrialState.WAITING],
             # trials whose objective raised (not interrupted, not heartbeat-stale): what max_failed limits
-            "errors": sum(t.state == TrialState.FAIL and t.user_attrs.get("error") and not t.user_attrs.get("interrupted")
+            "errors": sum(t.state == TrialState.FAIL and bool(t.user_attrs.get("error")) and not t.user_attrs.get("interrupted")
                           for t in trials)}
 
 
