@@ -364,10 +364,10 @@ SWEEP_QUICK = {
                  [(2, 256, 4, "loop"), (4, 256, 4, "2d"), (2, 512, 4, "2d"), (1, 4096, 4, "2d"), (1, 4096, 8, "2d"),
                   (2, 4096, 8, "2d")]],
     "coef_fwd": [dict(BT=bt, BK=bk, num_warps=w, num_stages=st, BC=bc, split_tail=sp) for bt, bk, w, st, bc, sp in
-                 [(64, 64, 4, 3, 64, False), (64, 64, 4, 3, 64, True), (32, 128, 4, 3, 128, True),
-                  (16, 128, 4, 3, 256, True), (32, 128, 4, 3, 128, False)]],
+                 [(64, 64, 4, 3, 16, False), (64, 64, 4, 3, 16, True), (32, 128, 4, 3, 32, True),
+                  (16, 128, 4, 3, 64, True), (32, 128, 4, 3, 32, False)]],
     "coef_tail": [dict(BT=bt, num_warps=w) for bt, w in [(16, 4), (32, 4), (8, 2)]],
-    "coef_bwd_tok": [dict(BT=bt, num_warps=w, BC=bc) for bt, w, bc in [(64, 4, 64), (32, 4, 128), (16, 4, 256)]],
+    "coef_bwd_tok": [dict(BT=bt, num_warps=w, BC=bc) for bt, w, bc in [(64, 4, 16), (32, 4, 32), (16, 4, 64)]],
 }
 
 SWEEP = {

@@ -25,11 +25,12 @@ POISON = False
 # (2026-11-29, docs/benchmarks.md). The benchmark may override them. Tiles shrink to the problem size.
 CONFIG = {
     # BC: C tile of the fused pre op's u loop (HAS_U). split_tail: Sinkhorn in its own launch (`coef_tail`)
-    # instead of after each program's GEMM loop (untimed; --sweep compares).
-    "coef_fwd": dict(BT=64, BK=64, num_warps=4, num_stages=3, BC=64, split_tail=False),
+    # instead of after each program's GEMM loop (untimed; --sweep compares). BT * BC <= 1024-2048: larger u
+    # tiles spill at BT=64 (ptxas, sm_90: BC=16 243 registers, no spill; BC=32 spills 120 B).
+    "coef_fwd": dict(BT=64, BK=64, num_warps=4, num_stages=3, BC=16, split_tail=False),
     "coef_tail": dict(BT=16, num_warps=4),
-    # BC: C tile of the fused pre op's <du, x_j> loop
-    "coef_bwd_tok": dict(BT=64, num_warps=4, BC=64),
+    # BC: C tile of the fused pre op's <du, x_j> loop (BT=64: BC=16 226 registers, no spill; BC=64 spills 1.3 KB)
+    "coef_bwd_tok": dict(BT=64, num_warps=4, BC=16),
     "coef_bwd_x": dict(BT=64, BK=128, num_warps=8, num_stages=2, programs_per_sm=4),
     "pre_fwd": dict(BT=4, BC=512, num_warps=4),
     "pre_bwd": dict(BT=4, BC=256, num_warps=4),
@@ -115,7 +116,7 @@ def _fwd(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mu
         x, phi, bias, alpha, lg, rinv, h_pre, h_post, h_res, u if with_u else h_pre,
         N, K, C, x.stride(0), phi.stride(0), iters, eps, rms_eps, pre_eps, post_mult,
         NS=n, M=M, MP=_np2(M, 16), HAS_RES=has_res, SINK=not split, HAS_U=with_u, T_IN=t_in, T_OUT=t_out,
-        DOT=_dot_mode(x, phi), BT=cfg["BT"], BK=cfg["BK"], BC=min(cfg.get("BC", 64), _np2(C, 16)), **_launch(cfg),
+        DOT=_dot_mode(x, phi), BT=cfg["BT"], BK=cfg["BK"], BC=min(cfg.get("BC", 16), _np2(C, 16)), **_launch(cfg),
     )
     if split:
         ct = _cfg("coef_tail")
@@ -166,7 +167,7 @@ def bwd_tok(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_i
         lg, rinv, bias.contiguous(), alpha.contiguous(), d_pre.contiguous(), d_post.contiguous(), d_res.contiguous(),
         dl, dss, part, sc, x, du.contiguous() if with_u else x, N, n * C, C, x.stride(0), iters, eps, post_mult,
         NS=n, M=M, HAS_RES=has_res, T_IN=t_in, T_OUT=t_out, HAS_U=with_u, BT=ct["BT"], PW=pw,
-        BC=min(ct.get("BC", 64), _np2(C, 16)), **_launch(ct),
+        BC=min(ct.get("BC", 16), _np2(C, 16)), **_launch(ct),
     )
     return dl, dss, part
 
