@@ -82,17 +82,21 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True, **kwargs) -> M
     )
 
 
+TOOLS = {  # subcommands with their own argparse front ends; everything else is LightningCLI
+    "sweep": ("mhc_lightning.sweeps.runner", "Optuna sweeps tracked in MLflow"),
+    "compare": ("mhc_lightning.compare", "table and plots of MLflow runs"),
+    "report": ("mhc_lightning.report", "runs grouped by tags, mean +- std over seeds"),
+    "grid": ("mhc_lightning.grid", "a grid of `mhc fit` runs in parallel processes"),
+}
+
+
 def main(argv: Optional[list[str]] = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    # `mhc sweep ...` and `mhc compare ...` have their own argparse front ends; the rest is LightningCLI.
-    if argv and argv[0] == "sweep":
-        from .sweeps.runner import main as sweep_main
+    args = sys.argv[1:] if argv is None else argv
+    if args and args[0] in TOOLS:
+        import importlib
 
-        sys.exit(sweep_main(list(argv[1:])))
-    if argv and argv[0] == "compare":
-        from .compare import main as compare_main
-
-        sys.exit(compare_main(list(argv[1:])))
+        sys.exit(importlib.import_module(TOOLS[args[0]][0]).main(list(args[1:])))
+    # argv=None lets LightningCLI read sys.argv itself (it warns when given both)
     build_cli(argv)
 
 

@@ -2,7 +2,7 @@
 
 A grid file names base configs, named variants (sets of overrides) and axes (lists of values);
 every combination is one `mhc fit` process, so a grid run is exactly what the CLI would run.
-    python -m mhc_lightning.grid conf/experiments/stability_grid.yaml --parallel 8 [--dry-run] [--set KEY=VALUE ...]
+    mhc grid conf/experiments/stability_grid.yaml --parallel 8 [--dry-run] [--set KEY=VALUE ...]
 Runs get the tags variant / <axis> / grid so that `mhc compare` can group them (mean +- std over seeds).
 """
 import argparse
@@ -72,7 +72,7 @@ def tag_runs(client, experiment_id: str, name: str, tags: dict) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mhc_lightning.grid", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="mhc grid", description=__doc__.split("\n")[0])
     p.add_argument("grid", type=Path)
     p.add_argument("--parallel", type=int, default=1, help="processes at once (they share the device)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra override for every run")
