@@ -155,13 +155,13 @@ class LitLM(L.LightningModule):
         """
         if self._grad_norms is None:
             if self._grad_groups is None:
-                params, group = [], []
+                params, group, spare = [], [], len(self.model.sublayers)  # spare slot: embedding, norm, head
                 for name, p in self.model.named_parameters():
                     parts = name.split(".")
                     params.append(p)
-                    group.append(int(parts[1]) if parts[0] == "sublayers" else -1)
-                self._grad_groups = (params, torch.tensor(group))
-            params, group = self._grad_groups
+                    group.append(int(parts[1]) if parts[0] == "sublayers" else spare)
+                self._grad_groups = (params, torch.tensor(group), {})
+            params, group, on_device = self._grad_groups
             with_grad = [i for i, p in enumerate(params) if p.grad is not None]
             n_layers = len(self.model.sublayers)
             if not with_grad:
@@ -170,11 +170,14 @@ class LitLM(L.LightningModule):
             else:
                 norms = torch.stack(torch._foreach_norm([params[i].grad.detach().float() for i in with_grad]))
                 sq = norms.square()
-                g = group[with_grad].to(norms.device)
-                inside = g >= 0
-                per_layer = torch.zeros(n_layers, device=norms.device, dtype=sq.dtype).index_add_(
-                    0, g[inside], sq[inside])
-                self._grad_norms = (sq.sum().sqrt(), per_layer.sqrt())
+                if len(with_grad) == len(params):  # the usual case: reuse the index on the device
+                    g = on_device.get(norms.device)
+                    if g is None:
+                        g = on_device[norms.device] = group.to(norms.device)
+                else:
+                    g = group[with_grad].to(norms.device)
+                per_layer = torch.zeros(n_layers + 1, device=norms.device, dtype=sq.dtype).index_add_(0, g, sq)
+                self._grad_norms = (sq.sum().sqrt(), per_layer[:n_layers].sqrt())
         return self._grad_norms
 
     def on_before_optimizer_step(self, optimizer) -> None:

@@ -1,0 +1,97 @@
+"""The stability preset through the real CLI: composition from YAML, and a SIGKILLed fit resumed from `last`."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import CONF, mlflow_logger_arg, tiny_fit_args
+from test_callbacks_common import one_thread
+
+from mhc_lightning.callbacks import GradientSnapshots, InstabilityDetector, SinkhornScheduler
+from mhc_lightning.cli import build_cli
+
+TESTS = Path(__file__).resolve().parent
+STABILITY = str(CONF / "presets" / "stability.yaml")
+
+
+def _args(corpus, uri, root, steps, experiment="tests", run_id=None) -> list[str]:
+    args = tiny_fit_args(corpus, uri, root, "mhc", steps, experiment=experiment)
+    i = args.index(str(CONF / "presets" / "debug.yaml")) + 1
+    args[i:i] = ["-c", STABILITY]  # base + mhc + debug + stability
+    if run_id is not None:  # resume the MLflow run too: same run id, same checkpoint folder
+        args[-1] = mlflow_logger_arg(uri, experiment, "test", run_id=run_id)
+    return args
+
+
+def test_preset_composes_with_base_and_overrides(tiny_corpus, mlflow_uri, tmp_path):
+    args = _args(tiny_corpus, mlflow_uri, tmp_path, 2) + ["--trainer.callbacks.init_args.intensity=2"]
+    cli = build_cli(args[1:], run=False)  # run=False: no subcommand
+    names = [type(cb).__name__ for cb in cli.trainer.callbacks]
+    assert names.index("ModelCheckpoint") >= 0  # base.yaml's checkpoint is kept: callbacks+ appends
+    sched = next(cb for cb in cli.trainer.callbacks if isinstance(cb, SinkhornScheduler))
+    assert sched.intensity == 2.0 and sched.tol == pytest.approx(1e-4)  # the sweep knob
+    det = next(cb for cb in cli.trainer.callbacks if isinstance(cb, InstabilityDetector))
+    assert det.actions["loss_spike"] == "rollback" and det.loss_z_threshold == 6.0
+    assert any(isinstance(cb, GradientSnapshots) for cb in cli.trainer.callbacks)
+
+
+def test_bad_action_in_yaml_is_rejected_naming_the_field(tiny_corpus, mlflow_uri, tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer:\n  callbacks+:\n    - class_path: mhc_lightning.callbacks.InstabilityDetector\n"
+                   "      init_args:\n        on_loss_spike: explode\n")
+    with pytest.raises(SystemExit):
+        build_cli(_args(tiny_corpus, mlflow_uri, tmp_path, 2)[1:] + ["-c", str(bad)], run=False)
+    err = capsys.readouterr().err
+    assert "on_loss_spike" in err and "explode" in err
+
+
+def test_killed_fit_resumes_from_last_and_equals_uninterrupted(tiny_corpus, mlflow_uri, tmp_path):
+    """SIGKILL a `python -m mhc_lightning.cli fit` with the stability preset at step 7 (last checkpoint: step 6,
+    debug preset validates and checkpoints every 2 steps), resume with --ckpt_path last, compare with a
+    straight 12-step run: same weights and optimizer state, bit for bit."""
+    steps, killed_root, full_root = 12, tmp_path / "killed", tmp_path / "full"
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "mhc_lightning.cli"]
+    marker = tmp_path / "paused"
+    pause = "--trainer.callbacks+=" + json.dumps(
+        {"class_path": "test_callbacks_common.PauseAt", "init_args": {"step": 7, "marker": str(marker)}})
+
+    with open(tmp_path / "killed.log", "w") as log:
+        proc = subprocess.Popen(cmd + _args(tiny_corpus, mlflow_uri, killed_root, steps) + [pause], cwd=tmp_path,
+                                env=env, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 240
+        while not marker.exists():
+            assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
+            assert time.time() < deadline, "the fit never reached step 7"
+            time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=60) == -signal.SIGKILL
+    (ckpt_dir,) = killed_root.glob("*/*/checkpoints")
+    assert torch.load(ckpt_dir / "last.ckpt", weights_only=False)["global_step"] == 6  # lost: step 6 only
+
+    resume = _args(tiny_corpus, mlflow_uri, killed_root, steps, run_id=ckpt_dir.parent.name) + ["--ckpt_path", "last"]
+    done = subprocess.run(cmd + resume, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "GradientSnapshots: resuming the train loader at epoch 0, batch 6" in done.stdout + done.stderr
+
+    with one_thread():  # the straight run, in-process (same thread count as the subprocesses)
+        build_cli(_args(tiny_corpus, mlflow_uri, full_root, steps, experiment="straight"))
+
+    (full_dir,) = full_root.glob("*/*/checkpoints")
+    a = torch.load(full_dir / "last.ckpt", weights_only=False)
+    b = torch.load(ckpt_dir / "last.ckpt", weights_only=False)
+    assert a["global_step"] == b["global_step"] == steps
+    assert a["state_dict"].keys() == b["state_dict"].keys()
+    assert all(torch.equal(a["state_dict"][k], b["state_dict"][k]) for k in a["state_dict"])
+    sa, sb = a["optimizer_states"][0]["state"], b["optimizer_states"][0]["state"]
+    assert all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
+    assert a["callbacks"]["SinkhornScheduler"]["iters"] == b["callbacks"]["SinkhornScheduler"]["iters"]
+    assert a["callbacks"]["InstabilityDetector"]["losses"] == b["callbacks"]["InstabilityDetector"]["losses"]
