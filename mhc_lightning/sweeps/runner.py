@@ -304,8 +304,9 @@ def _raise_interrupt(signum, frame):
 
 
 def _worker_cmd(sweep: Sweep, args, index: int, machine: int, threads: int) -> list[str]:
+    # the storage URL (it may hold a password) goes through the environment, not the visible command line
     cmd = [sys.executable, "-m", "mhc_lightning.sweeps", "worker", str(sweep.spec.path), "--index", str(index),
-           "--machine-rank", str(machine), "--storage", sweep.storage_url, "--tracking-uri", sweep.tracking_uri,
+           "--machine-rank", str(machine), "--tracking-uri", sweep.tracking_uri,
            "--spool-dir", sweep.spool_dir, "--threads", str(threads)]
     for s in args.set or []:
         cmd += ["--set", s]
@@ -334,7 +335,7 @@ def launch(sweep: Sweep, args) -> int:
         gpus = [g for g in (args.gpus or os.environ.get("CUDA_VISIBLE_DEVICES", "")).split(",") if g.strip()]
         procs = []
         for i in range(n):
-            env = dict(os.environ)
+            env = dict(os.environ, MHC_SWEEP_STORAGE=sweep.storage_url)
             if len(gpus) > 1:
                 env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]  # one GPU per worker, round robin
             log = open(log_dir / f"worker-{machine}-{i}.log", "a")
@@ -455,7 +456,7 @@ def _parse_set(items: Optional[list[str]]) -> dict[str, Any]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mhc sweep", description="Optuna sweeps of `mhc fit`, tracked in MLflow.")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, metavar="{run,status,replay}")  # `worker` is internal
 
     def common(sp, worker: bool = False):
         sp.add_argument("spec", help="sweep file, e.g. sweeps/constraint_intensity.yaml")
@@ -480,7 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="trial counts and states of a study")
     common(st)
 
-    w = sub.add_parser("worker", help=argparse.SUPPRESS)
+    w = sub.add_parser("worker")  # started by `run --workers N`
     common(w)
     w.add_argument("--index", type=int, required=True)
     w.add_argument("--machine-rank", type=int, required=True)
@@ -501,7 +502,8 @@ def _sweep_from_args(args) -> Sweep:
     if args.n_trials is not None:
         spec.n_trials = args.n_trials
     uri = args.tracking_uri or spec.mlflow["tracking_uri"] or default_tracking_uri()
-    storage = args.storage or spec.storage["url"] or os.environ.get("OPTUNA_STORAGE") or default_storage(uri)
+    storage = (args.storage or (os.environ.get("MHC_SWEEP_STORAGE") if args.command == "worker" else None)
+               or spec.storage["url"] or os.environ.get("OPTUNA_STORAGE") or default_storage(uri))
     return Sweep(spec, storage, uri, str(Path(args.spool_dir).resolve()))
 
 
