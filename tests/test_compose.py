@@ -147,3 +147,31 @@ def test_docker_compose_config(tmp_path):
     res = subprocess.run(["docker", "compose", "-f", str(REPO / "docker-compose.yml"), "--env-file", str(tmp_path / ".env"),
                           "config", "-q"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
+
+
+def test_postgres_init_script_creates_the_sweeps_database():
+    """Run docker/postgres/init-sweeps.sh as the image would, against the local PostgreSQL server."""
+    import uuid
+
+    if shutil.which("psql") is None:
+        pytest.skip("psql not installed")
+    psycopg2 = pytest.importorskip("psycopg2")
+    try:
+        conn = psycopg2.connect(host="127.0.0.1", port=5432, user="postgres", dbname="test", connect_timeout=5)
+    except psycopg2.OperationalError as err:
+        pytest.skip(f"PostgreSQL unreachable at 127.0.0.1:5432: {err}")
+    conn.autocommit = True
+    name = f"mhc_init_{uuid.uuid4().hex[:8]}"
+    env = {"PATH": "/usr/bin:/bin:/usr/local/bin", "PGHOST": "127.0.0.1", "PGPORT": "5432",
+           "POSTGRES_USER": "postgres", "POSTGRES_DB": "test", "SWEEPS_DB": name}
+    try:
+        res = subprocess.run(["sh", str(REPO / "docker" / "postgres" / "init-sweeps.sh")], env=env,
+                             capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+        with conn.cursor() as cur:
+            cur.execute("select 1 from pg_database where datname = %s", (name,))
+            assert cur.fetchone() == (1,)
+    finally:
+        with conn.cursor() as cur:
+            cur.execute(f'drop database if exists "{name}"')
+        conn.close()
