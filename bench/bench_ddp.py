@@ -198,14 +198,14 @@ def _mlflow_available() -> bool:
     return True
 
 
-def check_phase(args, work: Path, corpus: Path) -> dict:
+def check_phase(args, work: Path, corpus: Path, out: dict, save) -> dict:
     """1 device vs DDP on 2 (vs FSDP on 2 on GPUs): same global batch, fp32, corpus order."""
     print("check: DDP (and FSDP) against one device at the same global batch, fp32", flush=True)
     steps, global_batch = 6, 8
     shape = dict(d_model=64, layers=2, heads=2, seq=64) if args.smoke else dict(d_model=256, layers=4, heads=4, seq=256)
     runs = [("one", 1, False), ("ddp", 2, False)] + ([] if args.smoke else [("fsdp", 2, True)])
     use_mlflow = _mlflow_available()
-    out: dict = {"steps": steps, "global_batch": global_batch, **shape, "runs": {}}
+    out.update(steps=steps, global_batch=global_batch, **shape, runs={})
     for name, devices, fsdp in runs:
         probe = work / "check" / name
         a = ["-c", str(CONF / "base.yaml"), "-c", str(CONF / "model" / "mhc.yaml"), *machine_args(args.smoke, devices, fsdp),
@@ -235,6 +235,7 @@ def check_phase(args, work: Path, corpus: Path) -> dict:
             rec["diagnostics_recorded"] = bool(ranks[0]["per_layer"])
             rec["rank_consistency_warning"] = "RankConsistencyCheck" in text and "hold different" in text
         out["runs"][name] = rec
+        save()
     ref = out["runs"]["one"].get("losses")
     for name in [r for r in out["runs"] if r != "one"]:
         rec = out["runs"][name]
@@ -265,10 +266,9 @@ def check_phase(args, work: Path, corpus: Path) -> dict:
     return out
 
 
-def bench_phase(args, work: Path, corpus: Path) -> dict:
+def bench_phase(args, work: Path, corpus: Path, results: dict, save) -> dict:
     print(f"bench: {args.modes} on 1 and {args.gpus} devices, C={args.d_model}, {args.layers} blocks, "
           f"B={args.batch}/device, T={args.seq}, {args.warmup} warm-up + {args.steps} timed steps", flush=True)
-    results: dict = {}
     for devices in (1, args.gpus):
         for mode in args.modes:
             name = f"{mode}-{devices}"
@@ -284,6 +284,7 @@ def bench_phase(args, work: Path, corpus: Path) -> dict:
             rec = json.loads(out.read_text()) if rc == 0 and out.exists() else {"exit": rc}
             rec["seconds"] = round(dt, 1)
             results[name] = rec
+            save()
             if "tokens_per_s" in rec:
                 print(f"    {rec['tokens_per_s']:,.0f} tok/s, step {rec['step_ms_mean']:.1f} ms mean / "
                       f"{rec['step_ms_median']:.1f} median, peak {rec['peak_mem_gib'] or 0:.1f} GiB", flush=True)
@@ -383,19 +384,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     if report["environment"].get("topology"):
         print(report["environment"]["topology"], flush=True)
     path = out / "bench_ddp.json"
-    if not args.no_check:
-        report["check"] = check_phase(args, work, corpus)
+
+    def save() -> None:
+        # after every run, so a run cut short by a time limit still returns what it measured
+        report["seconds"] = round(time.time() - t0, 1)
         path.write_text(json.dumps(report, indent=1))
+        with open(out / "bench_ddp_logs.txt", "w") as f:  # the runs' logs in one file (few files travel back)
+            for log in sorted(work.glob("*.log"), key=lambda q: q.stat().st_mtime):
+                f.write(f"==== {log.name}\n{log.read_text()[-20000:]}\n")
+
+    if not args.no_check:
+        report["check"] = {}
+        check_phase(args, work, corpus, report["check"], save)
     if not args.no_bench:
-        report["bench"] = bench_phase(args, work, corpus)
+        report["bench"] = {}
+        bench_phase(args, work, corpus, report["bench"], save)
         report["summary"] = summary(report["bench"], args.modes, args.gpus)
         print_table(report["bench"], report["summary"], args.modes, args.gpus)
-    report["seconds"] = round(time.time() - t0, 1)
-    path.write_text(json.dumps(report, indent=1))
-    # the logs travel back with the JSON, in one file (the device tool returns few files)
-    with open(out / "bench_ddp_logs.txt", "w") as f:
-        for log in sorted(work.glob("*.log")):
-            f.write(f"==== {log.name}\n{log.read_text()[-20000:]}\n")
+    save()
     print(f"\nwrote {path} ({report['seconds']:.0f} s)")
     ok_check = all(r.get("exit") == 0 for r in report.get("check", {}).get("runs", {}).values())
     ok_bench = all("tokens_per_s" in r for r in report.get("bench", {}).values())
