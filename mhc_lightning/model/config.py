@@ -48,6 +48,9 @@ class HyperConfig:
     hc_tanh: bool = True
     collapse: Collapse = "sum"
     kernel_backend: Literal["auto", "triton", "torch"] = "auto"
+    # One op for coefficients + H_pre aggregation (one read of x). Off by default: correct on CPU and GPU,
+    # but its H200 speed has not been measured against the separate ops (docs/benchmarks.md).
+    fused_pre: bool = False
 
     def __post_init__(self) -> None:
         _one_of("residual_mode", self.residual_mode, RESIDUAL_MODES)

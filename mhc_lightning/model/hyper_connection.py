@@ -87,16 +87,17 @@ class HyperConnection(nn.Module):
         if self.mode == "residual":
             return x + self.branch(x)
         ops = get_ops(self.cfg.kernel_backend, x.device)
-        if self.mode == "hc":
-            h_pre, h_post, h_res = self.coefficients(x, ops)
-            u = ops.stream_pre(x, h_pre)
-        else:  # coefficients and u in one op: one read of x, one dx in the backward
+        if self.mode in ("mhc", "identity") and self.cfg.fused_pre:
+            # coefficients and u in one op: one read of x, one dx in the backward
             c = self.cfg
             u, h_pre, h_post, h_res = ops.mhc_pre(
                 x, self.phi, self.bias, self.alpha, sinkhorn_iters=self.sinkhorn_iters, sinkhorn_eps=c.sinkhorn_eps,
                 exact_axis=c.sinkhorn_exact_axis, start=c.sinkhorn_start, res_layout=c.res_layout,
                 pre_eps=c.pre_eps, post_mult=c.post_mult,
             )
+        else:
+            h_pre, h_post, h_res = self.coefficients(x, ops)
+            u = ops.stream_pre(x, h_pre)
         if self.record:
             self.last = {"h_pre": h_pre[:1].detach(), "h_post": h_post[:1].detach(),
                          "h_res": None if h_res is None else h_res[:1].detach()}
