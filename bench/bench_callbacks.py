@@ -1,4 +1,6 @@
-"""Step-time overhead of the stability callbacks (InstabilityDetector + GradientSnapshots + SinkhornScheduler) at defaults.
+"""Step-time overhead of the three stability callbacks at their defaults.
+
+InstabilityDetector + GradientSnapshots + SinkhornScheduler, as in conf/presets/stability.yaml.
 
 Trains the same mHC model with and without the three callbacks, alternating the two configurations
 `--repeats` times; a step is the wall time from one on_train_batch_start to the next (everything the loop

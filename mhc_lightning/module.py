@@ -118,10 +118,15 @@ class LitLM(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         self._grad_norms = None
-        if self.skip_batch:  # a callback skips this batch (data window after a rollback): no backward, no update
+        if self.skip_batch:  # a callback skips this batch (data window after a rollback): no update
             self.skip_batch, self.last_loss = False, None
             self.log("train/skipped_batch", 1.0, on_step=True, on_epoch=False)
-            return None
+            if self.trainer.world_size == 1:
+                return None  # no backward at all
+            # DDP rejects a None loss: every rank must run backward so its gradient hooks all-reduce. A zero
+            # loss keeps them in step, and the update is vetoed like a skipped step.
+            self.skip_optimizer_step = True
+            return self.lm_loss(self(batch[0]), batch[1]) * 0.0
         x, y = batch
         if self.diagnostics_due():
             self._diagnostics_requested = False

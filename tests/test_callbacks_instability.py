@@ -112,7 +112,8 @@ def test_loss_spike_and_grad_explosion_thresholds():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"on_loss_spike": "explode"}, r"InstabilityDetector.on_loss_spike must be one of \['log', 'skip', 'rollback', 'stop'\]"),
+    ({"on_loss_spike": "explode"},
+     r"InstabilityDetector.on_loss_spike must be one of \['log', 'skip', 'rollback', 'stop'\]"),
     ({"loss_z_threshold": -1.0}, r"InstabilityDetector.loss_z_threshold must be a number > 0"),
     ({"loss_min_history": 500}, r"InstabilityDetector.loss_min_history must be an integer >= 2 and <= 100"),
     ({"grad_factor": 0.5}, r"InstabilityDetector.grad_factor must be a number > 1"),

@@ -42,6 +42,20 @@ def check_number(owner: str, name: str, value: Any, *, low: Optional[float] = No
         raise ValueError(f"{owner}.{name} must be {what} {rng}{none}, got {value!r}")
 
 
+def norm_sum(tensors: list) -> "torch.Tensor":
+    """Sum of the 2-norms of `tensors` as a float32 scalar on their device: finite iff every value is finite.
+
+    Half-precision norms are computed in float32 (an fp16 norm overflows long before its values do).
+    """
+    import torch
+
+    half = [t for t in tensors if t.dtype in (torch.float16, torch.bfloat16)]
+    rest = [t for t in tensors if t.dtype not in (torch.float16, torch.bfloat16)]
+    norms = list(torch._foreach_norm(half, 2, dtype=torch.float32)) if half else []
+    norms += [n.float() for n in torch._foreach_norm(rest)] if rest else []
+    return torch.stack(norms).sum() if norms else torch.zeros(())
+
+
 def stronger(a: str, b: str) -> str:
     return a if _SEVERITY[a] >= _SEVERITY[b] else b
 

@@ -23,7 +23,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
-from .events import ACTIONS, StabilityEvent, channel_of, check_choice, check_number, log_metrics, set_tag, stronger
+from .events import (ACTIONS, StabilityEvent, channel_of, check_choice, check_number, log_metrics, norm_sum, set_tag,
+                     stronger)
 
 Action = Literal["log", "skip", "rollback", "stop"]
 KINDS = ("loss_spike", "grad_explosion", "layer_grad_explosion", "nonfinite_loss", "nonfinite_grad",
@@ -125,8 +126,9 @@ class InstabilityDetector(Callback):
         }
         for kind, action in self.actions.items():
             check_choice(me, f"on_{kind}", action, ACTIONS)
-        self.loss_z_threshold, self.loss_min_scale, self.loss_min_history = loss_z_threshold, loss_min_scale, loss_min_history
-        self.grad_factor, self.layer_grad_factor, self.grad_min_history = grad_factor, layer_grad_factor, grad_min_history
+        self.loss_z_threshold, self.loss_min_scale = loss_z_threshold, loss_min_scale
+        self.loss_min_history, self.grad_min_history = loss_min_history, grad_min_history
+        self.grad_factor, self.layer_grad_factor = grad_factor, layer_grad_factor
         self.amax_bound, self.sinkhorn_residual_bound = amax_bound, sinkhorn_residual_bound
         self.check_params, self.min_loss_scale = check_params, min_loss_scale
         self.losses: deque[float] = deque(maxlen=loss_window)
@@ -157,11 +159,11 @@ class InstabilityDetector(Callback):
         step = trainer.global_step
         total, per_layer = pl_module.grad_norms()
         loss = loss.reshape(1).float()
-        if trainer.world_size > 1:  # gradients are already all-reduced; the loss is per rank: every rank must decide alike
+        if trainer.world_size > 1:  # gradients are all-reduced already, the loss is per rank: decide alike
             loss = trainer.strategy.reduce(loss, reduce_op="mean")
         parts = [loss, total.reshape(1).float(), per_layer.float()]
         if self.check_params:
-            parts.append(torch.stack(torch._foreach_norm([p.detach() for p in self._params])).float().sum().reshape(1))
+            parts.append(norm_sum([p.detach() for p in self._params]).reshape(1))
         values = torch.cat([t.to(parts[0].device) for t in parts]).tolist()  # the one host sync
         loss_v, grad_v, layer_v = values[0], values[1], values[2:2 + per_layer.numel()]
         param_v = values[-1] if self.check_params else 0.0
@@ -248,7 +250,8 @@ class InstabilityDetector(Callback):
                     exploded = True
                     over = np.flatnonzero(ratios > self.layer_grad_factor).tolist()
                     add("layer_grad_explosion", ratios[worst], self.layer_grad_factor,
-                        f"sublayers {over}; worst {worst}: norm {layer_v[worst]:.4g} vs median {float(meds[worst]):.4g}")
+                        f"sublayers {over}; worst {worst}: norm {layer_v[worst]:.4g} "
+                        f"vs median {float(meds[worst]):.4g}")
 
         if pl_module.last_diagnostics_step == step and pl_module.last_diagnostics:
             d = pl_module.last_diagnostics

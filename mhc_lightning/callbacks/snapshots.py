@@ -43,7 +43,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSampler
 
-from .events import StabilityEvent, channel_of, check_choice, check_number, log_metrics
+from .events import StabilityEvent, channel_of, check_choice, check_number, log_metrics, norm_sum
 
 
 class RollbackError(RuntimeError):
@@ -93,11 +93,20 @@ def set_rng_state(state: dict) -> None:
     random.setstate((version, tuple(internal), gauss))
 
 
-def _fingerprint(state: dict) -> list[float]:
-    """Cheap checksum of the tensors of a snapshot: float64 sum and sum of squares of each one."""
-    ts = [t.detach() for t in _tensors({"model": state["model"], "optimizers": state["optimizers"]})]
-    sums = [torch.stack([t.double().sum(), t.double().square().sum()]) for t in ts if t.numel()]
-    return torch.cat(sums).tolist() if sums else []
+_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _fingerprint(state: dict) -> tuple[list[int], bool]:
+    """(checksum, all finite) of the model and optimizer tensors of a snapshot.
+
+    The checksum is the int64 sum of each tensor's raw words: exact and independent of reduction order (so
+    the same on any device), it changes with any single flipped bit. One extra read of the state.
+    """
+    ts = [t.detach() for t in _tensors({"model": state["model"], "optimizers": state["optimizers"]}) if t.numel()]
+    sums = [t.contiguous().view(_WORDS[t.element_size()]).sum(dtype=torch.int64) for t in ts]
+    floats = [t for t in ts if t.is_floating_point()]
+    finite = bool(norm_sum(floats).isfinite())
+    return (torch.stack(sums).tolist() if sums else []), finite
 
 
 def _sha256(path: Path) -> str:
@@ -115,7 +124,7 @@ class Snapshot:
     state: Optional[dict]  # model, optimizers, schedulers, scaler, rng (None for a disk entry not loaded)
     probe: Optional[tuple[torch.Tensor, torch.Tensor]]
     probe_grad_norm: float
-    fingerprint: list[float] = field(default_factory=list)
+    fingerprint: list[int] = field(default_factory=list)
     path: Optional[str] = None  # disk copy
     sha256: Optional[str] = None
 
@@ -396,13 +405,15 @@ class GradientSnapshots(Callback):
         snap = Snapshot(step=step, position={"epoch": trainer.current_epoch, "batch_idx": batch_idx,
                                              "global_step": step},
                         state=state, probe=probe, probe_grad_norm=self._probe_grad_norm(trainer, pl_module, probe))
-        snap.fingerprint = _fingerprint(state)
-        if not all(map(math.isfinite, [snap.probe_grad_norm, *snap.fingerprint])):
+        snap.fingerprint, finite = _fingerprint(state)
+        finite = finite and math.isfinite(snap.probe_grad_norm)
+        # Several processes: the probe batch is per rank, so decide together or the rings would differ.
+        if not trainer.strategy.reduce_boolean_decision(finite, all=True):
             # Never let a non-finite state take a ring slot (it would push out a good snapshot): retry next step.
             self._deferred = True
-            channel_of(pl_module).record(StabilityEvent(step, "snapshot_refused", float("nan"), float("nan"), "deferred",
-                                                        type(self).__name__, "state not finite at snapshot time"),
-                                         trainer)
+            event = StabilityEvent(step, "snapshot_refused", float("nan"), float("nan"), "deferred",
+                                   type(self).__name__, "state not finite at snapshot time")
+            channel_of(pl_module).record(event, trainer)
             return False
         if self.dirpath is not None and trainer.global_rank == 0:
             self._write(snap)
@@ -464,7 +475,7 @@ class GradientSnapshots(Callback):
     def _validate(self, trainer, pl_module, snap: Snapshot, source: str) -> None:
         """State-loading validation: checksum (memory), shapes and dtypes against the live objects, finite."""
         st = snap.state
-        if source == "memory" and _fingerprint(st) != snap.fingerprint:
+        if source == "memory" and _fingerprint(st)[0] != snap.fingerprint:
             raise ValueError("in-memory checksum mismatch")
         live = pl_module.model.state_dict()
         if set(live) != set(st["model"]):
@@ -480,7 +491,8 @@ class GradientSnapshots(Callback):
             groups = sd["param_groups"]
             if [len(g["params"]) for g in groups] != [len(g["params"]) for g in opt.param_groups]:
                 raise ValueError("optimizer parameter groups differ")
-            shapes = {i: p.shape for g_live, g in zip(opt.param_groups, groups) for i, p in zip(g["params"], g_live["params"])}
+            shapes = {i: p.shape for g_live, g in zip(opt.param_groups, groups)
+                      for i, p in zip(g["params"], g_live["params"])}
             for pid, pstate in sd["state"].items():
                 for name, t in pstate.items():
                     if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape != shapes.get(pid):
@@ -524,23 +536,29 @@ class GradientSnapshots(Callback):
         rejected: list[str] = []
         for source, entry in self._candidates():
             label = f"step {entry.step if source == 'memory' else entry['step']} ({source})"
+            snap, detail_check, reason = None, "", None
             try:
                 snap = self._load_disk(entry) if source == "disk" else entry
                 self._validate(trainer, pl_module, snap, source)
                 self._load(trainer, pl_module, snap)
-                detail_check = ""
                 if self.grad_check:
                     g = self._probe_grad_norm(trainer, pl_module, snap.probe)
                     rel = abs(g - snap.probe_grad_norm) / max(abs(snap.probe_grad_norm), 1e-12)
                     if not rel <= self.grad_check_rtol:
                         raise ValueError(f"gradient consistency check failed: probe grad norm {g:.6g} vs "
-                                         f"{snap.probe_grad_norm:.6g} recorded (rel {rel:.2e} > {self.grad_check_rtol:g})")
+                                         f"{snap.probe_grad_norm:.6g} recorded "
+                                         f"(rel {rel:.2e} > {self.grad_check_rtol:g})")
                     detail_check = f"; probe grad norm {g:.6g} vs {snap.probe_grad_norm:.6g} (rel {rel:.1e})"
             except ValueError as err:
-                rejected.append(f"{label}: {err}")
+                reason = str(err)
+            # Every rank must accept the same candidate (probe batches are per rank): one refusal refuses it.
+            if not trainer.strategy.reduce_boolean_decision(reason is None, all=True):
+                reason = reason or "refused on another rank"
+                rejected.append(f"{label}: {reason}")
                 channel.record(StabilityEvent(step, "rollback_rejected", float(entry.step if source == "memory"
                                                                                 else entry["step"]),
-                                              float(step), "rejected", type(self).__name__, f"{label}: {err}"), trainer)
+                                              float(step), "rejected", type(self).__name__, f"{label}: {reason}"),
+                               trainer)
                 continue
             self._after_restore(trainer, pl_module, request, snap, source, batch_idx, rejected, detail_check)
             return
