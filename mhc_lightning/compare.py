@@ -74,7 +74,8 @@ class RunData:
                 out.setdefault(k.rsplit(".", 1)[-1], v)
         # Settings the mode ignores (Sinkhorn for HC, streams for the residual baseline) would only mislead.
         mode = out.get("residual_mode")
-        unused = {"residual": UNUSED_BY_RESIDUAL, "hc": SINKHORN_ONLY, "identity": SINKHORN_ONLY}.get(mode, ())
+        unused = {"residual": UNUSED_BY_RESIDUAL, "hc": SINKHORN_ONLY + ("bias_init",),
+                  "identity": SINKHORN_ONLY}.get(mode, ())
         return {k: v for k, v in out.items() if k not in unused}
 
     def tokens_per_sec(self) -> Optional[float]:
