@@ -6,8 +6,14 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
-from helpers import make_text
+# Without a GPU the Triton kernels run under the interpreter, which must be chosen before triton is first
+# imported; under xdist any test module (torch.compile, Lightning) may import triton first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from helpers import make_text  # noqa: E402
 
 os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
 
