@@ -85,7 +85,7 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True, **kwargs) -> M
 TOOLS = {  # subcommands with their own argparse front ends; everything else is LightningCLI
     "sweep": ("mhc_lightning.sweeps.runner", "Optuna sweeps tracked in MLflow"),
     "compare": ("mhc_lightning.compare", "table and plots of MLflow runs"),
-    "report": ("mhc_lightning.report", "runs grouped by tags, mean +- std over seeds"),
+    "report": ("mhc_lightning.report", "runs grouped by tags, mean +- std over seeds (= mhc compare --group-by)"),
     "grid": ("mhc_lightning.grid", "a grid of `mhc fit` runs in parallel processes"),
 }
 

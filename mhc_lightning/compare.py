@@ -362,6 +362,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=12, help="runs drawn in the plots (best by val/loss); the table has all")
     p.add_argument("--no-log", action="store_true", help="do not log the table and plots to MLflow")
     p.add_argument("--log-run-id", help="log into this run instead")
+    g = p.add_argument_group("grouped report (mean +- std over seeds; see mhc_lightning/report.py)")
+    g.add_argument("--group-by", help="comma-separated run tags, e.g. variant,model.arch.n_layers")
+    g.add_argument("--report", help="with --group-by: write a markdown report here")
+    g.add_argument("--notes", help="with --group-by: markdown appended to the report")
+    g.add_argument("--context", help="with --group-by: text file (GPU, versions) quoted in the report")
     return p
 
 
@@ -370,6 +375,18 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     args = build_parser().parse_args(argv)
     uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+    if args.group_by:
+        if not args.experiment:
+            print("mhc compare: error: --group-by needs --experiment", file=sys.stderr)
+            return 2
+        from . import report
+
+        cmd = ["--experiment", args.experiment, "--group-by", args.group_by, "--tracking-uri", uri]
+        for flag, value in (("--out", args.out), ("--report", args.report), ("--notes", args.notes),
+                            ("--context", args.context)):
+            if value:
+                cmd += [flag, value]
+        return report.main(cmd)
     out = args.out or str(Path("reports") / (args.experiment or args.study or "runs"))
     try:
         res = compare(uri, out, args.experiment, args.study, args.runs, not args.no_log, args.top, args.log_run_id)

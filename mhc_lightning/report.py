@@ -1,6 +1,6 @@
 """Grouped results report: runs aggregated over seeds (mean +- std) into markdown tables and plots.
 
-    mhc report --experiment stability --group-by variant,model.arch.n_layers \
+    mhc compare --experiment stability --group-by variant,model.arch.n_layers \
         --tracking-uri http://127.0.0.1:5000 --out docs/results --report docs/results.md \
         --notes docs/results_notes.md --context docs/results/context.txt
 
@@ -267,7 +267,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--notes", type=Path, help="markdown appended to the report (the reading of the results)")
     p.add_argument("--context", type=Path, help="text file with GPU / versions, quoted in the report")
     args = p.parse_args(argv)
-    command = "mhc report " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "mhc compare " + " ".join(argv if argv is not None else sys.argv[1:])
     try:
         res = report(args.tracking_uri, args.experiment, args.group_by.split(","), args.out, args.report,
                      args.notes, args.context, command)

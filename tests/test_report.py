@@ -58,7 +58,7 @@ def test_report_groups_over_seeds(mlflow_uri, tmp_path, capsys):
     for png in ("bpb_vs_depth", "amax_vs_depth", "amax_over_training", "amax_vs_layer", "grad_norm", "val_bpb_curves"):
         assert (out / f"{png}.png").stat().st_size > 5000
     text = rep.read_text()
-    assert "mhc report --experiment grid" in text and "hand-written text" in text and "](results/amax_vs_depth.png)" in text
+    assert "mhc compare --experiment grid" in text and "hand-written text" in text and "](results/amax_vs_depth.png)" in text
 
 
 def test_report_names_missing_group_tags(mlflow_uri, tmp_path, capsys):
