@@ -213,10 +213,6 @@ def test_rollback_under_ddp_fault_on_one_rank_keeps_ranks_equal(tiny_corpus, mlf
 
 
 @pytest.mark.skipif(not _stability_available(), reason="stability callbacks (mhc_lightning.callbacks) not present")
-@pytest.mark.xfail(strict=False, reason=(
-    "GradientSnapshots.skip_batches > 0 makes LitLM.training_step return None, which Lightning rejects under DDP "
-    "('Skipping the training_step by returning None in distributed training is not supported'). Passes with a "
-    "DDP-safe skip in training_step (zero loss + vetoed update); remove this mark once that is committed."))
 def test_rollback_under_ddp_skips_the_same_batches_on_every_rank(tiny_corpus, mlflow_uri, tmp_path):
     probes = _rollback_fit(tiny_corpus, mlflow_uri, tmp_path, "rollback-skip", fault_ranks=[0], skip_batches=1)
     assert probes[0]["model"] == probes[1]["model"] and probes[0]["optimizer"] == probes[1]["optimizer"]
