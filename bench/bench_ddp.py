@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import platform
-import random
 import statistics
 import subprocess
 import sys
@@ -34,22 +33,12 @@ from typing import Optional
 import lightning as L
 import torch
 
+from mhc_lightning.data.synthetic import english_like_text
+
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
-WORDS = ("the king speaks of love and honour while a storm rolls over the sea and every lord in the hall waits "
-         "for news from the north with fear but no one knows what the queen will say when she returns at dawn "
-         "from her long ride across the frozen hills").split()
-
-
 def make_corpus(path: Path, n_bytes: int, seed: int = 0) -> None:
-    """English-like sentences of random words (never constant, never zeros)."""
-    rng = random.Random(seed)
-    out, size = [], 0
-    while size < n_bytes:
-        s = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 16))).capitalize() + rng.choice(".!?;") + " "
-        out.append(s)
-        size += len(s)
-    path.write_text("".join(out))
+    path.write_text(english_like_text(n_bytes, seed))
 
 
 # ---- callbacks loaded inside the `mhc fit` processes (bench/ is on their PYTHONPATH) -------------------------

@@ -2,25 +2,15 @@
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
-WORDS = ("the king speaks of love and honour while a storm rolls over the sea and "
-         "every lord in the hall waits for news from the north with fear").split()
+from mhc_lightning.data.synthetic import english_like_text
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
 
 
-def make_text(n_bytes: int, seed: int = 0) -> str:
-    """English-like sentences of random words, at least n_bytes long (never zeros, never constant)."""
-    rng = random.Random(seed)
-    out, size = [], 0
-    while size < n_bytes:
-        s = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 14))).capitalize() + rng.choice(".!?") + " "
-        out.append(s)
-        size += len(s)
-    return "".join(out)
+make_text = english_like_text
 
 
 def mlflow_logger_arg(tracking_uri: str, experiment: str = "tests", run_name: str = "test", **extra) -> str:

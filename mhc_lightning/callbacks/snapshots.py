@@ -26,7 +26,6 @@ from `last` continues on exactly the batches an uninterrupted run would see.
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import math
 import os
@@ -43,6 +42,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSampler
 
+from ..files import sha256_file
 from .events import StabilityEvent, channel_of, check_choice, check_number, log_metrics, norm_sum
 
 
@@ -107,14 +107,6 @@ def _fingerprint(state: dict) -> tuple[list[int], bool]:
     floats = [t for t in ts if t.is_floating_point()]
     finite = bool(norm_sum(floats).isfinite())
     return (torch.stack(sums).tolist() if sums else []), finite
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 @dataclass
@@ -430,7 +422,7 @@ class GradientSnapshots(Callback):
         payload = {"step": snap.step, "position": snap.position, "state": snap.state, "probe": snap.probe,
                    "probe_grad_norm": snap.probe_grad_norm}
         torch.save(payload, tmp)
-        digest = _sha256(tmp)
+        digest = sha256_file(tmp)
         os.replace(tmp, path)
         record = {"step": snap.step, "file": path.name, "sha256": digest, "probe_grad_norm": snap.probe_grad_norm,
                   "position": snap.position}
@@ -462,7 +454,7 @@ class GradientSnapshots(Callback):
         if not path.exists() or not side.exists():
             raise ValueError(f"missing file {path.name} or its sidecar")
         expected = json.loads(side.read_text())["sha256"]
-        actual = _sha256(path)
+        actual = sha256_file(path)
         if actual != expected:
             raise ValueError(f"checksum mismatch for {path.name} (sha256 {actual[:12]}… != recorded {expected[:12]}…)")
         try:

