@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import random
 import statistics
 import tempfile
 import time
@@ -27,21 +26,13 @@ import torch
 
 from mhc_lightning.callbacks import GradientSnapshots, InstabilityDetector, SinkhornScheduler
 from mhc_lightning.data import ByteTextDataModule
+from mhc_lightning.data.synthetic import english_like_text
 from mhc_lightning.model import GPTConfig, HyperConfig
 from mhc_lightning.module import LitLM
 
-WORDS = ("the king speaks of love and honour while a storm rolls over the sea and every lord in the hall "
-         "waits for news from the north with fear").split()
-
-
 def make_corpus(path: Path, n_bytes: int = 2_000_000) -> Path:
     """English-like text, so the benchmark needs no download (the GPU host is offline)."""
-    rng, out, size = random.Random(0), [], 0
-    while size < n_bytes:
-        s = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 14))).capitalize() + rng.choice(".!?") + " "
-        out.append(s)
-        size += len(s)
-    path.write_text("".join(out))
+    path.write_text(english_like_text(n_bytes))
     return path
 
 
