@@ -108,14 +108,14 @@ class Residual(nn.Module):
 WRAPPER = {"used": None}
 
 
-def hyper_layer(branch, c, index, backend):
+def hyper_layer(branch, c, index, backend, fused_pre=False):
     """The project's wrapper when importable, else a minimal one calling the same ops."""
     try:
         from mhc_lightning.model.config import HyperConfig
         from mhc_lightning.model.hyper_connection import HyperConnection
 
         cfg = HyperConfig(residual_mode="mhc", n_streams=N_STREAMS, kernel_backend=backend, phi_init="normal",
-                          bias_init="a6", sinkhorn_iters=20)
+                          bias_init="a6", sinkhorn_iters=20, fused_pre=fused_pre)
         layer = HyperConnection(branch, c, index, cfg)
         WRAPPER["used"] = "mhc_lightning.model.hyper_connection.HyperConnection"
         return layer
@@ -140,9 +140,10 @@ class MiniHyper(nn.Module):
 
 
 class Hyper(nn.Module):
-    def __init__(self, c, heads, blocks, backend):
+    def __init__(self, c, heads, blocks, backend, fused_pre=False):
         super().__init__()
-        self.layers = nn.ModuleList(hyper_layer(f, c, i, backend) for i, f in enumerate(sublayers(c, heads, blocks)))
+        self.layers = nn.ModuleList(hyper_layer(f, c, i, backend, fused_pre)
+                                    for i, f in enumerate(sublayers(c, heads, blocks)))
 
     def set_backend(self, backend):
         for layer in self.layers:
@@ -280,10 +281,10 @@ def check_ops(c, tokens):
     return res
 
 
-def check_stack(c, heads, blocks, b, t):
+def check_stack(c, heads, blocks, b, t, fused_pre=False):
     """The fused stack vs the same weights on the reference ops: output and gradients."""
     torch.manual_seed(3)
-    model = Hyper(c, heads, blocks, "triton").to(DEV, DT)
+    model = Hyper(c, heads, blocks, "triton", fused_pre).to(DEV, DT)
     ref = copy.deepcopy(model).set_backend("torch")
     x = torch.randn(b, t, c, device=DEV, dtype=DT)
     res = {}
@@ -499,7 +500,8 @@ def main():
             STATE.setdefault("config_per_shape", {})[f"C{c}"] = copy.deepcopy(K.CONFIG)
         checks[f"C{c}_ops"] = check_ops(c, min(b * t, 4096))
         checks[f"C{c}_stack"] = check_stack(c, heads, min(blocks, 2), 1, min(t, 512))
-        print("  checks", checks[f"C{c}_ops"], checks[f"C{c}_stack"], flush=True)
+        checks[f"C{c}_stack_mhc_pre"] = check_stack(c, heads, min(blocks, 2), 1, min(t, 512), fused_pre=True)
+        print("  checks", {k: v for k, v in checks.items() if k.startswith(f"C{c}_")}, flush=True)
         if not args.no_kernels:
             kernels += kernel_table(c, b * t, bw)
         x = torch.randn(b, t, c, device=DEV, dtype=DT)
@@ -507,6 +509,7 @@ def main():
         variants = [  # most important first: the time budget cuts from the end
             ("residual", lambda: Residual(c, heads, blocks).to(DEV, DT)),
             ("ours (fused)", lambda: Hyper(c, heads, blocks, "triton").to(DEV, DT)),
+            ("ours (fused, mhc_pre op)", lambda: Hyper(c, heads, blocks, "triton", fused_pre=True).to(DEV, DT)),
             ("residual+compile", lambda: torch.compile(Residual(c, heads, blocks).to(DEV, DT))),
             ("ours (fused)+compile", lambda: torch.compile(Hyper(c, heads, blocks, "triton").to(DEV, DT))),
             ("liger 0.8.5", lambda: Liger(c, heads, blocks).to(DEV, DT)),
@@ -518,7 +521,7 @@ def main():
         if args.smoke:
             variants = [v for v in variants if "compile" not in v[0] and "liger" not in v[0] and "lucid" not in v[0]]
         if args.quick:
-            variants = [v for v in variants if v[0] in ("residual", "ours (fused)")]
+            variants = [v for v in variants if v[0] in ("residual", "ours (fused)", "ours (fused, mhc_pre op)")]
         for name, make in variants:
             run_variant(name, make, x, rows, base)
     for c in sorted({r["C"] for r in rows}):
