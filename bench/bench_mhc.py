@@ -106,6 +106,7 @@ class Residual(nn.Module):
 
 # ------------------------------------------------------------------------------------------------ mHC stacks
 WRAPPER = {"used": None}
+L_R = {"1": 2, "2": 2}  # recompute block per shape key (set in main)
 
 
 def hyper_layer(branch, c, index, backend, fused_pre=False):
@@ -140,10 +141,11 @@ class MiniHyper(nn.Module):
 
 
 class Hyper(nn.Module):
-    def __init__(self, c, heads, blocks, backend, fused_pre=False):
+    def __init__(self, c, heads, blocks, backend, fused_pre=False, recompute=0):
         super().__init__()
         self.layers = nn.ModuleList(hyper_layer(f, c, i, backend, fused_pre)
                                     for i, f in enumerate(sublayers(c, heads, blocks)))
+        self.recompute = recompute  # sublayers per selective-recompute block (mhc-math §9); 0 = off
 
     def set_backend(self, backend):
         for layer in self.layers:
@@ -155,6 +157,10 @@ class Hyper(nn.Module):
 
     def forward(self, x):
         x = x.unsqueeze(-2).expand(*x.shape[:-1], N_STREAMS, x.shape[-1]).contiguous()
+        if self.recompute:
+            from mhc_lightning.model.recompute import run_sublayers
+
+            return run_sublayers(self.layers, x, self.recompute).sum(-2)
         for layer in self.layers:
             x = layer(x)
         return x.sum(-2)
@@ -371,17 +377,18 @@ SWEEP_QUICK = {
     "coef_bwd_tok": [dict(BT=bt, num_warps=w, BC=bc) for bt, w, bc in [(64, 4, 16), (32, 4, 32), (16, 4, 64)]],
 }
 
-SWEEP = {
-    "coef_fwd": [dict(BT=bt, BK=bk, num_warps=w, num_stages=st) for bt, bk, w, st in
-                 [(32, 128, 4, 3), (16, 128, 4, 3), (64, 64, 4, 3), (32, 256, 8, 3)]],
-    "coef_bwd_tok": [dict(BT=bt, num_warps=w) for bt, w in [(32, 4), (16, 4), (64, 4)]],
+SWEEP = {  # full run: around the round-2 winners (ops.CONFIG), at C=1024, on the model's path (mhc_pre op)
+    "coef_fwd": [dict(BT=bt, BK=bk, num_warps=w, num_stages=st, BC=bc, split_tail=True) for bt, bk, w, st, bc in
+                 [(64, 64, 4, 3, 16), (32, 64, 4, 3, 32), (64, 128, 8, 3, 16), (32, 128, 4, 4, 32)]],
+    "coef_tail": [dict(BT=bt, num_warps=w) for bt, w in [(8, 2), (4, 1), (16, 2)]],
+    "coef_bwd_tok": [dict(BT=bt, num_warps=w, BC=bc) for bt, w, bc in [(16, 4, 64), (8, 4, 128), (16, 2, 64), (32, 4, 64)]],
     "coef_bwd_x": [dict(BT=bt, BK=bk, num_warps=w, num_stages=st, programs_per_sm=pp) for bt, bk, w, st, pp in
-                   [(64, 64, 4, 2, 4), (32, 64, 4, 3, 4), (64, 128, 8, 2, 4)]],
-    "pre_fwd": [dict(BT=bt, BC=bc, num_warps=w) for bt, bc, w in [(8, 256, 4), (4, 512, 4)]],
-    "pre_bwd": [dict(BT=bt, BC=bc, num_warps=w) for bt, bc, w in [(8, 256, 4), (4, 256, 4), (4, 512, 8)]],
-    "post_fwd": [dict(BT=bt, BC=bc, num_warps=w) for bt, bc, w in [(4, 256, 4), (2, 512, 4)]],
-    "post_bwd": [dict(BT=bt, BC=bc, num_warps=w, impl=impl) for bt, bc, w, impl in
-                 [(2, 256, 4, "loop"), (4, 128, 4, "loop"), (4, 256, 4, "2d"), (2, 512, 4, "2d"), (8, 128, 4, "2d")]],
+                   [(64, 128, 8, 2, 4), (64, 64, 4, 3, 4), (32, 128, 4, 3, 4), (64, 128, 8, 2, 8)]],
+    "pre_fwd": [dict(BT=bt, BC=bc, num_warps=w) for bt, bc, w in [(4, 512, 4), (8, 256, 4)]],
+    "pre_bwd": [dict(BT=bt, BC=bc, num_warps=w) for bt, bc, w in [(4, 256, 4), (8, 256, 8)]],
+    "post_fwd": [dict(BT=bt, BC=bc, num_warps=w) for bt, bc, w in [(4, 256, 4), (8, 256, 8), (2, 512, 4)]],
+    "post_bwd": [dict(BT=bt, BC=bc, num_warps=w, impl="2d") for bt, bc, w in
+                 [(4, 256, 4), (8, 256, 8), (4, 512, 8), (2, 256, 4)]],
 }
 
 
@@ -403,7 +410,7 @@ def sweep(c, tokens, table=None):
         "coef_fwd": lambda: K.mhc_pre_fwd(x, phi, bias, alpha, *opts),
         "coef_tail": lambda: K.mhc_pre_fwd(x, phi, bias, alpha, *opts),
         "coef_bwd_tok": lambda: K.bwd_tok(x, phi, bias, alpha, lg, rinv, *dh, 20, 1e-6, True, False, 2.0, du=du),
-        "coef_bwd_x": lambda: K.bwd_x(x, phi, dl, dss, dx),
+        "coef_bwd_x": lambda: K.bwd_x(x, phi, dl, dss, dx, h_pre=h_pre, du=du),
         "pre_fwd": lambda: K.pre_fwd(x, h_pre),
         "pre_bwd": lambda: K.pre_bwd(du, x, h_pre),
         "post_fwd": lambda: K.post_fwd(x, f, h_post, h_res),
@@ -485,6 +492,7 @@ def main():
     info.update(copy_tb_s=bw, bf16_mm_tflops=mm)
     print(info, flush=True)
     shapes = {"1": (1024, 16, 12, 8, 2048), "2": (2048, 16, 8, 4, 2048)}
+    L_R.update({"1": 4, "2": 3})  # L_r* of mhc-math §9 for 24 and 16 sublayers at n = 4
     if args.smoke:
         shapes = {"1": (64, 4, 1, 2, 16), "2": (96, 4, 1, 1, 24)}
     rows, checks, kernels = [], {}, []
@@ -512,6 +520,10 @@ def main():
             ("ours (fused, mhc_pre op)", lambda: Hyper(c, heads, blocks, "triton", fused_pre=True).to(DEV, DT)),
             ("residual+compile", lambda: torch.compile(Residual(c, heads, blocks).to(DEV, DT))),
             ("ours (fused)+compile", lambda: torch.compile(Hyper(c, heads, blocks, "triton").to(DEV, DT))),
+            ("ours (fused, mhc_pre op)+compile",
+             lambda: torch.compile(Hyper(c, heads, blocks, "triton", fused_pre=True).to(DEV, DT))),
+            (f"ours (mhc_pre op), recompute L_r={L_R[key]}",
+             lambda: Hyper(c, heads, blocks, "triton", fused_pre=True, recompute=L_R[key]).to(DEV, DT)),
             ("liger 0.8.5", lambda: Liger(c, heads, blocks).to(DEV, DT)),
             ("reference ops", lambda: Hyper(c, heads, blocks, "torch").to(DEV, DT)),
             ("lucidrains 0.4.11", lambda: Lucid(c, heads, blocks).to(DEV, DT)),
@@ -536,13 +548,13 @@ def main():
                 r["x_residual_compiled"] = r["ms"] / ref["residual+compile"]["ms"]
     path = dump()
     print(f"\n{info['gpu']}  torch {info['torch']}  triton {info.get('triton')}  copy {bw:.2f} TB/s  bf16 mm {mm:.0f} TFLOP/s")
-    print(f"{'C':>5} {'variant':<24} {'ms/step':>8} {'x resid':>8} {'x res.comp':>10} {'peak GiB':>9} {'x peak':>7}")
+    print(f"{'C':>5} {'variant':<38} {'ms/step':>8} {'x resid':>8} {'x res.comp':>10} {'peak GiB':>9} {'x peak':>7}")
     for r in rows:
         if "ms" in r:
-            print(f"{r['C']:>5} {r['variant']:<24} {r['ms']:8.1f} {r.get('x_residual', float('nan')):8.3f} "
+            print(f"{r['C']:>5} {r['variant']:<38} {r['ms']:8.1f} {r.get('x_residual', float('nan')):8.3f} "
                   f"{r.get('x_residual_compiled', float('nan')):10.3f} {r['peak_gib']:9.2f} {r.get('x_residual_peak', float('nan')):7.2f}")
         else:
-            print(f"{r['C']:>5} {r['variant']:<24} {r.get('error', r.get('skipped'))}")
+            print(f"{r['C']:>5} {r['variant']:<38} {r.get('error', r.get('skipped'))}")
     if kernels:
         print(f"\n{'kernel':<38} {'C':>5} {'MB moved':>9} {'us':>8} {'GB/s':>7} {'% copy':>7}")
         for k in kernels:

@@ -249,7 +249,9 @@ def test_mhc_pre_fallback_matches_reference():
     x, phi, bias, alpha = _coef_inputs((5,), 8, 4, torch.float32)
     a = fused.mhc_pre(x, phi, bias, alpha, sinkhorn_iters=3, start="exp")
     b = R.mhc_pre(x, phi, bias, alpha, sinkhorn_iters=3, start="exp")
-    for u, v in zip(a, b):
+    # the fallback takes the reference coefficients (bitwise) and the fused H_pre aggregation (own sum order)
+    torch.testing.assert_close(a[0], b[0], rtol=1e-6, atol=1e-6)
+    for u, v in zip(a[1:], b[1:]):
         assert torch.equal(u, v)
 
 
@@ -336,9 +338,10 @@ def test_token_count_change_does_not_rejit():
 
     # the package re-exports functions named like its modules: fetch the modules themselves
     mods = [importlib.import_module(f"mhc_lightning.kernels.fused.{m}") for m in ("coefficients", "stream_pre", "stream_post_res")]
-    kernels = [getattr(m, k) for m in mods for k in dir(m) if k.startswith(("_coef_", "_pre_", "_post_"))
-               and hasattr(getattr(m, k), "run")]
-    assert len(kernels) == 8
+    kernels = {k: getattr(m, k) for m in mods for k in dir(m) if k.startswith(("_coef_", "_pre_", "_post_"))
+               and hasattr(getattr(m, k), "run")}
+    assert {"_coef_fwd", "_coef_bwd_tok", "_coef_bwd_x", "_pre_fwd", "_pre_bwd", "_post_fwd"} <= set(kernels)
+    kernels = list(kernels.values())
     dev = torch.cuda.current_device()
 
     def n_compiled():

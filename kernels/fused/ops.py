@@ -22,23 +22,24 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 POISON = False
 
 # Launch parameters per kernel: the fastest of bench_mhc.py --sweep on an H200 at C=1024, N=16384, bf16
-# (2026-11-29, docs/benchmarks.md). The benchmark may override them. Tiles shrink to the problem size.
+# (docs/benchmarks.md; round 2 = the `--quick --sweep` of 2026-11-29 23:48 UTC). The benchmark may override them.
+# Tiles shrink to the problem size.
 CONFIG = {
     # BC: C tile of the fused pre op's u loop (HAS_U). split_tail: Sinkhorn in its own launch (`coef_tail`)
-    # instead of after each program's GEMM loop (untimed; --sweep compares). BT * BC <= 1024-2048: larger u
-    # tiles spill at BT=64 (ptxas, sm_90: BC=16 243 registers, no spill; BC=32 spills 120 B).
-    "coef_fwd": dict(BT=64, BK=64, num_warps=4, num_stages=3, BC=16, split_tail=False),
-    "coef_tail": dict(BT=16, num_warps=4),
-    # BC: C tile of the fused pre op's <du, x_j> loop (BT=64: BC=16 226 registers, no spill; BC=64 spills 1.3 KB)
-    "coef_bwd_tok": dict(BT=64, num_warps=4, BC=16),
+    # after the GEMM programs: 324 vs 361 us for mhc_pre fwd at C=1024, a tie at C=2048. BT * BC <= 1024-2048:
+    # larger u tiles spill at BT=64 (ptxas, sm_90: BC=16 243 registers, no spill; BC=32 spills 120 B).
+    "coef_fwd": dict(BT=64, BK=64, num_warps=4, num_stages=3, BC=16, split_tail=True),
+    "coef_tail": dict(BT=8, num_warps=2),
+    # BC: C tile of the fused pre op's <du, x_j> loop. BT=16, BC=64: 160 us vs 228 us for BT=64, BC=16.
+    "coef_bwd_tok": dict(BT=16, num_warps=4, BC=64),
     "coef_bwd_x": dict(BT=64, BK=128, num_warps=8, num_stages=2, programs_per_sm=4),
     "pre_fwd": dict(BT=4, BC=512, num_warps=4),
     "pre_bwd": dict(BT=4, BC=256, num_warps=4),
     "post_fwd": dict(BT=4, BC=256, num_warps=4),
-    # impl "loop": measured (955 us, 12 % of copy at C=1024); "2d": the forward's grid, no C loop (untimed). With
-    # "2d" and BC >= C every program owns whole rows and writes dH / dh_post directly (no partial buffer, no
-    # second reduction launch); smaller BC writes per-C-block partials summed afterwards. --sweep compares.
-    "post_bwd": dict(BT=2, BC=256, num_warps=4, impl="loop"),
+    # impl "2d": the forward's grid (token block x C block), no C loop; each program writes per-C-block partials
+    # of dH / dh_post, summed afterwards (BC >= C: whole rows, written directly). 253 us (44 % of copy) vs the
+    # C-looping "loop" impl's 955 us at C=1024.
+    "post_bwd": dict(BT=4, BC=256, num_warps=4, impl="2d"),
 }
 
 
