@@ -1,13 +1,17 @@
-"""One Optuna trial = one `mhc fit`, built programmatically from the sweep's base configs plus the trial's values."""
+"""One Optuna trial = one `mhc fit` of the sweep's base configs plus the trial's values: built in this process
+(`trial.launcher: in_process`), or run as a child `mhc fit` process (`subprocess`, e.g. a multi-process DDP trial)."""
 from __future__ import annotations
 
 import contextlib
 import io
+import json
 import math
 import shlex
 import statistics
+import tempfile
 import time
 import warnings
+from pathlib import Path
 from typing import Any, Optional
 
 import optuna
@@ -17,6 +21,7 @@ from .pruning import StepPruning
 from .spec import SweepSpec, sample, trial_args
 
 LOGGER_CLASS = "mhc_lightning.sweeps.logger.ResilientMLFlowLogger"
+LINK_CLASS = "mhc_lightning.sweeps.link.TrialLink"
 
 
 class TrialConfigError(ValueError):
@@ -54,6 +59,13 @@ class MetricRecorder(Callback):
         if not trainer.sanity_checking:
             self._grab(trainer, validation=True)
 
+    @classmethod
+    def from_history(cls, history: dict[str, list]) -> "MetricRecorder":
+        """A recorder holding the history another process recorded (a subprocess trial's result file)."""
+        rec = cls(list(history))
+        rec.history = {m: [(int(step), float(v)) for step, v in h] for m, h in history.items()}
+        return rec
+
     def value(self, metric: str, reduce: str) -> float:
         vals = [v for _, v in self.history[metric]]
         if not vals:
@@ -84,8 +96,10 @@ def fit_command(args: list[str]) -> str:
 class TrialRunner:
     """The Optuna objective. Keeps MLflow's child run in step with the trial's fate."""
 
-    def __init__(self, spec: SweepSpec, tracker, tracking_uri: str, worker: dict[str, Any], spool_dir: str):
+    def __init__(self, spec: SweepSpec, tracker, tracking_uri: str, worker: dict[str, Any], spool_dir: str,
+                 storage_url: Optional[str] = None):
         self.spec, self.tracker, self.uri, self.worker, self.spool_dir = spec, tracker, tracking_uri, worker, spool_dir
+        self.storage_url = storage_url  # for subprocess trials, which report to the study themselves
         self.current: Optional[optuna.Trial] = None
 
     def logger_config(self, trial, run_id: str) -> dict:
@@ -109,12 +123,11 @@ class TrialRunner:
         run_id = self.tracker.start_trial(trial, values, self.worker, retry_of=sys_attrs.get("failed_trial"))
         args = trial_args(spec, values, self.logger_config(trial, run_id))
         self.tracker.client.log_text(run_id, fit_command(args) + "\n", "trial_command.txt")
-        recorder = MetricRecorder(list(dict.fromkeys(o.metric for o in spec.objectives)))
-        pruning = StepPruning(trial, spec.objectives[0].metric) if spec.pruning else None
+        metrics = list(dict.fromkeys(o.metric for o in spec.objectives))
+        fit = self._fit_child if spec.trial["launcher"] == "subprocess" else self._fit_in_process
         t0 = time.time()
         try:
-            cli = build_trial_cli(args, [recorder] + ([pruning] if pruning else []))
-            cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+            recorder, pruned_at, logged = fit(trial, run_id, args, metrics)
         except BaseException as err:
             msg = f"{type(err).__name__}: {err}"
             interrupted = isinstance(err, (KeyboardInterrupt, SystemExit))
@@ -127,13 +140,12 @@ class TrialRunner:
                 raise KeyboardInterrupt(msg) from err
             raise
         extra = {"optuna.duration_s": f"{time.time() - t0:.1f}"}
-        if pruning is not None and pruning.pruned_at is not None:
-            self.tracker.end_trial(run_id, "PRUNED", extra_tags={**extra, "optuna.pruned_at_step": pruning.pruned_at})
-            raise optuna.TrialPruned(f"pruned at step {pruning.pruned_at}")
+        if pruned_at is not None:
+            self.tracker.end_trial(run_id, "PRUNED", extra_tags={**extra, "optuna.pruned_at_step": pruned_at})
+            raise optuna.TrialPruned(f"pruned at step {pruned_at}")
         try:
             result = {o.label: recorder.value(o.metric, o.reduce) for o in spec.objectives}
         except ValueError as err:
-            logged = sorted(cli.trainer.callback_metrics)
             msg = f"{err}; logged metrics: {logged}"
             self.tracker.end_trial(run_id, "FAILED", error=msg, extra_tags=extra)
             trial.set_user_attr("error", msg[:1000])
@@ -146,3 +158,42 @@ class TrialRunner:
         self.tracker.end_trial(run_id, "COMPLETE", result, extra_tags=extra)
         out = tuple(result.values())
         return out if spec.multi_objective else out[0]
+
+    # Both return (the recorded objective metrics, the step the trial was pruned at or None, the logged metric names).
+    def _fit_in_process(self, trial, run_id: str, args: list[str], metrics: list[str]):
+        recorder = MetricRecorder(metrics)
+        pruning = StepPruning(trial, self.spec.objectives[0].metric) if self.spec.pruning else None
+        cli = build_trial_cli(args, [recorder] + ([pruning] if pruning else []))
+        if cli.trainer.world_size > 1:
+            # Lightning would start the other ranks by re-running this process's command line: `mhc sweep`
+            raise TrialConfigError(f"the trial asks for {cli.trainer.world_size} processes "
+                                   f"({type(cli.trainer.strategy).__name__}); multi-process trials need "
+                                   "`trial: {launcher: subprocess}` in the sweep file")
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+        return recorder, pruning.pruned_at if pruning else None, sorted(cli.trainer.callback_metrics)
+
+    def _fit_child(self, trial, run_id: str, args: list[str], metrics: list[str]):
+        """`mhc fit` as a child process; its rank 0 reports to the trial through the storage (link.py) and leaves
+        the recorded metrics in a result file. Its output is logged to the trial's run as trial.log."""
+        from .child import ChildFailed, run_child
+
+        spec = self.spec
+        with tempfile.TemporaryDirectory(prefix=f"mhc-trial-{trial.number}-") as tmp:
+            result, log = Path(tmp) / "result.json", Path(tmp) / "trial.log"
+            link: dict[str, Any] = {"result_path": str(result), "metrics": metrics}
+            if spec.pruning:
+                link.update(study_name=trial.study.study_name, trial_id=trial._trial_id,
+                            monitor=spec.objectives[0].metric, pruner=spec.pruner)
+            link_arg = "--trainer.callbacks+=" + json.dumps({"class_path": LINK_CLASS, "init_args": link})
+            try:
+                run_child([*args, link_arg], log, self.storage_url, spec.trial["timeout_s"])
+                if not result.is_file():
+                    raise ChildFailed("`mhc fit` exited 0 without writing its result (did fit run?)", log)
+            except BaseException:
+                self.tracker.client.set_terminated(run_id, "FAILED")  # a killed child never closed its run
+                raise
+            finally:
+                if log.is_file():
+                    self.tracker.client.log_artifact(run_id, str(log))
+            out = json.loads(result.read_text())
+        return MetricRecorder.from_history(out["history"]), out["pruned_at"], out["logged"]

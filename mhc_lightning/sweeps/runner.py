@@ -95,9 +95,14 @@ def make_sampler(spec: SweepSpec, seed: Optional[int]):
 
 
 def make_pruner(spec: SweepSpec):
+    return build_pruner(spec.pruner, where=str(spec.path))
+
+
+def build_pruner(block: dict[str, Any], where: str = "<sweep>"):
+    """The pruner of a spec's `pruner` block ({name, options}); also built by a subprocess trial (link.py)."""
     import optuna.pruners as P
 
-    name, opts = spec.pruner["name"], dict(spec.pruner["options"])
+    name, opts = block["name"], dict(block.get("options") or {})
     classes = {"none": P.NopPruner, "median": P.MedianPruner, "percentile": P.PercentilePruner,
                "successive_halving": P.SuccessiveHalvingPruner, "hyperband": P.HyperbandPruner,
                "threshold": P.ThresholdPruner, "patient": P.PatientPruner, "wilcoxon": P.WilcoxonPruner}
@@ -106,7 +111,7 @@ def make_pruner(spec: SweepSpec):
             opts.setdefault("wrapped_pruner", None)
         return classes[name](**opts)
     except (TypeError, ValueError) as err:
-        raise SpecError(f"{spec.path}: pruner: cannot build {name} with options {opts}: {err}") from err
+        raise SpecError(f"{where}: pruner: cannot build {name} with options {opts}: {err}") from err
 
 
 def worker_seed(spec: SweepSpec, index: int, machine: int) -> Optional[int]:
@@ -250,7 +255,7 @@ def run_worker(sweep: Sweep, index: int, machine: int, threads: Optional[int] = 
     tracker.ensure_parent(study)
     wid = worker_id()
     runner = TrialRunner(spec, tracker, sweep.tracking_uri, {"id": wid, "index": index, "machine": machine, "seed": seed},
-                         sweep.spool_dir)
+                         sweep.spool_dir, sweep.storage_url)
     journal = is_journal(sweep.storage_url)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM between trials: same clean path as Ctrl-C

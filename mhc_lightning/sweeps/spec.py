@@ -21,8 +21,9 @@ PRUNERS = ("none", "median", "percentile", "successive_halving", "hyperband", "t
 REDUCTIONS = ("last", "min", "max", "mean", "median")
 DIRECTIONS = ("minimize", "maximize")
 PARAM_TYPES = ("float", "int", "categorical")
+LAUNCHERS = ("in_process", "subprocess")  # subprocess: the trial is a child `mhc fit` (e.g. a multi-process DDP run)
 TOP_KEYS = ("name", "description", "base", "fixed", "space", "objectives", "sampler", "pruner", "budget",
-            "storage", "mlflow", "enqueue")
+            "storage", "mlflow", "enqueue", "trial")
 CALLBACK_PREFIX = "callbacks."  # space keys "callbacks.<Class>.<init arg>" become a trial callback
 CLI_ROOTS = ("model.", "data.", "trainer.", "seed_everything", "optimizer", "lr_scheduler", "ckpt_path")
 
@@ -79,6 +80,7 @@ class SweepSpec:
     storage: dict[str, Any]
     mlflow: dict[str, Any]
     enqueue: list[dict[str, Any]]
+    trial: dict[str, Any] = field(default_factory=lambda: {"launcher": "in_process", "args": [], "timeout_s": None})
     description: str = ""
     skipped: dict[str, str] = field(default_factory=dict)  # param key -> why it was dropped
     raw_text: str = ""
@@ -211,8 +213,31 @@ def parse_spec(data: Any, path: Optional[Path] = None, overrides: Optional[dict[
     return SweepSpec(
         name=name, path=path, base=base, fixed=fixed, space=space, objectives=objectives, sampler=sampler,
         pruner=pruner, n_trials=n_trials, timeout_s=timeout_s, max_failed=max_failed, storage=storage,
-        mlflow=mlflow, enqueue=enqueue, description=str(data.get("description") or ""),
+        mlflow=mlflow, enqueue=enqueue, trial=_parse_trial(at("trial"), data.get("trial"), path),
+        description=str(data.get("description") or ""),
     )
+
+
+def _parse_trial(where: str, raw, spec_path: Optional[Path]) -> dict[str, Any]:
+    """How a trial runs: `launcher`, extra `mhc fit` `args` (after the base configs), and a `timeout_s` for a child."""
+    trial = {"launcher": "in_process", "args": [], "timeout_s": None,
+             **_mapping(where, raw, ("launcher", "args", "timeout_s"))}
+    if trial["launcher"] not in LAUNCHERS:
+        raise _err(f"{where}.launcher", f"{trial['launcher']!r} is not allowed; allowed values: {list(LAUNCHERS)}")
+    args = trial["args"] or []
+    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+        raise _err(f"{where}.args", f"must be a list of `mhc fit` arguments (strings), got {args!r}")
+    # config files after -c / --config resolve like base: the current directory, else the repo root
+    trial["args"] = [str(_resolve_config(f"{where}.args[{i}]", a, spec_path)) if i and args[i - 1] in ("-c", "--config")
+                     else a for i, a in enumerate(args)]
+    t = trial["timeout_s"]
+    if t is not None:
+        _expect(f"{where}.timeout_s", t, (int, float), "a number of seconds, or null")
+        if t <= 0:
+            raise _err(f"{where}.timeout_s", f"must be > 0, got {t}")
+        if trial["launcher"] != "subprocess":
+            raise _err(f"{where}.timeout_s", "only for launcher: subprocess (an in-process trial cannot be stopped)")
+    return trial
 
 
 def _parse_choice_block(where: str, block, allowed: tuple[str, ...], keys: tuple[str, ...]) -> dict:
@@ -425,11 +450,12 @@ def check_callbacks(spec: SweepSpec) -> list[str]:
 
 
 def trial_args(spec: SweepSpec, values: dict[str, Any], logger: Optional[dict] = None) -> list[str]:
-    """`mhc fit` arguments (without the `fit` subcommand) for one trial: base configs, fixed values, sampled
-    values, one appended callback per callbacks.<Class> group, and the per-trial logger."""
+    """`mhc fit` arguments (without the `fit` subcommand) for one trial: base configs, trial.args, fixed values,
+    sampled values, one appended callback per callbacks.<Class> group, and the per-trial logger."""
     args: list[str] = []
     for p in spec.base:
         args += ["--config", str(p)]
+    args += spec.trial["args"]  # e.g. a machine preset: later than the base configs, earlier than the sweep's values
     # Many trials share a terminal or a log file: no progress bars unless the sweep file asks for them.
     quiet = {"trainer.enable_progress_bar": False, "trainer.enable_model_summary": False}
     args += [f"--{k}={cli_value(v)}" for k, v in quiet.items() if k not in spec.fixed]
