@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -258,7 +259,7 @@ def check_phase(args, work: Path, corpus: Path, out: dict, save) -> dict:
 def bench_phase(args, work: Path, corpus: Path, results: dict, save) -> dict:
     print(f"bench: {args.modes} on 1 and {args.gpus} devices, C={args.d_model}, {args.layers} blocks, "
           f"B={args.batch}/device, T={args.seq}, {args.warmup} warm-up + {args.steps} timed steps", flush=True)
-    for devices in (1, args.gpus):
+    for devices in sorted({1, args.gpus}):
         for mode in args.modes:
             name = f"{mode}-{devices}"
             out = work / f"{name}.json"
@@ -268,7 +269,7 @@ def bench_phase(args, work: Path, corpus: Path, results: dict, save) -> dict:
                  *common_args(corpus, work / "root", args.warmup + args.steps, args.d_model, args.layers, args.heads,
                               args.seq, args.batch, args.diagnostics_every),
                  f"--trainer.precision={precision}", "--trainer.logger=false",
-                 _cb("bench_ddp.Throughput", warmup=args.warmup, out=str(out))]
+                 _cb("bench_ddp.Throughput", warmup=args.warmup, out=str(out)), *shlex.split(args.fit_args)]
             rc, dt, _ = run_fit(name, a, work, args.smoke, args.timeout)
             rec = json.loads(out.read_text()) if rc == 0 and out.exists() else {"exit": rc}
             rec["seconds"] = round(dt, 1)
@@ -350,12 +351,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--work", default=None, help="folder for runs and logs (default: a new temporary folder)")
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--no-bench", action="store_true")
+    p.add_argument("--fit-args", default="", help="more `mhc fit` arguments for the bench runs, e.g. "
+                   "'--model.arch.stream_dtype=float32'")
     args = p.parse_args(argv)
     args.modes = [m for m in args.modes.split(",") if m]
     if args.smoke:
         args.d_model, args.layers, args.heads, args.seq, args.batch = 64, 2, 2, 64, 4
         args.warmup, args.steps, args.timeout = 3, 5, min(args.timeout, 300)
-    elif torch.cuda.device_count() < args.gpus:
+    elif torch.cuda.device_count() < args.gpus:  # --gpus 1: the one-device runs only
         print(f"needs {args.gpus} CUDA devices, found {torch.cuda.device_count()} (use --smoke on CPU)")
         return 2
     out = Path(args.out).resolve()

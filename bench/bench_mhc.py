@@ -35,6 +35,8 @@ p.add_argument("--budget-s", type=float, default=420.0, help="skip remaining sta
 p.add_argument("--no-kernels", action="store_true", help="skip the per-kernel bandwidth table")
 p.add_argument("--sweep", action="store_true", help="try launch configs per kernel at the first shape, keep the best")
 p.add_argument("--smoke", action="store_true", help="CPU + Triton interpreter at tiny shapes")
+p.add_argument("--variants", default=None,
+               help="comma-separated substrings: run only the stack variants whose name contains one (residual is kept)")
 p.add_argument("--quick", action="store_true",
                help="only residual + ours (eager) per shape, per-kernel table; --sweep then tries only SWEEP_QUICK")
 args = p.parse_args()
@@ -224,6 +226,25 @@ def timed(fn, iters, warmup):
     return statistics.median(ts)
 
 
+def timed_batch(fn, batches, per_batch):
+    """Median ms per call of fn(), timed over back-to-back groups of per_batch calls (GPU time, not launch latency)."""
+    if DEV != "cuda":
+        return timed(fn, min(batches, 3), 0)  # smoke: the interpreter is slow
+    for _ in range(3):
+        fn()
+    sync()
+    ts = []
+    for _ in range(batches):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(per_batch):
+            fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) / per_batch)
+    return statistics.median(ts)
+
+
 def peak_reset():
     if DEV == "cuda":
         torch.cuda.synchronize()
@@ -312,7 +333,8 @@ def check_stack(c, heads, blocks, b, t, fused_pre=False):
 
 # ------------------------------------------------------------------------------------------------ per kernel
 def kernel_table(c, tokens, copy_bw):
-    """Time each fused kernel (custom-op call) on bf16 activations; bytes = each input read once, output written once."""
+    """Time each fused op body (its kernels and allocations, no dispatcher) on bf16 activations, back to back so that
+    host time hides behind the GPU; bytes = each input read once, each output written once."""
     torch.manual_seed(4)
     n, m = N_STREAMS, R.mhc_logit_count(N_STREAMS)
     x = torch.randn(tokens, n, c, device=DEV, dtype=DT)
@@ -321,7 +343,7 @@ def kernel_table(c, tokens, copy_bw):
     alpha = torch.tensor([0.5, 0.7, 0.9], device=DEV, dtype=DT)
     f = torch.randn(tokens, c, device=DEV, dtype=DT)
     opts = (20, 1e-6, True, False, 1e-6, 1e-6, 2.0)
-    h_pre, h_post, h_res, lg, rinv = K.coef_fwd(x, phi, bias, alpha, *opts)
+    h_pre, h_post, h_res, lg, rinv = K.coef_fwd.plain(x, phi, bias, alpha, *opts)
     dh = [torch.randn_like(h) for h in (h_pre, h_post, h_res)]
     g = torch.randn_like(x)
     du = torch.randn_like(f)
@@ -333,14 +355,14 @@ def kernel_table(c, tokens, copy_bw):
     pre_bwd_args = (x, phi, bias, alpha, lg, rinv, h_pre, du, *dh, 20, 1e-6, True, False, 2.0)
     rows = [
         # the model's path: fused pre op (coefficients + u from one read of x; one dx in the backward)
-        ("mhc_pre fwd (coef + u)", lambda: K.mhc_pre_fwd(x, phi, bias, alpha, *opts),
+        ("mhc_pre fwd (coef + u)", lambda: K.mhc_pre_fwd.plain(x, phi, bias, alpha, *opts),
          N * NC * e + NC * m * e + small + N * (m + 1) * f32 + N * c * e),
         ("mhc_pre bwd, per token (<du,x>+Sinkhorn)",
          lambda: K.bwd_tok(x, phi, bias, alpha, lg, rinv, *dh, 20, 1e-6, True, False, 2.0, du=du),
          N * NC * e + N * c * e + small + 2 * N * (m + 1) * f32),
-        ("mhc_pre bwd (whole op)", lambda: K.mhc_pre_bwd(*pre_bwd_args),
+        ("mhc_pre bwd (whole op)", lambda: K.mhc_pre_bwd.plain(*pre_bwd_args),
          2 * N * NC * e + 2 * N * c * e + 2 * NC * m * e + small + N * (m + 1) * f32),
-        ("coef fwd (GEMM+rms+sigma+Sinkhorn)", lambda: K.coef_fwd(x, phi, bias, alpha, *opts),
+        ("coef fwd (GEMM+rms+sigma+Sinkhorn)", lambda: K.coef_fwd.plain(x, phi, bias, alpha, *opts),
          N * NC * e + NC * m * e + small + N * (m + 1) * f32),
         ("coef bwd, per token (Sinkhorn bwd)",
          lambda: K.bwd_tok(x, phi, bias, alpha, lg, rinv, *dh, 20, 1e-6, True, False, 2.0),
@@ -348,17 +370,17 @@ def kernel_table(c, tokens, copy_bw):
         ("coef bwd, x pass (dx + dphi)", lambda: K.bwd_x(x, phi, dl, dss, dx),
          2 * N * NC * e + 2 * NC * m * e + N * (m + 1) * f32),
         ("coef bwd (whole op)",
-         lambda: K.coef_bwd(x, phi, bias, alpha, lg, rinv, *dh, 20, 1e-6, True, False, 2.0),
+         lambda: K.coef_bwd.plain(x, phi, bias, alpha, lg, rinv, *dh, 20, 1e-6, True, False, 2.0),
          2 * N * NC * e + 2 * NC * m * e + small + N * (m + 1) * f32),
-        ("stream_pre fwd", lambda: K.pre_fwd(x, h_pre), N * NC * e + N * n * f32 + N * c * e),
-        ("stream_pre bwd", lambda: K.pre_bwd(du, x, h_pre), 2 * N * NC * e + N * c * e + 2 * N * n * f32),
-        ("stream_post_res fwd", lambda: K.post_fwd(x, f, h_post, h_res), 2 * N * NC * e + N * c * e + small - N * n * f32),
-        ("stream_post_res bwd", lambda: K.post_bwd(g, x, f, h_post, h_res),
+        ("stream_pre fwd", lambda: K.pre_fwd.plain(x, h_pre), N * NC * e + N * n * f32 + N * c * e),
+        ("stream_pre bwd", lambda: K.pre_bwd.plain(du, x, h_pre), 2 * N * NC * e + N * c * e + 2 * N * n * f32),
+        ("stream_post_res fwd", lambda: K.post_fwd.plain(x, f, h_post, h_res), 2 * N * NC * e + N * c * e + small - N * n * f32),
+        ("stream_post_res bwd", lambda: K.post_bwd.plain(g, x, f, h_post, h_res),
          3 * N * NC * e + 2 * N * c * e + 2 * (small - N * n * f32)),
     ]
     out = []
     for name, fn, nbytes in rows:
-        ms = timed(fn, 20, 3)
+        ms = timed_batch(fn, 20, 10)
         gbs = nbytes / (ms * 1e-3) / 1e9
         out.append(dict(kernel=name, C=c, tokens=tokens, bytes=nbytes, ms=ms, gb_s=gbs, pct_copy=100 * gbs / (copy_bw * 1e3)))
     return out
@@ -401,20 +423,20 @@ def sweep(c, tokens, table=None):
     bias, alpha = torch.randn(m, device=DEV).to(DT), torch.tensor([0.5, 0.7, 0.9], device=DEV, dtype=DT)
     f, du, g = torch.randn(tokens, c, device=DEV, dtype=DT), torch.randn(tokens, c, device=DEV, dtype=DT), torch.randn_like(x)
     opts = (20, 1e-6, True, False, 1e-6, 1e-6, 2.0)
-    h_pre, h_post, h_res, lg, rinv = K.coef_fwd(x, phi, bias, alpha, *opts)
+    h_pre, h_post, h_res, lg, rinv = K.coef_fwd.plain(x, phi, bias, alpha, *opts)
     dh = [torch.randn_like(h) for h in (h_pre, h_post, h_res)]
     dl, dss, _ = K.bwd_tok(x, phi, bias, alpha, lg, rinv, *dh, 20, 1e-6, True, False, 2.0)
     dx = torch.empty_like(x)
     # coefficient kernels are timed on the model's path: the fused pre op (u in the forward, du in the backward)
     calls = {
-        "coef_fwd": lambda: K.mhc_pre_fwd(x, phi, bias, alpha, *opts),
-        "coef_tail": lambda: K.mhc_pre_fwd(x, phi, bias, alpha, *opts),
+        "coef_fwd": lambda: K.mhc_pre_fwd.plain(x, phi, bias, alpha, *opts),
+        "coef_tail": lambda: K.mhc_pre_fwd.plain(x, phi, bias, alpha, *opts),
         "coef_bwd_tok": lambda: K.bwd_tok(x, phi, bias, alpha, lg, rinv, *dh, 20, 1e-6, True, False, 2.0, du=du),
         "coef_bwd_x": lambda: K.bwd_x(x, phi, dl, dss, dx, h_pre=h_pre, du=du),
-        "pre_fwd": lambda: K.pre_fwd(x, h_pre),
-        "pre_bwd": lambda: K.pre_bwd(du, x, h_pre),
-        "post_fwd": lambda: K.post_fwd(x, f, h_post, h_res),
-        "post_bwd": lambda: K.post_bwd(g, x, f, h_post, h_res),
+        "pre_fwd": lambda: K.pre_fwd.plain(x, h_pre),
+        "pre_bwd": lambda: K.pre_bwd.plain(du, x, h_pre),
+        "post_fwd": lambda: K.post_fwd.plain(x, f, h_post, h_res),
+        "post_bwd": lambda: K.post_bwd.plain(g, x, f, h_post, h_res),
     }
     log = {}
     for name, cfgs in (table or SWEEP).items():
@@ -424,7 +446,7 @@ def sweep(c, tokens, table=None):
         for cfg in cfgs:
             K.CONFIG[name] = cfg
             try:
-                res.append((timed(calls[name], 10, 2), cfg))
+                res.append((timed_batch(calls[name], 10, 5), cfg))
             except Exception as exc:
                 print(f"  sweep {name} {cfg}: {type(exc).__name__} {str(exc)[:120]}", flush=True)
         res.sort(key=lambda r: r[0])
@@ -524,6 +546,8 @@ def main():
              lambda: torch.compile(Hyper(c, heads, blocks, "triton", fused_pre=True).to(DEV, DT))),
             (f"ours (mhc_pre op), recompute L_r={L_R[key]}",
              lambda: Hyper(c, heads, blocks, "triton", fused_pre=True, recompute=L_R[key]).to(DEV, DT)),
+            (f"ours (mhc_pre op)+compile, recompute L_r={L_R[key]}",
+             lambda: torch.compile(Hyper(c, heads, blocks, "triton", fused_pre=True, recompute=L_R[key]).to(DEV, DT))),
             ("liger 0.8.5", lambda: Liger(c, heads, blocks).to(DEV, DT)),
             ("reference ops", lambda: Hyper(c, heads, blocks, "torch").to(DEV, DT)),
             ("lucidrains 0.4.11", lambda: Lucid(c, heads, blocks).to(DEV, DT)),
@@ -534,6 +558,9 @@ def main():
             variants = [v for v in variants if "compile" not in v[0] and "liger" not in v[0] and "lucid" not in v[0]]
         if args.quick:
             variants = [v for v in variants if v[0] in ("residual", "ours (fused)", "ours (fused, mhc_pre op)")]
+        if args.variants:
+            keep = [k.strip() for k in args.variants.split(",")]
+            variants = [v for v in variants if v[0] == "residual" or any(k in v[0] for k in keep)]
         for name, make in variants:
             run_variant(name, make, x, rows, base)
     for c in sorted({r["C"] for r in rows}):

@@ -313,6 +313,26 @@ def test_compile_fullgraph_matches_eager(block):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def test_eager_path_skips_the_dispatcher_and_compile_sees_the_custom_ops():
+    """Eager calls run the op bodies under a plain autograd.Function (host time); graphs hold the custom ops."""
+    torch.manual_seed(11)
+    x, phi, bias, alpha = _coef_inputs((2, 13), 24, 4, torch.float32)
+    w = _leaf(torch.randn(24, device=DEV))
+    out = _block_pre(x, phi, bias, alpha, w)
+    node = out.grad_fn.next_functions[0][0]  # under the wrapper's reshape
+    assert type(node).__name__ == "post_fwd_eagerBackward"
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm.code)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(_block_pre, fullgraph=True, backend=capture)(x, phi, bias, alpha, w)
+    assert "mhc_lightning.mhc_pre" in graphs[0] and "mhc_lightning.stream_post_res" in graphs[0]
+    assert "eager" not in graphs[0]
+
+
 def test_token_count_change_does_not_recompile():
     from torch._dynamo.testing import CompileCounterWithBackend
 

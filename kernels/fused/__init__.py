@@ -76,7 +76,7 @@ def mhc_coefficients(
         )
     n, c = x.shape[-2], x.shape[-1]
     lead = x.shape[:-2]
-    h_pre, h_post, h_res, _, _ = ops.coef_fwd(
+    h_pre, h_post, h_res, _, _ = ops.eager.coef(
         x.reshape(-1, n, c), phi, bias, alpha.reshape(3), int(sinkhorn_iters), float(sinkhorn_eps), *plan,
         float(rms_eps), float(pre_eps), float(post_mult),
     )
@@ -110,7 +110,7 @@ def mhc_pre(
         return stream_pre(x, h_pre), h_pre, h_post, h_res
     n, c = x.shape[-2], x.shape[-1]
     lead = x.shape[:-2]
-    u, h_pre, h_post, h_res, _, _ = ops.mhc_pre_fwd(
+    u, h_pre, h_post, h_res, _, _ = ops.eager.mhc_pre(
         x.reshape(-1, n, c), phi, bias, alpha.reshape(3), int(sinkhorn_iters), float(sinkhorn_eps), *plan,
         float(rms_eps), float(pre_eps), float(post_mult),
     )
@@ -124,7 +124,7 @@ def stream_pre(x: torch.Tensor, h_pre: torch.Tensor) -> torch.Tensor:
     if not (_fusable(x) and h_pre.shape == x.shape[:-1] and h_pre.device == x.device):
         return reference.stream_pre(x, h_pre)
     n, c = x.shape[-2], x.shape[-1]
-    u = ops.pre_fwd(x.reshape(-1, n, c), h_pre.reshape(-1, n))
+    u = ops.eager.stream_pre(x.reshape(-1, n, c), h_pre.reshape(-1, n))
     return u.reshape(*x.shape[:-2], c)
 
 
@@ -143,5 +143,5 @@ def stream_post_res(
         return reference.stream_post_res(x, f, h_post, h_res)
     x3 = x.reshape(-1, n, c)
     hr = x3.new_empty((x3.shape[0], 0, 0), dtype=torch.float32) if h_res is None else h_res.reshape(-1, n, n)
-    out = ops.post_fwd(x3, f.reshape(-1, c), h_post.reshape(-1, n), hr)
+    out = ops.eager.stream_post_res(x3, f.reshape(-1, c), h_post.reshape(-1, n), hr)
     return out.reshape(x.shape)

@@ -8,6 +8,7 @@ to the reference for what the kernels do not cover.
 """
 import functools
 import os
+from types import SimpleNamespace
 
 import torch
 import triton
@@ -61,8 +62,16 @@ def _launch(cfg: dict) -> dict:
     return {k: v for k, v in cfg.items() if k in ("num_warps", "num_stages")}
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(v: int) -> int:
+    return 1 if v <= 1 else 1 << (v - 1).bit_length()
+
+
 def _np2(v: int, lo: int = 1) -> int:
-    return max(lo, triton.next_power_of_2(v))
+    return max(lo, _next_pow2(v))
 
 
 def _dot_mode(x: Tensor, phi: Tensor) -> int:
@@ -92,6 +101,19 @@ def _num_sms(device: torch.device) -> int:
     return _sms(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else 1
 
 
+def _op(name: str, body):
+    """Register body as the custom op mhc_lightning::name (what torch.compile sees); keep body for the eager path."""
+    op = torch.library.custom_op(f"mhc_lightning::{name}", body, mutates_args=())
+    op.plain = body
+    return op
+
+
+def _impl(ctx, op):
+    """In a backward: the custom op when autograd recorded the op (compiled graphs), its body when recorded by the
+    eager path (see `eager` at the end of this file)."""
+    return op.plain if getattr(ctx, "eager", False) else op
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # coefficients
 # ---------------------------------------------------------------------------------------------------------------
@@ -113,7 +135,7 @@ def _fwd(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mu
     cfg = _cfg("coef_fwd", BK=_np2(K, 16), BC=_np2(C, 16))
     split = bool(cfg.get("split_tail", False)) and has_res
     bias, alpha = bias.contiguous(), alpha.contiguous()
-    _coef_fwd[(triton.cdiv(N, cfg["BT"]),)](
+    _coef_fwd[(_cdiv(N, cfg["BT"]),)](
         x, phi, bias, alpha, lg, rinv, h_pre, h_post, h_res, u if with_u else h_pre,
         N, K, C, x.stride(0), phi.stride(0), iters, eps, rms_eps, pre_eps, post_mult,
         NS=n, M=M, MP=_np2(M, 16), HAS_RES=has_res, SINK=not split, HAS_U=with_u, T_IN=t_in, T_OUT=t_out,
@@ -121,18 +143,20 @@ def _fwd(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mu
     )
     if split:
         ct = _cfg("coef_tail")
-        _coef_tail[(triton.cdiv(N, ct["BT"]),)](
+        _coef_tail[(_cdiv(N, ct["BT"]),)](
             lg, rinv, bias, alpha, h_res, N, iters, eps, NS=n, M=M, T_IN=t_in, T_OUT=t_out, BT=ct["BT"], **_launch(ct))
     return u, h_pre, h_post, h_res, lg, rinv
 
 
-@torch.library.custom_op("mhc_lightning::coef_fwd", mutates_args=())
-def coef_fwd(
+def _coef_fwd_body(
     x: Tensor, phi: Tensor, bias: Tensor, alpha: Tensor, iters: int, eps: float, t_in: bool, t_out: bool,
     rms_eps: float, pre_eps: float, post_mult: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """x [N, n, C] -> h_pre [N, n], h_post [N, n], h_res [N, n, n] (or [N, 0, 0]), raw logits [N, M], 1/r [N]."""
     return _fwd(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult, False)[1:]
+
+
+coef_fwd = _op("coef_fwd", _coef_fwd_body)
 
 
 def _coef_fake(x, phi):
@@ -157,7 +181,7 @@ def bwd_tok(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_i
     has_res = M == n * n + 2 * n
     dev = x.device
     ct = _cfg("coef_bwd_tok", BC=_np2(C, 16))
-    n_prog = triton.cdiv(N, ct["BT"])
+    n_prog = _cdiv(N, ct["BT"])
     pw = M + 3
     dl, dss = _new((N, M), torch.float32, dev), _new((N,), torch.float32, dev)
     part = _new((n_prog, pw), torch.float32, dev)
@@ -179,10 +203,10 @@ def bwd_x(x, phi, dl, dss, dx, h_pre=None, du=None):
     N, n, C = x.shape
     K, M = n * C, phi.shape[1]
     cx = _cfg("coef_bwd_x", BK=_np2(K, 16))
-    kblocks = triton.cdiv(K, cx["BK"])
+    kblocks = _cdiv(K, cx["BK"])
     want = max(1, cx["programs_per_sm"] * _num_sms(x.device) // kblocks)
-    tok = max(cx["BT"], triton.cdiv(triton.cdiv(N, want), cx["BT"]) * cx["BT"])
-    splits = triton.cdiv(N, tok)
+    tok = max(cx["BT"], _cdiv(_cdiv(N, want), cx["BT"]) * cx["BT"])
+    splits = _cdiv(N, tok)
     dphi_part = _new((splits, K, M), torch.float32, x.device)
     with_u = du is not None
     _coef_bwd_x[(kblocks, splits)](
@@ -211,13 +235,15 @@ def _bwd(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, 
     return dx, dphi.to(phi.dtype), red[:M].to(bias.dtype, copy=True), red[M:].to(alpha.dtype, copy=True).reshape(alpha.shape)
 
 
-@torch.library.custom_op("mhc_lightning::coef_bwd", mutates_args=())
-def coef_bwd(
+def _coef_bwd_body(
     x: Tensor, phi: Tensor, bias: Tensor, alpha: Tensor, lg: Tensor, rinv: Tensor,
     d_pre: Tensor, d_post: Tensor, d_res: Tensor, iters: int, eps: float, t_in: bool, t_out: bool,
     post_mult: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return _bwd(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult)
+
+
+coef_bwd = _op("coef_bwd", _coef_bwd_body)
 
 
 @coef_bwd.register_fake
@@ -247,7 +273,7 @@ def _dh_zeros(x, phi, d_pre, d_post, d_res):
 def _coef_backward(ctx, d_pre, d_post, d_res, _dlg, _drinv):
     x, phi, bias, alpha, lg, rinv = ctx.saved_tensors
     dh = _dh_zeros(x, phi, d_pre, d_post, d_res)
-    dx, dphi, dbias, dalpha = coef_bwd(x, phi, bias, alpha, lg, rinv, *dh, *ctx.opts)
+    dx, dphi, dbias, dalpha = _impl(ctx, coef_bwd)(x, phi, bias, alpha, lg, rinv, *dh, *ctx.opts)
     return dx, dphi, dbias, dalpha, None, None, None, None, None, None, None
 
 
@@ -257,8 +283,7 @@ coef_fwd.register_autograd(_coef_backward, setup_context=_coef_setup)
 # ---------------------------------------------------------------------------------------------------------------
 # fused pre: coefficients + u = sum_j h_pre_j x_j in one op, one dx in its backward
 # ---------------------------------------------------------------------------------------------------------------
-@torch.library.custom_op("mhc_lightning::mhc_pre", mutates_args=())
-def mhc_pre_fwd(
+def _mhc_pre_fwd_body(
     x: Tensor, phi: Tensor, bias: Tensor, alpha: Tensor, iters: int, eps: float, t_in: bool, t_out: bool,
     rms_eps: float, pre_eps: float, post_mult: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -266,19 +291,24 @@ def mhc_pre_fwd(
     return _fwd(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult, True)
 
 
+mhc_pre_fwd = _op("mhc_pre", _mhc_pre_fwd_body)
+
+
 @mhc_pre_fwd.register_fake
 def _(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult):
     return (x.new_empty((x.shape[0], x.shape[2])),) + _coef_fake(x, phi)
 
 
-@torch.library.custom_op("mhc_lightning::mhc_pre_bwd", mutates_args=())
-def mhc_pre_bwd(
+def _mhc_pre_bwd_body(
     x: Tensor, phi: Tensor, bias: Tensor, alpha: Tensor, lg: Tensor, rinv: Tensor, h_pre: Tensor, du: Tensor,
     d_pre: Tensor, d_post: Tensor, d_res: Tensor, iters: int, eps: float, t_in: bool, t_out: bool,
     post_mult: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return _bwd(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult,
                 h_pre=h_pre, du=du)
+
+
+mhc_pre_bwd = _op("mhc_pre_bwd", _mhc_pre_bwd_body)
 
 
 @mhc_pre_bwd.register_fake
@@ -298,9 +328,9 @@ def _mhc_pre_backward(ctx, du, d_pre, d_post, d_res, _dlg, _drinv):
     x, phi, bias, alpha, lg, rinv, h_pre = ctx.saved_tensors
     dh = _dh_zeros(x, phi, d_pre, d_post, d_res)
     if du is None:
-        grads = coef_bwd(x, phi, bias, alpha, lg, rinv, *dh, *ctx.opts)
+        grads = _impl(ctx, coef_bwd)(x, phi, bias, alpha, lg, rinv, *dh, *ctx.opts)
     else:
-        grads = mhc_pre_bwd(x, phi, bias, alpha, lg, rinv, h_pre, du, *dh, *ctx.opts)
+        grads = _impl(ctx, mhc_pre_bwd)(x, phi, bias, alpha, lg, rinv, h_pre, du, *dh, *ctx.opts)
     return (*grads, None, None, None, None, None, None, None)
 
 
@@ -310,17 +340,19 @@ mhc_pre_fwd.register_autograd(_mhc_pre_backward, setup_context=_mhc_pre_setup)
 # ---------------------------------------------------------------------------------------------------------------
 # stream_pre
 # ---------------------------------------------------------------------------------------------------------------
-@torch.library.custom_op("mhc_lightning::stream_pre", mutates_args=())
-def pre_fwd(x: Tensor, h_pre: Tensor) -> Tensor:
+def _pre_fwd_body(x: Tensor, h_pre: Tensor) -> Tensor:
     N, n, C = x.shape
     u = _new((N, C), x.dtype, x.device)
     if N == 0:
         return u
     x, h_pre = _c_contig(x), h_pre.contiguous()
     cfg = _cfg("pre_fwd", BC=_np2(C, 16))
-    grid = (triton.cdiv(N, cfg["BT"]), triton.cdiv(C, cfg["BC"]))
+    grid = (_cdiv(N, cfg["BT"]), _cdiv(C, cfg["BC"]))
     _pre_fwd[grid](x, h_pre, u, N, C, x.stride(0), x.stride(1), NS=n, BT=cfg["BT"], BC=cfg["BC"], **_launch(cfg))
     return u
+
+
+pre_fwd = _op("stream_pre", _pre_fwd_body)
 
 
 @pre_fwd.register_fake
@@ -328,17 +360,19 @@ def _(x, h_pre):
     return x.new_empty((x.shape[0], x.shape[2]))
 
 
-@torch.library.custom_op("mhc_lightning::stream_pre_bwd", mutates_args=())
-def pre_bwd(du: Tensor, x: Tensor, h_pre: Tensor) -> tuple[Tensor, Tensor]:
+def _pre_bwd_body(du: Tensor, x: Tensor, h_pre: Tensor) -> tuple[Tensor, Tensor]:
     N, n, C = x.shape
     dx = _new((N, n, C), x.dtype, x.device)
     dh = _new((N, n), torch.float32, x.device)
     if N > 0:
         x, h_pre, du = _c_contig(x), h_pre.contiguous(), du.contiguous()
         cfg = _cfg("pre_bwd", BC=_np2(C, 16))
-        _pre_bwd[(triton.cdiv(N, cfg["BT"]),)](
+        _pre_bwd[(_cdiv(N, cfg["BT"]),)](
             x, h_pre, du, dx, dh, N, C, x.stride(0), x.stride(1), NS=n, BT=cfg["BT"], BC=cfg["BC"], **_launch(cfg))
     return dx, dh.to(h_pre.dtype)
+
+
+pre_bwd = _op("stream_pre_bwd", _pre_bwd_body)
 
 
 @pre_bwd.register_fake
@@ -352,7 +386,7 @@ def _pre_setup(ctx, inputs, output):
 
 def _pre_backward(ctx, du):
     x, h_pre = ctx.saved_tensors
-    return pre_bwd(du, x, h_pre)
+    return _impl(ctx, pre_bwd)(du, x, h_pre)
 
 
 pre_fwd.register_autograd(_pre_backward, setup_context=_pre_setup)
@@ -361,8 +395,7 @@ pre_fwd.register_autograd(_pre_backward, setup_context=_pre_setup)
 # ---------------------------------------------------------------------------------------------------------------
 # stream_post_res
 # ---------------------------------------------------------------------------------------------------------------
-@torch.library.custom_op("mhc_lightning::stream_post_res", mutates_args=())
-def post_fwd(x: Tensor, f: Tensor, h_post: Tensor, h_res: Tensor) -> Tensor:
+def _post_fwd_body(x: Tensor, f: Tensor, h_post: Tensor, h_res: Tensor) -> Tensor:
     """h_res [N, n, n], or [N, 0, 0] for H^res = I."""
     N, n, C = x.shape
     out = _new((N, n, C), x.dtype, x.device)
@@ -371,11 +404,14 @@ def post_fwd(x: Tensor, f: Tensor, h_post: Tensor, h_res: Tensor) -> Tensor:
     x, f = _c_contig(x), _c_contig(f)
     has_res = h_res.shape[-1] != 0
     cfg = _cfg("post_fwd", BC=_np2(C, 16))
-    grid = (triton.cdiv(N, cfg["BT"]), triton.cdiv(C, cfg["BC"]))
+    grid = (_cdiv(N, cfg["BT"]), _cdiv(C, cfg["BC"]))
     _post_fwd[grid](
         x, f, h_post.contiguous(), h_res.contiguous(), out, N, C, x.stride(0), x.stride(1), f.stride(0),
         NS=n, HAS_RES=has_res, BT=cfg["BT"], BC=cfg["BC"], **_launch(cfg))
     return out
+
+
+post_fwd = _op("stream_post_res", _post_fwd_body)
 
 
 @post_fwd.register_fake
@@ -383,8 +419,7 @@ def _(x, f, h_post, h_res):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("mhc_lightning::stream_post_res_bwd", mutates_args=())
-def post_bwd(g: Tensor, x: Tensor, f: Tensor, h_post: Tensor, h_res: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _post_bwd_body(g: Tensor, x: Tensor, f: Tensor, h_post: Tensor, h_res: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     N, n, C = x.shape
     has_res = h_res.shape[-1] != 0
     dev = x.device
@@ -395,13 +430,13 @@ def post_bwd(g: Tensor, x: Tensor, f: Tensor, h_post: Tensor, h_res: Tensor) -> 
         x, f, g = _c_contig(x), _c_contig(f), g.contiguous()
         cfg = _cfg("post_bwd", BC=_np2(C, 16))
         if cfg.get("impl", "loop") == "2d":
-            n_cblk = triton.cdiv(C, cfg["BC"])
+            n_cblk = _cdiv(C, cfg["BC"])
             if n_cblk == 1:  # whole rows per program: the kernel writes dh_post / dH directly
                 php, phr = dhp, dhr
             else:
                 php = _new((n_cblk, N, n), torch.float32, dev)
                 phr = _new((n_cblk, N, n, n) if has_res else (1,), torch.float32, dev)
-            _post_bwd_2d[(triton.cdiv(N, cfg["BT"]), n_cblk)](
+            _post_bwd_2d[(_cdiv(N, cfg["BT"]), n_cblk)](
                 x, f, h_post.contiguous(), h_res.contiguous(), g, dx, df, php, phr,
                 N, C, x.stride(0), x.stride(1), f.stride(0),
                 NS=n, HAS_RES=has_res, BT=cfg["BT"], BC=cfg["BC"], **_launch(cfg))
@@ -409,11 +444,14 @@ def post_bwd(g: Tensor, x: Tensor, f: Tensor, h_post: Tensor, h_res: Tensor) -> 
                 dhp = php.sum(0)
                 dhr = phr.sum(0) if has_res else dhr
         else:
-            _post_bwd[(triton.cdiv(N, cfg["BT"]),)](
+            _post_bwd[(_cdiv(N, cfg["BT"]),)](
                 x, f, h_post.contiguous(), h_res.contiguous(), g, dx, df, dhp, dhr,
                 N, C, x.stride(0), x.stride(1), f.stride(0),
                 NS=n, HAS_RES=has_res, BT=cfg["BT"], BC=cfg["BC"], **_launch(cfg))
     return dx, df, dhp.to(h_post.dtype), dhr.to(h_res.dtype)
+
+
+post_bwd = _op("stream_post_res_bwd", _post_bwd_body)
 
 
 @post_bwd.register_fake
@@ -429,7 +467,43 @@ def _post_setup(ctx, inputs, output):
 
 def _post_backward(ctx, g):
     x, f, h_post, h_res = ctx.saved_tensors
-    return post_bwd(g, x, f, h_post, h_res)
+    return _impl(ctx, post_bwd)(g, x, f, h_post, h_res)
 
 
 post_fwd.register_autograd(_post_backward, setup_context=_post_setup)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# eager path
+# ---------------------------------------------------------------------------------------------------------------
+# A Python custom op costs tens of microseconds of host time per call (dispatcher, argument defaults, a
+# dynamo-disable frame, the autograd wrapper); an eager training step calls four of them per sublayer, and on a
+# slow host the GPU then waits for launches. Outside torch.compile the same bodies run under one plain
+# autograd.Function with the same setup / backward functions; under compile (or on fake / traced tensors) the
+# registered custom ops are used, so graphs still see opaque ops with fake implementations.
+def _eager_fn(op, setup, backward):
+    def forward(ctx, *args):
+        out = op.plain(*args)
+        ctx.eager = True
+        ctx.set_materialize_grads(False)  # unused outputs' grads arrive as None, as with the custom op
+        setup(ctx, args, out)
+        return out
+
+    # named at creation: autograd names the backward node after the class (e.g. post_fwd_eagerBackward)
+    name = op.plain.__name__.replace("_body", "").strip("_") + "_eager"
+    Fn = type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+
+    def call(*args):
+        if torch.compiler.is_compiling() or type(args[0]) is not Tensor:
+            return op(*args)
+        return Fn.apply(*args)
+
+    return call
+
+
+eager = SimpleNamespace(
+    coef=_eager_fn(coef_fwd, _coef_setup, _coef_backward),
+    mhc_pre=_eager_fn(mhc_pre_fwd, _mhc_pre_setup, _mhc_pre_backward),
+    stream_pre=_eager_fn(pre_fwd, _pre_setup, _pre_backward),
+    stream_post_res=_eager_fn(post_fwd, _post_setup, _post_backward),
+)
