@@ -1,6 +1,6 @@
 """Architecture configuration: plain dataclasses that LightningCLI exposes field by field."""
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Union
 
 ResidualMode = Literal["residual", "hc", "mhc", "identity"]
 RESIDUAL_MODES = ("residual", "hc", "mhc", "identity")
@@ -75,6 +75,9 @@ class GPTConfig:
     """GPT-style decoder: byte tokens, RoPE attention, SwiGLU MLP, RMSNorm pre-norm.
 
     n_layers counts blocks; each block has two sublayers (attention, MLP), so L = 2 * n_layers.
+    recompute_block: selective recompute of the mHC ops over blocks of this many sublayers (mhc-math §9,
+        model/recompute.py), training only. 0 = off; auto = L_r* of §9 for L = n_sublayers and n = n_streams.
+        residual_mode=residual has no mHC ops and never recomputes.
     """
 
     vocab_size: int = 256
@@ -88,10 +91,14 @@ class GPTConfig:
     rope_base: float = 10000.0
     init_std: float = 0.02
     hyper: HyperConfig = field(default_factory=HyperConfig)
+    recompute_block: Union[int, Literal["auto"]] = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.hyper, dict):
             self.hyper = HyperConfig(**self.hyper)
+        rb = self.recompute_block
+        if rb != "auto" and (isinstance(rb, bool) or not isinstance(rb, int) or rb < 0):
+            raise ValueError(f"recompute_block must be 'auto' or an int >= 0 (0 = off), got {rb!r}")
         for name in ("vocab_size", "n_layers", "d_model", "n_heads", "context"):
             _at_least(name, getattr(self, name), 1)
         if self.d_model % self.n_heads:

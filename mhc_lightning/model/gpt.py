@@ -14,6 +14,7 @@ from ..kernels.reference import expand_streams, head_weights, stream_pre
 from .config import GPTConfig
 from .hyper_connection import HyperConnection
 from .layers import Attention, RMSNorm, SwiGLU
+from .recompute import optimal_block, run_sublayers
 
 
 class GPT(nn.Module):
@@ -29,6 +30,9 @@ class GPT(nn.Module):
             branches.append(Attention(C, cfg.n_heads, cfg.context, cfg.rope_base, cfg.norm_eps))
             branches.append(SwiGLU(C, cfg.mlp_ratio, cfg.norm_eps))
         self.sublayers = nn.ModuleList(HyperConnection(b, C, k, h) for k, b in enumerate(branches))
+        # sublayers per selective-recompute block (0 = off); a plain residual has no mHC ops to recompute
+        block = optimal_block(cfg.n_sublayers, self.n) if cfg.recompute_block == "auto" else cfg.recompute_block
+        self.recompute_block = block if self.multi_stream else 0
         if self.multi_stream and h.collapse == "head":
             self.head_phi = nn.Parameter(torch.zeros(self.n * C, self.n))
             self.head_bias = nn.Parameter(torch.zeros(self.n))
@@ -60,8 +64,7 @@ class GPT(nn.Module):
         x = self.embed(idx)
         if self.multi_stream:
             x = expand_streams(x, self.n)
-        for layer in self.sublayers:
-            x = layer(x)
+        x = run_sublayers(self.sublayers, x, self.recompute_block)
         return self.lm_head(self.norm(self.collapse(x)))
 
     @contextlib.contextmanager

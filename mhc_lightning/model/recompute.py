@@ -1,0 +1,150 @@
+"""Selective recompute of the mHC ops over blocks of L_r sublayers (mhc-math.md §9, mHC §4.3.2).
+
+Each block of `block` consecutive sublayers runs under one non-reentrant `torch.utils.checkpoint` with a
+selective-checkpoint policy: the outputs of the expensive matmul-family ops (the branches' projections and
+attention) are cached in the forward, everything else is dropped and re-run in the backward. What stays
+alive per block is its input stream x_{l0} (nC per token) and the cached branch outputs, among them F's
+output; the n-stream x_l of the other sublayers, H^pre x_l, the branch pre-norms and the coefficient
+intermediates are recomputed. A branch is not re-run as a whole: its matmuls and attention come from the
+cache, only its elementwise ops (norm, RoPE, SiLU) are replayed, as are the mHC ops.
+"""
+import gc
+import math
+import weakref
+from contextlib import contextmanager
+from functools import partial
+from typing import Iterable, Iterator
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
+
+try:  # torch >= 2.5
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+except ImportError:  # torch 2.4: the same caching modes before pytorch#125795 made them public (bool policy)
+    from torch.utils.checkpoint import _pt2_selective_checkpoint_context_fn_gen as _contexts_24
+
+    CheckpointPolicy = None
+
+# A matmul contracting over fewer than this many elements is memory-bound: re-running it costs about what
+# reading a cached copy costs. This keeps the reference stream_post_res's n x n stream mix (a bmm contracting
+# over n <= 8, whose output is a whole n*C stream) out of the cache, and caches branch projections (K = C).
+MIN_SAVED_CONTRACTION = 16
+_MATMULS = {"mm": 0, "addmm": 1, "bmm": 0, "baddbmm": 1, "mv": 0, "_scaled_mm": 0}  # op -> arg index of A [.., K]
+
+
+def optimal_block(n_sublayers: int, n_streams: int) -> int:
+    """L_r* = argmin over integers of nC ceil(L / L_r) + (n + 2) C L_r (mhc-math §9); ties go to the smaller L_r."""
+    if n_sublayers < 1:
+        raise ValueError(f"n_sublayers must be >= 1, got {n_sublayers}")
+    n = n_streams
+    return min(range(1, n_sublayers + 1), key=lambda r: n * math.ceil(n_sublayers / r) + (n + 2) * r)
+
+
+def saves_output(op, args) -> bool:
+    """True for the ops whose outputs the checkpoint caches: attention and matmuls with a long contraction."""
+    packet = getattr(op, "overloadpacket", None)  # higher-order ops (compiled regions) have none
+    if packet is None or getattr(packet, "_qualified_op_name", "").split("::")[0] != "aten":
+        return False  # custom ops, the mHC kernels among them, are recomputed
+    name = packet.__name__
+    if name.startswith("_scaled_dot_product_") and "attention" in name and not name.endswith("backward"):
+        return True
+    if name in _MATMULS:
+        a = args[_MATMULS[name]]
+        return a.shape[-1] >= MIN_SAVED_CONTRACTION
+    return False
+
+
+def _policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if saves_output(op, args) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _context_fn():
+    if CheckpointPolicy is None:
+        return _contexts_24(lambda mode, op, *args, **kwargs: saves_output(op, args))
+    return create_selective_checkpoint_contexts(_policy)
+
+
+@contextmanager
+def _not_recording(layers: list[nn.Module]) -> Iterator[None]:
+    flags = [getattr(layer, "record", False) for layer in layers]
+    for layer in layers:
+        if hasattr(layer, "record"):
+            layer.record = False
+    try:
+        yield
+    finally:
+        for layer, flag in zip(layers, flags):
+            if hasattr(layer, "record"):
+                layer.record = flag
+
+
+class _Block:
+    """The function a checkpoint runs, and re-runs in the backward; only the first run records diagnostics."""
+
+    def __init__(self, layers: list[nn.Module]):
+        self.layers, self.ran = layers, False
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        replay, self.ran = self.ran, True
+        if replay:
+            with _not_recording(self.layers):
+                return _run(self.layers, x)
+        return _run(self.layers, x)
+
+
+def _run(layers: Iterable[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    for layer in layers:
+        x = layer(x)
+    return x
+
+
+def run_sublayers(sublayers: Iterable[nn.Module], x: torch.Tensor, block: int) -> torch.Tensor:
+    """x through every sublayer in order. block > 0: one selective checkpoint per `block` consecutive sublayers.
+
+    block 0, or no autograd recording (torch.no_grad / inference), or every layer in eval mode: a plain loop.
+    Works with any modules mapping a tensor to a tensor of the same kind (HyperConnection layers here).
+    """
+    layers = list(sublayers)
+    if block <= 0 or not torch.is_grad_enabled() or not any(layer.training for layer in layers):
+        return _run(layers, x)
+    for i in range(0, len(layers), block):
+        part = layers[i : i + block]
+        # Recording layers set `.last` in their forward: a replay in the backward must not overwrite it. The
+        # plain function keeps torch.compile free of Python side effects in the usual, non-recording case.
+        fn = _Block(part) if any(getattr(layer, "record", False) for layer in part) else partial(_run, part)
+        x = checkpoint(fn, x, use_reentrant=False, context_fn=_context_fn)
+    return x
+
+
+@contextmanager
+def live_activation_bytes(exclude: Iterable[torch.Tensor] = ()) -> Iterator[dict]:
+    """Bytes of the tensors created inside this block that are still alive when the block ends.
+
+    Around a forward this is what autograd keeps for the backward (saved tensors, checkpoint inputs and
+    selective-checkpoint caches) plus the outputs the caller still holds. Storages are counted once, by
+    weak reference, so views and the checkpoint's detached aliases of one buffer are not double-counted;
+    storages of `exclude` (parameters, buffers) are never counted. Result in `stats["bytes"]`.
+    saved_tensors_hooks cannot measure this: inside a non-reentrant checkpoint its own hooks replace any
+    outer ones, and the selective cache is not a saved tensor at all.
+    """
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    seen: list[weakref.ref] = []
+
+    class _Track(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    s = t.untyped_storage()
+                    if s.data_ptr() not in skip and s.nbytes():
+                        seen.append(weakref.ref(s))
+            return out
+
+    stats = {"bytes": 0}
+    with _Track():
+        yield stats
+    gc.collect()
+    live = {s.data_ptr(): s.nbytes() for s in (r() for r in seen) if s is not None}
+    stats["bytes"] = sum(live.values())

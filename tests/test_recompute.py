@@ -1,0 +1,213 @@
+"""Selective recompute of the mHC ops over blocks of L_r sublayers (mhc-math.md §9, model/recompute.py)."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import CONF
+from mhc_lightning.model import GPT, GPTConfig, HyperConfig
+from mhc_lightning.model import recompute
+from mhc_lightning.model.recompute import live_activation_bytes, optimal_block, run_sublayers
+
+B, T = 2, 8
+
+
+def model(mode="mhc", block=0, n_layers=2, d_model=32, **hyper) -> GPT:
+    cfg = GPTConfig(n_layers=n_layers, d_model=d_model, n_heads=2, context=T, recompute_block=block,
+                    hyper=HyperConfig(residual_mode=mode, phi_init="normal", bias_init="hc_identity", **hyper))
+    return GPT(cfg)
+
+
+def randomized(m: GPT, seed=0) -> GPT:
+    """Every parameter moved off its init (HC's dynamic weights start at zero), so every gradient path is live."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    return m
+
+
+def tokens(seed=1) -> torch.Tensor:
+    return torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def loss_of(m: GPT, idx: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(m(idx).flatten(0, 1).float(), idx.flatten())
+
+
+def loss_and_grads(m: GPT, idx: torch.Tensor):
+    m.zero_grad(set_to_none=True)
+    loss = loss_of(m, idx)
+    loss.backward()
+    return loss.detach(), {name: p.grad for name, p in m.named_parameters()}
+
+
+@pytest.mark.parametrize("L,expected", [(12, 3), (24, 4), (48, 6), (60, 6)])
+def test_optimal_block_matches_the_worked_table(L, expected):
+    assert optimal_block(L, 4) == expected
+
+
+def test_auto_block_and_residual():
+    assert model(block="auto", n_layers=6).recompute_block == optimal_block(12, 4) == 3
+    assert model(block="auto", n_streams=2).recompute_block == optimal_block(4, 2)
+    assert model("residual", block=2).recompute_block == 0  # no mHC ops: nothing to recompute
+
+
+@pytest.mark.parametrize("mode,backend,fused_pre", [
+    ("mhc", "torch", False), ("mhc", "triton", False), ("mhc", "triton", True),
+    ("hc", "torch", False), ("identity", "torch", False), ("identity", "triton", False),
+])
+def test_recompute_gives_the_same_loss_and_gradients(mode, backend, fused_pre):
+    # the Triton interpreter's time goes mostly into the Sinkhorn loops: fewer iterations, same code paths
+    opts = dict(kernel_backend=backend, fused_pre=fused_pre, sinkhorn_iters=4 if backend == "triton" else 20)
+    base = randomized(model(mode, **opts))
+    idx = tokens()
+    loss0, grads0 = loss_and_grads(base, idx)
+    assert all(g is not None and g.abs().max() > 0 for g in grads0.values())
+    for block in (1, 3, "auto"):  # L = 4: 3 leaves a short last block; auto is 2
+        m = model(mode, block=block, **opts)
+        assert m.recompute_block == (2 if block == "auto" else block)
+        m.load_state_dict(base.state_dict())
+        loss, grads = loss_and_grads(m, idx)
+        torch.testing.assert_close(loss, loss0, rtol=1e-6, atol=1e-6)
+        for name, g in grads.items():
+            torch.testing.assert_close(g, grads0[name], rtol=1e-6, atol=1e-7, msg=lambda s: f"{block} {name}: {s}")
+
+
+def saved_bytes(m: GPT, idx: torch.Tensor) -> int:
+    """What autograd keeps between forward and backward (plus the scalar loss)."""
+    with live_activation_bytes(exclude=list(m.parameters()) + list(m.buffers())) as stats:
+        loss = loss_of(m, idx)
+    loss.backward()  # the graph really is usable
+    return stats["bytes"]
+
+
+def test_live_bytes_agree_with_saved_tensors_hooks_without_recompute():
+    """The measure above equals what saved_tensors_hooks see (one count per storage) plus the 4-byte loss."""
+    m, idx = randomized(model()), tokens()
+    skip = {t.untyped_storage().data_ptr() for t in list(m.parameters()) + list(m.buffers())}
+    packed = {}
+
+    def pack(t):
+        packed[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = loss_of(m, idx)
+    hooked = sum(v for k, v in packed.items() if k not in skip)
+    del loss
+    assert saved_bytes(m, idx) == hooked + 4
+
+
+@pytest.mark.parametrize("backend,blocks", [("torch", (2, 3, 6)), ("triton", (6,))])  # the interpreter is slow
+def test_recompute_drops_the_stream_inside_each_block(backend, blocks):
+    n_layers, C, n = 3, 32, 4
+    iters = 4 if backend == "triton" else 20
+    base = randomized(model(n_layers=n_layers, d_model=C, kernel_backend=backend, sinkhorn_iters=iters))
+    idx = tokens()
+    plain = saved_bytes(base, idx)
+    stream = n * C * 4 * idx.numel()  # one fp32 n-stream x_l
+    L = 2 * n_layers
+    for block in blocks:
+        base.recompute_block = block
+        kept = saved_bytes(base, idx)
+        # at least the x_l of every sublayer that does not start a block is gone
+        assert plain - kept >= (L - math.ceil(L / block)) * stream, (block, plain, kept)
+    if backend == "torch":  # block 1 keeps every x_l, yet the reference's Sinkhorn intermediates are dropped
+        base.recompute_block = 1
+        assert saved_bytes(base, idx) < plain
+
+
+def test_a_policy_that_saves_everything_saves_no_memory(monkeypatch):
+    """The control for the test above: caching every op's output keeps at least what plain autograd keeps."""
+    base = randomized(model(n_layers=3))
+    idx = tokens()
+    plain = saved_bytes(base, idx)
+    monkeypatch.setattr(recompute, "saves_output", lambda op, args: True)
+    # the reference Sinkhorn adds eps in place to a softmax output: let the cache hold it (memory only here)
+    real = recompute.create_selective_checkpoint_contexts
+    monkeypatch.setattr(recompute, "create_selective_checkpoint_contexts",
+                        lambda policy: real(policy, allow_cache_entry_mutation=True))
+    base.recompute_block = 3
+    assert saved_bytes(base, idx) >= 0.95 * plain
+
+
+def test_no_checkpoint_without_autograd_or_in_eval(monkeypatch):
+    calls = []
+    real = recompute.checkpoint
+    monkeypatch.setattr(recompute, "checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
+    m, idx = model(block=3), tokens()
+    with torch.no_grad():
+        m(idx)
+    m.eval()
+    m(idx)
+    assert calls == []
+    m.train()
+    loss_of(m, idx).backward()
+    assert len(calls) == 2  # L = 4 in blocks of 3 and 1
+
+
+def test_recording_is_kept_once(monkeypatch):
+    """Diagnostics record in the forward; the replay in the backward must neither record again nor clear flags."""
+    base = randomized(model())
+    idx = tokens()
+    with base.recording():
+        loss_of(base, idx)
+    expected = base.recorded()
+    m = model(block=2)
+    m.load_state_dict(base.state_dict())
+    with m.recording():
+        loss = loss_of(m, idx)
+        firsts = [layer.last for layer in m.sublayers]
+        loss.backward()  # replays both blocks while still recording
+        assert all(layer.record for layer in m.sublayers)
+        assert all(layer.last is first for layer, first in zip(m.sublayers, firsts))
+    assert not any(layer.record for layer in m.sublayers)
+    got = m.recorded()
+    assert got.keys() == expected.keys()
+    for k in expected:
+        torch.testing.assert_close(got[k], expected[k], rtol=0, atol=0)
+
+
+def test_recompute_under_torch_compile():
+    """AOT autograd with the selective-checkpoint tags (aot_eager: the same graphs inductor gets, no C++ build)."""
+    base = randomized(model())
+    idx = tokens()
+    loss0, grads0 = loss_and_grads(base, idx)
+    m = model(block=2)
+    m.load_state_dict(base.state_dict())
+    compiled = torch.compile(m, backend="aot_eager")
+    m.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(compiled(idx).flatten(0, 1).float(), idx.flatten())
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), loss0, rtol=1e-6, atol=1e-6)
+    for name, p in m.named_parameters():
+        torch.testing.assert_close(p.grad, grads0[name], rtol=1e-5, atol=1e-6)
+
+
+def test_run_sublayers_on_any_module_list():
+    """The benchmark's entry point: any nn.ModuleList of sublayers, here a residual model's."""
+    m = randomized(model("residual"))
+    x = torch.randn(B, T, 32, requires_grad=True)
+    ref = run_sublayers(m.sublayers, x, 0)
+    (gx0,) = torch.autograd.grad(ref.square().sum(), x)
+    out = run_sublayers(m.sublayers, x, 2)
+    (gx,) = torch.autograd.grad(out.square().sum(), x)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    torch.testing.assert_close(gx, gx0, rtol=1e-6, atol=1e-7)
+
+
+def test_config_values_and_cli(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match=r"recompute_block must be 'auto' or an int >= 0"):
+        GPTConfig(recompute_block=-1)
+    with pytest.raises(ValueError, match="recompute_block"):
+        GPTConfig(recompute_block="always")
+    from mhc_lightning.cli import build_cli
+
+    monkeypatch.chdir(tmp_path)
+    base = ["-c", str(CONF / "base.yaml"), "-c", str(CONF / "model" / "mhc.yaml"), "--trainer.logger=false"]
+    cli = build_cli(base + ["--model.arch.recompute_block=auto"], run=False)
+    assert cli.model.arch.recompute_block == "auto"
+    assert cli.model.model.recompute_block == optimal_block(8, 4)
+    assert build_cli(base + ["--model.arch.recompute_block=3"], run=False).model.model.recompute_block == 3
