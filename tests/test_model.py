@@ -162,3 +162,53 @@ def test_config_errors_name_field_and_allowed_values():
         HyperConfig(sinkhorn_iters=0)
     with pytest.raises(ValueError, match="d_model must be divisible by n_heads"):
         GPTConfig(d_model=30, n_heads=4)
+
+
+# ---- residual stream dtype (GPTConfig.stream_dtype) ----------------------------------------------------------
+def stream_dtype_seen(m: GPT, idx: torch.Tensor) -> torch.dtype:
+    seen = []
+    handle = m.sublayers[1].register_forward_pre_hook(lambda mod, args: seen.append(args[0].dtype))
+    try:
+        loss = F.cross_entropy(m(idx).flatten(0, 1).float(), idx.flatten())
+    finally:
+        handle.remove()
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
+    return seen[0], loss.detach()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_stream_dtype_follows_autocast(mode):
+    torch.manual_seed(0)
+    base = GPT(tiny(mode, phi_init="normal", bias_init="hc_identity"))
+    idx = text_batch(B=2)[:, :-1]
+    losses = {}
+    for name, expected in (("auto", torch.bfloat16), ("float32", torch.float32)):
+        cfg = tiny(mode, phi_init="normal", bias_init="hc_identity")
+        cfg.stream_dtype = name
+        m = GPT(cfg)
+        m.load_state_dict(base.state_dict())
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            dtype, losses[name] = stream_dtype_seen(m, idx)
+            assert m(idx).dtype == torch.bfloat16  # the head still runs under autocast
+        assert dtype == expected
+    assert losses["auto"].item() == pytest.approx(losses["float32"].item(), rel=2e-2)
+    assert stream_dtype_seen(base, idx)[0] == torch.float32  # auto without autocast: the embedding's dtype
+
+
+@pytest.mark.parametrize("mode", ["residual", "mhc"])
+def test_explicit_stream_dtype_without_autocast(mode):
+    """A bf16 stream with fp32 weights and no autocast: the branches still get their weights' dtype."""
+    torch.manual_seed(0)
+    cfg = tiny(mode, phi_init="normal")
+    cfg.stream_dtype = "bfloat16"
+    m = GPT(cfg)
+    idx = text_batch(B=2)[:, :-1]
+    dtype, loss = stream_dtype_seen(m, idx)
+    assert dtype == torch.bfloat16 and m(idx).dtype == torch.float32
+
+
+def test_stream_dtype_config_error():
+    with pytest.raises(ValueError, match=r"stream_dtype must be one of \['auto', 'float32', 'bfloat16', 'float16'\]"):
+        GPTConfig(stream_dtype="fp8")

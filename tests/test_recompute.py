@@ -207,7 +207,7 @@ def test_config_values_and_cli(tmp_path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     base = ["-c", str(CONF / "base.yaml"), "-c", str(CONF / "model" / "mhc.yaml"), "--trainer.logger=false"]
-    cli = build_cli(base + ["--model.arch.recompute_block=auto"], run=False)
-    assert cli.model.arch.recompute_block == "auto"
+    cli = build_cli(base + ["--model.arch.recompute_block=auto", "--model.arch.stream_dtype=bfloat16"], run=False)
+    assert cli.model.arch.recompute_block == "auto" and cli.model.arch.stream_dtype == "bfloat16"
     assert cli.model.model.recompute_block == optimal_block(8, 4)
     assert build_cli(base + ["--model.arch.recompute_block=3"], run=False).model.model.recompute_block == 3

@@ -10,6 +10,8 @@ PhiInit = Literal["zeros", "normal", "xavier"]
 PHI_INITS = ("zeros", "normal", "xavier")
 Collapse = Literal["sum", "head"]
 COLLAPSES = ("sum", "head")
+StreamDtype = Literal["auto", "float32", "bfloat16", "float16"]
+STREAM_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def _one_of(name: str, value, allowed) -> None:
@@ -75,6 +77,11 @@ class GPTConfig:
     """GPT-style decoder: byte tokens, RoPE attention, SwiGLU MLP, RMSNorm pre-norm.
 
     n_layers counts blocks; each block has two sublayers (attention, MLP), so L = 2 * n_layers.
+    stream_dtype: dtype of the residual stream (all n streams), set where it is created from the embedding.
+        auto = the autocast dtype when autocast is on for the device (bf16 under Lightning's bf16-mixed, as
+        the paper keeps it), else the embedding's dtype; float32 / bfloat16 / float16 force it. The coefficient
+        maths stays fp32 either way, and the collapsed stream goes back to the embedding's dtype before the
+        final norm and LM head. Applies to every residual_mode, residual included.
     recompute_block: selective recompute of the mHC ops over blocks of this many sublayers (mhc-math §9,
         model/recompute.py), training only. 0 = off; auto = L_r* of §9 for L = n_sublayers and n = n_streams.
         residual_mode=residual has no mHC ops and never recomputes.
@@ -91,11 +98,13 @@ class GPTConfig:
     rope_base: float = 10000.0
     init_std: float = 0.02
     hyper: HyperConfig = field(default_factory=HyperConfig)
+    stream_dtype: StreamDtype = "auto"
     recompute_block: Union[int, Literal["auto"]] = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.hyper, dict):
             self.hyper = HyperConfig(**self.hyper)
+        _one_of("stream_dtype", self.stream_dtype, STREAM_DTYPES)
         rb = self.recompute_block
         if rb != "auto" and (isinstance(rb, bool) or not isinstance(rb, int) or rb < 0):
             raise ValueError(f"recompute_block must be 'auto' or an int >= 0 (0 = off), got {rb!r}")

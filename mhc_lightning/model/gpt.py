@@ -5,7 +5,7 @@ once before the final norm (mhc-math.md §4): expanding per block would make n i
 """
 import contextlib
 import math
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -15,6 +15,14 @@ from .config import GPTConfig
 from .hyper_connection import HyperConnection
 from .layers import Attention, RMSNorm, SwiGLU
 from .recompute import optimal_block, run_sublayers
+
+
+def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+    """The autocast dtype when autocast is on for this device type, else None."""
+    try:  # the device-type forms exist from torch 2.4 on; device types without autocast raise
+        return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+    except (RuntimeError, TypeError, AttributeError):
+        return None
 
 
 class GPT(nn.Module):
@@ -51,21 +59,31 @@ class GPT(nn.Module):
         for layer in self.sublayers:  # GPT-2: scale output projections by depth
             nn.init.normal_(layer.branch.out.weight, std=std / math.sqrt(self.cfg.n_sublayers))
 
-    def collapse(self, x: torch.Tensor) -> torch.Tensor:
+    def collapse(self, x: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """The stream, collapsed to [..., C] in `dtype` (forward passes the embedding's, so that the final norm and
+        the head run in the dtype they would with a full-precision stream); None = the stream's dtype."""
+        dtype = dtype or x.dtype
         if not self.multi_stream:
-            return x
+            return x.to(dtype)
         if self.cfg.hyper.collapse == "sum":
-            return x.sum(dim=-2)
-        return stream_pre(x, head_weights(x, self.head_phi, self.head_bias, self.head_alpha))
+            return x.sum(dim=-2, dtype=dtype)
+        return stream_pre(x, head_weights(x, self.head_phi, self.head_bias, self.head_alpha)).to(dtype)
+
+    def stream_dtype(self, h: torch.Tensor) -> torch.dtype:
+        """The residual stream's dtype for embedding output h (GPTConfig.stream_dtype)."""
+        if self.cfg.stream_dtype != "auto":
+            return getattr(torch, self.cfg.stream_dtype)
+        return autocast_dtype(h.device.type) or h.dtype
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         if idx.shape[-1] > self.cfg.context:
             raise ValueError(f"sequence length {idx.shape[-1]} exceeds model context {self.cfg.context}")
-        x = self.embed(idx)
+        h = self.embed(idx)
+        x = h.to(self.stream_dtype(h))
         if self.multi_stream:
             x = expand_streams(x, self.n)
         x = run_sublayers(self.sublayers, x, self.recompute_block)
-        return self.lm_head(self.norm(self.collapse(x)))
+        return self.lm_head(self.norm(self.collapse(x, h.dtype)))
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:

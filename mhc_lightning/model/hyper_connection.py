@@ -83,9 +83,15 @@ class HyperConnection(nn.Module):
             pre_eps=c.pre_eps, post_mult=c.post_mult,
         )
 
+    def run_branch(self, u: torch.Tensor) -> torch.Tensor:
+        """F(u) in the branch's parameter dtype. The stream may be narrower (GPTConfig.stream_dtype): the branch
+        then sees the dtype it would see with a full-precision stream, and autocast still casts its matmuls."""
+        p = next(self.branch.parameters(), None)
+        return self.branch(u if p is None or not p.is_floating_point() else u.to(p.dtype))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "residual":
-            return x + self.branch(x)
+            return x + self.run_branch(x).to(x.dtype)  # the stream keeps its dtype (the mHC ops do the same)
         ops = get_ops(self.cfg.kernel_backend, x.device)
         if self.mode in ("mhc", "identity") and self.cfg.fused_pre:
             # coefficients and u in one op: one read of x, one dx in the backward
@@ -101,7 +107,7 @@ class HyperConnection(nn.Module):
         if self.record:
             self.last = {"h_pre": h_pre[:1].detach(), "h_post": h_post[:1].detach(),
                          "h_res": None if h_res is None else h_res[:1].detach()}
-        return ops.stream_post_res(x, self.branch(u), h_post, h_res)
+        return ops.stream_post_res(x, self.run_branch(u), h_post, h_res)
 
     def extra_repr(self) -> str:
         return f"mode={self.mode}, layer={self.layer_index}, n={self.cfg.streams}, sinkhorn_iters={self.sinkhorn_iters}"
