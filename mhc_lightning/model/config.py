@@ -50,8 +50,8 @@ class HyperConfig:
     hc_tanh: bool = True
     collapse: Collapse = "sum"
     kernel_backend: Literal["auto", "triton", "torch"] = "auto"
-    # One op for coefficients + H_pre aggregation (one read of x). Off by default: correct on CPU and GPU,
-    # but its H200 speed has not been measured against the separate ops (docs/benchmarks.md).
+    # One op for coefficients + H_pre aggregation (one read of x). Off by default: on the H200 it ties with the
+    # separate ops eager and is 2-4 % slower compiled (its backward reads x and du twice; docs/benchmarks.md).
     fused_pre: bool = False
 
     def __post_init__(self) -> None:
