@@ -46,7 +46,9 @@ def saves_output(op, args) -> bool:
     """True for the ops whose outputs the checkpoint caches: attention and matmuls with a long contraction."""
     packet = getattr(op, "overloadpacket", None)  # higher-order ops (compiled regions) have none
     if packet is None or getattr(packet, "_qualified_op_name", "").split("::")[0] != "aten":
-        return False  # custom ops, the mHC kernels among them, are recomputed
+        # custom ops are recomputed: the fused mHC kernels under torch.compile (mhc_lightning::*). In eager their
+        # Triton launches never reach the dispatcher; their op bodies simply run again in the replay.
+        return False
     name = packet.__name__
     if name.startswith("_scaled_dot_product_") and "attention" in name and not name.endswith("backward"):
         return True
