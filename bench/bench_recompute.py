@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from mhc_lightning.model import GPT, GPTConfig, HyperConfig
-from mhc_lightning.model.recompute import live_activation_bytes
+from mhc_lightning.model.recompute import live_activation_bytes, saved_tensor_bytes
 
 
 def sync(device: str) -> None:
@@ -32,17 +32,10 @@ def step(m: GPT, idx: torch.Tensor, args) -> torch.Tensor:
 
 def hooked_bytes(m: GPT, idx: torch.Tensor, args) -> int:
     """Bytes of the tensors autograd saves, one count per storage, parameters and buffers left out."""
-    skip = {t.untyped_storage().data_ptr() for t in list(m.parameters()) + list(m.buffers())}
-    packed = {}
-
-    def pack(t):
-        packed[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_tensor_bytes(exclude=list(m.parameters()) + list(m.buffers())) as saved:
         loss = step(m, idx, args)
     loss.backward()
-    return sum(v for k, v in packed.items() if k not in skip)
+    return saved["bytes"]
 
 
 def measure(m: GPT, idx: torch.Tensor, args) -> dict:

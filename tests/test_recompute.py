@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from helpers import CONF
 from mhc_lightning.model import GPT, GPTConfig, HyperConfig
 from mhc_lightning.model import recompute
-from mhc_lightning.model.recompute import live_activation_bytes, optimal_block, run_sublayers
+from mhc_lightning.model.recompute import live_activation_bytes, optimal_block, run_sublayers, saved_tensor_bytes
 
 B, T = 2, 8
 
@@ -86,16 +86,9 @@ def saved_bytes(m: GPT, idx: torch.Tensor) -> int:
 def test_live_bytes_agree_with_saved_tensors_hooks_without_recompute():
     """The measure above equals what saved_tensors_hooks see (one count per storage) plus the 4-byte loss."""
     m, idx = randomized(model()), tokens()
-    skip = {t.untyped_storage().data_ptr() for t in list(m.parameters()) + list(m.buffers())}
-    packed = {}
-
-    def pack(t):
-        packed[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_tensor_bytes(exclude=list(m.parameters()) + list(m.buffers())) as saved:
         loss = loss_of(m, idx)
-    hooked = sum(v for k, v in packed.items() if k not in skip)
+    hooked = saved["bytes"]
     del loss
     assert saved_bytes(m, idx) == hooked + 4
 

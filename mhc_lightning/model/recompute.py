@@ -150,3 +150,20 @@ def live_activation_bytes(exclude: Iterable[torch.Tensor] = ()) -> Iterator[dict
     gc.collect()
     live = {s.data_ptr(): s.nbytes() for s in (r() for r in seen) if s is not None}
     stats["bytes"] = sum(live.values())
+
+
+@contextmanager
+def saved_tensor_bytes(exclude: Iterable[torch.Tensor] = ()) -> Iterator[dict]:
+    """Bytes of the tensors autograd saves for the backward inside this block, one count per storage, storages of
+    `exclude` left out; result in `stats["bytes"]`. Plain autograd only (see live_activation_bytes)."""
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    packed: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        packed[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    stats = {"bytes": 0}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield stats
+    stats["bytes"] = sum(v for k, v in packed.items() if k not in skip)
