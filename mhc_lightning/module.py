@@ -14,6 +14,7 @@ from torchmetrics.text import Perplexity
 from .diagnostics import plot_per_layer, summarize
 from .distributed import reduce_diagnostics
 from .model import GPT, GPTConfig, HyperConfig
+from .model.compiled import compile_model
 
 
 @dataclass
@@ -78,7 +79,7 @@ class LitLM(L.LightningModule):
         self.save_hyperparameters({"arch": asdict(arch), "optim": asdict(optim),
                                    "diagnostics_every": diagnostics_every, "compile": compile})
         self.model = GPT(arch)
-        self.forward_fn = torch.compile(self.model) if compile else self.model
+        self.forward_fn = compile_model(self.model) if compile else self.model
         self.val_loss = MeanMetric()
         self.val_ppl = Perplexity()
         self.last_per_layer: Optional[dict[str, list[float]]] = None

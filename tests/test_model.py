@@ -212,3 +212,28 @@ def test_explicit_stream_dtype_without_autocast(mode):
 def test_stream_dtype_config_error():
     with pytest.raises(ValueError, match=r"stream_dtype must be one of \['auto', 'float32', 'bfloat16', 'float16'\]"):
         GPTConfig(stream_dtype="fp8")
+
+
+def test_compiled_model_traces_once_more_when_the_sinkhorn_count_changes():
+    """The scheduler's per-layer counts are ints on modules: compile_model makes a changing one symbolic (fused
+    kernels take it at run time) instead of tracing the model again for every new count."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from mhc_lightning.model.compiled import compile_model
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layers=1, d_model=32, n_heads=2, context=16, hyper=HyperConfig(
+        residual_mode="mhc", kernel_backend="triton", sinkhorn_iters=4, phi_init="normal"))
+    m = GPT(cfg)
+    counter = CompileCounterWithBackend("aot_eager")  # graph capture + autograd; no C++ build on CPU
+    torch._dynamo.reset()
+    forward = compile_model(m, backend=counter)
+    idx = text_batch(B=2, T=16)[:, :-1]
+    for iters in (4, 5, 3, 6, 2):
+        for layer in m.sublayers:
+            layer.sinkhorn_iters = iters
+        loss = forward(idx).float().logsumexp(-1).mean()
+        loss.backward()
+        eager = m(idx).float().logsumexp(-1).mean()  # the same count, uncompiled
+        assert loss.item() == pytest.approx(eager.item(), rel=1e-5)
+    assert counter.frame_count == 2  # the first trace, then one with the count symbolic
