@@ -146,6 +146,13 @@ def plot_vs_axis(groups, keys, metric: str, ylabel: str, path: Path, logy=False)
             xs.append(x), ms.append(m), ss.append(s)
         ax.errorbar(xs, ms, yerr=ss, marker="o", capsize=3, label=str(name))
     ax.set_xlabel(keys[1] if len(keys) > 1 else "")
+    return _finish(fig, ax, ylabel, path, logy)
+
+
+def _finish(fig, ax, ylabel: str, path: Path, logy: bool) -> Path:
+    """y label and scale, grid, legend; save and close the figure."""
+    import matplotlib.pyplot as plt
+
     ax.set_ylabel(ylabel)
     if logy:
         ax.set_yscale("log")
@@ -172,14 +179,7 @@ def plot_curves(groups, keys, metric: str, ylabel: str, path: Path, at: Optional
         ax.plot(steps, [st.fmean(v) for v in vals], label=" ".join(map(str, gk)))
         ax.fill_between(steps, [min(v) for v in vals], [max(v) for v in vals], alpha=0.2)
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel(ylabel)
-    if logy:
-        ax.set_yscale("log")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _finish(fig, ax, ylabel, path, logy)
 
 
 def plot_layers(groups, keys, path: Path, at: Optional[object]) -> Path:
