@@ -94,18 +94,48 @@ class HookClock:
         return wrapper
 
 
-def run(args, with_callbacks: bool, corpus: Path) -> dict:
+CONFIGS = ("baseline", "stability", "pinned", "detector", "snapshots", "scheduler")
+HELP_CONFIGS = ("baseline: no callbacks; stability: the three at defaults; pinned: the three, the scheduler's bounds pinned at "
+                "the model's count (its mechanics without its decisions: same Sinkhorn work as the baseline); "
+                "detector / snapshots / scheduler: one alone, at defaults")
+
+
+def make_callbacks(config: str, iters: int) -> list:
+    detector, snaps = InstabilityDetector(), GradientSnapshots()
+    scheduler = SinkhornScheduler(min_iters=iters, max_iters=iters) if config == "pinned" else SinkhornScheduler()
+    return {"baseline": [], "stability": [detector, snaps, scheduler], "pinned": [detector, snaps, scheduler],
+            "detector": [detector], "snapshots": [snaps], "scheduler": [scheduler]}[config]
+
+
+def record_updates(scheduler: SinkhornScheduler, log: list) -> None:
+    """Keep (step, worst residual, tighten reason, counts) of every scheduler update: why the count moved."""
+    update = scheduler.update
+
+    def wrapped(step, residuals, tighten_reason=None):
+        iters = update(step, residuals, tighten_reason)
+        log.append({"step": step, "residual_max": max(residuals), "reason": tighten_reason, "iters_mean":
+                    sum(iters) / len(iters)})
+        return iters
+    scheduler.update = wrapped
+
+
+def run(args, config: str, corpus: Path) -> dict:
     L.seed_everything(0, verbose=False)
     arch = GPTConfig(n_layers=args.layers, d_model=args.width, n_heads=args.heads, context=args.seq,
                      hyper=HyperConfig(residual_mode="mhc", n_streams=4, sinkhorn_iters=20))
     model = LitLM(arch=arch, optim=OptimConfig(lr=args.lr), diagnostics_every=args.diagnostics_every)
     data = ByteTextDataModule(corpus=str(corpus), seq_len=args.seq, batch_size=args.batch)
     timer = StepTimer(args.accelerator == "gpu")
-    stability = [InstabilityDetector(), GradientSnapshots(), SinkhornScheduler()] if with_callbacks else []
+    stability = make_callbacks(config, arch.hyper.sinkhorn_iters)
+    snaps = next((c for c in stability if isinstance(c, GradientSnapshots)), None)
+    scheduler = next((c for c in stability if isinstance(c, SinkhornScheduler)), None)
+    updates: list = []
+    if scheduler is not None:
+        record_updates(scheduler, updates)
     trainer_ref: list = []
     clock = HookClock(stability, trainer_ref)
     snap_at = args.steps - 2
-    extra = [TimeOneSnapshot(stability[1], snap_at, args.accelerator == "gpu")] if with_callbacks else []
+    extra = [TimeOneSnapshot(snaps, snap_at, args.accelerator == "gpu")] if snaps is not None else []
     trainer = L.Trainer(accelerator=args.accelerator, devices=1, precision=args.precision, max_steps=args.steps,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
@@ -116,13 +146,27 @@ def run(args, with_callbacks: bool, corpus: Path) -> dict:
     keep = [k for k in timer.times if k >= args.warmup and k != snap_at]
     times = [timer.times[k] for k in keep]
     out = {"median_s": statistics.median(times), "mean_s": statistics.fmean(times), "steps": len(times)}
-    if with_callbacks:
+    if stability:
         out["hook_mean_s"] = statistics.fmean(clock.per_step.get(k, 0.0) for k in keep)
-        out["snapshot_s"] = extra[0].seconds
-        out["snapshot_every"] = stability[1].every_n_steps
-        out["sinkhorn_iters_final"] = list(stability[2].iters)
         out["events"] = len(model.stability_channel.events)
+    if snaps is not None:
+        out["snapshot_s"] = extra[0].seconds
+        out["snapshot_every"] = snaps.every_n_steps
+    if scheduler is not None:
+        out["sinkhorn_iters_final"] = list(scheduler.iters)
+        out["sinkhorn_updates"] = updates
     return out
+
+
+def summarize(runs: list[dict], base: float) -> dict:
+    """Overheads of one configuration against the best baseline median."""
+    best = min(runs, key=lambda r: r["median_s"])
+    steady = best["median_s"] / base - 1
+    amortised = (statistics.median(r["snapshot_s"] for r in runs) / best["snapshot_every"] / base
+                 if "snapshot_s" in best else 0.0)
+    return {"median_step_s": best["median_s"], "steady_overhead": steady, "snapshot_amortised_overhead": amortised,
+            "total_overhead": steady + amortised,
+            "hook_time_share": statistics.median(r["hook_mean_s"] / r["median_s"] for r in runs)}
 
 
 def main() -> None:
@@ -142,47 +186,51 @@ def main() -> None:
     p.add_argument("--diagnostics-every", type=int, default=25, help="the module default")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--corpus", default=None, help="text file (default: generated)")
+    p.add_argument("--configs", default="baseline,stability",
+                   help="comma-separated; " + HELP_CONFIGS)
     p.add_argument("--out", default=None, help="JSON path (default: bench_callbacks_<accelerator>.json)")
     args = p.parse_args()
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    bad = [c for c in configs if c not in CONFIGS]
+    if bad or "baseline" not in configs or len(configs) < 2:
+        p.error(f"--configs: expected 'baseline' and at least one of {', '.join(CONFIGS[1:])}; got {args.configs!r}")
     args.precision = args.precision or ("bf16-mixed" if args.accelerator == "gpu" else "32-true")
     if args.threads:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         corpus = Path(args.corpus) if args.corpus else make_corpus(Path(tmp) / "corpus.txt")
-        runs = {"baseline": [], "stability": []}
-        for _ in range(args.repeats):  # alternate, so slow phases of a shared machine hit both
-            runs["baseline"].append(run(args, False, corpus))
-            runs["stability"].append(run(args, True, corpus))
+        runs = {c: [] for c in configs}
+        for _ in range(args.repeats):  # alternate, so slow phases of a shared machine hit every configuration
+            for c in configs:
+                runs[c].append(run(args, c, corpus))
 
     base = min(r["median_s"] for r in runs["baseline"])
-    best = min(runs["stability"], key=lambda r: r["median_s"])
-    steady = best["median_s"] / base - 1
-    amortised = statistics.median(r["snapshot_s"] for r in runs["stability"]) / best["snapshot_every"] / base
-    hook_share = statistics.median(r["hook_mean_s"] / r["median_s"] for r in runs["stability"])
+    summary = {name: summarize(rs, base) for name, rs in runs.items() if name != "baseline"}
     device = torch.cuda.get_device_name(0) if args.accelerator == "gpu" else platform.processor() or platform.machine()
     result = {
         "device": device, "accelerator": args.accelerator, "precision": args.precision,
         "threads": torch.get_num_threads(), "torch": torch.__version__,
-        "lr": args.lr, "model": {"layers": args.layers, "width": args.width, "seq": args.seq, "batch": args.batch, "streams": 4,
-                  "sinkhorn_iters": 20, "mode": "mhc"},
-        "baseline_median_step_s": base, "stability_median_step_s": best["median_s"],
-        "steady_overhead": steady, "snapshot_amortised_overhead": amortised, "total_overhead": steady + amortised,
-        "hook_time_share": hook_share, "hook_total_overhead": hook_share + amortised,
-        "runs": runs,
+        "lr": args.lr, "model": {"layers": args.layers, "width": args.width, "seq": args.seq, "batch": args.batch,
+                                 "streams": 4, "sinkhorn_iters": 20, "mode": "mhc"},
+        "baseline_median_step_s": base, "summary": summary, "runs": runs,
     }
     print(f"\nstability callbacks at defaults, {device} ({args.accelerator}, {args.precision}, "
           f"{torch.get_num_threads()} threads), mHC n=4 L={2 * args.layers} C={args.width} seq={args.seq} "
           f"batch={args.batch}, {args.repeats} x {args.steps - args.warmup} steps per configuration")
-    print(f"{'configuration':<28}{'median step ms':>16}{'mean step ms':>14}{'events':>8}")
+    print(f"{'configuration':<14}{'median step ms':>16}{'mean step ms':>14}{'events':>8}{'final iters':>13}")
     for name, rs in runs.items():
         for r in rs:
-            print(f"{name:<28}{1e3 * r['median_s']:>16.2f}{1e3 * r['mean_s']:>14.2f}{r.get('events', '-'):>8}")
-    print(f"steady-state overhead (best medians)        {100 * steady:+.2f} %")
-    print(f"snapshot {1e3 * best['snapshot_s']:.1f} ms every {best['snapshot_every']} steps, amortised "
-          f"{100 * amortised:+.3f} %")
-    print(f"total (A/B)                                  {100 * (steady + amortised):+.2f} %")
-    print(f"time inside the callbacks' hooks             {100 * hook_share:+.2f} % of a step "
-          f"(+ snapshots: {100 * (hook_share + amortised):+.2f} %)")
+            iters = r.get("sinkhorn_iters_final")
+            iters = f"{sum(iters) / len(iters):.1f}" if iters else "-"
+            print(f"{name:<14}{1e3 * r['median_s']:>16.2f}{1e3 * r['mean_s']:>14.2f}{r.get('events', '-'):>8}"
+                  f"{iters:>13}")
+    print(f"\n{'vs baseline':<14}{'steady':>10}{'snapshots':>11}{'total':>9}{'in hooks':>10}")
+    for name, s in summary.items():
+        print(f"{name:<14}{100 * s['steady_overhead']:>+9.2f}%{100 * s['snapshot_amortised_overhead']:>+10.3f}%"
+              f"{100 * s['total_overhead']:>+8.2f}%{100 * s['hook_time_share']:>+9.2f}%")
+    print(HELP_CONFIGS)
+    print("steady = ratio of best run medians; snapshots = one snapshot's time / every_n_steps; in hooks = time "
+          "inside the callbacks' hooks per step (on CUDA it includes waiting for the GPU at a sync)")
     out = Path(args.out or f"bench_callbacks_{args.accelerator}.json")
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")
