@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from pathlib import Path
 from typing import Optional
@@ -36,6 +37,11 @@ def tiny_module(mode: str = "mhc", lr: float = 3e-3, n_layers: int = 2, d_model:
     return LitLM(arch=arch, optim=OptimConfig(lr=lr, warmup_steps=5), diagnostics_every=diagnostics_every)
 
 
+# MHC_TEST_ACCELERATOR=gpu runs the in-process callback tests on CUDA (GPU machine): device-placement bugs
+# (CPU step counters beside CUDA weights, pinned copies) only show there.
+ACCELERATOR = os.environ.get("MHC_TEST_ACCELERATOR", "cpu")
+
+
 def tiny_fit(corpus: Path, callbacks: list, steps: int, module=None, logger=False, ckpt_path=None,
              seed: int = 0, **trainer_kwargs):
     """Fit a tiny model in-process for `steps` optimizer steps; returns (trainer, module)."""
@@ -44,7 +50,7 @@ def tiny_fit(corpus: Path, callbacks: list, steps: int, module=None, logger=Fals
     module = module if module is not None else tiny_module(seed=seed)
     L.seed_everything(seed, verbose=False)
     dm = ByteTextDataModule(corpus=str(corpus), seq_len=32, batch_size=4)
-    kw = dict(max_steps=steps, accelerator="cpu", logger=logger, enable_checkpointing=False,
+    kw = dict(max_steps=steps, accelerator=ACCELERATOR, devices=1, logger=logger, enable_checkpointing=False,
               enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
     kw.update(trainer_kwargs)
     trainer = L.Trainer(callbacks=callbacks, **kw)

@@ -43,17 +43,24 @@ def check_number(owner: str, name: str, value: Any, *, low: Optional[float] = No
 
 
 def norm_sum(tensors: list) -> "torch.Tensor":
-    """Sum of the 2-norms of `tensors` as a float32 scalar on their device: finite iff every value is finite.
+    """Sum of the 2-norms of `tensors` as a float32 scalar on the first one's device: finite iff every value is.
 
-    Half-precision norms are computed in float32 (an fp16 norm overflows long before its values do).
+    Half-precision norms are computed in float32 (an fp16 norm overflows long before its values do). Tensors on
+    other devices (an optimizer's step counters stay on the CPU) are reduced where they live, then moved.
     """
     import torch
 
-    half = [t for t in tensors if t.dtype in (torch.float16, torch.bfloat16)]
-    rest = [t for t in tensors if t.dtype not in (torch.float16, torch.bfloat16)]
-    norms = list(torch._foreach_norm(half, 2, dtype=torch.float32)) if half else []
-    norms += [n.float() for n in torch._foreach_norm(rest)] if rest else []
-    return torch.stack(norms).sum() if norms else torch.zeros(())
+    if not tensors:
+        return torch.zeros(())
+    home, total = tensors[0].device, []
+    for dev in dict.fromkeys(t.device for t in tensors):
+        on = [t for t in tensors if t.device == dev]
+        half = [t for t in on if t.dtype in (torch.float16, torch.bfloat16)]
+        rest = [t for t in on if t.dtype not in (torch.float16, torch.bfloat16)]
+        norms = list(torch._foreach_norm(half, 2, dtype=torch.float32)) if half else []
+        norms += [n.float() for n in torch._foreach_norm(rest)] if rest else []
+        total.append(torch.stack(norms).sum().to(home))
+    return torch.stack(total).sum()
 
 
 def stronger(a: str, b: str) -> str:

@@ -106,7 +106,8 @@ def _fingerprint(state: dict) -> tuple[list[int], bool]:
     sums = [t.contiguous().view(_WORDS[t.element_size()]).sum(dtype=torch.int64) for t in ts]
     floats = [t for t in ts if t.is_floating_point()]
     finite = bool(norm_sum(floats).isfinite())
-    return (torch.stack(sums).tolist() if sums else []), finite
+    home = sums[0].device if sums else None  # optimizer step counters stay on the CPU beside CUDA weights
+    return (torch.stack([s.to(home) for s in sums]).tolist() if sums else []), finite
 
 
 @dataclass
