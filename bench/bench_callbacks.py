@@ -1,14 +1,23 @@
-"""Step-time overhead of the three stability callbacks at their defaults.
+"""Step-time overhead of the stability callbacks at their defaults (conf/presets/stability.yaml).
 
-InstabilityDetector + GradientSnapshots + SinkhornScheduler, as in conf/presets/stability.yaml.
+Paired blocks inside one fit: the callbacks under test are switched on and off in blocks of `--block`
+optimizer steps (off, on, on, off, off, on, ...: an ABBA order, so a slow drift of the machine cancels), and
+each block is timed as a whole, synchronising CUDA only at block edges, so that inside a block steps
+pipeline as in training. Overhead = median over block pairs of (on-block time / off-block time) - 1. Timing
+separate runs instead (earlier versions of this script) measured the machine: the same configuration's
+median step moved by 5-10 % between runs on the H200 and by up to 1.6x on a shared CPU.
 
-Trains the same mHC model with and without the three callbacks, alternating the two configurations
-`--repeats` times; a step is the wall time from one on_train_batch_start to the next (everything the loop
-does, synchronised on CUDA). Steady-state overhead = ratio of the per-run median step times (the best run of
-each configuration). The snapshot every `every_n_steps` (default 500) is timed separately and amortised.
-Prints one table and writes JSON.
+Configurations (`--configs`), each one fit:
+    stability   InstabilityDetector + GradientSnapshots + SinkhornScheduler
+    detector / snapshots / scheduler   one alone
+    sinkhorn    no callback: the Sinkhorn count itself, the model's count in off blocks and
+                `--scheduled-iters` in on blocks (the scheduler's decisions cost this, not its mechanics)
 
-    python bench/bench_callbacks.py                                   # CPU, writes bench_callbacks_cpu.json
+A snapshot every `every_n_steps` (default 500) is timed once, warm, and amortised. While switched off the
+callbacks see nothing; the Sinkhorn count the scheduler set stays in force, so off and on blocks do the same
+model work. Prints one table and writes JSON.
+
+    python bench/bench_callbacks.py --threads 1                 # CPU, writes bench_callbacks_cpu.json
     python bench/bench_callbacks.py --accelerator gpu --out bench_callbacks_gpu.json
 """
 from __future__ import annotations
@@ -30,32 +39,83 @@ from mhc_lightning.data.synthetic import english_like_text
 from mhc_lightning.model import GPTConfig, HyperConfig
 from mhc_lightning.module import LitLM, OptimConfig
 
+CONFIGS = ("stability", "detector", "snapshots", "scheduler", "sinkhorn")
+_ALWAYS = ("setup", "teardown", "on_train_start", "on_train_end", "on_exception")  # forwarded in every block
+_PER_STEP = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
+             "on_before_zero_grad", "on_train_batch_end")
+
+
 def make_corpus(path: Path, n_bytes: int = 2_000_000) -> Path:
     """English-like text, so the benchmark needs no download (the GPU host is offline)."""
     path.write_text(english_like_text(n_bytes))
     return path
 
 
-class StepTimer(L.Callback):
-    """Put first in the callback list: times start-to-start, so every other hook falls inside a step."""
+def set_sinkhorn(pl_module, iters: int) -> None:
+    for layer in pl_module.model.sublayers:
+        if getattr(layer, "mode", None) == "mhc":
+            layer.sinkhorn_iters = iters
 
-    def __init__(self, cuda: bool):
-        self.cuda, self.times, self._t = cuda, {}, None
 
-    def _now(self) -> float:
+class PairedBlocks(L.Callback):
+    """Forwards the Lightning hooks to `inner` only in "on" blocks, and times every block."""
+
+    def __init__(self, inner: list, block: int, warmup: int, cuda: bool, on_switch=None):
+        self.inner, self.block, self.warmup, self.cuda, self.on_switch = inner, block, warmup, cuda, on_switch
+        self.blocks: list[dict] = []  # {"index", "on", "seconds", "steps", "hook_s"}
+        self.active = True
+        self._t = None
+        self._hook_s = 0.0
+        for name in _ALWAYS + _PER_STEP:
+            setattr(self, name, self._forward(name))
+
+    def is_on(self, step: int) -> bool:
+        """On during the (untimed) warm-up, so that the first snapshot and the detector's windows start there."""
+        return step < self.warmup or ((step - self.warmup) // self.block) % 4 in (1, 2)
+
+    def _edge(self, trainer, pl_module) -> None:
+        step = trainer.global_step
+        if step < self.warmup or (step - self.warmup) % self.block:
+            return  # the warm-up keeps active = True
         if self.cuda:
             torch.cuda.synchronize()
-        return time.perf_counter()
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        now = self._now()
+        now = time.perf_counter()
         if self._t is not None:
-            self.times[trainer.global_step - 1] = now - self._t
-        self._t = now
+            self.blocks.append({"index": (step - self.warmup) // self.block - 1, "on": self.active,
+                                "seconds": now - self._t, "steps": self.block, "hook_s": self._hook_s})
+        self._t, self._hook_s = now, 0.0
+        on = self.is_on(step)
+        if on != self.active and self.on_switch is not None:
+            self.on_switch(pl_module, on)
+        self.active = on
+
+    def _forward(self, name: str):
+        def hook(trainer, pl_module, *args, **kwargs):
+            if name == "on_train_batch_start":
+                self._edge(trainer, pl_module)
+            if name in _PER_STEP and not self.active:
+                return
+            t0 = time.perf_counter()
+            for cb in self.inner:
+                getattr(cb, name)(trainer, pl_module, *args, **kwargs)
+            if name in _PER_STEP:
+                self._hook_s += time.perf_counter() - t0
+        return hook
+
+    def pairs(self) -> list[float]:
+        """on/off time ratio of each complete (off, on) pair, in block order: 0-1, 2-3, ..."""
+        by_index = {b["index"]: b for b in self.blocks}
+        out = []
+        for i in range(0, max(by_index, default=-1), 2):
+            a, b = by_index.get(i), by_index.get(i + 1)
+            if a and b and a["on"] != b["on"]:
+                on, off = (a, b) if a["on"] else (b, a)
+                out.append(on["seconds"] / off["seconds"])
+        return out
 
 
 class TimeOneSnapshot(L.Callback):
-    """Takes (and times) one extra snapshot at `step`, warm: the one at the first batch also pays first-call costs."""
+    """One extra snapshot at `step`, after the last block, warm (the first one also pays first-call costs)."""
 
     def __init__(self, snaps: GradientSnapshots, step: int, cuda: bool):
         self.snaps, self.step, self.cuda, self.seconds = snaps, step, cuda, None
@@ -71,102 +131,49 @@ class TimeOneSnapshot(L.Callback):
             self.seconds = time.perf_counter() - t0
 
 
-class HookClock:
-    """Time spent inside the stability callbacks' own hooks, per step (exact on CPU; on CUDA a hook that syncs
-    also waits for queued GPU work, so there the A/B step time is the number to trust)."""
-
-    HOOKS = ("on_train_batch_start", "on_before_optimizer_step", "on_train_batch_end")
-
-    def __init__(self, callbacks, trainer_ref: list):
-        self.per_step: dict[int, float] = {}
-        for cb in callbacks:
-            for name in self.HOOKS:
-                setattr(cb, name, self._timed(getattr(cb, name), trainer_ref))
-
-    def _timed(self, fn, trainer_ref):
-        def wrapper(*a, **kw):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                step = trainer_ref[0].global_step if trainer_ref else -1
-                self.per_step[step] = self.per_step.get(step, 0.0) + time.perf_counter() - t0
-        return wrapper
-
-
-CONFIGS = ("baseline", "stability", "pinned", "detector", "snapshots", "scheduler")
-HELP_CONFIGS = ("baseline: no callbacks; stability: the three at defaults; pinned: the three, the scheduler's bounds pinned at "
-                "the model's count (its mechanics without its decisions: same Sinkhorn work as the baseline); "
-                "detector / snapshots / scheduler: one alone, at defaults")
-
-
-def make_callbacks(config: str, iters: int) -> list:
-    detector, snaps = InstabilityDetector(), GradientSnapshots()
-    scheduler = SinkhornScheduler(min_iters=iters, max_iters=iters) if config == "pinned" else SinkhornScheduler()
-    return {"baseline": [], "stability": [detector, snaps, scheduler], "pinned": [detector, snaps, scheduler],
-            "detector": [detector], "snapshots": [snaps], "scheduler": [scheduler]}[config]
-
-
-def record_updates(scheduler: SinkhornScheduler, log: list) -> None:
-    """Keep (step, worst residual, tighten reason, counts) of every scheduler update: why the count moved."""
-    update = scheduler.update
-
-    def wrapped(step, residuals, tighten_reason=None):
-        iters = update(step, residuals, tighten_reason)
-        log.append({"step": step, "residual_max": max(residuals), "reason": tighten_reason, "iters_mean":
-                    sum(iters) / len(iters)})
-        return iters
-    scheduler.update = wrapped
-
-
 def run(args, config: str, corpus: Path) -> dict:
     L.seed_everything(0, verbose=False)
     arch = GPTConfig(n_layers=args.layers, d_model=args.width, n_heads=args.heads, context=args.seq,
-                     hyper=HyperConfig(residual_mode="mhc", n_streams=4, sinkhorn_iters=20))
+                     hyper=HyperConfig(residual_mode="mhc", n_streams=4, sinkhorn_iters=args.iters))
     model = LitLM(arch=arch, optim=OptimConfig(lr=args.lr), diagnostics_every=args.diagnostics_every)
     data = ByteTextDataModule(corpus=str(corpus), seq_len=args.seq, batch_size=args.batch)
-    timer = StepTimer(args.accelerator == "gpu")
-    stability = make_callbacks(config, arch.hyper.sinkhorn_iters)
-    snaps = next((c for c in stability if isinstance(c, GradientSnapshots)), None)
-    scheduler = next((c for c in stability if isinstance(c, SinkhornScheduler)), None)
-    updates: list = []
-    if scheduler is not None:
-        record_updates(scheduler, updates)
-    trainer_ref: list = []
-    clock = HookClock(stability, trainer_ref)
-    snap_at = args.steps - 2
-    extra = [TimeOneSnapshot(snaps, snap_at, args.accelerator == "gpu")] if snaps is not None else []
-    trainer = L.Trainer(accelerator=args.accelerator, devices=1, precision=args.precision, max_steps=args.steps,
+    cuda = args.accelerator == "gpu"
+    inner = {"stability": lambda: [InstabilityDetector(), GradientSnapshots(), SinkhornScheduler()],
+             "detector": lambda: [InstabilityDetector()], "snapshots": lambda: [GradientSnapshots()],
+             "scheduler": lambda: [SinkhornScheduler()], "sinkhorn": lambda: []}[config]()
+    on_switch = None
+    if config == "sinkhorn":
+        def on_switch(pl_module, on):
+            set_sinkhorn(pl_module, args.scheduled_iters if on else args.iters)
+    blocks = PairedBlocks(inner, args.block, args.warmup, cuda, on_switch)
+    last = args.warmup + 2 * args.pairs * args.block  # the last block closes at this step's start
+    snaps = next((c for c in inner if isinstance(c, GradientSnapshots)), None)
+    timed_snap = [TimeOneSnapshot(snaps, last, cuda)] if snaps is not None else []
+    trainer = L.Trainer(accelerator=args.accelerator, devices=1, precision=args.precision, max_steps=last + 1,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-                        gradient_clip_val=1.0, callbacks=[timer, *stability, *extra])
-    trainer_ref.append(trainer)
+                        gradient_clip_val=1.0, callbacks=[blocks, *timed_snap])
     trainer.fit(model, datamodule=data)
-    # warm-up steps (and the one carrying the timed extra snapshot) are left out of every statistic
-    keep = [k for k in timer.times if k >= args.warmup and k != snap_at]
-    times = [timer.times[k] for k in keep]
-    out = {"median_s": statistics.median(times), "mean_s": statistics.fmean(times), "steps": len(times)}
-    if stability:
-        out["hook_mean_s"] = statistics.fmean(clock.per_step.get(k, 0.0) for k in keep)
-        out["events"] = len(model.stability_channel.events)
+    ratios = blocks.pairs()
+    on = [b for b in blocks.blocks if b["on"]]
+    off = [b for b in blocks.blocks if not b["on"]]
+    out = {"config": config, "pairs": len(ratios), "pair_ratios": ratios,
+           "overhead_median": statistics.median(ratios) - 1,
+           "overhead_mean": statistics.fmean(ratios) - 1,
+           "step_s_off": sum(b["seconds"] for b in off) / sum(b["steps"] for b in off),
+           "step_s_on": sum(b["seconds"] for b in on) / sum(b["steps"] for b in on),
+           "hook_share": sum(b["hook_s"] for b in on) / sum(b["seconds"] for b in on),
+           "events": len(model.stability_channel.events) if hasattr(model, "stability_channel") else 0,
+           "blocks": blocks.blocks}
     if snaps is not None:
-        out["snapshot_s"] = extra[0].seconds
+        out["snapshot_s"] = timed_snap[0].seconds
         out["snapshot_every"] = snaps.every_n_steps
+        out["snapshot_amortised"] = out["snapshot_s"] / snaps.every_n_steps / out["step_s_off"]
+    scheduler = next((c for c in inner if isinstance(c, SinkhornScheduler)), None)
     if scheduler is not None:
         out["sinkhorn_iters_final"] = list(scheduler.iters)
-        out["sinkhorn_updates"] = updates
+        out["sinkhorn_history"] = [(s, sum(i) / len(i)) for s, i in scheduler.history]
     return out
-
-
-def summarize(runs: list[dict], base: float) -> dict:
-    """Overheads of one configuration against the best baseline median."""
-    best = min(runs, key=lambda r: r["median_s"])
-    steady = best["median_s"] / base - 1
-    amortised = (statistics.median(r["snapshot_s"] for r in runs) / best["snapshot_every"] / base
-                 if "snapshot_s" in best else 0.0)
-    return {"median_step_s": best["median_s"], "steady_overhead": steady, "snapshot_amortised_overhead": amortised,
-            "total_overhead": steady + amortised,
-            "hook_time_share": statistics.median(r["hook_mean_s"] / r["median_s"] for r in runs)}
 
 
 def main() -> None:
@@ -178,59 +185,60 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--iters", type=int, default=20, help="the model's Sinkhorn iterations")
     p.add_argument("--lr", type=float, default=OptimConfig.lr,
-                   help="lower it for wide models: events (skipped steps) make the two configurations differ")
-    p.add_argument("--steps", type=int, default=150)
-    p.add_argument("--warmup", type=int, default=10, help="steps dropped from the start of each run")
-    p.add_argument("--repeats", type=int, default=3)
+                   help="lower it for wide models: events (skipped steps) make on and off blocks differ")
+    p.add_argument("--configs", default="stability", help="comma-separated, from " + ", ".join(CONFIGS))
+    p.add_argument("--scheduled-iters", type=int, default=44, help="the sinkhorn configuration's on-block count")
+    p.add_argument("--block", type=int, default=10, help="optimizer steps per block")
+    p.add_argument("--pairs", type=int, default=10, help="(off, on) block pairs per configuration (made even)")
+    p.add_argument("--warmup", type=int, default=20, help="steps before the first block")
     p.add_argument("--diagnostics-every", type=int, default=25, help="the module default")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--corpus", default=None, help="text file (default: generated)")
-    p.add_argument("--configs", default="baseline,stability",
-                   help="comma-separated; " + HELP_CONFIGS)
     p.add_argument("--out", default=None, help="JSON path (default: bench_callbacks_<accelerator>.json)")
     args = p.parse_args()
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     bad = [c for c in configs if c not in CONFIGS]
-    if bad or "baseline" not in configs or len(configs) < 2:
-        p.error(f"--configs: expected 'baseline' and at least one of {', '.join(CONFIGS[1:])}; got {args.configs!r}")
+    if bad or not configs:
+        p.error(f"--configs: expected names from {', '.join(CONFIGS)}; got {args.configs!r}")
+    for name in ("block", "pairs"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    args.pairs += args.pairs % 2
+    if args.warmup + 2 * args.pairs * args.block >= GradientSnapshots().every_n_steps:
+        p.error("warmup + 2 * pairs * block must stay below the snapshot interval (500): a periodic snapshot "
+                "would land in one block; it is timed separately")
     args.precision = args.precision or ("bf16-mixed" if args.accelerator == "gpu" else "32-true")
     if args.threads:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         corpus = Path(args.corpus) if args.corpus else make_corpus(Path(tmp) / "corpus.txt")
-        runs = {c: [] for c in configs}
-        for _ in range(args.repeats):  # alternate, so slow phases of a shared machine hit every configuration
-            for c in configs:
-                runs[c].append(run(args, c, corpus))
-
-    base = min(r["median_s"] for r in runs["baseline"])
-    summary = {name: summarize(rs, base) for name, rs in runs.items() if name != "baseline"}
+        runs = {c: run(args, c, corpus) for c in configs}
     device = torch.cuda.get_device_name(0) if args.accelerator == "gpu" else platform.processor() or platform.machine()
-    result = {
-        "device": device, "accelerator": args.accelerator, "precision": args.precision,
-        "threads": torch.get_num_threads(), "torch": torch.__version__,
-        "lr": args.lr, "model": {"layers": args.layers, "width": args.width, "seq": args.seq, "batch": args.batch,
-                                 "streams": 4, "sinkhorn_iters": 20, "mode": "mhc"},
-        "baseline_median_step_s": base, "summary": summary, "runs": runs,
-    }
+    result = {"device": device, "accelerator": args.accelerator, "precision": args.precision,
+              "threads": torch.get_num_threads(), "torch": torch.__version__, "lr": args.lr,
+              "block": args.block, "warmup": args.warmup,
+              "model": {"layers": args.layers, "width": args.width, "seq": args.seq, "batch": args.batch,
+                        "streams": 4, "sinkhorn_iters": args.iters, "mode": "mhc"},
+              "runs": runs}
     print(f"\nstability callbacks at defaults, {device} ({args.accelerator}, {args.precision}, "
           f"{torch.get_num_threads()} threads), mHC n=4 L={2 * args.layers} C={args.width} seq={args.seq} "
-          f"batch={args.batch}, {args.repeats} x {args.steps - args.warmup} steps per configuration")
-    print(f"{'configuration':<14}{'median step ms':>16}{'mean step ms':>14}{'events':>8}{'final iters':>13}")
-    for name, rs in runs.items():
-        for r in rs:
-            iters = r.get("sinkhorn_iters_final")
-            iters = f"{sum(iters) / len(iters):.1f}" if iters else "-"
-            print(f"{name:<14}{1e3 * r['median_s']:>16.2f}{1e3 * r['mean_s']:>14.2f}{r.get('events', '-'):>8}"
-                  f"{iters:>13}")
-    print(f"\n{'vs baseline':<14}{'steady':>10}{'snapshots':>11}{'total':>9}{'in hooks':>10}")
-    for name, s in summary.items():
-        print(f"{name:<14}{100 * s['steady_overhead']:>+9.2f}%{100 * s['snapshot_amortised_overhead']:>+10.3f}%"
-              f"{100 * s['total_overhead']:>+8.2f}%{100 * s['hook_time_share']:>+9.2f}%")
-    print(HELP_CONFIGS)
-    print("steady = ratio of best run medians; snapshots = one snapshot's time / every_n_steps; in hooks = time "
-          "inside the callbacks' hooks per step (on CUDA it includes waiting for the GPU at a sync)")
+          f"batch={args.batch}; {args.pairs} pairs of {args.block}-step blocks per configuration")
+    print(f"{'configuration':<12}{'step off ms':>12}{'step on ms':>12}{'overhead':>10}{'IQR of pairs':>18}"
+          f"{'in hooks':>10}{'snapshot':>16}{'total':>9}{'events':>8}")
+    for name, r in runs.items():
+        q = statistics.quantiles([x - 1 for x in r["pair_ratios"]], n=4) if r["pairs"] > 1 else [0, 0, 0]
+        snap = (f"{1e3 * r['snapshot_s']:.0f}ms {100 * r['snapshot_amortised']:+.2f}%" if "snapshot_s" in r
+                else "-")
+        total = r["overhead_median"] + r.get("snapshot_amortised", 0.0)
+        r["total_overhead"] = total
+        print(f"{name:<12}{1e3 * r['step_s_off']:>12.2f}{1e3 * r['step_s_on']:>12.2f}"
+              f"{100 * r['overhead_median']:>+9.2f}%{100 * q[0]:>+8.2f}..{100 * q[2]:+.2f}%"
+              f"{100 * r['hook_share']:>9.2f}%{snap:>16}{100 * total:>+8.2f}%{r['events']:>8}")
+    print("overhead = median over pairs of on/off block time - 1; in hooks = time inside the callbacks' hooks in "
+          "on blocks (on CUDA it includes waiting for the GPU at a sync); snapshot = one warm snapshot, amortised "
+          "over every_n_steps")
     out = Path(args.out or f"bench_callbacks_{args.accelerator}.json")
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")
