@@ -114,6 +114,29 @@ def test_in_memory_snapshot_validation_and_gradient_check(tiny_corpus):
     assert params_finite(module)
 
 
+def test_snapshot_writes_into_the_evicted_snapshots_buffers(tiny_corpus):
+    """A full ring lends its oldest snapshot's tensors to the next one (no new GB per snapshot); contents exact."""
+    snaps, weights = GradientSnapshots(every_n_steps=5, keep=2), WeightsAt(0, 5, 10, 15)
+
+    class Newest(L.Callback):
+        def __init__(self):
+            self.ptrs, self.model = {}, {}
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            newest = snaps.ring[-1]
+            self.ptrs[newest.step] = [t.data_ptr() for t in newest.state["model"].values()]
+            self.model[newest.step] = {k: v.clone() for k, v in newest.state["model"].items()}
+            self.ring = [s.step for s in snaps.ring]
+
+    newest = Newest()
+    tiny_fit(tiny_corpus, [snaps, weights, newest], steps=17)
+    assert sorted(newest.ptrs) == [0, 5, 10, 15]
+    assert newest.ptrs[10] == newest.ptrs[0] and newest.ptrs[15] == newest.ptrs[5] != newest.ptrs[0]
+    for step in (0, 5, 10, 15):
+        assert all(torch.equal(newest.model[step][k], weights.weights[step][k].cpu()) for k in newest.model[step])
+    assert newest.ring == [10, 15]
+
+
 def test_rollback_cap_stops_with_clear_error(tiny_corpus):
     snaps = GradientSnapshots(every_n_steps=10, max_rollbacks=1, rollback_window=100, cooldown_steps=0)
     with pytest.raises(RollbackError, match=r"1 rollback\(s\) already happened within the last 100 steps "

@@ -129,7 +129,7 @@ def _res_tail(lg_ptr, bias_ptr, alpha_ptr, hres_ptr, rows64, rmask, rinv, iters,
     tl.store(hres_ptr + rows64[:, None, None] * (NS * NS) + oidx[None, :, :], p, mask=tok3)
 
 
-@triton.jit(do_not_specialize=["N"])
+@triton.jit(do_not_specialize=["N", "iters"])
 def _coef_fwd(
     x_ptr, phi_ptr, bias_ptr, alpha_ptr, lg_ptr, rinv_ptr, hpre_ptr, hpost_ptr, hres_ptr, u_ptr,
     N, K, C, stride_x, stride_phi, iters, eps, rms_eps, pre_eps, post_mult,
@@ -186,7 +186,7 @@ def _coef_fwd(
         _res_tail(lg_ptr, bias_ptr, alpha_ptr, hres_ptr, rows64, rmask, rinv, iters, eps, NS, M, T_IN, T_OUT)
 
 
-@triton.jit(do_not_specialize=["N"])
+@triton.jit(do_not_specialize=["N", "iters"])
 def _coef_tail(
     lg_ptr, rinv_ptr, bias_ptr, alpha_ptr, hres_ptr, N, iters, eps,
     NS: tl.constexpr, M: tl.constexpr, T_IN: tl.constexpr, T_OUT: tl.constexpr, BT: tl.constexpr,
@@ -198,7 +198,7 @@ def _coef_tail(
     _res_tail(lg_ptr, bias_ptr, alpha_ptr, hres_ptr, rows.to(tl.int64), rmask, rinv, iters, eps, NS, M, T_IN, T_OUT)
 
 
-@triton.jit(do_not_specialize=["N"])
+@triton.jit(do_not_specialize=["N", "iters"])
 def _coef_bwd_tok(
     lg_ptr, rinv_ptr, bias_ptr, alpha_ptr, dpre_ptr, dpost_ptr, dres_ptr, dl_ptr, dss_ptr, part_ptr, sc_ptr,
     x_ptr, du_ptr, N, K, C, stride_x, iters, eps, post_mult,

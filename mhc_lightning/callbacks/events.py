@@ -88,7 +88,7 @@ class StabilityChannel:
     sinkhorn_owner: Any = None  # the SinkhornScheduler instance of this fit, if any
     tighten_until: int = -1  # rollback cool-down: keep Sinkhorn iterations raised until this global step
     tighten_iters: int = 0  # ... to at least this many
-    last_event_step: int = -1  # newest step with a detector event (snapshots avoid saving right after one)
+    last_event_step: Optional[int] = None  # newest step with a detector event (snapshots avoid saving right after one)
     _flushed: int = 0
     _trainer_id: int = 0
 

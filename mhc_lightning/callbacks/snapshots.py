@@ -51,13 +51,25 @@ class RollbackError(RuntimeError):
 
 
 # ---- state helpers ----------------------------------------------------------------------------
-def _map_tensors(obj: Any, fn) -> Any:
+def _copy_state(obj: Any, spare: Any, dev: Optional[torch.device]) -> Any:
+    """Copy of `obj`'s tensors on `dev` (None: where each one is), written into the matching tensors of `spare`
+    (an evicted snapshot of the same structure) when shape, dtype and device agree: no allocation and no page
+    faults for a GB of state. New CPU copies of CUDA tensors are pinned, so every copy is asynchronous; the
+    caller synchronises once."""
     if isinstance(obj, torch.Tensor):
-        return fn(obj)
+        t, target = obj.detach(), dev or obj.device
+        if (isinstance(spare, torch.Tensor) and spare.shape == t.shape and spare.dtype == t.dtype
+                and spare.device == target):
+            return spare.copy_(t, non_blocking=True)
+        if target.type == "cpu" and t.is_cuda:
+            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+        return t.to(target, copy=True)
     if isinstance(obj, dict):
-        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+        spare = spare if isinstance(spare, dict) else {}
+        return {k: _copy_state(v, spare.get(k), dev) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_map_tensors(v, fn) for v in obj)
+        spare = spare if isinstance(spare, (list, tuple)) and len(spare) == len(obj) else [None] * len(obj)
+        return type(obj)(_copy_state(v, s, dev) for v, s in zip(obj, spare))
     return copy.deepcopy(obj)
 
 
@@ -346,7 +358,8 @@ class GradientSnapshots(Callback):
         first = self._last_snapshot_step is None or (self.keep > 0 and not self.ring)
         due = first or (step % self.every_n_steps == 0 and step != self._last_snapshot_step)
         # Never right after an event: the state may already carry the instability.
-        if (due or self._deferred) and channel.last_event_step < step - 1 and not pl_module.skip_batch:
+        after_event = channel.last_event_step is not None and channel.last_event_step >= step - 1
+        if (due or self._deferred) and not after_event and not pl_module.skip_batch:
             self._deferred = not self._take(trainer, pl_module, batch, batch_idx)
         elif due:
             self._deferred = True
@@ -363,20 +376,17 @@ class GradientSnapshots(Callback):
         channel_of(pl_module).flush(trainer)
 
     # ---- snapshot -------------------------------------------------------------------------
-    def _full_state(self, trainer, pl_module) -> dict:
+    def _full_state(self, trainer, pl_module, spare: Optional[dict] = None) -> dict:
         dev = torch.device("cpu") if self.device == "cpu" else None
-
-        def clone(t: torch.Tensor) -> torch.Tensor:
-            return t.detach().to(dev, copy=True) if dev is not None else t.detach().clone()
-
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        return {
-            "model": _map_tensors(pl_module.model.state_dict(), clone),
-            "optimizers": [_map_tensors(o.state_dict(), clone) for o in trainer.optimizers],
-            "schedulers": [_map_tensors(c.scheduler.state_dict(), clone) for c in trainer.lr_scheduler_configs],
-            "scaler": copy.deepcopy(scaler.state_dict()) if scaler is not None else None,
-            "rng": rng_state(),
-        }
+        live = {"model": pl_module.model.state_dict(), "optimizers": [o.state_dict() for o in trainer.optimizers],
+                "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs]}
+        state = _copy_state(live, spare, dev)
+        if torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()  # the device-to-host copies are asynchronous
+        state["scaler"] = copy.deepcopy(scaler.state_dict()) if scaler is not None else None
+        state["rng"] = rng_state()
+        return state
 
     def _probe_grad_norm(self, trainer, pl_module, probe) -> float:
         """Gradient norm of the probe batch at the current weights; leaves .grad and the RNG untouched."""
@@ -393,16 +403,13 @@ class GradientSnapshots(Callback):
     def _take(self, trainer, pl_module, batch, batch_idx) -> bool:
         t0 = time.perf_counter()
         step = trainer.global_step
-        state = self._full_state(trainer, pl_module)
         probe = tuple(t.detach().to("cpu", copy=True) for t in batch[:2])
-        snap = Snapshot(step=step, position={"epoch": trainer.current_epoch, "batch_idx": batch_idx,
-                                             "global_step": step},
-                        state=state, probe=probe, probe_grad_norm=self._probe_grad_norm(trainer, pl_module, probe))
+        probe_norm = self._probe_grad_norm(trainer, pl_module, probe)
         # Checksummed where the live state is (the GPU reads it in microseconds; the CPU copy would take a single
         # CPU thread ~1 s per GB): the sums are exact integers, so the copy's own fingerprint is the same.
         live = {"model": pl_module.model.state_dict(), "optimizers": [o.state_dict() for o in trainer.optimizers]}
-        snap.fingerprint, finite = _fingerprint(live)
-        finite = finite and math.isfinite(snap.probe_grad_norm)
+        fingerprint, finite = _fingerprint(live)
+        finite = finite and math.isfinite(probe_norm)
         # Several processes: the probe batch is per rank, so decide together or the rings would differ.
         if not trainer.strategy.reduce_boolean_decision(finite, all=True):
             # Never let a non-finite state take a ring slot (it would push out a good snapshot): retry next step.
@@ -411,6 +418,12 @@ class GradientSnapshots(Callback):
                                    type(self).__name__, "state not finite at snapshot time")
             channel_of(pl_module).record(event, trainer)
             return False
+        # Validated: the snapshot that the ring is about to evict lends its buffers (no allocation, pinned).
+        spare = self.ring.popleft().state if self.keep and len(self.ring) == self.ring.maxlen else None
+        snap = Snapshot(step=step, position={"epoch": trainer.current_epoch, "batch_idx": batch_idx,
+                                             "global_step": step},
+                        state=self._full_state(trainer, pl_module, spare), probe=probe, probe_grad_norm=probe_norm,
+                        fingerprint=fingerprint)
         if self.dirpath is not None and trainer.global_rank == 0:
             self._write(snap)
         if self.keep:
@@ -502,13 +515,12 @@ class GradientSnapshots(Callback):
     def _load(self, trainer, pl_module, snap: Snapshot) -> None:
         st = snap.state
         pl_module.model.load_state_dict(st["model"])  # copies into the live parameters (optimizer keeps them)
-        # Optimizer.load_state_dict keeps same-device tensors as they are: clone, or the live moments would
+        # Optimizer.load_state_dict keeps same-device tensors as they are: copy, or the live moments would
         # alias (and later overwrite) the snapshot.
-        fresh = lambda t: t.clone()  # noqa: E731
         for opt, sd in zip(trainer.optimizers, st["optimizers"]):
-            opt.load_state_dict(_map_tensors(sd, fresh))
+            opt.load_state_dict(_copy_state(sd, None, None))
         for cfg, sd in zip(trainer.lr_scheduler_configs, st["schedulers"]):
-            cfg.scheduler.load_state_dict(_map_tensors(sd, fresh))
+            cfg.scheduler.load_state_dict(_copy_state(sd, None, None))
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is not None and st["scaler"]:
             scaler.load_state_dict(st["scaler"])
