@@ -57,9 +57,9 @@ def norm_sum(tensors: list) -> "torch.Tensor":
         on = [t for t in tensors if t.device == dev]
         half = [t for t in on if t.dtype in (torch.float16, torch.bfloat16)]
         rest = [t for t in on if t.dtype not in (torch.float16, torch.bfloat16)]
-        norms = list(torch._foreach_norm(half, 2, dtype=torch.float32)) if half else []
-        norms += [n.float() for n in torch._foreach_norm(rest)] if rest else []
-        total.append(torch.stack(norms).sum().to(home))
+        norms = [torch.stack(torch._foreach_norm(half, 2, dtype=torch.float32))] if half else []
+        norms += [torch.stack(torch._foreach_norm(rest)).float()] if rest else []
+        total.append(torch.cat(norms).sum().to(home))
     return torch.stack(total).sum()
 
 
