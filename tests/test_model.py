@@ -195,6 +195,8 @@ def test_stream_dtype_follows_autocast(mode):
         assert dtype == expected
     assert losses["auto"].item() == pytest.approx(losses["float32"].item(), rel=2e-2)
     assert stream_dtype_seen(base, idx)[0] == torch.float32  # auto without autocast: the embedding's dtype
+    with torch.autocast("cpu", dtype=torch.float16):  # 16-mixed: fp32 stream, unless float16 is asked for
+        assert stream_dtype_seen(base, idx)[0] == torch.float32
 
 
 @pytest.mark.parametrize("mode", ["residual", "mhc"])

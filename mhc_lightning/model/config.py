@@ -78,8 +78,9 @@ class GPTConfig:
 
     n_layers counts blocks; each block has two sublayers (attention, MLP), so L = 2 * n_layers.
     stream_dtype: dtype of the residual stream (all n streams), set where it is created from the embedding.
-        auto = the autocast dtype when autocast is on for the device (bf16 under Lightning's bf16-mixed, as
-        the paper keeps it), else the embedding's dtype; float32 / bfloat16 / float16 force it. The coefficient
+        auto = bf16 when bf16 autocast is on for the device (Lightning's bf16-mixed, as the paper keeps it),
+        else the embedding's dtype (fp32 under 16-mixed: fp16's range is too narrow for an unconstrained HC
+        stream); float32 / bfloat16 / float16 force it. The coefficient
         maths stays fp32 either way, and the collapsed stream goes back to the embedding's dtype before the
         final norm and LM head. Applies to every residual_mode, residual included.
     recompute_block: selective recompute of the mHC ops over blocks of this many sublayers (mhc-math §9,

@@ -73,7 +73,9 @@ class GPT(nn.Module):
         """The residual stream's dtype for embedding output h (GPTConfig.stream_dtype)."""
         if self.cfg.stream_dtype != "auto":
             return getattr(torch, self.cfg.stream_dtype)
-        return autocast_dtype(h.device.type) or h.dtype
+        # fp16 autocast keeps the embedding's dtype: the GradScaler guards gradients, not activations, and an
+        # unconstrained HC stream can grow past fp16's 65504 (bf16 has fp32's range).
+        return torch.bfloat16 if autocast_dtype(h.device.type) == torch.bfloat16 else h.dtype
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         if idx.shape[-1] > self.cfg.context:
