@@ -376,11 +376,15 @@ class GradientSnapshots(Callback):
         channel_of(pl_module).flush(trainer)
 
     # ---- snapshot -------------------------------------------------------------------------
-    def _full_state(self, trainer, pl_module, spare: Optional[dict] = None) -> dict:
+    @staticmethod
+    def _live_state(trainer, pl_module) -> dict:
+        """The training state's own dicts (tensors not copied): model, optimizers, LR schedulers."""
+        return {"model": pl_module.model.state_dict(), "optimizers": [o.state_dict() for o in trainer.optimizers],
+                "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs]}
+
+    def _full_state(self, trainer, live: dict, spare: Optional[dict] = None) -> dict:
         dev = torch.device("cpu") if self.device == "cpu" else None
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        live = {"model": pl_module.model.state_dict(), "optimizers": [o.state_dict() for o in trainer.optimizers],
-                "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs]}
         state = _copy_state(live, spare, dev)
         if torch.cuda.is_available():
             torch.cuda.current_stream().synchronize()  # the device-to-host copies are asynchronous
@@ -407,7 +411,7 @@ class GradientSnapshots(Callback):
         probe_norm = self._probe_grad_norm(trainer, pl_module, probe)
         # Checksummed where the live state is (the GPU reads it in microseconds; the CPU copy would take a single
         # CPU thread ~1 s per GB): the sums are exact integers, so the copy's own fingerprint is the same.
-        live = {"model": pl_module.model.state_dict(), "optimizers": [o.state_dict() for o in trainer.optimizers]}
+        live = self._live_state(trainer, pl_module)
         fingerprint, finite = _fingerprint(live)
         finite = finite and math.isfinite(probe_norm)
         # Several processes: the probe batch is per rank, so decide together or the rings would differ.
@@ -422,7 +426,7 @@ class GradientSnapshots(Callback):
         spare = self.ring.popleft().state if self.keep and len(self.ring) == self.ring.maxlen else None
         snap = Snapshot(step=step, position={"epoch": trainer.current_epoch, "batch_idx": batch_idx,
                                              "global_step": step},
-                        state=self._full_state(trainer, pl_module, spare), probe=probe, probe_grad_norm=probe_norm,
+                        state=self._full_state(trainer, live, spare), probe=probe, probe_grad_norm=probe_norm,
                         fingerprint=fingerprint)
         if self.dirpath is not None and trainer.global_rank == 0:
             self._write(snap)
