@@ -1,10 +1,28 @@
-"""mHC diagnostics from recorded per-layer coefficients: Amax gain, Sinkhorn residuals, H_pre/H_post ranges.
+"""mHC diagnostics from recorded per-layer coefficients: Amax gain, Sinkhorn residuals, H_pre/H_post ranges, and
+whether the streams differ at all (stream spread, H_res's distance from I and from the uniform J/n).
 
-Computed in float64 on one sequence every k steps (mhc-math.md §7), never on a kernel's storage layout.
+Computed in float64 on one sequence every k steps (docs/design.md §7), never on a kernel's storage layout.
 """
 import torch
 
 from .kernels.reference import gain_report, sinkhorn_residuals
+
+
+def stream_spread(x: torch.Tensor) -> torch.Tensor:
+    """Relative spread of the streams, max_i ||x_i - mean_j x_j|| / ||mean_j x_j||: [..., n, C] -> [...].
+
+    Exactly 0 while the streams are bitwise identical (the symmetric trap of docs/design.md §6).
+    """
+    x = x.double()
+    mean = x.mean(dim=-2, keepdim=True)
+    return (x - mean).norm(dim=-1).amax(dim=-1) / mean.squeeze(-2).norm(dim=-1).clamp_min(1e-30)
+
+
+def h_res_distances(h_res: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Frobenius distance of each H_res [..., n, n] from I and from J/n (every entry 1/n)."""
+    n = h_res.shape[-1]
+    eye = torch.eye(n, dtype=h_res.dtype, device=h_res.device)
+    return (h_res - eye).flatten(-2).norm(dim=-1), (h_res - 1.0 / n).flatten(-2).norm(dim=-1)
 
 
 def summarize(recorded: dict[str, torch.Tensor]) -> tuple[dict[str, float], dict[str, list[float]]]:
@@ -34,10 +52,23 @@ def summarize(recorded: dict[str, torch.Tensor]) -> tuple[dict[str, float], dict
         "coef/h_post_max": recorded["h_post"].max().item(),
         "coef/h_res_min": h_res.min().item(),
     }
+    if "spread" in recorded:
+        spread = recorded["spread"].double()  # [L, T]: the streams each sublayer wrote
+        d_eye, d_uniform = (d.mean(dim=1) for d in h_res_distances(h_res))  # [L], token means
+        scalars.update({
+            "streams/spread_last": spread[-1].mean().item(),  # what the collapse sums; 0 = the streams never parted
+            "hres/dist_identity": d_eye.mean().item(),
+            "hres/dist_identity_max": d_eye.max().item(),
+            "hres/dist_uniform_min": d_uniform.min().item(),  # near 0: some layer averages its streams flat
+        })
     per_layer = {k: v.tolist() for k, v in report.items()}
     per_layer["sinkhorn_row_residual_max"] = row_res.amax(dim=1).tolist()
     per_layer["sinkhorn_col_residual_max"] = col_res.amax(dim=1).tolist()
     per_layer["h_res_tokmean"] = h_res.mean(dim=1).tolist()
+    if "spread" in recorded:
+        per_layer["stream_spread"] = recorded["spread"].double().mean(dim=1).tolist()
+        per_layer["h_res_dist_identity"], per_layer["h_res_dist_uniform"] = (
+            d.mean(dim=1).tolist() for d in h_res_distances(h_res))
     return scalars, per_layer
 
 

@@ -71,6 +71,16 @@ def tag_runs(client, experiment_id: str, name: str, tags: dict) -> None:
             client.set_tag(run.info.run_id, k, str(v))
 
 
+def _visible_gpus() -> int:
+    """CUDA devices the children may use (0 without CUDA); counted without initialising CUDA in this process."""
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:
+        return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="mhc grid", description=__doc__.split("\n")[0])
     p.add_argument("grid", type=Path)
@@ -98,12 +108,17 @@ def main(argv=None) -> int:
     args.logs.mkdir(parents=True, exist_ok=True)
     exe = [sys.executable, "-m", "mhc_lightning.cli"]
     pending, active, failed = list(runs), [], []
+    gpus, started = _visible_gpus(), 0
     t0 = time.time()
     while pending or active:
         while pending and len(active) < args.parallel:
             name, tags, a = pending.pop(0)
             log = open(args.logs / f"{name}.log", "w")
-            active.append((name, tags, subprocess.Popen(exe + a, stdout=log, stderr=subprocess.STDOUT), log))
+            env = dict(os.environ)
+            if gpus > 1:  # spread the runs over the visible GPUs, round robin
+                env["CUDA_VISIBLE_DEVICES"] = str(started % gpus)
+            started += 1
+            active.append((name, tags, subprocess.Popen(exe + a, stdout=log, stderr=subprocess.STDOUT, env=env), log))
         time.sleep(0.5)
         for item in list(active):
             name, tags, proc, log = item

@@ -1,6 +1,9 @@
 """InstabilityDetector: watch every optimizer step for loss spikes, gradient explosions, non-finite values,
 Amax growth, Sinkhorn residuals and fp16 overflows; record each event and act on it.
 
+It also reports "degenerate hyper-connections": a multi-stream run whose n streams are still identical after
+warm-up (docs/design.md §6) measures a residual net with scalar gates, whatever its config says.
+
 Everything is checked in on_before_optimizer_step, i.e. after backward and before the update, so the action
 can still veto the update. One host sync per step: loss, global and per-sublayer gradient norms and the
 parameter finiteness check travel in one tensor. Amax and Sinkhorn residual come from the module's own
@@ -28,7 +31,7 @@ from .events import (ACTIONS, StabilityEvent, channel_of, check_choice, check_nu
 
 Action = Literal["log", "skip", "rollback", "stop"]
 KINDS = ("loss_spike", "grad_explosion", "layer_grad_explosion", "nonfinite_loss", "nonfinite_grad",
-         "nonfinite_param", "amax", "sinkhorn_residual", "amp_overflow")
+         "nonfinite_param", "amax", "sinkhorn_residual", "amp_overflow", "degenerate_streams")
 _MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation
 
 
@@ -73,6 +76,9 @@ class InstabilityDetector(Callback):
         amax_bound: event when the composite H_res Amax gain (max of forward and backward, worst token)
             exceeds this (mhc-math.md §7); needs module diagnostics; null = off.
         sinkhorn_residual_bound: event when max |row/col sum - 1| of H_res exceeds this (mHC only).
+        min_stream_spread: "degenerate hyper-connections" event (once per run) when, from step `degenerate_after`
+            on, the relative spread of the streams at the last sublayer (diagnostic streams/spread_last) is
+            below this; null = off. Bitwise identical streams give exactly 0.
         check_params: also check that every parameter is finite (one extra read of the weights per step).
         min_loss_scale: under 16-mixed, non-finite gradients are an fp16 overflow (amp_overflow, which the
             GradScaler handles) until the scale falls below this; then they count as nonfinite_grad.
@@ -91,6 +97,8 @@ class InstabilityDetector(Callback):
         layer_grad_factor: Optional[float] = 20.0,
         amax_bound: Optional[float] = 2.0,
         sinkhorn_residual_bound: Optional[float] = 0.05,
+        min_stream_spread: Optional[float] = 1e-6,
+        degenerate_after: int = 50,
         check_params: bool = True,
         min_loss_scale: float = 1.0,
         on_loss_spike: Action = "rollback",
@@ -102,6 +110,7 @@ class InstabilityDetector(Callback):
         on_amax: Action = "log",
         on_sinkhorn_residual: Action = "log",
         on_amp_overflow: Action = "log",
+        on_degenerate_streams: Action = "log",
     ):
         super().__init__()
         me = type(self).__name__
@@ -116,6 +125,8 @@ class InstabilityDetector(Callback):
             check_number(me, name, value, low=1, strict=True, optional=True)
         check_number(me, "sinkhorn_residual_bound", sinkhorn_residual_bound, low=0, strict=True, optional=True)
         check_number(me, "min_loss_scale", min_loss_scale, low=0)
+        check_number(me, "min_stream_spread", min_stream_spread, low=0, strict=True, optional=True)
+        check_number(me, "degenerate_after", degenerate_after, low=0, integer=True)
         if not isinstance(check_params, bool):
             raise ValueError(f"{me}.check_params must be true or false, got {check_params!r}")
         self.actions = {
@@ -123,6 +134,7 @@ class InstabilityDetector(Callback):
             "layer_grad_explosion": on_layer_grad_explosion, "nonfinite_loss": on_nonfinite_loss,
             "nonfinite_grad": on_nonfinite_grad, "nonfinite_param": on_nonfinite_param, "amax": on_amax,
             "sinkhorn_residual": on_sinkhorn_residual, "amp_overflow": on_amp_overflow,
+            "degenerate_streams": on_degenerate_streams,
         }
         for kind, action in self.actions.items():
             check_choice(me, f"on_{kind}", action, ACTIONS)
@@ -131,6 +143,7 @@ class InstabilityDetector(Callback):
         self.grad_factor, self.layer_grad_factor = grad_factor, layer_grad_factor
         self.amax_bound, self.sinkhorn_residual_bound = amax_bound, sinkhorn_residual_bound
         self.check_params, self.min_loss_scale = check_params, min_loss_scale
+        self.min_stream_spread, self.degenerate_after = min_stream_spread, degenerate_after
         self.losses: deque[float] = deque(maxlen=loss_window)
         self.grad_norms: deque[float] = deque(maxlen=grad_window)
         self.layer_norms = _Rows(grad_window)  # per-sublayer grad norms, one row per healthy step
@@ -269,6 +282,15 @@ class InstabilityDetector(Callback):
                     add("sinkhorn_residual", res, self.sinkhorn_residual_bound,
                         f"max |row sum - 1| {d['sinkhorn/row_residual_max']:.3g}, "
                         f"max |col sum - 1| {d['sinkhorn/col_residual_max']:.3g}")
+
+            spread = d.get("streams/spread_last")
+            if (self.min_stream_spread is not None and spread is not None and step >= self.degenerate_after
+                    and not self.counts["degenerate_streams"] and not spread >= self.min_stream_spread):
+                add("degenerate_streams", spread, self.min_stream_spread,
+                    f"degenerate hyper-connections: the {pl_module.model.n} streams are still identical after "
+                    f"{step} steps (relative spread {spread:.3g} at the last sublayer), so this run measures a "
+                    "residual net with scalar gates; change model.arch.hyper.bias_init (home, a6, hc_identity) "
+                    "or model.arch.hyper.phi_init (normal, xavier)")
 
         # Only healthy steps feed the running statistics, so an event never raises its own baseline.
         if math.isfinite(loss_v) and not spike:

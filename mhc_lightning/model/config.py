@@ -4,8 +4,11 @@ from typing import Literal, Union
 
 ResidualMode = Literal["residual", "hc", "mhc", "identity"]
 RESIDUAL_MODES = ("residual", "hc", "mhc", "identity")
-BiasInit = Literal["zeros", "hc_identity", "a6", "near_identity"]
-BIAS_INITS = ("zeros", "hc_identity", "a6", "near_identity")
+BiasInit = Literal["home", "zeros", "hc_identity", "a6", "near_identity"]
+BIAS_INITS = ("home", "zeros", "hc_identity", "a6", "near_identity")
+# Inits whose biases treat every stream alike: with phi = 0 the n streams then stay identical for the whole run
+# (docs/design.md §6, "the symmetric trap").
+SYMMETRIC_BIAS_INITS = ("zeros", "near_identity")
 PhiInit = Literal["zeros", "normal", "xavier"]
 PHI_INITS = ("zeros", "normal", "xavier")
 Collapse = Literal["sum", "head"]
@@ -41,7 +44,11 @@ class HyperConfig:
     sinkhorn_start: Literal["softmax_eps", "exp", "log_domain"] = "softmax_eps"
     res_layout: Literal["src_dst", "dst_src"] = "src_dst"  # how the n^2 res logits are indexed
     alpha_init: float = 0.01  # gates alpha_pre/post/res (mHC Table 5); also HC's s_alpha, s_beta
-    bias_init: BiasInit = "zeros"
+    # home: sublayer k reads stream k mod n (pre logits +-pre_gap), writes every stream (H_post = 1) and mixes with
+    # H_res ~ I (res logits res_gap * I): a pre-norm residual at t = 0 whose streams can still part (docs/design.md §6)
+    bias_init: BiasInit = "home"
+    res_gap: float = 4.0  # diagonal logit gap of H_res under bias_init=home; chosen by measurement (docs/design.md §6)
+    pre_gap: float = 3.0  # +-logit of the home stream's H_pre under bias_init=home
     phi_init: PhiInit = "zeros"
     phi_std: float = 0.02
     post_mult: float = 2.0
@@ -53,6 +60,8 @@ class HyperConfig:
     # One op for coefficients + H_pre aggregation (one read of x). Off by default: on the H200 it ties with the
     # separate ops eager and is 2-4 % slower compiled (its backward reads x and du twice; docs/benchmarks.md).
     fused_pre: bool = False
+    # Run an init that keeps the streams identical anyway (the degenerate baseline); refused otherwise.
+    allow_identical_streams: bool = False
 
     def __post_init__(self) -> None:
         _one_of("residual_mode", self.residual_mode, RESIDUAL_MODES)
@@ -66,6 +75,21 @@ class HyperConfig:
         _one_of("phi_init", self.phi_init, PHI_INITS)
         _one_of("collapse", self.collapse, COLLAPSES)
         _one_of("kernel_backend", self.kernel_backend, ("auto", "triton", "torch"))
+        _at_least("res_gap", self.res_gap, 0.0)
+        _at_least("pre_gap", self.pre_gap, 0.0)
+        if self.identical_streams and not self.allow_identical_streams:
+            raise ValueError(
+                f"bias_init={self.bias_init} with phi_init=zeros keeps all {self.n_streams} streams identical for the "
+                f"whole run ({self.residual_mode} becomes a residual net with scalar gates); set bias_init to one of "
+                "['home', 'a6', 'hc_identity'] or phi_init to one of ['normal', 'xavier'], or set "
+                "allow_identical_streams=true to run this degenerate baseline anyway")
+
+    @property
+    def identical_streams(self) -> bool:
+        """True when nothing in the init tells the streams apart, so they stay equal forever (docs/design.md §6):
+        a multi-stream mHC / identity-HC with phi = 0 and biases that treat every stream alike."""
+        return (self.residual_mode in ("mhc", "identity") and self.n_streams > 1 and self.phi_init == "zeros"
+                and self.bias_init in SYMMETRIC_BIAS_INITS)
 
     @property
     def streams(self) -> int:

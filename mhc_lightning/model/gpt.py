@@ -99,17 +99,15 @@ class GPT(nn.Module):
                 layer.record = False
 
     def recorded(self) -> dict[str, torch.Tensor]:
-        """Stacked coefficients of the last recorded forward: h_res [L, T, n, n], h_pre/h_post [L, T, n]."""
+        """Stacked coefficients of the last recorded forward: h_res [L, T, n, n], h_pre/h_post [L, T, n], and the
+        relative spread of the streams each sublayer wrote, spread [L, T]."""
         lasts = [layer.last for layer in self.sublayers]
         if not self.multi_stream or any(l is None for l in lasts):
             return {}
-        out = {k: torch.stack([l[k][0] for l in lasts]) for k in ("h_pre", "h_post")}
+        out = {k: torch.stack([l[k][0] for l in lasts]) for k in ("h_pre", "h_post", "spread")}
         if lasts[0]["h_res"] is not None:
             out["h_res"] = torch.stack([l["h_res"][0] for l in lasts])
         else:  # identity-HC: H_res = I by construction
             L, T, n = out["h_pre"].shape
             out["h_res"] = torch.eye(n, dtype=out["h_pre"].dtype, device=out["h_pre"].device).expand(L, T, n, n)
         return out
-
-    def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())

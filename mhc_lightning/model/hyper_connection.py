@@ -9,16 +9,21 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from ..diagnostics import stream_spread
 from ..kernels import get_ops
 from ..kernels.reference import hc_coefficients, mhc_logit_count
-from .config import HyperConfig
+from .config import BIAS_INITS, HyperConfig
 
 
-def mhc_bias_init(scheme: str, n: int, home: int, with_res: bool) -> torch.Tensor:
-    """Biases [pre (n) | post (n) | res (n^2)] of mhc-math.md §6; res logits are diagonal, so layout-free."""
+def mhc_bias_init(scheme: str, n: int, home: int, with_res: bool, res_gap: float = 4.0,
+                  pre_gap: float = 3.0) -> torch.Tensor:
+    """Biases [pre (n) | post (n) | res (n^2)] of docs/design.md §6; res logits are diagonal, so layout-free."""
     eye = torch.eye(n)
     onehot = eye[home]
-    if scheme == "zeros":
+    if scheme == "home":
+        # read the home stream, write every stream (2 sigma(0) = 1), H_res = Sinkhorn(res_gap * I) ~ I
+        pre, post, res = pre_gap * (2 * onehot - 1), torch.zeros(n), res_gap * eye
+    elif scheme == "zeros":
         pre, post, res = torch.zeros(n), torch.zeros(n), torch.zeros(n, n)
     elif scheme == "hc_identity":
         pre, post, res = onehot, torch.ones(n), eye
@@ -28,7 +33,7 @@ def mhc_bias_init(scheme: str, n: int, home: int, with_res: bool) -> torch.Tenso
         p = min(1.0 / n, 0.999)  # n = 1 would need logit(1) = inf
         pre, post, res = torch.full((n,), math.log(p / (1 - p))), torch.zeros(n), 10 * eye
     else:
-        raise ValueError(f"bias_init must be one of ['zeros', 'hc_identity', 'a6', 'near_identity'], got {scheme!r}")
+        raise ValueError(f"bias_init must be one of {list(BIAS_INITS)}, got {scheme!r}")
     parts = [pre, post] + ([res.flatten()] if with_res else [])
     return torch.cat(parts)
 
@@ -47,7 +52,7 @@ class HyperConnection(nn.Module):
         if self.mode in ("mhc", "identity"):
             with_res = self.mode == "mhc"
             self.phi = nn.Parameter(torch.empty(n * d_model, mhc_logit_count(n, with_res)))
-            self.bias = nn.Parameter(mhc_bias_init(cfg.bias_init, n, home, with_res))
+            self.bias = nn.Parameter(mhc_bias_init(cfg.bias_init, n, home, with_res, cfg.res_gap, cfg.pre_gap))
             self.alpha = nn.Parameter(torch.full((3,), cfg.alpha_init))
             self.reset_phi()
         elif self.mode == "hc":
@@ -104,10 +109,12 @@ class HyperConnection(nn.Module):
         else:
             h_pre, h_post, h_res = self.coefficients(x, ops)
             u = ops.stream_pre(x, h_pre)
+        out = ops.stream_post_res(x, self.run_branch(u), h_post, h_res)
         if self.record:
             self.last = {"h_pre": h_pre[:1].detach(), "h_post": h_post[:1].detach(),
-                         "h_res": None if h_res is None else h_res[:1].detach()}
-        return ops.stream_post_res(x, self.run_branch(u), h_post, h_res)
+                         "h_res": None if h_res is None else h_res[:1].detach(),
+                         "spread": stream_spread(out[:1].detach())}
+        return out
 
     def extra_repr(self) -> str:
         return f"mode={self.mode}, layer={self.layer_index}, n={self.cfg.streams}, sinkhorn_iters={self.sinkhorn_iters}"
