@@ -47,7 +47,7 @@ class HyperConfig:
     # home: sublayer k reads stream k mod n (pre logits +-pre_gap), writes every stream (H_post = 1) and mixes with
     # H_res ~ I (res logits res_gap * I): a pre-norm residual at t = 0 whose streams can still part (docs/design.md §6)
     bias_init: BiasInit = "home"
-    res_gap: float = 4.0  # diagonal logit gap of H_res under bias_init=home; chosen by measurement (docs/design.md §6)
+    res_gap: float = 6.0  # diagonal logit gap of H_res under bias_init=home; chosen by measurement (docs/design.md §6)
     pre_gap: float = 3.0  # +-logit of the home stream's H_pre under bias_init=home
     phi_init: PhiInit = "zeros"
     phi_std: float = 0.02

@@ -15,7 +15,7 @@ from ..kernels.reference import hc_coefficients, mhc_logit_count
 from .config import BIAS_INITS, HyperConfig
 
 
-def mhc_bias_init(scheme: str, n: int, home: int, with_res: bool, res_gap: float = 4.0,
+def mhc_bias_init(scheme: str, n: int, home: int, with_res: bool, res_gap: float = 6.0,
                   pre_gap: float = 3.0) -> torch.Tensor:
     """Biases [pre (n) | post (n) | res (n^2)] of docs/design.md §6; res logits are diagonal, so layout-free."""
     eye = torch.eye(n)

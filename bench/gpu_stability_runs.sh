@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# docs/results.md's runs in one GPU call (nvidia-h200-x2: 2 GPUs, 32 cores): the 54-run stability grid and, beside
+# it, the 5 long runs at 48 sublayers bounded by LONG_TIME. The long runs get the CPU first (the small models are
+# host-bound, so CPU share is step time); both grids write one MLflow store, returned under $OUT.
+#   OUT=out LONG_TIME=00:00:07:00 bash bench/gpu_stability_runs.sh
+set -u
+OUT=${OUT:-out}; LONG_TIME=${LONG_TIME:-00:00:07:00}; LIMIT=${LIMIT:-510}
+mkdir -p "$OUT"
+source bench/gpu_env.sh || exit 1
+export OMP_NUM_THREADS=1
+store=/tmp/stability; mkdir -p $store
+python3 -m mlflow server --backend-store-uri sqlite:///$store/mlflow.db --artifacts-destination $store/artifacts \
+  --serve-artifacts --host 127.0.0.1 --port 5055 --workers 4 > $store/server.log 2>&1 &
+server=$!; trap 'kill $server 2>/dev/null' EXIT
+for _ in $(seq 60); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:5055/health')" 2>/dev/null && break; sleep 1; done
+export MLFLOW_TRACKING_URI=http://127.0.0.1:5055
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | tee $OUT/gpu.txt
+python3 -c "import torch, triton, lightning; print('torch', torch.__version__, 'triton', triton.__version__, 'lightning', lightning.__version__)" | tee -a $OUT/gpu.txt
+timeout $LIMIT python3 -m mhc_lightning.grid conf/experiments/stability_long_grid.yaml --parallel 5 \
+  --logs $store/logs_long --set trainer.max_time=$LONG_TIME > $OUT/grid_long.log 2>&1 &
+long=$!
+sleep 5   # the long grid creates its experiment and starts first
+timeout $LIMIT nice -n 10 python3 -m mhc_lightning.grid conf/experiments/stability_grid.yaml --parallel 27 \
+  --logs $store/logs 2>&1 | tee $OUT/grid.log
+wait $long; cat $OUT/grid_long.log
+sleep 2
+gzip -c $store/mlflow.db > $OUT/mlflow.db.gz
+tar czf $OUT/artifacts_and_logs.tgz --exclude="*.png" -C $store artifacts logs logs_long server.log
+ls -la $OUT
