@@ -74,7 +74,7 @@ class InstabilityDetector(Callback):
         grad_factor: explosion when the global pre-clip grad norm exceeds this times its running median.
         layer_grad_factor: the same per sublayer (attention / MLP with its HC coefficients).
         amax_bound: event when the composite H_res Amax gain (max of forward and backward, worst token)
-            exceeds this (mhc-math.md §7); needs module diagnostics; null = off.
+            exceeds this (docs/design.md §7); needs module diagnostics; null = off.
         sinkhorn_residual_bound: event when max |row/col sum - 1| of H_res exceeds this (mHC only).
         min_stream_spread: "degenerate hyper-connections" event (once per run) when, from step `degenerate_after`
             on, the relative spread of the streams at the last sublayer (diagnostic streams/spread_last) is

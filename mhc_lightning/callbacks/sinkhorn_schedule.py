@@ -1,6 +1,6 @@
 """SinkhornScheduler: the Sinkhorn iteration count of each mHC sublayer, adapted during training.
 
-Policy (every `every` steps, on the module's diagnostics of one sequence; mhc-math.md §3):
+Policy (every `every` steps, on the module's diagnostics of one sequence; docs/design.md §3):
 
     tol = base_tol * 10 ** (-intensity)                       # intensity = constraint intensity (sweeps)
     r_l = max_tokens max(|row sums - 1|, |col sums - 1|) of H_res at layer l, measured at the current count

@@ -107,7 +107,7 @@ class GPTConfig:
         stream); float32 / bfloat16 / float16 force it. The coefficient
         maths stays fp32 either way, and the collapsed stream goes back to the embedding's dtype before the
         final norm and LM head. Applies to every residual_mode, residual included.
-    recompute_block: selective recompute of the mHC ops over blocks of this many sublayers (mhc-math §9,
+    recompute_block: selective recompute of the mHC ops over blocks of this many sublayers (docs/design.md §9,
         model/recompute.py), training only. 0 = off; auto = L_r* of §9 for L = n_sublayers and n = n_streams.
         residual_mode=residual has no mHC ops and never recomputes.
     """

@@ -1,4 +1,4 @@
-"""One wrapper for every sublayer: residual, HC, mHC or identity-HC (mhc-math.md §1-§6).
+"""One wrapper for every sublayer: residual, HC, mHC or identity-HC (docs/design.md §1-§6).
 
 The maths lives in the kernels package (reference ops or fused kernels, chosen by `get_ops`);
 this module only owns the parameters, their initialisation and the wiring.

@@ -1,4 +1,4 @@
-"""The sublayers F(x, W) that hyper-connections wrap: each owns its pre-norm (mhc-math.md §1)."""
+"""The sublayers F(x, W) that hyper-connections wrap: each owns its pre-norm (docs/design.md §1)."""
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
