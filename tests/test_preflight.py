@@ -171,6 +171,8 @@ def test_yaml_syntax_error_names_the_file_and_line(tiny_corpus, mlflow_uri, tmp_
     ("--trainer.max_steps=abc", 'Parser key "trainer.max_steps": Expected a <class \'int\'>. Got value: abc'),
     ("--trainer.logger.init_args.colour=red", "Option 'colour' is not accepted"),
     ("--model.arch.n_heads=3", "model.arch.d_model must be divisible by n_heads"),
+    ("--config=/nonexistent/mine.yaml", "File does not exist: '/nonexistent/mine.yaml'"),
+    ("--trainer.callbacks+=nowhere.Callback", "No module named 'nowhere'"),
 ])
 def test_parser_errors_are_one_line_with_a_pointer_to_help(arg, says, tiny_corpus, mlflow_uri, tmp_path, capsys):
     line = one_error_line(tiny_fit_args(tiny_corpus, mlflow_uri, tmp_path / "root") + [arg], capsys)
