@@ -25,7 +25,7 @@ CKPT_KEYWORDS = ("last", "best", "hpc")
 # (e.g. Triton kernels when training on a GPU, the torch reference when evaluating on a CPU).
 RUNTIME_ARCH_KEYS = frozenset({"hyper.kernel_backend", "hyper.fused_pre", "recompute_block", "stream_dtype"})
 # Architecture keys set through another key (CLI links): name the one the user sets
-LINKED_FROM = {"context": "data.seq_len", "vocab_size": "data.vocab_size"}
+LINKED_FROM = {"context": "data.seq_len"}
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 
 
