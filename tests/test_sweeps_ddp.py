@@ -118,11 +118,11 @@ def test_failing_child_fails_the_trial_with_its_log(mlflow_uri, tmp_path):
     (t,) = study.trials
     assert t.state == S.FAIL
     error = t.user_attrs["error"]
-    assert "`mhc fit` exited with code 1" in error and f"corpus path {missing} does not exist" in error
+    assert "`mhc fit` exited with code 2" in error and f"corpus path {missing} does not exist" in error
     run = runs[t.number]
     assert run.data.tags["optuna.state"] == "FAILED" and run.info.status == "FAILED"
     assert f"corpus path {missing} does not exist" in run.data.tags["optuna.error"]
-    assert "Traceback" in log_text(client, run.info.run_id, tmp_path)
+    assert f"mhc fit: error: corpus path {missing} does not exist" in log_text(client, run.info.run_id, tmp_path)
 
 
 # ---- the `trial` block of a sweep file ------------------------------------------------------------

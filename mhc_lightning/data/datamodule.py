@@ -7,7 +7,8 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from .corpus import SHAKESPEARE, CorpusError, fetch_shakespeare, load_corpus
+from ..errors import ConfigError
+from .corpus import N_SHAKESPEARE_WORKS, SHAKESPEARE, CorpusError, fetch_shakespeare, load_corpus, split_sizes
 
 
 class ByteWindows(Dataset):
@@ -33,6 +34,7 @@ class ByteTextDataModule(L.LightningDataModule):
 
     batch_size is per process: under DDP / FSDP the global batch is world_size x batch_size.
     shuffle: shuffle the train windows (seeded); false = corpus order (reproducible comparisons across device counts).
+    allow_binary: train on files that do not look like text (refused by default: usually a wrong path).
     """
 
     def __init__(
@@ -46,17 +48,22 @@ class ByteTextDataModule(L.LightningDataModule):
         num_workers: int = 0,
         seed: int = 1234,
         shuffle: bool = True,
+        allow_binary: bool = False,
     ):
         super().__init__()
         for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("val_works", val_works)):
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+                raise ConfigError(f"data.{name} must be an integer >= 1, got {value!r}")
+        if corpus == SHAKESPEARE["name"] and val_works >= N_SHAKESPEARE_WORKS:
+            raise ConfigError(f"data.val_works must be between 1 and {N_SHAKESPEARE_WORKS - 1} (the Shakespeare "
+                              f"corpus has {N_SHAKESPEARE_WORKS} works), got {val_works}")
         if not 0 < val_fraction < 1:
-            raise ValueError(f"val_fraction must be in the open interval (0, 1), got {val_fraction!r}")
+            raise ConfigError(f"data.val_fraction must be in the open interval (0, 1), got {val_fraction!r}")
         if not isinstance(num_workers, int) or num_workers < 0:
-            raise ValueError(f"num_workers must be an integer >= 0, got {num_workers!r}")
-        if not isinstance(shuffle, bool):
-            raise ValueError(f"shuffle must be true or false, got {shuffle!r}")
+            raise ConfigError(f"data.num_workers must be an integer >= 0, got {num_workers!r}")
+        for name, value in (("shuffle", shuffle), ("allow_binary", allow_binary)):
+            if not isinstance(value, bool):
+                raise ConfigError(f"data.{name} must be true or false, got {value!r}")
         self.save_hyperparameters()
         self.vocab_size = 256  # byte-level tokens; the CLI links this to the model at instantiation
         self.train_bytes: Optional[int] = None
@@ -69,14 +76,19 @@ class ByteTextDataModule(L.LightningDataModule):
         if self.hparams.corpus == SHAKESPEARE["name"]:
             fetch_shakespeare(self.hparams.cache_dir)
 
+    def check_corpus(self) -> None:
+        """Raise CorpusError if the corpus is missing, empty, not text, or too short for one train batch and one
+        val window. Reads file sizes and samples only: `mhc` calls it before a run or folder exists."""
+        hp = self.hparams
+        self._check_lengths(*split_sizes(hp.corpus, hp.cache_dir, hp.val_works, hp.val_fraction, hp.allow_binary))
+
     def setup(self, stage: Optional[str] = None) -> None:
         if self.train_dataset is not None:
             return
         hp = self.hparams
-        train, val = load_corpus(hp.corpus, hp.cache_dir, hp.val_works, hp.val_fraction)
+        train, val = load_corpus(hp.corpus, hp.cache_dir, hp.val_works, hp.val_fraction, hp.allow_binary)
         self.train_bytes, self.val_bytes = len(train), len(val)
-        self._check_length("train", len(train), hp.batch_size * hp.seq_len + 1)
-        self._check_length("val", len(val), hp.seq_len + 1)
+        self._check_lengths(len(train), len(val))
         # A seeded start offset so train windows do not share boundaries with the val layout (offset 0).
         # It is capped by the slack beyond the last full batch, so it never costs the one batch we require.
         offset = int(torch.randint(hp.seq_len, (1,), generator=torch.Generator().manual_seed(hp.seed)))
@@ -84,14 +96,16 @@ class ByteTextDataModule(L.LightningDataModule):
         self.train_dataset = ByteWindows(_as_tensor(train), hp.seq_len, offset)
         self.val_dataset = ByteWindows(_as_tensor(val), hp.seq_len)
 
-    def _check_length(self, split: str, n_bytes: int, needed: int) -> None:
-        if n_bytes < needed:
-            hp = self.hparams
-            raise CorpusError(
-                f"the {split} split of corpus {hp.corpus!r} has {n_bytes} bytes, but seq_len={hp.seq_len} and "
-                f"batch_size={hp.batch_size} need at least {needed} bytes for one "
-                f"{'batch' if split == 'train' else 'window'}; use a smaller seq_len/batch_size or a larger corpus."
-            )
+    def _check_lengths(self, train_bytes: int, val_bytes: int) -> None:
+        hp = self.hparams
+        for split, n_bytes, needed in (("train", train_bytes, hp.batch_size * hp.seq_len + 1),
+                                       ("val", val_bytes, hp.seq_len + 1)):
+            if n_bytes < needed:
+                raise CorpusError(
+                    f"the {split} split of corpus {hp.corpus!r} has {n_bytes} bytes, but data.seq_len={hp.seq_len} "
+                    f"and data.batch_size={hp.batch_size} need at least {needed} bytes for one "
+                    f"{'batch' if split == 'train' else 'window'}; use a smaller seq_len/batch_size or a larger corpus."
+                )
 
     def train_dataloader(self) -> DataLoader:
         # A seeded generator makes the shuffle order a function of `seed` alone.

@@ -1,0 +1,129 @@
+"""Input checks `mhc fit|validate|test` run after parsing and before anything is built.
+
+A failed check is a UserError (one line naming the file or key and the fix), raised before the logger,
+the Trainer or any folder exists: a bad input leaves no MLflow run, no runs/ folder, no artifacts.
+"""
+from __future__ import annotations
+
+import math
+import re
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from .data import ByteTextDataModule
+from .errors import UserError
+from .tracking import CHECKPOINT_RUN_KEY
+
+EVAL_COMMANDS = ("validate", "test")
+# ckpt_path values that Lightning resolves itself at run time rather than paths to a file
+CKPT_KEYWORDS = ("last", "best", "hpc")
+# How the same weights are computed, not which weights: may differ between training and evaluation
+# (e.g. Triton kernels when training on a GPU, the torch reference when evaluating on a CPU).
+RUNTIME_ARCH_KEYS = frozenset({"hyper.kernel_backend", "hyper.fused_pre", "recompute_block", "stream_dtype"})
+# Architecture keys set through another key (CLI links): name the one the user sets
+LINKED_FROM = {"context": "data.seq_len"}
+_RUN_ID = re.compile(r"^[0-9a-f]{32}$")
+
+
+@dataclass
+class CheckpointInfo:
+    path: Path
+    source_run_id: Optional[str]  # the MLflow run that wrote the checkpoint, when known
+
+
+def as_dict(ns) -> dict:
+    return ns.as_dict() if hasattr(ns, "as_dict") else dict(ns)
+
+
+def check_inputs(subcommand: str, cfg) -> Optional[CheckpointInfo]:
+    """Check the corpus and the checkpoint of the parsed `subcommand` config; return what the checkpoint tells."""
+    ByteTextDataModule(**as_dict(cfg.data)).check_corpus()
+    ckpt = cfg.get("ckpt_path")
+    if ckpt is None:
+        if subcommand in EVAL_COMMANDS:
+            raise UserError(f"{subcommand} evaluates a checkpoint: pass --ckpt_path <file.ckpt> "
+                            "(fit writes runs/<experiment id>/<run id>/checkpoints/last.ckpt).")
+        return None
+    if ckpt in CKPT_KEYWORDS or str(ckpt).startswith("registry"):
+        return None
+    return check_checkpoint(Path(ckpt), as_dict(cfg.model.arch))
+
+
+def check_checkpoint(path: Path, arch: dict) -> CheckpointInfo:
+    """Refuse a missing or unreadable checkpoint, or one trained with another architecture than ``arch``."""
+    if not path.exists():
+        raise UserError(f"checkpoint {path} does not exist; pass --ckpt_path with the path of a .ckpt file "
+                        "(fit writes runs/<experiment id>/<run id>/checkpoints/last.ckpt).")
+    if not path.is_file():
+        raise UserError(f"checkpoint {path} is a folder; pass --ckpt_path with a .ckpt file in it.")
+    ckpt = _load(path)
+    trained = (ckpt.get("hyper_parameters") or {}).get("arch")
+    if not isinstance(trained, dict):
+        raise UserError(f"checkpoint {path} holds no model.arch hyperparameters, so it was not written by mhc fit; "
+                        "pass a checkpoint of an mhc fit run.")
+    mismatches = arch_mismatches(arch, trained)
+    if mismatches:
+        said = "; ".join(f"{key} is {_show(mine)} here but {_show(theirs)} in the checkpoint"
+                         for key, mine, theirs in mismatches)
+        flags = " ".join(f"--{key}={_show(theirs)}" for key, _, theirs in mismatches)
+        raise UserError(f"checkpoint {path} was trained with another architecture: {said}. Use the config it was "
+                        f"trained with (its MLflow run keeps it as config.yaml), or add: {flags}")
+    run = ckpt.get(CHECKPOINT_RUN_KEY) or {}
+    return CheckpointInfo(path, run.get("run_id") or _run_id_from_layout(path))
+
+
+def _load(path: Path) -> dict:
+    if not zipfile.is_zipfile(path):  # torch.save has written zip archives since torch 1.6
+        raise UserError(f"{path} is not a checkpoint (not a torch.save archive); pass a .ckpt file written by mhc fit.")
+    # mmap: the hyperparameters are needed, not the weights; weights_only as Lightning itself loads it.
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:  # torch raises many types for a file that is not a checkpoint
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserError(f"checkpoint {path} cannot be read ({first}); pass a .ckpt file written by mhc fit.") from err
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        try:
+            return math.isclose(float(a), float(b), rel_tol=1e-9)
+        except (TypeError, ValueError):
+            return False
+    return a == b
+
+
+def arch_mismatches(config: dict, trained: dict) -> list[tuple[str, Any, Any]]:
+    """(CLI key, config value, checkpoint value) for each architecture key on which they differ."""
+    mine, theirs = _flatten(config), _flatten(trained)
+    out = []
+    for key, value in theirs.items():
+        if key in RUNTIME_ARCH_KEYS or key not in mine or mine[key] is None or _same(mine[key], value):
+            continue
+        out.append((LINKED_FROM.get(key, f"model.arch.{key}"), mine[key], value))
+    return out
+
+
+def _show(value) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return "null" if value is None else str(value)
+
+
+def _run_id_from_layout(path: Path) -> Optional[str]:
+    # Lightning's checkpoint folder under an MLflow logger: <root>/<experiment id>/<run id>/checkpoints/
+    run_dir = path.parent.parent
+    return run_dir.name if path.parent.name == "checkpoints" and _RUN_ID.match(run_dir.name) else None
