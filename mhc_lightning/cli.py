@@ -57,6 +57,11 @@ class MHCLightningCLI(LightningCLI):
     def after_fit(self) -> None:
         announce_run(self.trainer)
 
+    def before_instantiate_classes(self) -> None:
+        from .resume import resolve_last
+
+        resolve_last(self.config, self.config.get("subcommand"))  # `--ckpt_path last`: the same run, its checkpoint
+
     def parse_arguments(self, parser, args) -> None:
         super().parse_arguments(parser, args)
         # Cross-field rules (d_model % n_heads, ranges) live in the dataclasses' __post_init__; run them now
@@ -69,35 +74,48 @@ class MHCLightningCLI(LightningCLI):
             (self._subcommand_parsers[sub] if sub else parser).error(f"invalid model configuration: {err}")
 
 
-def build_cli(args: Optional[list[str]] = None, run: bool = True, **kwargs) -> MHCLightningCLI:
+def build_cli(args: Optional[list[str]] = None, run: bool = True, cli_class: type = MHCLightningCLI,
+              **kwargs) -> MHCLightningCLI:
+    from .configs import parser_kwargs
+
     set_parsing_settings(omegaconf_absolute_to_relative_paths=True)
     kwargs.setdefault("save_config_callback", MLflowSaveConfig)
-    return MHCLightningCLI(
+    return cli_class(
         LitLM,
         ByteTextDataModule,
-        parser_kwargs={"parser_mode": "omegaconf+", "default_env": False},
+        parser_kwargs=parser_kwargs({"parser_mode": "omegaconf+", "default_env": False}, run),  # base.yaml stacks
         args=args,
         run=run,
         **kwargs,
     )
 
 
-TOOLS = {  # subcommands with their own argparse front ends; everything else is LightningCLI
-    "sweep": ("mhc_lightning.sweeps.runner", "Optuna sweeps tracked in MLflow"),
-    "compare": ("mhc_lightning.compare", "table and plots of MLflow runs"),
-    "report": ("mhc_lightning.report", "runs grouped by tags, mean +- std over seeds (= mhc compare --group-by)"),
-    "grid": ("mhc_lightning.grid", "a grid of `mhc fit` runs in parallel processes"),
+TOOLS = {  # subcommands with their own argparse front ends (module:function); everything else is LightningCLI
+    "sweep": ("mhc_lightning.sweeps.cli:main", "Optuna sweeps tracked in MLflow"),
+    "compare": ("mhc_lightning.reports.cli:main", "table and plots of MLflow runs"),
+    "report": ("mhc_lightning.reports.cli:report_main",
+               "runs grouped by tags, mean +- std over seeds (= mhc compare --group-by)"),
+    "grid": ("mhc_lightning.grid:main", "a grid of `mhc fit` runs in parallel processes"),
 }
 
 
 def main(argv: Optional[list[str]] = None) -> None:
+    from .errors import UserError
+    from .launcher import die_with_parent
+
+    die_with_parent()  # started by `mhc grid` / `mhc sweep` / DDP rank 0: do not outlive it
     args = sys.argv[1:] if argv is None else argv
     if args and args[0] in TOOLS:
         import importlib
 
-        sys.exit(importlib.import_module(TOOLS[args[0]][0]).main(list(args[1:])))
-    # argv=None lets LightningCLI read sys.argv itself (it warns when given both)
-    build_cli(argv)
+        module, _, func = TOOLS[args[0]][0].partition(":")
+        sys.exit(getattr(importlib.import_module(module), func)(list(args[1:])))
+    try:
+        # argv=None lets LightningCLI read sys.argv itself (it warns when given both)
+        build_cli(argv)
+    except UserError as err:
+        print(f"mhc: error: {err}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

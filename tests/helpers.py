@@ -15,7 +15,7 @@ make_text = english_like_text
 
 def mlflow_logger_arg(tracking_uri: str, experiment: str = "tests", run_name: str = "test", **extra) -> str:
     init = {"experiment_name": experiment, "run_name": run_name, "tracking_uri": tracking_uri, **extra}
-    return "--trainer.logger=" + json.dumps({"class_path": "lightning.pytorch.loggers.MLFlowLogger", "init_args": init})
+    return "--trainer.logger=" + json.dumps({"class_path": "mhc_lightning.loggers.ResilientMLFlowLogger", "init_args": init})
 
 
 def tiny_fit_args(corpus: Path, tracking_uri: str, root: Path, mode: str = "mhc", steps: int = 4,

@@ -10,7 +10,7 @@ import pytest
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param
 
-from mhc_lightning.compare import main as compare_main
+from mhc_lightning.reports.cli import main as compare_main
 
 TAB = [(0.12, 0.47, 0.71), (1.0, 0.50, 0.05), (0.17, 0.63, 0.17)]  # matplotlib C0, C1, C2
 

@@ -126,7 +126,7 @@ def test_trainer_image_and_command():
 
 def test_the_sweep_command_in_the_image_parses():
     """What the trainer runs (`mhc sweep run <SWEEP_FILE> --workers N`) is a valid invocation here too."""
-    from mhc_lightning.sweeps.runner import build_parser
+    from mhc_lightning.sweeps.cli import build_parser
 
     env = env_example()
     cmd = [interpolate(c, env) for c in SERVICES["trainer"]["command"]]

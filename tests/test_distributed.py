@@ -187,7 +187,7 @@ def _rollback_fit(tiny_corpus, mlflow_uri, tmp_path: Path, name: str, fault_rank
              _callback_arg("mhc_lightning.callbacks.GradientSnapshots", every_n_steps=10, skip_batches=skip_batches,
                            cooldown_steps=3),
              _callback_arg("test_distributed.CorruptBatchOnRanks", steps=[55], ranks=fault_ranks),
-             _callback_arg("mhc_lightning.distributed.RankConsistencyCheck", every_n_steps=1, on_mismatch="warn",
+             _callback_arg("mhc_lightning.callbacks.RankConsistencyCheck", every_n_steps=1, on_mismatch="warn",
                            dirpath=str(tmp_path / name / "consistency")),
              _callback_arg("test_distributed.StepProbe", dirpath=str(tmp_path / name / "probe"))]
     log = tmp_path / f"{name}.log"

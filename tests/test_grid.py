@@ -6,7 +6,7 @@ import pytest
 
 from helpers import CONF, REPO
 from mhc_lightning.cli import build_cli
-from mhc_lightning.grid import expand, load_grid
+from mhc_lightning.grid import GridError, expand, load_grid
 
 
 def test_stability_grid_expands_to_45_distinct_runs():
@@ -34,5 +34,5 @@ def test_grid_argv_is_what_the_cli_parses(tmp_path, monkeypatch):
 def test_bad_grid_file_names_the_missing_key(tmp_path):
     bad = tmp_path / "g.yaml"
     bad.write_text(json.dumps({"experiment": "x", "configs": []}))
-    with pytest.raises(ValueError, match="variants"):
+    with pytest.raises(GridError, match="variants"):
         load_grid(bad)

@@ -12,7 +12,8 @@ import pytest
 from mlflow import MlflowClient
 
 from helpers import REPO, make_text
-from mhc_lightning.sweeps import runner
+from mhc_lightning.sweeps import factories
+from mhc_lightning.sweeps.cli import main as sweep_main
 
 SMOKE = REPO / "sweeps" / "smoke.yaml"
 
@@ -30,7 +31,7 @@ def sweep(tmp_path_factory, _mlflow_template):
     mp = pytest.MonkeyPatch()
     mp.chdir(root)  # MLflow's sqlite store puts artifacts under ./mlruns
     try:
-        code = runner.main(argv)
+        code = sweep_main(argv)
     finally:
         mp.undo()
     storage = f"sqlite:///{root / 'sweeps.db'}"  # the default: beside the MLflow store
@@ -100,9 +101,9 @@ def check_resume(sweep):
     mp = pytest.MonkeyPatch()
     mp.chdir(sweep["root"])
     try:
-        assert runner.main(sweep["argv"]) == 0
+        assert sweep_main(sweep["argv"]) == 0
         assert len(optuna.load_study(study_name="smoke", storage=sweep["storage"]).trials) == 4
-        assert runner.main(sweep["argv"] + ["--n-trials", "5"]) == 0
+        assert sweep_main(sweep["argv"] + ["--n-trials", "5"]) == 0
     finally:
         mp.undo()
     study = optuna.load_study(study_name="smoke", storage=sweep["storage"])
@@ -113,7 +114,7 @@ def check_resume(sweep):
 
 
 def check_compare(sweep):
-    from mhc_lightning.compare import main as compare_main
+    from mhc_lightning.reports.cli import main as compare_main
 
     out = sweep["root"] / "report"
     assert compare_main(["--study", "smoke", "--tracking-uri", sweep["uri"], "--out", str(out)]) == 0

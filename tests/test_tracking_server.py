@@ -24,7 +24,8 @@ import yaml
 from mlflow import MlflowClient
 
 from helpers import REPO, make_text, tiny_fit_args
-from mhc_lightning.sweeps import runner
+from mhc_lightning.sweeps import factories
+from mhc_lightning.sweeps.cli import main as sweep_main
 
 PG = dict(host="127.0.0.1", port=5432, user="postgres")
 S = optuna.trial.TrialState
@@ -185,7 +186,7 @@ def check_one_run_per_trial(client: MlflowClient, study, name: str) -> dict[int,
 def test_unreachable_server_at_start_names_the_url(tmp_path, capsys):
     url = f"http://127.0.0.1:{free_port()}"
     t0 = time.monotonic()
-    code = runner.main(["run", str(REPO / "sweeps" / "smoke.yaml"), "--tracking-uri", url,
+    code = sweep_main(["run", str(REPO / "sweeps" / "smoke.yaml"), "--tracking-uri", url,
                         "--storage", f"sqlite:///{tmp_path}/s.db"])
     err = capsys.readouterr().err
     assert code == 2 and url in err and "unreachable" in err, err
@@ -221,7 +222,7 @@ def test_two_workers_one_study_on_postgres(server, corpus, tmp_path):
     assert len(logs) == 2
 
     # mhc compare against the tracking server: artifacts come through --serve-artifacts
-    from mhc_lightning.compare import main as compare_main
+    from mhc_lightning.reports.cli import main as compare_main
 
     out = tmp_path / "report"
     assert compare_main(["--study", name, "--tracking-uri", server["url"], "--out", str(out)]) == 0
@@ -236,7 +237,7 @@ def test_dashboard_reads_the_sweeps_database(postgres):
     if not exe.exists():
         pytest.skip("optuna-dashboard is not installed (pip install -e '.[dashboard]')")
     name = f"dash-{uuid.uuid4().hex[:6]}"
-    study = optuna.create_study(study_name=name, storage=runner.make_storage(postgres["sweeps"], {}))
+    study = optuna.create_study(study_name=name, storage=factories.make_storage(postgres["sweeps"], {}))
     study.optimize(lambda t: t.suggest_float("x", 0, 1) ** 2, n_trials=2)
     port = free_port()
     dash = subprocess.Popen([str(exe), postgres["sweeps"], "--host", "127.0.0.1", "--port", str(port)],
@@ -391,7 +392,7 @@ def test_server_down_during_run_training_continues_then_replay(server, corpus, t
     spool = tmp_path / "spool"
     args = tiny_fit_args(corpus, uri, tmp_path / "runs", steps=12, experiment="outage", run_name="outage")[1:]
     args = [a for a in args if not a.startswith("--trainer.logger=")]
-    logger = {"class_path": "mhc_lightning.sweeps.logger.ResilientMLFlowLogger",
+    logger = {"class_path": "mhc_lightning.loggers.ResilientMLFlowLogger",
               "init_args": {"experiment_name": "outage", "run_name": "outage", "tracking_uri": uri,
                             "spool_dir": str(spool), "retry_every": 0.05, "flush_timeout": 1.0}}
     args += ["--trainer.log_every_n_steps=1", "--trainer.val_check_interval=4", "--model.diagnostics_every=4",
@@ -411,7 +412,7 @@ def test_server_down_during_run_training_continues_then_replay(server, corpus, t
         steps_before_replay = {m.step for m in client.get_metric_history(run_id, "train/loss")}
         assert {3, 4, 5} <= steps_before_replay and 11 not in steps_before_replay
         proxy.up()
-        assert runner.main(["replay", str(spool), "--tracking-uri", uri]) == 0
+        assert sweep_main(["replay", str(spool), "--tracking-uri", uri]) == 0
     finally:
         proxy.down()
     run = client.get_run(run_id)
