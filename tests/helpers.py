@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 import lightning as L
+import yaml
 
 from mhc_lightning.data.synthetic import english_like_text
 
@@ -66,3 +67,17 @@ class Handshake(L.Callback):
             self.dirpath.mkdir(parents=True, exist_ok=True)
             (self.dirpath / f"at{step}").write_text(str(step))
             wait_for(self.dirpath / f"go{step}", self.timeout)
+
+
+def derived_spec(path: Path, name: str, **changes) -> Path:
+    """sweeps/smoke.yaml with another name and test settings; base configs made absolute."""
+    d = yaml.safe_load((REPO / "sweeps" / "smoke.yaml").read_text())
+    d["name"] = name
+    d["base"] = [str(REPO / b) for b in d["base"]]
+    for k, v in changes.items():
+        if k in ("fixed", "budget", "storage"):
+            d[k].update(v)
+        else:
+            d[k] = v
+    path.write_text(yaml.safe_dump(d, sort_keys=False))
+    return path

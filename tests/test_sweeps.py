@@ -12,7 +12,6 @@ import pytest
 from mlflow import MlflowClient
 
 from helpers import REPO, make_text
-from mhc_lightning.sweeps import factories
 from mhc_lightning.sweeps.cli import main as sweep_main
 
 SMOKE = REPO / "sweeps" / "smoke.yaml"

@@ -22,10 +22,9 @@ from pathlib import Path
 import optuna
 import pytest
 import requests
-import yaml
 from mlflow import MlflowClient
 
-from helpers import REPO, handshake_arg, make_text, tiny_fit_args, wait_for
+from helpers import REPO, derived_spec, handshake_arg, make_text, tiny_fit_args, wait_for
 from mhc_lightning.sweeps import factories
 from mhc_lightning.sweeps.cli import main as sweep_main
 
@@ -170,20 +169,6 @@ def corpus(tmp_path_factory) -> Path:
     p = tmp_path_factory.mktemp("corpus") / "corpus.txt"
     p.write_text(make_text(60_000, seed=7))
     return p
-
-
-def derived_spec(path: Path, name: str, **changes) -> Path:
-    """sweeps/smoke.yaml with another name and test settings; base configs made absolute."""
-    d = yaml.safe_load((REPO / "sweeps" / "smoke.yaml").read_text())
-    d["name"] = name
-    d["base"] = [str(REPO / b) for b in d["base"]]
-    for k, v in changes.items():
-        if k in ("fixed", "budget", "storage"):
-            d[k].update(v)
-        else:
-            d[k] = v
-    path.write_text(yaml.safe_dump(d, sort_keys=False))
-    return path
 
 
 def launch(spec: Path, cwd: Path, server, corpus: Path, *extra: str, log_name: str) -> subprocess.Popen:

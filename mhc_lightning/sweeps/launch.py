@@ -93,6 +93,8 @@ def launch(sweep: Sweep, args) -> int:
 
 
 def _run_workers(sweep: Sweep, study, args, machine: int, since: float) -> int:
+    from optuna.trial import TrialState
+
     from ..launcher import Child, describe_exit
     from .liveness import fail_dead_local_trials, worker_id
 
@@ -125,8 +127,11 @@ def _run_workers(sweep: Sweep, study, args, machine: int, since: float) -> int:
                 if code is None or name in reported:
                     continue
                 reported.add(name)
-                # Its RUNNING trials (if it died) fail and are queued again now, not after a heartbeat timeout.
-                lost = fail_dead_local_trials(study, sweep.spec.storage.get("max_retry"), only={wid})
+                # Its RUNNING trials (if it died) fail and are queued again now, not after a heartbeat timeout (another
+                # worker may have done so already: a killed trial is the one FAIL of this worker without an error).
+                fail_dead_local_trials(study, sweep.spec.storage.get("max_retry"), only={wid})
+                lost = [t.number for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
+                        if t.user_attrs.get("worker") == wid and not t.user_attrs.get("error")]
                 if code != 0 or lost:
                     print(f"[mhc sweep] {name} (pid {child.pid}) {describe_exit(code)}"
                           + (f"; its trial(s) {lost} failed and were queued again" if lost else "")
