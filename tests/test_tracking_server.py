@@ -22,6 +22,7 @@ from pathlib import Path
 import optuna
 import pytest
 import requests
+import yaml
 from mlflow import MlflowClient
 
 from helpers import REPO, derived_spec, handshake_arg, make_text, tiny_fit_args, wait_for
@@ -123,8 +124,10 @@ class MlflowServer:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", self.backend,
              "--artifacts-destination", str(self.root / "artifacts"), "--serve-artifacts", "--host", "127.0.0.1",
-             "--port", str(self.port), "--workers", "1", "--allowed-hosts", self.hosts],
-            stdout=log, stderr=subprocess.STDOUT, env=_clean_env(), start_new_session=True, cwd=self.root)
+             "--port", str(self.port), "--workers", "1"],
+            # allowed hosts from the environment, as docker-compose.yml gives them
+            stdout=log, stderr=subprocess.STDOUT, env={**_clean_env(), "MLFLOW_SERVER_ALLOWED_HOSTS": self.hosts},
+            start_new_session=True, cwd=self.root)
         log.close()
         deadline = time.monotonic() + timeout
         while True:
@@ -256,17 +259,22 @@ def test_two_workers_one_study_on_postgres(server, corpus, tmp_path):
     assert "comparison/val_loss.png" in {a.path for a in client.list_artifacts(parent.info.run_id, "comparison")}
 
 
-def test_dashboard_reads_the_sweeps_database(postgres):
-    """optuna-dashboard on the sweeps database, as the compose service runs it."""
-    exe = Path(sys.executable).with_name("optuna-dashboard")  # console script of the [dashboard] extra
-    if not exe.exists():
-        pytest.skip("optuna-dashboard is not installed (pip install -e '.[dashboard]')")
+def test_dashboard_reads_the_sweeps_database_without_its_password_on_the_command_line(postgres):
+    """optuna-dashboard started exactly as the compose service starts it (its entrypoint, the storage URL with a
+    password in $OPTUNA_STORAGE): it serves the study, and the password is not on its command line."""
+    import psutil
+
+    pytest.importorskip("optuna_dashboard")  # the [dashboard] extra
+    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]["optuna-dashboard"]
     name = f"dash-{uuid.uuid4().hex[:6]}"
     study = optuna.create_study(study_name=name, storage=factories.make_storage(postgres["sweeps"], {}))
     study.optimize(lambda t: t.suggest_float("x", 0, 1) ** 2, n_trials=2)
-    port = free_port()
-    dash = subprocess.Popen([str(exe), postgres["sweeps"], "--host", "127.0.0.1", "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_clean_env(), start_new_session=True)
+    port, secret = free_port(), f"pw{uuid.uuid4().hex[:8]}"  # trust authentication ignores the password
+    url = postgres["sweeps"].replace("postgres@", f"postgres:{secret}@")
+    argv = [sys.executable if a == "python" else a.replace("0.0.0.0", "127.0.0.1").replace("8080", str(port))
+            for a in compose["entrypoint"]]
+    dash = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                            env={**_clean_env(), "OPTUNA_STORAGE": url})
     try:
         deadline, studies = time.monotonic() + 60, None
         while time.monotonic() < deadline and studies is None:
@@ -276,6 +284,7 @@ def test_dashboard_reads_the_sweeps_database(postgres):
                 time.sleep(0.5)
         assert studies is not None, "optuna-dashboard did not answer within 60 s"
         assert name in [s["study_name"] for s in studies["study_summaries"]]
+        assert secret not in " ".join(psutil.Process(dash.pid).cmdline())
     finally:
         stop(dash)
 
