@@ -55,12 +55,17 @@ def _label(d: RunData, cols: list[str]) -> str:
     return f"{d.label} " + " ".join(bits)
 
 
-def _why_no_layers(d: RunData) -> str:
-    if d.evaluation:
-        return f"{d.stage} run: no training steps"
-    if d.config().get("residual_mode") == "residual":
-        return "residual: one stream, no H_res"
-    return "no diagnostics logged"
+def layers_caption(shown: list[RunData], have: list[RunData]) -> str:
+    """Which runs the Amax-vs-layer plot leaves out, each by name and with its own reason."""
+    def why(d: RunData) -> str:
+        if d.evaluation:
+            return f"{d.stage} run: no training steps"
+        if d.config().get("residual_mode") == "residual":
+            return "residual: one stream, no H_res"
+        return "no per-layer diagnostics logged"
+
+    missing = [f"{d.label} ({why(d)})" for d in shown if d not in have]
+    return ("not shown: " + "; ".join(missing)) if missing else ""
 
 
 def make_plots(data: list[RunData], out: Path, top: int) -> dict[str, Path]:
@@ -79,12 +84,10 @@ def make_plots(data: list[RunData], out: Path, top: int) -> dict[str, Path]:
     }
     have = [d for d in shown if d.per_layer and "composite_fwd_max" in d.per_layer]
     if have:
-        missing = [f"{d.label} ({_why_no_layers(d)})" for d in shown if d not in have]
-        note = ("not shown: " + "; ".join(missing)) if missing else ""
         steps = sorted({d.per_layer_step for d in have})
         fig = plots.amax_vs_layer([(f"{_label(d, cols)} (step {d.per_layer_step})", d.per_layer) for d in have],
                                   title=f"composite Amax gain at each run's last diagnostics (steps {steps})",
-                                  note=note)
+                                  note=layers_caption(shown, have))
         result["amax_vs_layer"] = plots.save(fig, out / "amax_vs_layer.png")
     bars = []
     for d in shown:
