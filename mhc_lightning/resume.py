@@ -98,8 +98,10 @@ def find_checkpoint(uri: Optional[str], experiment: str, run_name: Optional[str]
         if any(a.path == ARTIFACT_LAST for a in client.list_artifacts(run.info.run_id, "last")):
             folder.mkdir(parents=True, exist_ok=True)
             got = Path(client.download_artifacts(run.info.run_id, ARTIFACT_LAST, str(folder)))
-            got.replace(local)
-            got.parent.rmdir()
+            if got != local:
+                got.replace(local)
+                if got.parent != folder and not any(got.parent.iterdir()):
+                    got.parent.rmdir()
             return run.info.run_id, local
     where = f" (looked for {', '.join(looked[:3])} and the runs' MLflow artifact {ARTIFACT_LAST})" if looked else ""
     raise NoCheckpointToResume(

@@ -166,3 +166,28 @@ def test_killed_quickstart_resumes_the_same_run_with_ckpt_path_last(tiny_corpus,
         assert [s for s, _ in got] == [s for s, _ in want], key  # each step once, none missing
         assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-6), key
     assert [s for s, _ in _history(client, run.info.run_id, "train/loss")] == list(range(12))
+
+
+@pytest.mark.slow
+def test_log_model_keeps_the_one_copy_in_mlflow_and_resume_downloads_it(tiny_corpus, mlflow_uri, tmp_path):
+    """Checkpoint policy (issue 15): with `log_model: true` the checkpoints end up as run artifacts only (the local files
+    are removed once uploaded); `--ckpt_path last` then fetches last.ckpt from the run and continues the same run."""
+    import mlflow
+
+    from mhc_lightning.cli import main
+
+    root = tmp_path / "root"
+    args = tiny_fit_args(tiny_corpus, mlflow_uri, root, steps=4, run_name="one-copy")
+    args += ["--trainer.logger.init_args.log_model=true", "--trainer.log_every_n_steps=1"]
+    main(args)
+    client = mlflow.MlflowClient(mlflow_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
+    assert "last/last.ckpt" in {a.path for a in client.list_artifacts(run.info.run_id, "last")}
+    assert not list(root.rglob("*.ckpt"))  # one copy: in MLflow
+
+    main([a if not a.startswith("--trainer.max_steps") else "--trainer.max_steps=6" for a in args]
+         + ["--ckpt_path", "last"])
+    (again,) = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
+    assert again.info.run_id == run.info.run_id and again.info.status == "FINISHED"
+    assert [m.step for m in sorted(client.get_metric_history(run.info.run_id, "train/loss"), key=lambda m: m.step)] \
+        == list(range(6))

@@ -17,6 +17,9 @@ from mhc_lightning.sweeps.cli import main as sweep_main
 SMOKE = REPO / "sweeps" / "smoke.yaml"
 
 
+pytestmark = pytest.mark.slow  # a real 4-trial sweep
+
+
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory, _mlflow_template):
     """Run sweeps/smoke.yaml once for the module: 4 trials, 6 steps each, median pruner from the second trial."""
@@ -66,6 +69,8 @@ def check_records(sweep):
     client = MlflowClient(sweep["uri"])
     parents, children = _children(client)
     assert len(parents) == 1 and len(children) == 4
+    # the experiment the sweep created opens in MLflow's training-runs view, not the GenAI one
+    assert client.get_experiment_by_name("smoke").tags["mlflow.experimentKind"] == "custom_model_development"
     parent = parents[0]
     assert study.user_attrs["mlflow_parent_run_id"] == parent.info.run_id
     by_trial = {int(r.data.tags["optuna.trial"]): r for r in children}
