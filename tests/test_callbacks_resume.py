@@ -166,6 +166,7 @@ def test_killed_quickstart_resumes_the_same_run_with_ckpt_path_last(tiny_corpus,
         assert [s for s, _ in got] == [s for s, _ in want], key  # each step once, none missing
         assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-6), key
     assert [s for s, _ in _history(client, run.info.run_id, "train/loss")] == list(range(12))
+    print("[figures] resume: killed before step 7, checkpoint of step 4; 12/12 steps once each, values = straight run")
 
 
 @pytest.mark.slow

@@ -144,6 +144,7 @@ def test_rollback_cap_stops_with_clear_error(tiny_corpus):
         tiny_fit(tiny_corpus, [CorruptBatchAt(35, 38), _detector(), snaps], steps=45)
 
 
+@pytest.mark.slow
 def test_resume_mid_epoch_equals_uninterrupted(tmp_path, monkeypatch):
     """In-process: a checkpoint in epoch 1 resumed with a fresh Trainer ends bitwise equal to the straight run, with the
     stability callbacks' state restored and no Lightning "dataloader is not resumable" warning.

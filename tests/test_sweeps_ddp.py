@@ -74,6 +74,7 @@ def log_text(client, run_id: str, tmp_path: Path) -> str:
     return Path(client.download_artifacts(run_id, "trial.log", str(tmp_path))).read_text()
 
 
+@pytest.mark.slow
 def test_ddp_trials_complete_and_prune(tiny_corpus, mlflow_uri, tmp_path):
     """Trial 0 (lr 3e-2) completes; trial 1 (lr 1e-5, worse at the first validation) is pruned by the median pruner
     from inside its DDP child. One MLflow run per trial, written by rank 0; no rank outlives its trial."""
@@ -108,6 +109,7 @@ def test_ddp_trials_complete_and_prune(tiny_corpus, mlflow_uri, tmp_path):
     assert "DDPStrategy" in Path(client.download_artifacts(run.info.run_id, "config.yaml", str(tmp_path))).read_text()
 
 
+@pytest.mark.slow
 def test_failing_child_fails_the_trial_with_its_log(mlflow_uri, tmp_path):
     """A child that fails at fit time (the corpus is missing) makes the trial FAIL, with the end of the child's log
     in the trial's error and the run's optuna.error tag, and the whole log as the run's trial.log. One process:
@@ -205,6 +207,7 @@ def _stand_in(tmp_path: Path) -> list[str]:
     return [sys.executable, str(script)]
 
 
+@pytest.mark.slow
 def test_timeout_stops_the_childs_whole_process_group(tmp_path, monkeypatch):
     """A child past trial.timeout_s (or interrupted: the same path) is stopped with every process it started."""
     with pytest.raises(launcher.ChildFailed, match=r"ran past its timeout of 3 s and was stopped(.|\n)*process 2 up"):
@@ -212,6 +215,7 @@ def test_timeout_stops_the_childs_whole_process_group(tmp_path, monkeypatch):
     assert not _survivors(_wait_for([tmp_path / "pid1", tmp_path / "pid2"]))
 
 
+@pytest.mark.slow
 def test_sigkilled_worker_takes_its_ranks_along(tmp_path):
     """SIGKILL leaves the worker no chance to stop its child; every rank then dies with its parent."""
     worker = (f"import os, subprocess, time; os.environ[{launcher.PARENT_ENV!r}] = str(os.getpid()); "

@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from .corpus import SHAKESPEARE, CorpusError, fetch_shakespeare, load_corpus
+from .resumable_sampler import ResumableRandomSampler
 
 # torchdata 0.11 calls a deprecated torch function in every StatefulDataLoader: harmless noise
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
@@ -110,9 +111,10 @@ class ByteTextDataModule(L.LightningDataModule):
             sampler = DistributedSampler(self.train_dataset, shuffle=hp.shuffle, seed=hp.seed, **dist_kwargs)
             return self._loader(self.train_dataset, StatefulDataLoader, sampler=sampler, drop_last=True)
         # Stateful: Lightning saves its position (shuffle state, batches done) in every checkpoint, so a run resumed
-        # mid-epoch continues on exactly the batches an uninterrupted run would see (resume.py).
-        return self._loader(self.train_dataset, StatefulDataLoader, shuffle=hp.shuffle, drop_last=True,
-                            generator=torch.Generator().manual_seed(hp.seed))
+        # mid-epoch continues on exactly the batches an uninterrupted run would see (resumable_sampler.py).
+        generator = torch.Generator().manual_seed(hp.seed)
+        order = ResumableRandomSampler(self.train_dataset, generator) if hp.shuffle else None
+        return self._loader(self.train_dataset, StatefulDataLoader, sampler=order, drop_last=True, generator=generator)
 
     def _distributed_sampler_kwargs(self) -> Optional[dict]:
         """num_replicas / rank of the data-parallel group when the trainer runs more than one, else None."""
