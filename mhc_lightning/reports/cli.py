@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -87,6 +88,7 @@ def main(argv: Optional[list[str]] = None, prog: str = "mhc compare") -> int:
     if args.group_by and not args.experiment:
         parser.error("--group-by needs --experiment")
     uri = args.tracking_uri or _default_uri()
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one bar per downloaded file otherwise
     try:
         return _grouped(args, uri) if args.group_by else _compare(args, uri)
     except UserError as err:

@@ -8,7 +8,6 @@ amax_vs_layer.png (composite Amax gain per layer, from the runs' last diagnostic
 from __future__ import annotations
 
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -111,7 +110,6 @@ def compare(tracking_uri: str, out, experiment: Optional[str] = None, study: Opt
     if sum(x is not None and x != [] for x in (experiment, study, run_ids)) != 1:
         raise CompareError("give exactly one of --experiment, --study, --runs")
     use_fast_http_failures()
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     check_tracking(tracking_uri)
     df = search(tracking_uri, experiment, study, run_ids, include_evaluation)
     data = load(tracking_uri, df, CURVES)
