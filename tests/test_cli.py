@@ -57,6 +57,7 @@ def test_fit_writes_an_mlflow_run(mode, tiny_corpus, mlflow_uri, tmp_path):
     assert cfg["model"]["arch"]["hyper"]["residual_mode"] == mode
 
 
+@pytest.mark.slow
 def test_validate_and_test_subcommands_open_their_own_runs(tiny_corpus, mlflow_uri, tmp_path):
     args = tiny_fit_args(tiny_corpus, mlflow_uri, tmp_path / "root", mode="mhc")
     main(args)
@@ -71,6 +72,7 @@ def test_validate_and_test_subcommands_open_their_own_runs(tiny_corpus, mlflow_u
     assert "test/bpb" in test_run.data.metrics
 
 
+@pytest.mark.slow
 def test_console_script_subprocess(tiny_corpus, mlflow_uri, tmp_path):
     """The installed `mhc` entry point, as a user runs it."""
     exe = Path(sys.executable).with_name("mhc")

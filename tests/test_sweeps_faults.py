@@ -186,9 +186,11 @@ def test_study_stopped_by_max_failed_continues_after_the_fix(corpus, tmp_path, c
     assert sweep_main(common + ["--set", f"data.corpus={corpus}"]) == 0
     study = optuna.load_study(study_name=name, storage=storage)
     assert sum(t.state == S.COMPLETE for t in study.trials) == 2 and sum(t.state == S.FAIL for t in study.trials) == 2
+    print("[figures] max_failed: stopped after 2 failed trials (exit 3); after the fix 2/2 complete in the same study")
 
 
 # ---- item 7: sweep-file mistakes found before, or at the first of, the trials ----------------------------------------
+@pytest.mark.slow  # the `mhc fit` parser is built in the launcher: a few seconds
 @pytest.mark.parametrize("change, named", [
     ({"fixed": {"trainer.max_stepz": 5}}, "trainer.max_stepz"),
     ({"space": {"model.optim.lrr": {"type": "float", "low": 1e-4, "high": 1e-2}}}, "model.optim.lrr"),

@@ -225,8 +225,8 @@ class GradientSnapshots(Callback):
         step = trainer.global_step
         probe = tuple(t.detach().to("cpu", copy=True) for t in batch[:2])
         probe_norm = self._probe_grad_norm(trainer, pl_module, probe)
-        # Checksummed where the live state is (the GPU reads it in microseconds; the CPU copy would take a single
-        # CPU thread ~1 s per GB): the sums are exact integers, so the copy's own fingerprint is the same.
+        # Checksummed where the live state is (the device reads it far faster than one CPU thread reads the host
+        # copy): the sums are exact integers, so the copy's own fingerprint is the same.
         live = self._live_state(trainer, pl_module)
         checksum, finite = fingerprint(live)
         finite = finite and math.isfinite(probe_norm)
