@@ -109,14 +109,14 @@ class CheckProbe(L.Callback):
         self.losses.append(float(mean_across_ranks(loss, pl_module.device)))
 
     def on_train_end(self, trainer, pl_module) -> None:
-        from mhc_lightning.distributed import _sharded, state_digests
+        from mhc_lightning.distributed import sharded, state_digests
 
         groups = [{"weight_decay": g["weight_decay"], "params": len(g["params"]),
                    "numel": sum(p.numel() for p in g["params"]), "matrices": sum(p.ndim == 2 for p in g["params"])}
                   for g in trainer.optimizers[0].param_groups]
         record = {"rank": trainer.global_rank, "world_size": trainer.world_size,
                   "strategy": type(trainer.strategy).__name__, "losses": self.losses,
-                  "digests": None if _sharded(trainer) else state_digests(trainer, pl_module),
+                  "digests": None if sharded(trainer) else state_digests(trainer, pl_module),
                   "per_layer": pl_module.last_per_layer, "param_groups": groups}
         self.dirpath.mkdir(parents=True, exist_ok=True)
         (self.dirpath / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
@@ -204,7 +204,7 @@ def check_phase(args, work: Path, corpus: Path, out: dict, save) -> dict:
              "--data.shuffle=false", "--trainer.precision=32-true", "--trainer.gradient_clip_val=null",
              _cb("bench_ddp.CheckProbe", dirpath=str(probe))]
         if name == "ddp":
-            a.append(_cb("mhc_lightning.distributed.RankConsistencyCheck", every_n_steps=1, on_mismatch="warn"))
+            a.append(_cb("mhc_lightning.callbacks.RankConsistencyCheck", every_n_steps=1, on_mismatch="warn"))
         if use_mlflow:
             logger = {"class_path": "lightning.pytorch.loggers.MLFlowLogger", "init_args": {
                 "experiment_name": f"check-{name}", "run_name": name, "log_model": False,

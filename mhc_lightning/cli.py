@@ -14,11 +14,14 @@ from jsonargparse import set_parsing_settings
 from lightning.pytorch.cli import LightningCLI
 
 from .callbacks.final_validation import FinalValidation
+from .configs import parser_kwargs
 from .data import ByteTextDataModule
 from .errors import EXIT_USER_ERROR, UserError, one_line
+from .launcher import die_with_parent
 from .model import GPTConfig, HyperConfig
 from .module import LitLM, OptimConfig
 from .preflight import check_inputs
+from .resume import resolve_last
 from .tracking import MLflowSaveConfig, announce_run, label_runs
 
 # The Trainer entry points `mhc` offers. `predict` is left out: the byte LM has no prediction data or
@@ -31,15 +34,16 @@ TRAINER_COMMANDS = {
 
 
 class Tool(NamedTuple):
-    module: str
+    target: str  # module:function taking the argument list
     summary: str
 
 
 TOOLS = {  # subcommands with their own argparse front ends; everything else is LightningCLI
-    "sweep": Tool("mhc_lightning.sweeps.runner", "Optuna sweeps of `mhc fit`, tracked in MLflow"),
-    "compare": Tool("mhc_lightning.compare", "table and plots of MLflow runs"),
-    "report": Tool("mhc_lightning.report", "runs grouped by tags, mean +- std over seeds (= mhc compare --group-by)"),
-    "grid": Tool("mhc_lightning.grid", "a grid of `mhc fit` runs in parallel processes"),
+    "sweep": Tool("mhc_lightning.sweeps.cli:main", "Optuna sweeps of `mhc fit`, tracked in MLflow"),
+    "compare": Tool("mhc_lightning.reports.cli:main", "table and plots of MLflow runs"),
+    "report": Tool("mhc_lightning.reports.cli:report_main",
+                   "runs grouped by tags, mean +- std over seeds (= mhc compare --group-by)"),
+    "grid": Tool("mhc_lightning.grid:main", "a grid of `mhc fit` runs in parallel processes"),
 }
 
 
@@ -98,7 +102,9 @@ class MHCLightningCLI(LightningCLI):
         except (ValueError, TypeError) as err:
             (self._subcommand_parsers[sub] if sub else parser).error(f"invalid model configuration: {err}")
         # Inputs are checked here, not later: Lightning next replaces the model config by the checkpoint's
-        # hyperparameters, and the loggers (which create the MLflow run) do not exist yet.
+        # hyperparameters, and the loggers (which create the MLflow run) do not exist yet. `--ckpt_path last` first
+        # becomes the earlier run's own checkpoint (resume.py), so that it is checked like any other.
+        resolve_last(self.config, sub)
         self.checkpoint_info = check_inputs(sub, cfg) if sub else None
 
     def before_instantiate_classes(self) -> None:
@@ -118,19 +124,24 @@ class MHCLightningCLI(LightningCLI):
 
 
 def build_cli(args: Optional[list[str]] = None, run: bool = True, exit_on_error: bool = True,
-              **kwargs) -> MHCLightningCLI:
-    """The project's LightningCLI. exit_on_error=False: parser errors raise ArgumentError instead of
-    printing the usage and exiting (`main` prints them as one line)."""
+              cli_class: type = MHCLightningCLI, **kwargs) -> MHCLightningCLI:
+    """The project's LightningCLI, with conf/base.yaml as every subcommand's default config (configs.py).
+    exit_on_error=False: parser errors raise ArgumentError instead of printing the usage and exiting (`main`
+    prints them as one line)."""
     set_parsing_settings(omegaconf_absolute_to_relative_paths=True)
     kwargs.setdefault("save_config_callback", MLflowSaveConfig)
     defaults = dict(kwargs.pop("trainer_defaults", None) or {})
     given = defaults.get("callbacks") or []
     defaults["callbacks"] = [FinalValidation(), *(given if isinstance(given, list) else [given])]
-    return MHCLightningCLI(
+    pk = parser_kwargs({"parser_mode": "omegaconf+", "default_env": False, "exit_on_error": exit_on_error}, run)
+    pk["prog"] = "mhc"
+    for name, text in TRAINER_COMMANDS.items():
+        if run:
+            pk[name] = {**pk.get(name, {}), "description": text}
+    return cli_class(
         LitLM,
         ByteTextDataModule,
-        parser_kwargs={"prog": "mhc", "parser_mode": "omegaconf+", "default_env": False, "exit_on_error": exit_on_error,
-                       **{name: {"description": text} for name, text in TRAINER_COMMANDS.items()}},
+        parser_kwargs=pk,
         trainer_defaults=defaults,
         args=args,
         run=run,
@@ -180,6 +191,7 @@ def fail(command: str, message: str) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
+    die_with_parent()  # started by `mhc grid` / `mhc sweep` / DDP rank 0: do not outlive it
     args = sys.argv[1:] if argv is None else list(argv)
     if not args or args[0] in ("-h", "--help"):
         print(overview())
@@ -191,7 +203,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         sys.exit(EXIT_USER_ERROR)
     try:
         if command in TOOLS:
-            sys.exit(importlib.import_module(TOOLS[command].module).main(args[1:]))
+            module, _, func = TOOLS[command].target.partition(":")
+            sys.exit(getattr(importlib.import_module(module), func)(args[1:]))
         check_config_files(args)
         with warnings.catch_warnings():
             # main(argv) called from Python (tests, tools) passes argv on; sys.argv is its caller's, not ours

@@ -70,31 +70,3 @@ def summarize(recorded: dict[str, torch.Tensor]) -> tuple[dict[str, float], dict
         per_layer["h_res_dist_identity"], per_layer["h_res_dist_uniform"] = (
             d.mean(dim=1).tolist() for d in h_res_distances(h_res))
     return scalars, per_layer
-
-
-def plot_per_layer(per_layer: dict[str, list[float]], title: str):
-    """Amax gain vs layer (single and composite, fwd and bwd) as a matplotlib figure."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), constrained_layout=True)
-    for ax, kind in zip(axes, ("single", "composite")):
-        for key, style in (("fwd", "-o"), ("bwd", "-s")):
-            ys = per_layer[f"{kind}_{key}_max"]
-            ax.plot(range(len(ys)), ys, style, ms=3, label=f"{key} (max over tokens)")
-            ax.plot(range(len(ys)), per_layer[f"{kind}_{key}_tokmean"], "--", label=f"{key} (token-mean matrix)")
-        ax.axhline(1.0, color="grey", lw=0.8)
-        values = [v for key in ("fwd", "bwd") for v in per_layer[f"{kind}_{key}_max"]]
-        if max(values) > 20:  # HC blow-ups span orders of magnitude
-            ax.set_yscale("log")
-        else:  # keep 1.0 in view; mHC sits within 1e-6 of it and an offset axis would hide that
-            ax.set_ylim(min(0.9, min(values) - 0.05), max(1.1, max(values) + 0.05))
-            ax.ticklabel_format(axis="y", useOffset=False)
-        ax.set_xlabel("sublayer l" + (" (product l..L-1)" if kind == "composite" else ""))
-        ax.set_ylabel("Amax gain")
-        ax.set_title(f"{kind} H_res")
-        ax.legend(fontsize=7)
-    fig.suptitle(title)
-    return fig

@@ -2,13 +2,13 @@
 
 Lightning owns process management; this module only answers questions that need every rank:
 
-- collective decisions: `any_rank`, `max_across_ranks`, `mean_across_ranks`, `broadcast_from_rank0`. A stability
-  verdict taken from rank-local values (a loss, a probe batch) must go through one of these before it changes the
-  weights, or the ranks diverge (one skips an update or rolls back, the other does not);
+- `mean_across_ranks`, `gather_objects`: a value from every rank (a stability verdict taken from rank-local values
+  must be reduced before it changes the weights, or the ranks diverge; the callbacks use Lightning's
+  `strategy.reduce_boolean_decision` / `broadcast` for yes/no decisions);
 - `reduce_diagnostics`: the mHC diagnostics of one recorded sequence per rank, reduced so every rank holds the same
   numbers (so callbacks that act on them decide the same way, and rank 0 logs the worst over all ranks);
-- `digest` / `ranks_in_sync` and the `RankConsistencyCheck` callback: every rank holds bitwise the same weights
-  (and optimizer state) — the invariant DDP keeps and that a rollback must keep.
+- `digest` / `state_digests` / `ranks_in_sync`: every rank holds bitwise the same weights (and optimizer state), the
+  invariant DDP keeps and that a rollback must keep (checked by callbacks/rank_consistency.py).
 
 Every helper is a no-op returning the local answer when torch.distributed is not initialised (single process).
 Collectives must be called by every rank in the same order: only call them under rank-uniform conditions
@@ -17,14 +17,10 @@ Collectives must be called by every rank in the same order: only call them under
 from __future__ import annotations
 
 import hashlib
-import json
-from pathlib import Path
-from typing import Any, Iterable, Literal, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_warn
 
 
 def dist_ready() -> bool:
@@ -46,21 +42,7 @@ def _collective_device(device: Optional[torch.device]) -> torch.device:
     return torch.device("cpu")
 
 
-# ---- collective decisions -----------------------------------------------------------------------
-def max_across_ranks(value: float, device: Optional[torch.device] = None) -> float:
-    """The largest of every rank's `value` (e.g. the severity index of each rank's stability action)."""
-    if world_size() == 1:
-        return value
-    t = torch.tensor([float(value)], dtype=torch.float64, device=_collective_device(device))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
-def any_rank(flag: bool, device: Optional[torch.device] = None) -> bool:
-    """True on every rank when `flag` is true on at least one."""
-    return max_across_ranks(1.0 if flag else 0.0, device) > 0.5
-
-
+# ---- values from every rank ---------------------------------------------------------------------
 def mean_across_ranks(value: torch.Tensor | float, device: Optional[torch.device] = None) -> torch.Tensor:
     """Mean over ranks (e.g. the loss of the global batch from each rank's share; shares are equal under DDP)."""
     t = torch.as_tensor(value, dtype=torch.float64).detach().clone()
@@ -69,15 +51,6 @@ def mean_across_ranks(value: torch.Tensor | float, device: Optional[torch.device
     t = t.to(_collective_device(device))
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t / world_size()
-
-
-def broadcast_from_rank0(obj: Any) -> Any:
-    """Rank 0's `obj` on every rank (pickled; for small decisions, not tensors of weights)."""
-    if world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def gather_objects(obj: Any) -> list[Any]:
@@ -178,74 +151,9 @@ def ranks_in_sync(trainer, pl_module) -> tuple[bool, list[dict[str, str]]]:
     return all(d == everyone[0] for d in everyone), everyone
 
 
-def _sharded(trainer) -> bool:
+def sharded(trainer) -> bool:
     # FSDP / model-parallel ranks hold different shards by design; their digests are not comparable.
     from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
     s = trainer.strategy
     return not isinstance(s, (DDPStrategy, SingleDeviceStrategy)) or "DeepSpeed" in type(s).__name__
-
-
-class RankConsistencyCheck(Callback):
-    """Check that every rank holds the same weights and optimizer state (DDP's invariant).
-
-    Cheap enough for every run at fit end (one hash of the state per rank, one small all_gather); with
-    `every_n_steps` also during training, e.g. right after rollbacks or other callbacks that touch weights.
-
-    Args:
-        every_n_steps: also check after every n-th optimizer step (0 = only at the end of fit).
-        on_mismatch: "raise" (RuntimeError naming the ranks that differ) or "warn".
-        dirpath: each rank also writes rank<r>.json there (global_step and digests), for tests and post-mortems.
-    """
-
-    def __init__(self, every_n_steps: int = 0, on_mismatch: Literal["raise", "warn"] = "raise",
-                 dirpath: Optional[str] = None):
-        super().__init__()
-        if not isinstance(every_n_steps, int) or every_n_steps < 0:
-            raise ValueError(f"RankConsistencyCheck.every_n_steps must be an integer >= 0, got {every_n_steps!r}")
-        if on_mismatch not in ("raise", "warn"):
-            raise ValueError(f"RankConsistencyCheck.on_mismatch must be 'raise' or 'warn', got {on_mismatch!r}")
-        self.every_n_steps, self.on_mismatch = every_n_steps, on_mismatch
-        self.dirpath = Path(dirpath) if dirpath is not None else None
-        self.checks = 0
-        self.mismatch_steps: list[int] = []
-        self._warned_sharded = False
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        k = self.every_n_steps
-        if k and trainer.global_step % k == 0:
-            self.check(trainer, pl_module)
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        self.check(trainer, pl_module)
-
-    def check(self, trainer, pl_module) -> bool:
-        if _sharded(trainer):
-            if not self._warned_sharded:
-                self._warned_sharded = True
-                rank_zero_warn(f"RankConsistencyCheck: {type(trainer.strategy).__name__} shards the state across "
-                               "ranks; nothing to compare.")
-            return True
-        ok, everyone = ranks_in_sync(trainer, pl_module)
-        self.checks += 1
-        step = trainer.global_step
-        if not ok:
-            self.mismatch_steps.append(step)
-        if self.dirpath is not None:
-            self.dirpath.mkdir(parents=True, exist_ok=True)
-            record = {"rank": trainer.global_rank, "world_size": trainer.world_size, "global_step": step,
-                      **everyone[trainer.global_rank], "in_sync": ok, "checks": self.checks,
-                      "mismatch_steps": self.mismatch_steps}
-            (self.dirpath / f"rank{trainer.global_rank}.json").write_text(json.dumps(record, indent=1))
-        if trainer.global_rank == 0:
-            for lg in trainer.loggers:
-                lg.log_metrics({"dist/ranks_in_sync": float(ok)}, step=step)
-        if not ok:
-            differ = [r for r, d in enumerate(everyone) if d != everyone[0]]
-            msg = (f"RankConsistencyCheck: at global_step {step} ranks {differ} hold different weights or optimizer "
-                   f"state than rank 0 (digests {everyone}). Something changed the state on some ranks only, "
-                   "e.g. a callback acting on a rank-local value without a collective decision.")
-            if self.on_mismatch == "raise":
-                raise RuntimeError(msg)
-            rank_zero_warn(msg)
-        return ok

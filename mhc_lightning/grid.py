@@ -1,31 +1,43 @@
-"""Run a grid of `mhc fit` runs (variants x axes) as parallel processes, each tracked in MLflow.
+"""`mhc grid`: a grid of `mhc fit` runs (variants x axes) as parallel child processes, each tracked in MLflow.
 
-A grid file names base configs, named variants (sets of overrides) and axes (lists of values);
-every combination is one `mhc fit` process, so a grid run is exactly what the CLI would run.
+A grid file names base configs, named variants (sets of overrides) and axes (lists of values); every combination is
+one `mhc fit` process, so a grid run is exactly what the CLI would run.
     mhc grid conf/experiments/stability_grid.yaml --parallel 8 [--dry-run] [--set KEY=VALUE ...]
-Runs get the tags variant / <axis> / grid so that `mhc compare` can group them (mean +- std over seeds).
+Runs get the tags variant / <axis> / grid so that `mhc compare --group-by` can group them (mean +- std over seeds).
+
+Not an Optuna sweep with a grid sampler: a grid has no objective to report, its runs are plain `mhc fit` runs named
+and tagged for the grouped report (docs/results.md reads those tags), and a study storage would add nothing to that.
 """
+from __future__ import annotations
+
 import argparse
 import itertools
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import yaml
+
+from .errors import UserError
 
 AXIS_SHORT = {"model.arch.n_layers": "L", "seed_everything": "s"}
 
 
+class GridError(UserError):
+    """A grid file that cannot run; the message names the file and the key."""
+
+
 def load_grid(path: Path) -> dict:
-    spec = yaml.safe_load(path.read_text())
+    if not Path(path).is_file():
+        raise GridError(f"grid file {str(path)!r} not found")
+    spec = yaml.safe_load(Path(path).read_text())
     for key in ("experiment", "configs", "variants"):
-        if key not in spec:
-            raise ValueError(f"{path}: missing required key {key!r} (needs experiment, configs, variants, axes)")
+        if not isinstance(spec, dict) or key not in spec:
+            raise GridError(f"{path}: missing required key {key!r} (needs experiment, configs, variants, axes)")
     if not isinstance(spec["variants"], dict) or not spec["variants"]:
-        raise ValueError(f"{path}: 'variants' must be a non-empty mapping of name -> overrides")
+        raise GridError(f"{path}: 'variants' must be a non-empty mapping of name -> overrides")
     spec.setdefault("axes", {})
     return spec
 
@@ -54,13 +66,15 @@ def expand(spec: dict, root: Path, extra: list[str]) -> list[tuple[str, dict, li
     return runs
 
 
-def prepare_store(experiment: str):
-    """Create the tracking store and experiment once: parallel first runs would race on both."""
-    import mlflow
+def prepare_store(uri: str, experiment: str):
+    """Create the tracking store and the experiment once, before the runs: parallel first runs would race on both."""
+    from mlflow import MlflowClient
 
-    client = mlflow.MlflowClient(os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db"))
-    exp = client.get_experiment_by_name(experiment)
-    return client, exp.experiment_id if exp else client.create_experiment(experiment)
+    from .loggers.store import check_tracking, ensure_experiment
+
+    check_tracking(uri)
+    client = MlflowClient(uri)
+    return client, ensure_experiment(client, experiment)
 
 
 def tag_runs(client, experiment_id: str, name: str, tags: dict) -> None:
@@ -71,17 +85,7 @@ def tag_runs(client, experiment_id: str, name: str, tags: dict) -> None:
             client.set_tag(run.info.run_id, k, str(v))
 
 
-def _visible_gpus() -> int:
-    """CUDA devices the children may use (0 without CUDA); counted without initialising CUDA in this process."""
-    try:
-        import torch
-
-        return torch.cuda.device_count()
-    except Exception:
-        return 0
-
-
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mhc grid", description=__doc__.split("\n")[0])
     p.add_argument("grid", type=Path)
     p.add_argument("--parallel", type=int, default=1, help="processes at once (they share the device)")
@@ -90,46 +94,50 @@ def main(argv=None) -> int:
     p.add_argument("--dry-run", action="store_true")
     p.add_argument("--skip-finished", action="store_true",
                    help="skip runs whose name already has a FINISHED run in the experiment (continue a grid in parts)")
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from .launcher import describe_exit, mhc_command, run_parallel
+    from .loggers.store import default_tracking_uri
+
+    p = build_parser()
     args = p.parse_args(argv)
     if args.parallel < 1:
         p.error(f"--parallel must be >= 1, got {args.parallel}")
-    spec = load_grid(args.grid)
+    try:
+        spec = load_grid(args.grid)
+    except GridError as err:
+        print(f"mhc grid: error: {err}", file=sys.stderr)
+        return 2
     root = Path(__file__).resolve().parents[1]
     runs = expand(spec, root if (root / spec["configs"][0]).exists() else Path.cwd(), [f"--{s}" for s in args.set])
     if args.dry_run:
         for name, _, a in runs:
             print(name, " ".join(a))
         return 0
-    client, exp_id = prepare_store(spec["experiment"])
+    client, exp_id = prepare_store(default_tracking_uri(), spec["experiment"])
     if args.skip_finished:
         done = {r.info.run_name for r in client.search_runs([exp_id], filter_string="attributes.status = 'FINISHED'")}
         runs = [r for r in runs if r[0] not in done]
         print(f"{len(done)} runs already finished; {len(runs)} to go")
-    args.logs.mkdir(parents=True, exist_ok=True)
-    exe = [sys.executable, "-m", "mhc_lightning.cli"]
-    pending, active, failed = list(runs), [], []
-    gpus, started = _visible_gpus(), 0
+    tags = {name: t for name, t, _ in runs}
+    failed: list[str] = []
     t0 = time.time()
-    while pending or active:
-        while pending and len(active) < args.parallel:
-            name, tags, a = pending.pop(0)
-            log = open(args.logs / f"{name}.log", "w")
-            env = dict(os.environ)
-            if gpus > 1:  # spread the runs over the visible GPUs, round robin
-                env["CUDA_VISIBLE_DEVICES"] = str(started % gpus)
-            started += 1
-            active.append((name, tags, subprocess.Popen(exe + a, stdout=log, stderr=subprocess.STDOUT, env=env), log))
-        time.sleep(0.5)
-        for item in list(active):
-            name, tags, proc, log = item
-            if proc.poll() is not None:
-                active.remove(item)
-                log.close()
-                tag_runs(client, exp_id, name, tags)
-                status = "ok" if proc.returncode == 0 else f"FAILED ({proc.returncode})"
-                if proc.returncode:
-                    failed.append(name)
-                print(f"[{time.time() - t0:7.1f}s] {name}: {status}", flush=True)
+
+    def on_done(name: str, code: int) -> None:
+        tag_runs(client, exp_id, name, tags[name])
+        if code:
+            failed.append(name)
+        print(f"[{time.time() - t0:7.1f}s] {name}: {'ok' if code == 0 else f'FAILED ({describe_exit(code)})'}",
+              flush=True)
+
+    jobs = [(name, mhc_command() + a, args.logs / f"{name}.log") for name, _, a in runs]
+    try:
+        run_parallel(jobs, args.parallel, on_done, spread_gpus=True)  # several GPUs: round robin
+    except KeyboardInterrupt as err:
+        print(f"mhc grid: interrupted ({err}); `--skip-finished` continues the grid", file=sys.stderr)
+        return 130
     print(f"{len(runs) - len(failed)}/{len(runs)} runs finished; failed: {failed or 'none'}")
     return 1 if failed else 0
 

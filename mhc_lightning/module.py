@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torchmetrics import MeanMetric
 from torchmetrics.text import Perplexity
 
-from .diagnostics import plot_per_layer, summarize
+from .diagnostics import summarize
 from .distributed import reduce_diagnostics
 from .model import GPT, GPTConfig, HyperConfig
 from .model.compiled import compile_model
@@ -252,7 +252,9 @@ class LitLM(L.LightningModule):
             if isinstance(lg, MLFlowLogger):
                 step = self.global_step
                 lg.experiment.log_dict(lg.run_id, self.last_per_layer, f"diagnostics/per_layer_step{step:07d}.json")
-                fig = plot_per_layer(self.last_per_layer, f"{self.arch.hyper.residual_mode}, step {step}")
+                from .reports.plots import diagnostics_figure
+
+                fig = diagnostics_figure(self.last_per_layer, f"{self.arch.hyper.residual_mode}, step {step}")
                 lg.experiment.log_figure(lg.run_id, fig, f"diagnostics/amax_per_layer_step{step:07d}.png")
                 import matplotlib.pyplot as plt
 

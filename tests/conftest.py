@@ -28,7 +28,7 @@ def tiny_corpus(tmp_path: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def _mlflow_template(tmp_path_factory) -> Path:
-    """One migrated SQLite store per session: creating one runs alembic migrations (~3 s)."""
+    """One migrated SQLite store per session: creating one runs all of alembic's migrations, which is slow."""
     import mlflow
 
     path = tmp_path_factory.mktemp("mlflow_template") / "mlflow.db"

@@ -1,8 +1,12 @@
-"""Shared test helpers: generated English-like text and tiny CLI argument lists."""
+"""Shared test helpers: generated English-like text, tiny CLI argument lists, and a handshake with a running fit."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
+
+import lightning as L
+import yaml
 
 from mhc_lightning.data.synthetic import english_like_text
 
@@ -15,7 +19,7 @@ make_text = english_like_text
 
 def mlflow_logger_arg(tracking_uri: str, experiment: str = "tests", run_name: str = "test", **extra) -> str:
     init = {"experiment_name": experiment, "run_name": run_name, "tracking_uri": tracking_uri, **extra}
-    return "--trainer.logger=" + json.dumps({"class_path": "lightning.pytorch.loggers.MLFlowLogger", "init_args": init})
+    return "--trainer.logger=" + json.dumps({"class_path": "mhc_lightning.loggers.ResilientMLFlowLogger", "init_args": init})
 
 
 def tiny_fit_args(corpus: Path, tracking_uri: str, root: Path, mode: str = "mhc", steps: int = 4,
@@ -30,3 +34,50 @@ def tiny_fit_args(corpus: Path, tracking_uri: str, root: Path, mode: str = "mhc"
         "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
         mlflow_logger_arg(tracking_uri, experiment, run_name),
     ]
+
+
+def handshake_arg(dirpath: Path, steps: list[int]) -> str:
+    """`mhc fit` argument adding the Handshake callback below (the process needs tests/ on PYTHONPATH)."""
+    return "--trainer.callbacks+=" + json.dumps({"class_path": "helpers.Handshake",
+                                                 "init_args": {"dirpath": str(dirpath), "steps": steps}})
+
+
+def wait_for(path: Path, timeout: float = 300, proc=None, log: Path = None) -> None:
+    """Until `path` exists; fail early if `proc` (a subprocess) ended meanwhile."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"process ended ({proc.returncode}) before {path.name}:\n"
+                                 + (log.read_text()[-3000:] if log else ""))
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path} did not appear within {timeout} s")
+        time.sleep(0.1)
+
+
+class Handshake(L.Callback):
+    """For fault tests driven from outside a `mhc fit` process: before each of `steps`, write <dirpath>/at<step> and
+    wait (up to `timeout` s) for <dirpath>/go<step>, so the test can break something at a known step."""
+
+    def __init__(self, dirpath: str, steps: list[int], timeout: float = 600):
+        self.dirpath, self.steps, self.timeout = Path(dirpath), set(steps), timeout
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if step in self.steps and trainer.global_rank == 0:
+            self.dirpath.mkdir(parents=True, exist_ok=True)
+            (self.dirpath / f"at{step}").write_text(str(step))
+            wait_for(self.dirpath / f"go{step}", self.timeout)
+
+
+def derived_spec(path: Path, name: str, **changes) -> Path:
+    """sweeps/smoke.yaml with another name and test settings; base configs made absolute."""
+    d = yaml.safe_load((REPO / "sweeps" / "smoke.yaml").read_text())
+    d["name"] = name
+    d["base"] = [str(REPO / b) for b in d["base"]]
+    for k, v in changes.items():
+        if k in ("fixed", "budget", "storage"):
+            d[k].update(v)
+        else:
+            d[k] = v
+    path.write_text(yaml.safe_dump(d, sort_keys=False))
+    return path

@@ -52,6 +52,7 @@ def test_bad_action_in_yaml_is_rejected_naming_the_field(tiny_corpus, mlflow_uri
     assert "on_loss_spike" in err and "explode" in err
 
 
+@pytest.mark.slow
 def test_killed_fit_resumes_from_last_and_equals_uninterrupted(tiny_corpus, mlflow_uri, tmp_path):
     """SIGKILL a `python -m mhc_lightning.cli fit` with the stability preset at step 7 (last checkpoint: step 6,
     debug preset validates and checkpoints every 2 steps), resume with --ckpt_path last, compare with a
@@ -80,7 +81,7 @@ def test_killed_fit_resumes_from_last_and_equals_uninterrupted(tiny_corpus, mlfl
     resume = _args(tiny_corpus, mlflow_uri, killed_root, steps, run_id=ckpt_dir.parent.name) + ["--ckpt_path", "last"]
     done = subprocess.run(cmd + resume, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    assert "GradientSnapshots: resuming the train loader at epoch 0, batch 6" in done.stdout + done.stderr
+    assert f"resuming MLflow run {ckpt_dir.parent.name}" in done.stderr and "not resumable" not in done.stderr
 
     with one_thread():  # the straight run, in-process (same thread count as the subprocesses)
         build_cli(_args(tiny_corpus, mlflow_uri, full_root, steps, experiment="straight"))
@@ -95,3 +96,99 @@ def test_killed_fit_resumes_from_last_and_equals_uninterrupted(tiny_corpus, mlfl
     assert all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
     assert a["callbacks"]["SinkhornScheduler"]["iters"] == b["callbacks"]["SinkhornScheduler"]["iters"]
     assert a["callbacks"]["InstabilityDetector"]["losses"] == b["callbacks"]["InstabilityDetector"]["losses"]
+
+
+# ---- the documented resume command (issue 14, item 2) ----------------------------------------------------------------
+QUICKSTART = str(CONF / "quickstart.yaml")
+
+
+def _quickstart(corpus, uri: str, root: Path, *extra: str) -> list[str]:
+    """`mhc fit -c conf/quickstart.yaml` made tiny: 12 steps, validation and checkpoint every 4, every step logged."""
+    return [str(Path(sys.executable).with_name("mhc")), "fit", "-c", QUICKSTART, f"--data.corpus={corpus}",
+            "--data.seq_len=32", "--data.batch_size=4", "--model.arch.n_layers=1", "--model.arch.d_model=32",
+            "--model.arch.n_heads=2", "--trainer.max_steps=12", "--trainer.val_check_interval=4",
+            "--trainer.limit_val_batches=2", "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false",
+            "--trainer.enable_model_summary=false", f"--trainer.default_root_dir={root}",
+            f"--trainer.logger.init_args.tracking_uri={uri}", *extra]
+
+
+def _history(client, run_id: str, key: str) -> list[tuple[int, float]]:
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+
+
+@pytest.mark.slow
+def test_killed_quickstart_resumes_the_same_run_with_ckpt_path_last(tiny_corpus, tmp_path):
+    """SIGKILL `mhc fit -c conf/quickstart.yaml` before step 7 (last checkpoint: step 4), then run the same command with
+    `--ckpt_path last`: the same MLflow run continues and ends FINISHED, no metric step is logged twice, and every
+    logged value equals an uninterrupted run's (so the data order continued where the checkpoint stopped)."""
+    import mlflow
+
+    from helpers import handshake_arg, wait_for
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    uri, straight_uri = f"sqlite:///{tmp_path / 'mlflow.db'}", f"sqlite:///{tmp_path / 'straight.db'}"
+    hs, log = tmp_path / "handshake", tmp_path / "killed.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(_quickstart(tiny_corpus, uri, tmp_path / "runs", handshake_arg(hs, [7])),
+                                cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for(hs / "at7", proc=proc, log=log)
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+
+    killed = mlflow.MlflowClient(uri).search_runs([mlflow.MlflowClient(uri).get_experiment_by_name("quickstart")
+                                                   .experiment_id])[0]
+    # steps 4-6 were logged after the step-4 checkpoint: the resumed run trains them again and must not log them twice
+    assert [s for s, _ in _history(mlflow.MlflowClient(uri), killed.info.run_id, "train/loss")] == list(range(7))
+
+    no_ckpt = subprocess.run(_quickstart(tiny_corpus, uri, tmp_path / "elsewhere", "--ckpt_path", "last",
+                                         "--trainer.logger.init_args.run_name=never-ran"),
+                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert no_ckpt.returncode == 2 and "Traceback" not in no_ckpt.stderr
+    assert "mhc: error: --ckpt_path last: no checkpoint of an earlier training run named 'never-ran'" in no_ckpt.stderr
+
+    resumed = subprocess.run(_quickstart(tiny_corpus, uri, tmp_path / "runs", "--ckpt_path", "last"), cwd=tmp_path,
+                             env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming MLflow run" in resumed.stderr and "not resumable" not in resumed.stdout + resumed.stderr
+    straight = subprocess.run(_quickstart(tiny_corpus, straight_uri, tmp_path / "straight"), cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+
+    client, reference = mlflow.MlflowClient(uri), mlflow.MlflowClient(straight_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("quickstart").experiment_id])
+    (ref,) = reference.search_runs([reference.get_experiment_by_name("quickstart").experiment_id])
+    assert run.info.status == "FINISHED"
+    for key in ("train/loss", "train/grad_norm", "val/loss"):
+        got, want = _history(client, run.info.run_id, key), _history(reference, ref.info.run_id, key)
+        assert [s for s, _ in got] == [s for s, _ in want], key  # each step once, none missing
+        assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-6), key
+    assert [s for s, _ in _history(client, run.info.run_id, "train/loss")] == list(range(12))
+    print("[figures] resume: killed before step 7, checkpoint of step 4; 12/12 steps once each, values = straight run")
+
+
+@pytest.mark.slow
+def test_log_model_keeps_the_one_copy_in_mlflow_and_resume_downloads_it(tiny_corpus, mlflow_uri, tmp_path):
+    """Checkpoint policy (issue 15): with `log_model: true` the checkpoints end up as run artifacts only (the local files
+    are removed once uploaded); `--ckpt_path last` then fetches last.ckpt from the run and continues the same run."""
+    import mlflow
+
+    from mhc_lightning.cli import main
+
+    root = tmp_path / "root"
+    args = tiny_fit_args(tiny_corpus, mlflow_uri, root, steps=4, run_name="one-copy")
+    args += ["--trainer.logger.init_args.log_model=true", "--trainer.log_every_n_steps=1"]
+    main(args)
+    client = mlflow.MlflowClient(mlflow_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
+    assert "last/last.ckpt" in {a.path for a in client.list_artifacts(run.info.run_id, "last")}
+    assert not list(root.rglob("*.ckpt"))  # one copy: in MLflow
+
+    main([a if not a.startswith("--trainer.max_steps") else "--trainer.max_steps=6" for a in args]
+         + ["--ckpt_path", "last"])
+    (again,) = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
+    assert again.info.run_id == run.info.run_id and again.info.status == "FINISHED"
+    assert [m.step for m in sorted(client.get_metric_history(run.info.run_id, "train/loss"), key=lambda m: m.step)] \
+        == list(range(6))

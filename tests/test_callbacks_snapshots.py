@@ -144,30 +144,47 @@ def test_rollback_cap_stops_with_clear_error(tiny_corpus):
         tiny_fit(tiny_corpus, [CorruptBatchAt(35, 38), _detector(), snaps], steps=45)
 
 
-def test_resume_mid_epoch_equals_uninterrupted(tmp_path):
-    """In-process: a checkpoint in epoch 1 resumed with a fresh Trainer ends bitwise equal to the straight run.
+@pytest.mark.slow
+def test_resume_mid_epoch_equals_uninterrupted(tmp_path, monkeypatch):
+    """In-process: a checkpoint in epoch 1 resumed with a fresh Trainer ends bitwise equal to the straight run, with the
+    stability callbacks' state restored and no Lightning "dataloader is not resumable" warning.
 
-    The corpus is small (22 batches per epoch), so the run crosses an epoch and the checkpoint is mid-epoch.
-    Without resumable_data the resumed epoch restarts from the permutation's beginning and the runs differ.
+    The corpus is small (22 batches per epoch), so the run crosses an epoch and the checkpoint is mid-epoch. The
+    datamodule's train loader is stateful (Lightning saves its position); with a plain DataLoader in its place the
+    resumed epoch restarts from the permutation's beginning and the runs differ.
     """
+    import warnings
+
+    from torch.utils.data import DataLoader
+
+    from mhc_lightning.data import ByteTextDataModule
+
     corpus = tmp_path / "small.txt"
     corpus.write_text(make_text(3_000, seed=3))
 
-    def run(resumable: bool, tag: str, ckpt_path=None):
+    def run(tag: str, ckpt_path=None):
         ckpt = ModelCheckpoint(dirpath=tmp_path / tag, every_n_train_steps=25, save_top_k=-1)
-        cbs = [InstabilityDetector(), GradientSnapshots(every_n_steps=10, resumable_data=resumable),
-               SinkhornScheduler(every=5), ckpt]
-        trainer, module = tiny_fit(corpus, cbs, steps=30, enable_checkpointing=True, ckpt_path=ckpt_path)
+        cbs = [InstabilityDetector(), GradientSnapshots(every_n_steps=10), SinkhornScheduler(every=5), ckpt]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer, module = tiny_fit(corpus, cbs, steps=30, enable_checkpointing=True, ckpt_path=ckpt_path)
         assert trainer.num_training_batches == 22  # so step 25 is in epoch 1 (the checkpoint name says so)
-        return module.model.state_dict(), trainer
+        for w in caught:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)  # pass them on (pytest.warns below)
+        return module.model.state_dict(), trainer, [w for w in caught if "not resumable" in str(w.message)]
 
-    straight, _ = run(True, "a")
-    resumed, trainer = run(True, "b", ckpt_path=str(tmp_path / "a" / "epoch=1-step=25.ckpt"))
-    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    straight, _, _ = run("a")
+    resumed, trainer, not_resumable = run("b", ckpt_path=str(tmp_path / "a" / "epoch=1-step=25.ckpt"))
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight) and not not_resumable
     sched = next(cb for cb in trainer.callbacks if isinstance(cb, SinkhornScheduler))
     assert [l.sinkhorn_iters for l in trainer.lightning_module.model.sublayers] == sched.iters
 
-    plain, _ = run(False, "c", ckpt_path=str(tmp_path / "a" / "epoch=1-step=25.ckpt"))
+    plain_loader = ByteTextDataModule._loader
+    monkeypatch.setattr(ByteTextDataModule, "_loader",
+                        lambda self, dataset, loader=DataLoader, **kw: plain_loader(self, dataset, DataLoader, **kw))
+    with pytest.warns(UserWarning, match="not resumable"):
+        run("c")
+        plain, _, _ = run("d", ckpt_path=str(tmp_path / "c" / "epoch=1-step=25.ckpt"))
     assert not all(torch.equal(straight[k], plain[k]) for k in straight)
 
 

@@ -10,7 +10,7 @@ import pytest
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param
 
-from mhc_lightning.compare import main as compare_main
+from mhc_lightning.reports.cli import main as compare_main
 
 TAB = [(0.12, 0.47, 0.71), (1.0, 0.50, 0.05), (0.17, 0.63, 0.17)]  # matplotlib C0, C1, C2
 
@@ -121,3 +121,42 @@ def test_compare_errors(mlflow_uri, tmp_path, capsys):
     assert f"http://127.0.0.1:{port}" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         compare_main(["--experiment", "a", "--study", "b"])  # exactly one selection
+
+
+def test_evaluation_runs_are_kept_apart_and_never_mislabelled(runs, mlflow_uri, tmp_path):
+    """An `mhc validate` run (tag stage=validate) shares the training run's name and config but trained nothing: it is
+    left out by default, included (and marked) with --include-eval, and the Amax plot's caption names it for what it
+    is, not as a residual baseline."""
+    from mhc_lightning.reports.compare import layers_caption
+    from mhc_lightning.reports.runs import load, search
+
+    client, ids = runs
+    exp = client.get_experiment_by_name("cmp").experiment_id
+    ev = client.create_run(exp, run_name="mhc-run", tags={"stage": "validate"}).info.run_id
+    client.log_metric(ev, "val/loss", 1.9)
+    client.set_terminated(ev, "FINISHED")
+    out = tmp_path / "default"
+    assert compare_main(["--experiment", "cmp", "--tracking-uri", mlflow_uri, "--out", str(out), "--no-log"]) == 0
+    rows = list(csv.DictReader(open(out / "runs.csv")))
+    assert ev not in {r["run_id"] for r in rows} and len(rows) == 3 and "stage" not in rows[0]
+    out = tmp_path / "with_eval"
+    assert compare_main(["--experiment", "cmp", "--tracking-uri", mlflow_uri, "--out", str(out), "--no-log",
+                         "--include-eval"]) == 0
+    rows = {r["run_id"]: r for r in csv.DictReader(open(out / "runs.csv"))}
+    assert rows[ev]["stage"] == "validate" and rows[ids["mhc"]]["stage"] == "fit"
+
+    data = load(mlflow_uri, search(mlflow_uri, experiment="cmp", include_evaluation=True), [])
+    have = [d for d in data if d.per_layer]
+    caption = layers_caption(data, have)
+    assert "mhc-run [validate] (validate run: no training steps)" in caption
+    assert "res-run (residual: one stream, no H_res)" in caption
+    assert caption.count("residual") == 1  # only the residual run is called one
+
+
+def test_only_evaluation_runs_is_a_clear_error(mlflow_uri, tmp_path, capsys):
+    client = MlflowClient(mlflow_uri)
+    exp = client.create_experiment("evals")
+    client.set_terminated(client.create_run(exp, run_name="v", tags={"stage": "test"}).info.run_id, "FINISHED")
+    assert compare_main(["--experiment", "evals", "--tracking-uri", mlflow_uri, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "only evaluation runs" in err and "--include-eval" in err

@@ -75,7 +75,7 @@ def test_ports_agree_with_commands_and_healthchecks():
     assert "--port 5000" in ml and "--host 0.0.0.0" in ml and "--serve-artifacts" in ml
     assert "localhost:5000/health" in flat(SERVICES["mlflow"]["healthcheck"]["test"])
     dash = SERVICES["optuna-dashboard"]
-    assert dash["command"][dash["command"].index("--port") + 1] == "8080"
+    assert "port=8080" in flat(dash["entrypoint"]) and "host='0.0.0.0'" in flat(dash["entrypoint"])
     assert "localhost:8080/api/studies" in flat(dash["healthcheck"]["test"])
 
 
@@ -85,13 +85,14 @@ def test_urls_point_at_the_services_and_databases():
     pg_user, pg_pass = env["POSTGRES_USER"], env["POSTGRES_PASSWORD"]
     assert ml_env["MLFLOW_BACKEND_STORE_URI"] == f"postgresql+psycopg2://{pg_user}:{pg_pass}@postgres:5432/{env['POSTGRES_DB']}"
     assert ml_env["MLFLOW_ARTIFACTS_DESTINATION"] in [v.split(":", 1)[1] for v in SERVICES["mlflow"]["volumes"]]
-    assert "mlflow:5000" in ml_env["MLFLOW_ALLOWED_HOSTS"].split(",")  # containers call the service by name
-    assert f"localhost:{env['MLFLOW_PORT']}" in ml_env["MLFLOW_ALLOWED_HOSTS"].split(",")
+    hosts = ml_env["MLFLOW_SERVER_ALLOWED_HOSTS"].split(",")  # the variable `mlflow server` reads
+    assert "mlflow:5000" in hosts and f"localhost:{env['MLFLOW_PORT']}" in hosts  # containers call it by name
     sweeps_url = f"postgresql+psycopg2://{pg_user}:{pg_pass}@postgres:5432/{env['SWEEPS_DB']}"
     trainer_env = {k: interpolate(str(v), env) for k, v in SERVICES["trainer"]["environment"].items()}
     assert trainer_env["OPTUNA_STORAGE"] == sweeps_url
     assert trainer_env["MLFLOW_TRACKING_URI"] == "http://mlflow:5000"
-    assert interpolate(SERVICES["optuna-dashboard"]["command"][0], env) == sweeps_url  # dashboard reads the same study DB
+    dash_env = {k: interpolate(str(v), env) for k, v in SERVICES["optuna-dashboard"]["environment"].items()}
+    assert dash_env["OPTUNA_STORAGE"] == sweeps_url  # dashboard reads the same study DB
     pg_env = SERVICES["postgres"]["environment"]
     assert {"POSTGRES_USER", "POSTGRES_PASSWORD", "POSTGRES_DB", "SWEEPS_DB"} <= set(pg_env)
     # the init script creates the database named by SWEEPS_DB, as the owner the others log in as
@@ -100,6 +101,20 @@ def test_urls_point_at_the_services_and_databases():
     mount = [v for v in SERVICES["postgres"]["volumes"] if "init-sweeps.sh" in v][0]
     assert mount.split(":")[1].startswith("/docker-entrypoint-initdb.d/")
     assert (REPO / mount.split(":")[0]).is_file()
+
+
+def test_no_password_on_a_command_line_and_no_install_at_start():
+    """Issue 14, item 8: what a service runs (entrypoint, command) holds no credential (`ps` would show it), and no
+    service installs packages when it starts (a restart must not need a package index)."""
+    env = env_example()
+    for name, svc in SERVICES.items():
+        argv = interpolate(flat(svc.get("entrypoint", [])) + " " + flat(svc.get("command", [])), env)
+        assert env["POSTGRES_PASSWORD"] not in argv, name
+        assert "pip install" not in argv, name
+    mlflow_build = SERVICES["mlflow"]["build"]
+    dockerfile = (REPO / mlflow_build / "Dockerfile").read_text()
+    assert re.search(r"^FROM ghcr.io/mlflow/mlflow:v3\.17\.2$", dockerfile, re.M)
+    assert re.search(r"^RUN pip install .*psycopg2-binary", dockerfile, re.M)
 
 
 def test_dependencies_wait_for_health():
@@ -126,7 +141,7 @@ def test_trainer_image_and_command():
 
 def test_the_sweep_command_in_the_image_parses():
     """What the trainer runs (`mhc sweep run <SWEEP_FILE> --workers N`) is a valid invocation here too."""
-    from mhc_lightning.sweeps.runner import build_parser
+    from mhc_lightning.sweeps.cli import build_parser
 
     env = env_example()
     cmd = [interpolate(c, env) for c in SERVICES["trainer"]["command"]]

@@ -104,6 +104,7 @@ def _run(client, experiment: str):
 
 
 # ---- tests ---------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_ddp_matches_single_process_and_writes_one_mlflow_run(tiny_corpus, mlflow_uri, tmp_path):
     """Same global batch (1 x 8 vs 2 x 4, corpus order): same losses step by step, same validation loss,
     one MLflow run for the DDP fit, identical weights and diagnostics on both ranks."""
@@ -187,7 +188,7 @@ def _rollback_fit(tiny_corpus, mlflow_uri, tmp_path: Path, name: str, fault_rank
              _callback_arg("mhc_lightning.callbacks.GradientSnapshots", every_n_steps=10, skip_batches=skip_batches,
                            cooldown_steps=3),
              _callback_arg("test_distributed.CorruptBatchOnRanks", steps=[55], ranks=fault_ranks),
-             _callback_arg("mhc_lightning.distributed.RankConsistencyCheck", every_n_steps=1, on_mismatch="warn",
+             _callback_arg("mhc_lightning.callbacks.RankConsistencyCheck", every_n_steps=1, on_mismatch="warn",
                            dirpath=str(tmp_path / name / "consistency")),
              _callback_arg("test_distributed.StepProbe", dirpath=str(tmp_path / name / "probe"))]
     log = tmp_path / f"{name}.log"
@@ -204,6 +205,7 @@ def _rollback_fit(tiny_corpus, mlflow_uri, tmp_path: Path, name: str, fault_rank
 
 
 @pytest.mark.skipif(not _stability_available(), reason="stability callbacks (mhc_lightning.callbacks) not present")
+@pytest.mark.slow
 def test_rollback_under_ddp_fault_on_one_rank_keeps_ranks_equal(tiny_corpus, mlflow_uri, tmp_path):
     """The hard case: only rank 0's batch is bad (a corrupt shard). Every rank must take the same decision (veto
     the update, restore the same snapshot), or the weights diverge silently: checked after every step."""
@@ -213,6 +215,7 @@ def test_rollback_under_ddp_fault_on_one_rank_keeps_ranks_equal(tiny_corpus, mlf
 
 
 @pytest.mark.skipif(not _stability_available(), reason="stability callbacks (mhc_lightning.callbacks) not present")
+@pytest.mark.slow
 def test_rollback_under_ddp_skips_the_same_batches_on_every_rank(tiny_corpus, mlflow_uri, tmp_path):
     probes = _rollback_fit(tiny_corpus, mlflow_uri, tmp_path, "rollback-skip", fault_ranks=[0], skip_batches=1)
     assert probes[0]["model"] == probes[1]["model"] and probes[0]["optimizer"] == probes[1]["optimizer"]

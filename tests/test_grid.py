@@ -1,12 +1,17 @@
-"""The experiment grid runner: expansion of variants x axes into `mhc fit` argument lists."""
+"""The experiment grid runner: expansion of variants x axes into `mhc fit` argument lists, and `mhc grid` running them as
+tagged child processes that die with it."""
 import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from helpers import CONF, REPO
 from mhc_lightning.cli import build_cli
-from mhc_lightning.grid import expand, load_grid
+from mhc_lightning.grid import GridError, expand, load_grid
 
 
 def test_stability_grid_expands_to_45_distinct_runs():
@@ -34,5 +39,61 @@ def test_grid_argv_is_what_the_cli_parses(tmp_path, monkeypatch):
 def test_bad_grid_file_names_the_missing_key(tmp_path):
     bad = tmp_path / "g.yaml"
     bad.write_text(json.dumps({"experiment": "x", "configs": []}))
-    with pytest.raises(ValueError, match="variants"):
+    with pytest.raises(GridError, match="variants"):
         load_grid(bad)
+
+
+TINY_GRID = {"experiment": "tiny-grid", "configs": ["conf/model/mhc.yaml", "conf/presets/debug.yaml"],
+             "variants": {"mhc": {}, "hc": {"model.arch.hyper.residual_mode": "hc"}},
+             "axes": {"seed_everything": [1]}}
+
+
+def _tiny_grid(tmp_path, corpus, steps: int) -> list[str]:
+    grid = tmp_path / "grid.yaml"
+    grid.write_text(json.dumps(TINY_GRID))
+    return [str(Path(sys.executable).with_name("mhc")), "grid", str(grid), "--parallel", "2",
+            "--logs", str(tmp_path / "logs"),
+            "--set", f"data.corpus={corpus}", "--set", "data.seq_len=32", "--set", "data.batch_size=4",
+            "--set", "model.arch.n_layers=1", "--set", "model.arch.d_model=32", "--set", "model.arch.n_heads=2",
+            "--set", f"trainer.max_steps={steps}", "--set", f"trainer.default_root_dir={tmp_path / 'runs'}",
+            "--set", "trainer.enable_progress_bar=false"]
+
+
+@pytest.mark.slow
+def test_grid_runs_every_point_as_a_tagged_mhc_fit(tiny_corpus, tmp_path):
+    import mlflow
+
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    res = subprocess.run(_tiny_grid(tmp_path, tiny_corpus, 4), cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "2/2 runs finished" in res.stdout
+    client = mlflow.MlflowClient(env["MLFLOW_TRACKING_URI"])
+    exp = client.get_experiment_by_name("tiny-grid")
+    assert exp.tags.get("mlflow.experimentKind") == "custom_model_development"
+    runs = client.search_runs([exp.experiment_id])
+    assert sorted((r.data.tags["variant"], r.info.status) for r in runs) == [("hc", "FINISHED"), ("mhc", "FINISHED")]
+    assert all(r.data.tags["seed_everything"] == "1" and r.data.tags["grid"] == "tiny-grid" for r in runs)
+
+
+@pytest.mark.slow
+def test_killed_grid_takes_its_runs_along(tiny_corpus, tmp_path):
+    """SIGKILL on `mhc grid` (no chance to clean up): its `mhc fit` children die with it (launcher.die_with_parent)."""
+    import psutil
+
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    grid = subprocess.Popen(_tiny_grid(tmp_path, tiny_corpus, 100000), cwd=tmp_path, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 240
+        children = []
+        while len(children) < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
+            children = [p for p in psutil.Process(grid.pid).children() if "fit" in p.cmdline()]
+        assert len(children) == 2, "the grid never started its two runs"
+        time.sleep(3)
+    finally:
+        grid.kill()
+        grid.wait()
+    gone, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, [p.cmdline()[:3] for p in alive]

@@ -206,6 +206,7 @@ def test_stream_dtype_config_error():
         GPTConfig(stream_dtype="fp8")
 
 
+@pytest.mark.slow
 def test_compiled_model_traces_once_more_when_the_sinkhorn_count_changes():
     """The scheduler's per-layer counts are ints on modules: compile_model makes a changing one symbolic (fused
     kernels take it at run time) instead of tracing the model again for every new count."""

@@ -12,9 +12,12 @@ import pytest
 from mlflow import MlflowClient
 
 from helpers import REPO, make_text
-from mhc_lightning.sweeps import runner
+from mhc_lightning.sweeps.cli import main as sweep_main
 
 SMOKE = REPO / "sweeps" / "smoke.yaml"
+
+
+pytestmark = pytest.mark.slow  # a real 4-trial sweep
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +33,7 @@ def sweep(tmp_path_factory, _mlflow_template):
     mp = pytest.MonkeyPatch()
     mp.chdir(root)  # MLflow's sqlite store puts artifacts under ./mlruns
     try:
-        code = runner.main(argv)
+        code = sweep_main(argv)
     finally:
         mp.undo()
     storage = f"sqlite:///{root / 'sweeps.db'}"  # the default: beside the MLflow store
@@ -66,6 +69,8 @@ def check_records(sweep):
     client = MlflowClient(sweep["uri"])
     parents, children = _children(client)
     assert len(parents) == 1 and len(children) == 4
+    # the experiment the sweep created opens in MLflow's training-runs view, not the GenAI one
+    assert client.get_experiment_by_name("smoke").tags["mlflow.experimentKind"] == "custom_model_development"
     parent = parents[0]
     assert study.user_attrs["mlflow_parent_run_id"] == parent.info.run_id
     by_trial = {int(r.data.tags["optuna.trial"]): r for r in children}
@@ -100,9 +105,9 @@ def check_resume(sweep):
     mp = pytest.MonkeyPatch()
     mp.chdir(sweep["root"])
     try:
-        assert runner.main(sweep["argv"]) == 0
+        assert sweep_main(sweep["argv"]) == 0
         assert len(optuna.load_study(study_name="smoke", storage=sweep["storage"]).trials) == 4
-        assert runner.main(sweep["argv"] + ["--n-trials", "5"]) == 0
+        assert sweep_main(sweep["argv"] + ["--n-trials", "5"]) == 0
     finally:
         mp.undo()
     study = optuna.load_study(study_name="smoke", storage=sweep["storage"])
@@ -113,7 +118,7 @@ def check_resume(sweep):
 
 
 def check_compare(sweep):
-    from mhc_lightning.compare import main as compare_main
+    from mhc_lightning.reports.cli import main as compare_main
 
     out = sweep["root"] / "report"
     assert compare_main(["--study", "smoke", "--tracking-uri", sweep["uri"], "--out", str(out)]) == 0

@@ -1,6 +1,6 @@
 """Sweeps whose trials are child `mhc fit` processes (`trial.launcher: subprocess`), here 2-process DDP on CPU (gloo).
 
-The sweep worker runs in the test process (`runner.main`); each trial starts `mhc fit` as a child, and Lightning
+The sweep worker runs in the test process (`sweeps.cli.main`); each trial starts `mhc fit` as a child, and Lightning
 starts the second rank from it, as in tests/test_distributed.py. Spec checks of the `trial` block are at the end.
 """
 from __future__ import annotations
@@ -20,8 +20,10 @@ import yaml
 from mlflow import MlflowClient
 
 from helpers import CONF, REPO
-from mhc_lightning.sweeps import child, runner
-from mhc_lightning.sweeps.spec import SpecError, parse_spec, trial_args
+from mhc_lightning import launcher
+from mhc_lightning.sweeps.cli import main as sweep_main
+from mhc_lightning.sweeps.spec import SpecError, parse_spec
+from mhc_lightning.sweeps.trial_args import trial_args
 
 S = optuna.trial.TrialState
 TINY = {"model.arch.n_layers": 2, "model.arch.d_model": 32, "model.arch.n_heads": 2, "model.optim.warmup_steps": 0,
@@ -47,7 +49,7 @@ def run_sweep(tmp_path: Path, mlflow_uri: str, spec: dict, *sets: str):
     storage = f"sqlite:///{tmp_path / 'sweeps.db'}"
     argv = ["run", str(path), "--tracking-uri", mlflow_uri, "--storage", storage, "--spool-dir", str(tmp_path / "spool"),
             "--set", f"trainer.default_root_dir={tmp_path / 'runs'}", *[a for s in sets for a in ("--set", s)]]
-    code = runner.main(argv)
+    code = sweep_main(argv)
     study = optuna.load_study(study_name=spec["name"], storage=storage)
     client = MlflowClient(mlflow_uri)
     exp = client.get_experiment_by_name(spec["name"])
@@ -72,6 +74,7 @@ def log_text(client, run_id: str, tmp_path: Path) -> str:
     return Path(client.download_artifacts(run_id, "trial.log", str(tmp_path))).read_text()
 
 
+@pytest.mark.slow
 def test_ddp_trials_complete_and_prune(tiny_corpus, mlflow_uri, tmp_path):
     """Trial 0 (lr 3e-2) completes; trial 1 (lr 1e-5, worse at the first validation) is pruned by the median pruner
     from inside its DDP child. One MLflow run per trial, written by rank 0; no rank outlives its trial."""
@@ -106,6 +109,7 @@ def test_ddp_trials_complete_and_prune(tiny_corpus, mlflow_uri, tmp_path):
     assert "DDPStrategy" in Path(client.download_artifacts(run.info.run_id, "config.yaml", str(tmp_path))).read_text()
 
 
+@pytest.mark.slow
 def test_failing_child_fails_the_trial_with_its_log(mlflow_uri, tmp_path):
     """A child that fails at fit time (the corpus is missing) makes the trial FAIL, with the end of the child's log
     in the trial's error and the run's optuna.error tag, and the whole log as the run's trial.log. One process:
@@ -183,10 +187,10 @@ def _survivors(pids: list[int], wait: float = 0.0) -> list[int]:
     return alive
 
 
-# Stand-in for a rank: records its pid, calls die_with_parent (as TrialLink does in every rank), starts the next
+# Stand-in for a rank: records its pid, calls die_with_parent (as `mhc` does first thing in every rank), starts the next
 # process of the chain (as rank 0 starts rank 1) and sleeps. argv ends with: directory, processes left.
 STAND_IN = """import os, subprocess, sys, time
-from mhc_lightning.sweeps.child import die_with_parent
+from mhc_lightning.launcher import die_with_parent
 die_with_parent()
 d, n = sys.argv[-2], int(sys.argv[-1])
 if n > 1:
@@ -203,17 +207,18 @@ def _stand_in(tmp_path: Path) -> list[str]:
     return [sys.executable, str(script)]
 
 
+@pytest.mark.slow
 def test_timeout_stops_the_childs_whole_process_group(tmp_path, monkeypatch):
     """A child past trial.timeout_s (or interrupted: the same path) is stopped with every process it started."""
-    monkeypatch.setattr(child, "mhc_command", lambda: _stand_in(tmp_path))
-    with pytest.raises(child.ChildFailed, match=r"ran past trial.timeout_s=3 and was stopped(.|\n)*process 2 up"):
-        child.run_child([str(tmp_path), "2"], tmp_path / "trial.log", None, timeout_s=3)
+    with pytest.raises(launcher.ChildFailed, match=r"ran past its timeout of 3 s and was stopped(.|\n)*process 2 up"):
+        launcher.run(_stand_in(tmp_path) + [str(tmp_path), "2"], tmp_path / "trial.log", timeout_s=3)
     assert not _survivors(_wait_for([tmp_path / "pid1", tmp_path / "pid2"]))
 
 
+@pytest.mark.slow
 def test_sigkilled_worker_takes_its_ranks_along(tmp_path):
     """SIGKILL leaves the worker no chance to stop its child; every rank then dies with its parent."""
-    worker = (f"import os, subprocess, time; os.environ[{child.PARENT_ENV!r}] = str(os.getpid()); "
+    worker = (f"import os, subprocess, time; os.environ[{launcher.PARENT_ENV!r}] = str(os.getpid()); "
               f"subprocess.Popen({_stand_in(tmp_path) + [str(tmp_path), '2']!r}); time.sleep(120)")
     proc = subprocess.Popen([sys.executable, "-c", worker])
     try:

@@ -9,8 +9,14 @@ import pytest
 import yaml
 
 from helpers import REPO
-from mhc_lightning.sweeps import runner
-from mhc_lightning.sweeps.spec import SpecError, check_callbacks, load_spec, parse_spec, sample, trial_args
+from mhc_lightning.loggers.store import redact
+from mhc_lightning.sweeps import factories, liveness
+from mhc_lightning.sweeps.cli import _parse_set
+from mhc_lightning.sweeps.cli import main as sweep_main
+from mhc_lightning.sweeps.settings import counts
+from mhc_lightning.sweeps.spec import SpecError, load_spec, parse_spec
+from mhc_lightning.sweeps.trial_args import check_callbacks, sample, trial_args
+from mhc_lightning.sweeps.worker import worker_seed
 
 SWEEPS = sorted((REPO / "sweeps").glob("*.yaml"))
 
@@ -26,8 +32,8 @@ def minimal(**over) -> dict:
 def test_shipped_sweeps_load(path):
     spec = load_spec(path)
     assert spec.space and spec.objectives and spec.n_trials >= 1
-    runner.make_sampler(spec, 0)
-    runner.make_pruner(spec)
+    factories.make_sampler(spec, 0)
+    factories.make_pruner(spec)
 
 
 def test_shipped_sweeps_cover_the_issue_space():
@@ -123,32 +129,31 @@ def test_missing_optional_callback_is_skipped_and_required_one_is_an_error(tmp_p
 def test_set_overrides_and_yaml_file(tmp_path):
     p = tmp_path / "s.yaml"
     p.write_text(yaml.safe_dump(minimal(fixed={"trainer.max_steps": 5})))
-    spec = load_spec(p, runner._parse_set(["trainer.max_steps=9", "data.corpus=/a b.txt"]))
+    spec = load_spec(p, _parse_set(["trainer.max_steps=9", "data.corpus=/a b.txt"]))
     assert spec.fixed == {"trainer.max_steps": 9, "data.corpus": "/a b.txt"}
     assert spec.raw_text.startswith("base:") or "name: t" in spec.raw_text
 
 
 def test_storages_seeds_and_urls(tmp_path):
     spec = parse_spec(minimal(sampler={"name": "tpe", "seed": 10}))
-    seeds = {runner.worker_seed(spec, i, m) for i in range(3) for m in range(2)}
-    assert len(seeds) == 6  # every worker on every machine its own seed
-    assert runner.machine_rank(None) == runner.machine_rank(None) and runner.machine_rank(4) == 4
-    assert runner.default_storage(f"sqlite:///{tmp_path}/mlflow.db") == f"sqlite:///{tmp_path}/sweeps.db"
-    assert runner.normalize_db_url("postgresql://u:p@h/db") == "postgresql+psycopg2://u:p@h/db"
-    assert runner.normalize_db_url("postgres://u@h/db") == "postgresql+psycopg2://u@h/db"
-    from mhc_lightning.sweeps.tracking import redact
-
+    # every worker process its own seed (host:pid:start-time), the same for the same worker
+    wids = [f"host{m}:{pid}:1700000000" for m in range(2) for pid in (100, 101, 102)]
+    seeds = {worker_seed(10, w) for w in wids}
+    assert len(seeds) == 6 and worker_seed(10, wids[0]) == worker_seed(10, wids[0]) and worker_seed(None, wids[0]) is None
+    assert factories.default_storage(f"sqlite:///{tmp_path}/mlflow.db") == f"sqlite:///{tmp_path}/sweeps.db"
+    assert factories.normalize_db_url("postgresql://u:p@h/db") == "postgresql+psycopg2://u:p@h/db"
+    assert factories.normalize_db_url("postgres://u@h/db") == "postgresql+psycopg2://u@h/db"
     assert redact("postgresql+psycopg2://user:secret@host:5432/sweeps") == "postgresql+psycopg2://user:***@host:5432/sweeps"
-    journal = runner.make_storage(f"journal:{tmp_path}/j.journal.log", spec.storage)
+    journal = factories.make_storage(f"journal:{tmp_path}/j.journal.log", spec.storage)
     assert isinstance(journal, optuna.storages.JournalStorage)
-    rdb = runner.make_storage(f"sqlite:///{tmp_path}/s.db", spec.storage)
+    rdb = factories.make_storage(f"sqlite:///{tmp_path}/s.db", spec.storage)
     assert rdb.heartbeat_interval == spec.storage["heartbeat_interval"]
     assert rdb.get_heartbeat_stale_trial_callback() is not None
 
 
 def test_dead_local_worker_trials_are_failed_and_requeued(tmp_path):
     """The journal storage has no heartbeat: a RUNNING trial whose local worker process is gone is failed and retried."""
-    storage = runner.make_storage(f"journal:{tmp_path}/j.journal.log", {})
+    storage = factories.make_storage(f"journal:{tmp_path}/j.journal.log", {})
     study = optuna.create_study(storage=storage, study_name="s")
     t = study.ask()
     t.suggest_float("x", 0, 1)
@@ -156,8 +161,8 @@ def test_dead_local_worker_trials_are_failed_and_requeued(tmp_path):
 
     t.set_user_attr("worker", f"{socket.gethostname()}:999999999:1")  # a pid that does not exist
     alive = study.ask()
-    alive.set_user_attr("worker", runner.worker_id())
-    assert runner.fail_dead_local_trials(study, max_retry=1) == [t.number]
+    alive.set_user_attr("worker", liveness.worker_id())
+    assert liveness.fail_dead_local_trials(study, max_retry=1) == [t.number]
     states = {tr.number: tr.state for tr in study.get_trials()}
     assert states[t.number] == optuna.trial.TrialState.FAIL
     assert states[alive.number] == optuna.trial.TrialState.RUNNING
@@ -166,7 +171,7 @@ def test_dead_local_worker_trials_are_failed_and_requeued(tmp_path):
 
 
 def test_dry_run_prints_a_fit_command(capsys):
-    assert runner.main(["run", str(REPO / "sweeps" / "smoke.yaml"), "--dry-run", "--set", "data.corpus=/c.txt",
+    assert sweep_main(["run", str(REPO / "sweeps" / "smoke.yaml"), "--dry-run", "--set", "data.corpus=/c.txt",
                         "--tracking-uri", "sqlite:////nonexistent/mlflow.db"]) == 0
     out = capsys.readouterr().out
     assert "mhc fit --config" in out and "--data.corpus=/c.txt" in out
@@ -175,7 +180,7 @@ def test_dry_run_prints_a_fit_command(capsys):
 def test_bad_spec_exits_with_message(tmp_path, capsys):
     p = tmp_path / "bad.yaml"
     p.write_text(yaml.safe_dump(minimal(sampler={"name": "annealing"})))
-    assert runner.main(["run", str(p), "--tracking-uri", f"sqlite:///{tmp_path}/m.db"]) == 2
+    assert sweep_main(["run", str(p), "--tracking-uri", f"sqlite:///{tmp_path}/m.db"]) == 2
     assert "sampler.name" in capsys.readouterr().err
 
 
@@ -186,5 +191,5 @@ def test_counts_only_trials_that_raised_as_errors():
         for k, v in attrs.items():
             t.set_user_attr(k, v)
         study.tell(t, state=optuna.trial.TrialState.FAIL)
-    c = runner.counts(study)
+    c = counts(study)
     assert c["failed"] == 4 and c["errors"] == 1

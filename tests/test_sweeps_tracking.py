@@ -10,8 +10,8 @@ from mlflow import MlflowClient  # noqa: E402
 from mlflow.entities import Metric  # noqa: E402
 from mlflow.exceptions import MlflowException, RestException  # noqa: E402
 
-from mhc_lightning.sweeps.tracking import (GuardedClient, TrackingUnreachable, check_tracking, is_outage,  # noqa: E402
-                                           replay_spool)
+from mhc_lightning.loggers.spool import GuardedClient  # noqa: E402
+from mhc_lightning.loggers.store import TrackingUnreachable, check_tracking, is_outage  # noqa: E402
 
 DOWN = MlflowException("API request to http://mlflow:5000/api/2.0/mlflow/runs/log-batch failed with exception "
                        "HTTPConnectionPool(host='mlflow', port=5000): Max retries exceeded")
@@ -99,7 +99,7 @@ def test_replay_after_the_run_ended(mlflow_uri, tmp_path, capsys):
         guard.set_terminated(run_id, "FINISHED")
         assert not guard.drain(0.2, "http://mlflow:5000")
     assert real.get_run(run_id).info.status == "RUNNING"
-    from mhc_lightning.sweeps.runner import main
+    from mhc_lightning.sweeps.cli import main
 
     assert main(["replay", str(tmp_path / "spool"), "--tracking-uri", mlflow_uri]) == 0
     assert "all writes sent" in capsys.readouterr().out

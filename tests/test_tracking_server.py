@@ -2,10 +2,12 @@
 Optuna's storage), an `mlflow server` started here on a free loopback port, sweep workers as separate
 processes, optuna-dashboard; plus the MLflow server going away at start and in the middle of a run.
 
-Tests that need PostgreSQL skip, saying why, only when nothing answers at 127.0.0.1:5432.
+Tests that need PostgreSQL skip, saying why, only when nothing answers at 127.0.0.1:5432. All of them start servers or
+processes: marked slow.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -23,8 +25,11 @@ import requests
 import yaml
 from mlflow import MlflowClient
 
-from helpers import REPO, make_text, tiny_fit_args
-from mhc_lightning.sweeps import runner
+from helpers import REPO, derived_spec, handshake_arg, make_text, tiny_fit_args, wait_for
+from mhc_lightning.sweeps import factories
+from mhc_lightning.sweeps.cli import main as sweep_main
+
+pytestmark = pytest.mark.slow
 
 PG = dict(host="127.0.0.1", port=5432, user="postgres")
 S = optuna.trial.TrialState
@@ -50,24 +55,34 @@ def pg_url(db: str) -> str:
     return f"postgresql+psycopg2://{PG['user']}@{PG['host']}:{PG['port']}/{db}"
 
 
-@pytest.fixture(scope="module")
-def postgres():
-    """Two fresh databases (MLflow, sweeps) on the local server; dropped afterwards."""
+@contextlib.contextmanager
+def fresh_databases(*names: str):
+    """Fresh PostgreSQL databases on the local server (skips when none answers), dropped afterwards: {name: URL}."""
     try:
         pg_admin("select 1")
     except Exception as err:
         pytest.skip(f"PostgreSQL unreachable at {PG['host']}:{PG['port']} as user {PG['user']}: {err}")
     tag = uuid.uuid4().hex[:10]
-    dbs = {"mlflow": f"mhc_test_mlflow_{tag}", "sweeps": f"mhc_test_sweeps_{tag}"}
+    dbs = {n: f"mhc_test_{n}_{tag}" for n in names}
     for db in dbs.values():
         pg_admin(f'create database "{db}"')
-    yield {k: pg_url(v) for k, v in dbs.items()}
-    for db in dbs.values():
-        try:
-            pg_admin(f"select pg_terminate_backend(pid) from pg_stat_activity where datname = '{db}' and pid <> pg_backend_pid()")
-            pg_admin(f'drop database if exists "{db}"')
-        except Exception as err:  # never hide the test's own result behind cleanup
-            print(f"could not drop {db}: {err}", file=sys.stderr)
+    try:
+        yield {k: pg_url(v) for k, v in dbs.items()}
+    finally:
+        for db in dbs.values():
+            try:
+                pg_admin(f"select pg_terminate_backend(pid) from pg_stat_activity where datname = '{db}' "
+                         "and pid <> pg_backend_pid()")
+                pg_admin(f'drop database if exists "{db}"')
+            except Exception as err:  # never hide the test's own result behind cleanup
+                print(f"could not drop {db}: {err}", file=sys.stderr)
+
+
+@pytest.fixture(scope="module")
+def postgres():
+    """Two fresh databases (MLflow, sweeps) on the local server; dropped afterwards."""
+    with fresh_databases("mlflow", "sweeps") as dbs:
+        yield dbs
 
 
 def _clean_env() -> dict[str, str]:
@@ -92,36 +107,64 @@ def stop(proc: subprocess.Popen, timeout: float = 20) -> None:
         proc.wait(timeout=timeout)
 
 
-@pytest.fixture(scope="module")
-def server(postgres, tmp_path_factory):
-    """`mlflow server` with PostgreSQL as backend store and a served artifact store, as in docker-compose.yml."""
-    root = tmp_path_factory.mktemp("mlflow_server")
-    port, proxy_port = free_port(), free_port()  # the outage test's relay needs its Host name allowed too
-    hosts = f"mlflow,mlflow:{port},localhost,localhost:{port},127.0.0.1,127.0.0.1:{port},127.0.0.1:{proxy_port}"
-    log = open(root / "server.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", postgres["mlflow"],
-         "--artifacts-destination", str(root / "artifacts"), "--serve-artifacts", "--host", "127.0.0.1",
-         "--port", str(port), "--workers", "1", "--allowed-hosts", hosts],
-        stdout=log, stderr=subprocess.STDOUT, env=_clean_env(), start_new_session=True, cwd=root)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 240
+class MlflowServer:
+    """`mlflow server` with a PostgreSQL backend store and a served artifact store, as in docker-compose.yml; it can
+    be killed (SIGKILL, as a crash) and started again on the same port and stores."""
+
+    def __init__(self, backend: str, root: Path, extra_hosts: tuple[str, ...] = ()):
+        self.backend, self.root, self.port = backend, root, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        p = self.port
+        self.hosts = ",".join(["mlflow", f"mlflow:{p}", "localhost", f"localhost:{p}", "127.0.0.1", f"127.0.0.1:{p}",
+                               *extra_hosts])
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 240) -> None:
+        log = open(self.root / "server.log", "a")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", self.backend,
+             "--artifacts-destination", str(self.root / "artifacts"), "--serve-artifacts", "--host", "127.0.0.1",
+             "--port", str(self.port), "--workers", "1"],
+            # allowed hosts from the environment, as docker-compose.yml gives them
+            stdout=log, stderr=subprocess.STDOUT, env={**_clean_env(), "MLFLOW_SERVER_ALLOWED_HOSTS": self.hosts},
+            start_new_session=True, cwd=self.root)
+        log.close()
+        deadline = time.monotonic() + timeout
         while True:
-            if proc.poll() is not None:
-                pytest.fail(f"mlflow server exited with {proc.returncode}:\n{(root / 'server.log').read_text()[-3000:]}")
+            if self.proc.poll() is not None:
+                pytest.fail(f"mlflow server exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
-                if requests.get(url + "/health", timeout=2).status_code == 200:
-                    break
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
             except requests.RequestException:
                 pass
             if time.monotonic() > deadline:
-                pytest.fail(f"mlflow server not healthy after 240 s:\n{(root / 'server.log').read_text()[-3000:]}")
+                pytest.fail(f"mlflow server not healthy after {timeout} s:\n{self.log_tail()}")
             time.sleep(0.5)
-        yield {"url": url, "port": port, "proxy_port": proxy_port, "root": root, **postgres}
+
+    def kill(self) -> None:
+        """SIGKILL the server's whole process group (workers included): a crash, not a shutdown."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop(self.proc)
+
+    def log_tail(self) -> str:
+        return (self.root / "server.log").read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def server(postgres, tmp_path_factory):
+    """One server for the module's tests."""
+    proxy_port = free_port()  # the outage test's relay needs its Host name allowed too
+    srv = MlflowServer(postgres["mlflow"], tmp_path_factory.mktemp("mlflow_server"), (f"127.0.0.1:{proxy_port}",))
+    try:
+        srv.start()
+        yield {"url": srv.url, "port": srv.port, "proxy_port": proxy_port, "root": srv.root, **postgres}
     finally:
-        stop(proc)
-        log.close()
+        srv.stop()
 
 
 @pytest.fixture(scope="module")
@@ -129,20 +172,6 @@ def corpus(tmp_path_factory) -> Path:
     p = tmp_path_factory.mktemp("corpus") / "corpus.txt"
     p.write_text(make_text(60_000, seed=7))
     return p
-
-
-def derived_spec(path: Path, name: str, **changes) -> Path:
-    """sweeps/smoke.yaml with another name and test settings; base configs made absolute."""
-    d = yaml.safe_load((REPO / "sweeps" / "smoke.yaml").read_text())
-    d["name"] = name
-    d["base"] = [str(REPO / b) for b in d["base"]]
-    for k, v in changes.items():
-        if k in ("fixed", "budget", "storage"):
-            d[k].update(v)
-        else:
-            d[k] = v
-    path.write_text(yaml.safe_dump(d, sort_keys=False))
-    return path
 
 
 def launch(spec: Path, cwd: Path, server, corpus: Path, *extra: str, log_name: str) -> subprocess.Popen:
@@ -185,7 +214,7 @@ def check_one_run_per_trial(client: MlflowClient, study, name: str) -> dict[int,
 def test_unreachable_server_at_start_names_the_url(tmp_path, capsys):
     url = f"http://127.0.0.1:{free_port()}"
     t0 = time.monotonic()
-    code = runner.main(["run", str(REPO / "sweeps" / "smoke.yaml"), "--tracking-uri", url,
+    code = sweep_main(["run", str(REPO / "sweeps" / "smoke.yaml"), "--tracking-uri", url,
                         "--storage", f"sqlite:///{tmp_path}/s.db"])
     err = capsys.readouterr().err
     assert code == 2 and url in err and "unreachable" in err, err
@@ -221,7 +250,7 @@ def test_two_workers_one_study_on_postgres(server, corpus, tmp_path):
     assert len(logs) == 2
 
     # mhc compare against the tracking server: artifacts come through --serve-artifacts
-    from mhc_lightning.compare import main as compare_main
+    from mhc_lightning.reports.cli import main as compare_main
 
     out = tmp_path / "report"
     assert compare_main(["--study", name, "--tracking-uri", server["url"], "--out", str(out)]) == 0
@@ -230,17 +259,22 @@ def test_two_workers_one_study_on_postgres(server, corpus, tmp_path):
     assert "comparison/val_loss.png" in {a.path for a in client.list_artifacts(parent.info.run_id, "comparison")}
 
 
-def test_dashboard_reads_the_sweeps_database(postgres):
-    """optuna-dashboard on the sweeps database, as the compose service runs it."""
-    exe = Path(sys.executable).with_name("optuna-dashboard")  # console script of the [dashboard] extra
-    if not exe.exists():
-        pytest.skip("optuna-dashboard is not installed (pip install -e '.[dashboard]')")
+def test_dashboard_reads_the_sweeps_database_without_its_password_on_the_command_line(postgres):
+    """optuna-dashboard started exactly as the compose service starts it (its entrypoint, the storage URL with a
+    password in $OPTUNA_STORAGE): it serves the study, and the password is not on its command line."""
+    import psutil
+
+    pytest.importorskip("optuna_dashboard")  # the [dashboard] extra
+    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]["optuna-dashboard"]
     name = f"dash-{uuid.uuid4().hex[:6]}"
-    study = optuna.create_study(study_name=name, storage=runner.make_storage(postgres["sweeps"], {}))
+    study = optuna.create_study(study_name=name, storage=factories.make_storage(postgres["sweeps"], {}))
     study.optimize(lambda t: t.suggest_float("x", 0, 1) ** 2, n_trials=2)
-    port = free_port()
-    dash = subprocess.Popen([str(exe), postgres["sweeps"], "--host", "127.0.0.1", "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_clean_env(), start_new_session=True)
+    port, secret = free_port(), f"pw{uuid.uuid4().hex[:8]}"  # trust authentication ignores the password
+    url = postgres["sweeps"].replace("postgres@", f"postgres:{secret}@")
+    argv = [sys.executable if a == "python" else a.replace("0.0.0.0", "127.0.0.1").replace("8080", str(port))
+            for a in compose["entrypoint"]]
+    dash = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                            env={**_clean_env(), "OPTUNA_STORAGE": url})
     try:
         deadline, studies = time.monotonic() + 60, None
         while time.monotonic() < deadline and studies is None:
@@ -250,6 +284,7 @@ def test_dashboard_reads_the_sweeps_database(postgres):
                 time.sleep(0.5)
         assert studies is not None, "optuna-dashboard did not answer within 60 s"
         assert name in [s["study_name"] for s in studies["study_summaries"]]
+        assert secret not in " ".join(psutil.Process(dash.pid).cmdline())
     finally:
         stop(dash)
 
@@ -391,7 +426,7 @@ def test_server_down_during_run_training_continues_then_replay(server, corpus, t
     spool = tmp_path / "spool"
     args = tiny_fit_args(corpus, uri, tmp_path / "runs", steps=12, experiment="outage", run_name="outage")[1:]
     args = [a for a in args if not a.startswith("--trainer.logger=")]
-    logger = {"class_path": "mhc_lightning.sweeps.logger.ResilientMLFlowLogger",
+    logger = {"class_path": "mhc_lightning.loggers.ResilientMLFlowLogger",
               "init_args": {"experiment_name": "outage", "run_name": "outage", "tracking_uri": uri,
                             "spool_dir": str(spool), "retry_every": 0.05, "flush_timeout": 1.0}}
     args += ["--trainer.log_every_n_steps=1", "--trainer.val_check_interval=4", "--model.diagnostics_every=4",
@@ -411,7 +446,7 @@ def test_server_down_during_run_training_continues_then_replay(server, corpus, t
         steps_before_replay = {m.step for m in client.get_metric_history(run_id, "train/loss")}
         assert {3, 4, 5} <= steps_before_replay and 11 not in steps_before_replay
         proxy.up()
-        assert runner.main(["replay", str(spool), "--tracking-uri", uri]) == 0
+        assert sweep_main(["replay", str(spool), "--tracking-uri", uri]) == 0
     finally:
         proxy.down()
     run = client.get_run(run_id)
@@ -420,3 +455,87 @@ def test_server_down_during_run_training_continues_then_replay(server, corpus, t
     diag = {a.path for a in client.list_artifacts(run_id, "diagnostics")}
     assert "diagnostics/per_layer_step0000012.json" in diag  # an artifact logged while the server was down
     assert not list(spool.glob("*/*.jsonl"))
+
+
+# ---- `mhc fit` and the tracking server (issue 14, item 1) ------------------------------------------------------------
+QUICKSTART = str(REPO / "conf" / "quickstart.yaml")
+TINY = ["--data.seq_len=32", "--data.batch_size=4", "--model.arch.n_layers=1", "--model.arch.d_model=32",
+        "--model.arch.n_heads=2", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+        "--trainer.limit_val_batches=2"]
+
+
+def mhc(*args: str) -> list[str]:
+    return [str(Path(sys.executable).with_name("mhc")), *args]
+
+
+def test_fit_with_an_unreachable_server_stops_at_once_with_one_line(corpus, tmp_path):
+    """The shipped config with MLFLOW_TRACKING_URI at a dead port: exit 2 within 30 s, one line naming the URI, no
+    traceback, and nothing written (no run, no store, no checkpoint folder, no spool)."""
+    url = f"http://127.0.0.1:{free_port()}"
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    t0 = time.monotonic()  # what Python needs to import `mhc` on this (shared, maybe loaded) machine
+    subprocess.run([sys.executable, "-c", "import mhc_lightning.cli"], env=_clean_env(), check=True, timeout=300)
+    startup = time.monotonic() - t0
+    t0 = time.monotonic()
+    res = subprocess.run(mhc("fit", "-c", QUICKSTART, f"--data.corpus={corpus}", *TINY), cwd=cwd,
+                         env={**_clean_env(), "MLFLOW_TRACKING_URI": url}, capture_output=True, text=True, timeout=300)
+    took = time.monotonic() - t0
+    out = res.stdout + res.stderr
+    named = [line for line in out.splitlines() if url in line]
+    assert res.returncode == 2, out[-3000:]
+    assert len(named) == 1 and named[0].startswith("mhc: error: MLflow tracking server") and "unreachable" in named[0]
+    assert "Traceback" not in out
+    assert took < 30 or took - startup < 15, (took, startup)  # no waiting on HTTP retries (minutes, before)
+    assert list(cwd.iterdir()) == []
+    print(f"[figures] dead tracking URI: exit 2 after {took:.1f} s (imports alone: {startup:.1f} s)")
+
+
+def test_fit_survives_a_server_crash_and_loses_nothing(corpus, tmp_path):
+    """`mhc fit` (shipped quickstart config) against a real `mlflow server` on PostgreSQL; the server is SIGKILLed before
+    step 3 and started again before step 8. Training never waits on it, the writes of steps 3-7 are kept and sent when
+    it is back, and the run ends FINISHED with every step's metrics exactly once."""
+    with fresh_databases("outage") as dbs:
+        (tmp_path / "server").mkdir()
+        srv = MlflowServer(dbs["outage"], tmp_path / "server")
+        srv.start()
+        hs, log = tmp_path / "handshake", tmp_path / "fit.log"
+        steps = 12
+        cmd = mhc("fit", "-c", QUICKSTART, f"--data.corpus={corpus}", *TINY, f"--trainer.max_steps={steps}",
+                  "--trainer.val_check_interval=4", "--trainer.log_every_n_steps=1", "--model.diagnostics_every=4",
+                  "--trainer.logger.init_args.retry_every=1", "--trainer.logger.init_args.flush_timeout=120",
+                  f"--trainer.logger.init_args.spool_dir={tmp_path / 'spool'}", handshake_arg(hs, [3, 8]))
+        env = {**_clean_env(), "MLFLOW_TRACKING_URI": srv.url,
+               "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
+        try:
+            with open(log, "w") as out:
+                proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+            wait_for(hs / "at3", proc=proc, log=log)
+            srv.kill()
+            (hs / "go3").touch()
+            t_down = time.monotonic()
+            wait_for(hs / "at8", proc=proc, log=log)
+            steps_while_down_s = time.monotonic() - t_down  # steps 3..7 and a validation, server away
+            srv.start()
+            (hs / "go8").touch()
+            assert proc.wait(timeout=300) == 0, log.read_text()[-4000:]
+            text = log.read_text()
+            assert "MLflow unreachable" in text  # it noticed, warned once, and trained on
+            assert steps_while_down_s < 60, steps_while_down_s
+            client = MlflowClient(srv.url)
+            exp = client.get_experiment_by_name("quickstart")
+            assert exp.tags.get("mlflow.experimentKind") == "custom_model_development"  # the training-runs view
+            (run,) = client.search_runs([exp.experiment_id])
+            assert run.info.status == "FINISHED"
+            assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "train/loss")) == list(range(steps))
+            assert len(client.get_metric_history(run.info.run_id, "val/loss")) == steps // 4
+            diag = {a.path for a in client.list_artifacts(run.info.run_id, "diagnostics")}
+            assert "diagnostics/per_layer_step0000004.json" in diag  # written while the server was down
+            assert not list((tmp_path / "spool").rglob("*.jsonl"))  # everything sent
+            print(f"[figures] server crash: {steps_while_down_s:.1f} s for steps 3-7 with the server down; "
+                  f"{steps} of {steps} steps in MLflow")
+        finally:
+            if "proc" in locals() and proc.poll() is None:
+                stop(proc)
+            srv.stop()

@@ -2,15 +2,17 @@
 
 - InstabilityDetector (instability.py): detects loss spikes, gradient explosions, non-finite values, Amax
   growth, Sinkhorn residuals and fp16 overflows every step; logs and acts (log / skip / rollback / stop).
-- GradientSnapshots (snapshots.py): snapshot ring with validated rollback; resumable data position.
+- GradientSnapshots (snapshots.py; snapshot_state.py, snapshot_files.py): snapshot ring with validated rollback.
 - SinkhornScheduler (sinkhorn_schedule.py): adaptive Sinkhorn iteration count ("constraint intensity").
+- RankConsistencyCheck (rank_consistency.py): every DDP rank holds the same weights and optimizer state.
 
 They share one record (events.py) and work alone or together: conf/presets/stability.yaml, docs/stability.md.
 """
 from .events import StabilityChannel, StabilityEvent, channel_of
 from .instability import InstabilityDetector
+from .rank_consistency import RankConsistencyCheck
 from .sinkhorn_schedule import SinkhornScheduler
 from .snapshots import GradientSnapshots, RollbackError
 
-__all__ = ["GradientSnapshots", "InstabilityDetector", "RollbackError", "SinkhornScheduler", "StabilityChannel",
-           "StabilityEvent", "channel_of"]
+__all__ = ["GradientSnapshots", "InstabilityDetector", "RankConsistencyCheck", "RollbackError", "SinkhornScheduler",
+           "StabilityChannel", "StabilityEvent", "channel_of"]

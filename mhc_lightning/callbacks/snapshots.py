@@ -17,153 +17,31 @@ replayed (the PaLM-style skip of the window that led to the event); `global_step
 attempted steps, so `max_steps` bounds compute and MLflow steps stay monotone. The LR schedule is
 restored with the optimizer, i.e. it restarts from the snapshot's position.
 
-Checkpoints: the callback's state (rollback history, cool-down, on-disk snapshot list, RNG and the
-shuffle position of the train loader) is saved in every Lightning checkpoint. Lightning does not restore
-the position inside an epoch of a plain DataLoader; with `resumable_data` the callback records the
-shuffle generator state and the batches done and fast-forwards the sampler on resume, so a run resumed
-from `last` continues on exactly the batches an uninterrupted run would see.
+Checkpoints: the callback's state (rollback history, cool-down, on-disk snapshot list, RNG) is saved in every
+Lightning checkpoint. The train loader's position is not the callback's business: the datamodule's loader is
+stateful, so Lightning saves and restores it (resume.py).
+
+What a snapshot holds and how it is copied: snapshot_state.py; the files on disk: snapshot_files.py.
 """
 from __future__ import annotations
 
 import copy
-import json
 import math
-import os
-import random
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
-import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSampler
 
-from ..files import sha256_file
-from .events import StabilityEvent, channel_of, check_choice, check_number, log_metrics, norm_sum
+from .events import StabilityEvent, channel_of, check_choice, check_number, log_metrics
+from .snapshot_files import SnapshotFiles
+from .snapshot_state import Snapshot, copy_state, fingerprint, rng_state, set_rng_state, tensors
 
 
 class RollbackError(RuntimeError):
     """Raised when a rollback cannot be served (no valid snapshot) or the rollback cap is exceeded."""
-
-
-# ---- state helpers ----------------------------------------------------------------------------
-def _copy_state(obj: Any, spare: Any, dev: Optional[torch.device]) -> Any:
-    """Copy of `obj`'s tensors on `dev` (None: where each one is), written into the matching tensors of `spare`
-    (an evicted snapshot of the same structure) when shape, dtype and device agree: no allocation and no page
-    faults for a GB of state. New CPU copies of CUDA tensors are pinned, so every copy is asynchronous; the
-    caller synchronises once."""
-    if isinstance(obj, torch.Tensor):
-        t, target = obj.detach(), dev or obj.device
-        if (isinstance(spare, torch.Tensor) and spare.shape == t.shape and spare.dtype == t.dtype
-                and spare.device == target):
-            return spare.copy_(t, non_blocking=True)
-        if target.type == "cpu" and t.is_cuda:
-            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-        return t.to(target, copy=True)
-    if isinstance(obj, dict):
-        spare = spare if isinstance(spare, dict) else {}
-        return {k: _copy_state(v, spare.get(k), dev) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        spare = spare if isinstance(spare, (list, tuple)) and len(spare) == len(obj) else [None] * len(obj)
-        return type(obj)(_copy_state(v, s, dev) for v, s in zip(obj, spare))
-    return copy.deepcopy(obj)
-
-
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
-
-
-def rng_state() -> dict:
-    np_state = np.random.get_state()
-    return {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else [],
-        # numpy's key array as a tensor, so the payload loads with torch.load(weights_only=True)
-        "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),
-        "python": random.getstate(),
-    }
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    name, keys, *rest = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-
-
-_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _fingerprint(state: dict) -> tuple[list[int], bool]:
-    """(checksum, all finite) of the model and optimizer tensors of a snapshot.
-
-    The checksum is the int64 sum of each tensor's raw words: exact and independent of reduction order (so
-    the same on any device), it changes with any single flipped bit. One extra read of the state.
-    """
-    ts = [t.detach() for t in _tensors({"model": state["model"], "optimizers": state["optimizers"]}) if t.numel()]
-    sums = [t.contiguous().view(_WORDS[t.element_size()]).sum(dtype=torch.int64) for t in ts]
-    floats = [t for t in ts if t.is_floating_point()]
-    finite = bool(norm_sum(floats).isfinite())
-    home = sums[0].device if sums else None  # optimizer step counters stay on the CPU beside CUDA weights
-    return (torch.stack([s.to(home) for s in sums]).tolist() if sums else []), finite
-
-
-@dataclass
-class Snapshot:
-    step: int  # global_step of the state (taken before the batch at `position` was trained)
-    position: dict  # epoch, batch_idx, global_step
-    state: Optional[dict]  # model, optimizers, schedulers, scaler, rng (None for a disk entry not loaded)
-    probe: Optional[tuple[torch.Tensor, torch.Tensor]]
-    probe_grad_norm: float
-    fingerprint: list[int] = field(default_factory=list)
-    path: Optional[str] = None  # disk copy
-    sha256: Optional[str] = None
-
-
-# ---- resumable train loader -------------------------------------------------------------------
-class _ResumableSampler(Sampler[int]):
-    """The wrapped sampler's order, plus the generator state at the start of the current epoch.
-
-    `resume = (generator_state or None, skip_indices)` replays an epoch's order and drops its first indices.
-    Works for a seeded RandomSampler (the permutation is drawn from its generator at the first index) and for
-    a SequentialSampler (no state but the position).
-    """
-
-    def __init__(self, inner: Sampler):
-        self.inner = inner
-        self.generator: Optional[torch.Generator] = getattr(inner, "generator", None)
-        self.epoch_state: Optional[torch.Tensor] = None
-        self.resume: Optional[tuple[Optional[torch.Tensor], int]] = None
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    def __iter__(self) -> Iterator[int]:
-        skip = 0
-        if self.resume is not None:
-            state, skip = self.resume
-            self.resume = None
-            if state is not None and self.generator is not None:
-                self.generator.set_state(state)
-        self.epoch_state = self.generator.get_state() if self.generator is not None else None
-        it = iter(self.inner)
-        for _ in range(skip):
-            next(it)
-        yield from it
 
 
 class GradientSnapshots(Callback):
@@ -184,7 +62,6 @@ class GradientSnapshots(Callback):
         cooldown_sinkhorn_iters: minimum Sinkhorn iterations during the cool-down; null = unchanged.
         max_rollbacks: rollbacks allowed within `rollback_window` steps; one more raises RollbackError.
         rollback_window: the window, in optimizer steps.
-        resumable_data: make the datamodule's shuffled train loader resume mid-epoch from checkpoints.
     """
 
     def __init__(
@@ -203,7 +80,6 @@ class GradientSnapshots(Callback):
         cooldown_sinkhorn_iters: Optional[int] = None,
         max_rollbacks: int = 3,
         rollback_window: int = 1000,
-        resumable_data: bool = True,
     ):
         super().__init__()
         me = type(self).__name__
@@ -218,8 +94,7 @@ class GradientSnapshots(Callback):
         check_number(me, "cooldown_sinkhorn_iters", cooldown_sinkhorn_iters, low=1, integer=True, optional=True)
         check_number(me, "max_rollbacks", max_rollbacks, low=0, integer=True)
         check_number(me, "rollback_window", rollback_window, low=1, integer=True)
-        for name, value in (("grad_check", grad_check), ("reset_optimizer", reset_optimizer),
-                            ("resumable_data", resumable_data)):
+        for name, value in (("grad_check", grad_check), ("reset_optimizer", reset_optimizer)):
             if not isinstance(value, bool):
                 raise ValueError(f"{me}.{name} must be true or false, got {value!r}")
         if keep == 0 and dirpath is None:
@@ -232,10 +107,9 @@ class GradientSnapshots(Callback):
         self.cooldown_steps, self.cooldown_lr_factor = cooldown_steps, cooldown_lr_factor
         self.cooldown_sinkhorn_iters = cooldown_sinkhorn_iters
         self.max_rollbacks, self.rollback_window = max_rollbacks, rollback_window
-        self.resumable_data = resumable_data
 
         self.ring: deque[Snapshot] = deque(maxlen=keep) if keep else deque(maxlen=1)
-        self.disk: list[dict] = []  # sidecar records of the files in dirpath, oldest first
+        self.files = SnapshotFiles(self.dirpath, keep_on_disk) if self.dirpath is not None else None
         self.rollback_steps: list[int] = []
         self.skip_remaining = 0
         self.cooldown_until = -1
@@ -244,10 +118,7 @@ class GradientSnapshots(Callback):
         self._deferred = False
         self._batch_step = 0
         self._trainer = None
-        self._sampler: Optional[_ResumableSampler] = None
-        self._pending_data: Optional[dict] = None
         self._pending_rng: Optional[dict] = None
-        self._orig_train_dataloader = None
 
     @property
     def state_key(self) -> str:
@@ -260,83 +131,28 @@ class GradientSnapshots(Callback):
                              "snapshot files, every rank restores from its in-memory ring")
         self._trainer = trainer
         channel_of(pl_module, trainer).rollback_handler = self
-        if stage == "fit" and self.resumable_data:
-            self._wrap_train_dataloader(trainer)
         if self.dirpath is not None and trainer.global_rank == 0:
             self.dirpath.mkdir(parents=True, exist_ok=True)
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
-        dm = trainer.datamodule
-        if self._orig_train_dataloader is not None and dm is not None:
-            if "train_dataloader" in vars(dm):
-                del dm.train_dataloader  # back to the class's method
-            self._orig_train_dataloader = None
         self.ring.clear()  # free the copies
-
-    def _wrap_train_dataloader(self, trainer) -> None:
-        dm = trainer.datamodule
-        if dm is None or trainer.world_size > 1:
-            rank_zero_warn(f"{type(self).__name__}: resumable_data needs a datamodule and a single process; "
-                           "mid-epoch resume falls back to Lightning's behaviour (epoch restarts).")
-            return
-        if self._orig_train_dataloader is not None:
-            return
-        orig = dm.train_dataloader
-        self._orig_train_dataloader = orig
-
-        def train_dataloader():
-            dl = orig()
-            bs = getattr(dl, "batch_sampler", None)
-            inner = getattr(bs, "sampler", None)
-            seeded = isinstance(inner, RandomSampler) and inner.generator is not None and not inner.replacement
-            if not isinstance(bs, BatchSampler) or not (seeded or isinstance(inner, SequentialSampler)):
-                rank_zero_warn(f"{type(self).__name__}: the train loader is neither a seeded RandomSampler nor a "
-                               "SequentialSampler; mid-epoch resume is left to Lightning.")
-                return dl
-            sampler = _ResumableSampler(inner)
-            bs.sampler = sampler  # BatchSampler reads .sampler at each iter(); DataLoader itself is unchanged
-            self._sampler = sampler
-            if self._pending_data is not None:
-                d, self._pending_data = self._pending_data, None
-                if d["batches_done"] >= d["batches_per_epoch"]:  # saved at an epoch end: next permutation
-                    sampler.resume = (d["generator_now"], 0)
-                    where = f"epoch {d['epoch'] + 1}, batch 0"
-                else:
-                    sampler.resume = (d["epoch_generator"], d["batches_done"] * bs.batch_size)
-                    where = f"epoch {d['epoch']}, batch {d['batches_done']}"
-                rank_zero_info(f"{type(self).__name__}: resuming the train loader at {where} (same shuffle "
-                               "order as an uninterrupted run; Lightning's 'dataloader is not resumable' "
-                               "warning does not apply)")
-            return dl
-
-        dm.train_dataloader = train_dataloader
 
     # ---- checkpoint state -----------------------------------------------------------------
     def state_dict(self) -> dict:
-        out = {"rollback_steps": list(self.rollback_steps), "skip_remaining": self.skip_remaining,
-               "cooldown_until": self.cooldown_until, "sinkhorn_saved": self._sinkhorn_saved,
-               "disk": [dict(d) for d in self.disk], "last_snapshot_step": self._last_snapshot_step,
-               "rng": rng_state()}
-        t, s = self._trainer, self._sampler
-        if t is not None and s is not None:
-            out["data"] = {
-                "epoch_generator": s.epoch_state.clone() if s.epoch_state is not None else None,
-                "generator_now": s.generator.get_state() if s.generator is not None else None,
-                "batches_done": int(t.fit_loop.epoch_loop.batch_progress.current.processed),
-                "batches_per_epoch": int(t.num_training_batches),
-                "epoch": int(t.current_epoch),
-            }
-        return out
+        return {"rollback_steps": list(self.rollback_steps), "skip_remaining": self.skip_remaining,
+                "cooldown_until": self.cooldown_until, "sinkhorn_saved": self._sinkhorn_saved,
+                "disk": [dict(d) for d in self.files.records] if self.files else [],
+                "last_snapshot_step": self._last_snapshot_step, "rng": rng_state()}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.rollback_steps = list(state_dict["rollback_steps"])
         self.skip_remaining = state_dict["skip_remaining"]
         self.cooldown_until = state_dict["cooldown_until"]
         self._sinkhorn_saved = state_dict["sinkhorn_saved"]
-        self.disk = [dict(d) for d in state_dict["disk"]]
+        if self.files is not None:
+            self.files.records = [dict(d) for d in state_dict["disk"]]
         self._last_snapshot_step = state_dict["last_snapshot_step"]
         self._pending_rng = state_dict.get("rng")
-        self._pending_data = state_dict.get("data")
 
     def on_train_start(self, trainer, pl_module) -> None:
         if self._pending_rng is not None:  # resumed: continue the random streams where the checkpoint left them
@@ -385,7 +201,7 @@ class GradientSnapshots(Callback):
     def _full_state(self, trainer, live: dict, spare: Optional[dict] = None) -> dict:
         dev = torch.device("cpu") if self.device == "cpu" else None
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        state = _copy_state(live, spare, dev)
+        state = copy_state(live, spare, dev)
         if torch.cuda.is_available():
             torch.cuda.current_stream().synchronize()  # the device-to-host copies are asynchronous
         state["scaler"] = copy.deepcopy(scaler.state_dict()) if scaler is not None else None
@@ -409,10 +225,10 @@ class GradientSnapshots(Callback):
         step = trainer.global_step
         probe = tuple(t.detach().to("cpu", copy=True) for t in batch[:2])
         probe_norm = self._probe_grad_norm(trainer, pl_module, probe)
-        # Checksummed where the live state is (the GPU reads it in microseconds; the CPU copy would take a single
-        # CPU thread ~1 s per GB): the sums are exact integers, so the copy's own fingerprint is the same.
+        # Checksummed where the live state is (the device reads it far faster than one CPU thread reads the host
+        # copy): the sums are exact integers, so the copy's own fingerprint is the same.
         live = self._live_state(trainer, pl_module)
-        fingerprint, finite = _fingerprint(live)
+        checksum, finite = fingerprint(live)
         finite = finite and math.isfinite(probe_norm)
         # Several processes: the probe batch is per rank, so decide together or the rings would differ.
         if not trainer.strategy.reduce_boolean_decision(finite, all=True):
@@ -427,35 +243,15 @@ class GradientSnapshots(Callback):
         snap = Snapshot(step=step, position={"epoch": trainer.current_epoch, "batch_idx": batch_idx,
                                              "global_step": step},
                         state=self._full_state(trainer, live, spare), probe=probe, probe_grad_norm=probe_norm,
-                        fingerprint=fingerprint)
-        if self.dirpath is not None and trainer.global_rank == 0:
-            self._write(snap)
+                        fingerprint=checksum)
+        if self.files is not None and trainer.global_rank == 0:
+            self.files.write(snap)
         if self.keep:
             self.ring.append(snap)
         self._last_snapshot_step = step
         seconds = time.perf_counter() - t0
         log_metrics(trainer, {"stability/snapshot_step": float(step), "stability/snapshot_seconds": seconds}, step)
         return True
-
-    def _write(self, snap: Snapshot) -> None:
-        path = self.dirpath / f"snapshot-step{snap.step:08d}.pt"
-        tmp = path.with_suffix(".pt.tmp")
-        payload = {"step": snap.step, "position": snap.position, "state": snap.state, "probe": snap.probe,
-                   "probe_grad_norm": snap.probe_grad_norm}
-        torch.save(payload, tmp)
-        digest = sha256_file(tmp)
-        os.replace(tmp, path)
-        record = {"step": snap.step, "file": path.name, "sha256": digest, "probe_grad_norm": snap.probe_grad_norm,
-                  "position": snap.position}
-        side = path.with_suffix(".json")
-        side.with_suffix(".json.tmp").write_text(json.dumps(record, indent=1))
-        os.replace(side.with_suffix(".json.tmp"), side)  # the sidecar appears last: a file without one is ignored
-        snap.path, snap.sha256 = str(path), digest
-        self.disk = [d for d in self.disk if d["step"] != snap.step] + [record]
-        while len(self.disk) > self.keep_on_disk:
-            old = self.disk.pop(0)
-            for p in (self.dirpath / old["file"], (self.dirpath / old["file"]).with_suffix(".json")):
-                p.unlink(missing_ok=True)
 
     # ---- rollback -------------------------------------------------------------------------
     def _candidates(self) -> list[tuple[str, Any]]:
@@ -464,31 +260,15 @@ class GradientSnapshots(Callback):
         for snap in self.ring:
             by_step.setdefault(snap.step, []).append(("memory", snap))
         # Several processes: memory only, so that every rank restores the same step (only rank 0 has the files).
-        if self.dirpath is not None and (self._trainer is None or self._trainer.world_size == 1):
-            for rec in self.disk:
+        if self.files is not None and (self._trainer is None or self._trainer.world_size == 1):
+            for rec in self.files.records:
                 by_step.setdefault(rec["step"], []).append(("disk", rec))
         return [c for step in sorted(by_step, reverse=True) for c in by_step[step]]
-
-    def _load_disk(self, rec: dict) -> Snapshot:
-        path = self.dirpath / rec["file"]
-        side = path.with_suffix(".json")
-        if not path.exists() or not side.exists():
-            raise ValueError(f"missing file {path.name} or its sidecar")
-        expected = json.loads(side.read_text())["sha256"]
-        actual = sha256_file(path)
-        if actual != expected:
-            raise ValueError(f"checksum mismatch for {path.name} (sha256 {actual[:12]}… != recorded {expected[:12]}…)")
-        try:
-            payload = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as err:  # noqa: BLE001 - any unreadable file is simply not a valid snapshot
-            raise ValueError(f"unreadable {path.name}: {err}") from err
-        return Snapshot(step=payload["step"], position=payload["position"], state=payload["state"],
-                        probe=payload["probe"], probe_grad_norm=payload["probe_grad_norm"], path=str(path))
 
     def _validate(self, trainer, pl_module, snap: Snapshot, source: str) -> None:
         """State-loading validation: checksum (memory), shapes and dtypes against the live objects, finite."""
         st = snap.state
-        if source == "memory" and _fingerprint(st)[0] != snap.fingerprint:
+        if source == "memory" and fingerprint(st)[0] != snap.fingerprint:
             raise ValueError("in-memory checksum mismatch")
         live = pl_module.model.state_dict()
         if set(live) != set(st["model"]):
@@ -512,7 +292,7 @@ class GradientSnapshots(Callback):
                         raise ValueError(f"optimizer state {name} of parameter {pid}: {tuple(t.shape)} != "
                                          f"{tuple(shapes.get(pid, ()))}")
         for where in ("model", "optimizers"):
-            for t in _tensors(st[where]):
+            for t in tensors(st[where]):
                 if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                     raise ValueError(f"non-finite values in the {where} state")
 
@@ -522,9 +302,9 @@ class GradientSnapshots(Callback):
         # Optimizer.load_state_dict keeps same-device tensors as they are: copy, or the live moments would
         # alias (and later overwrite) the snapshot.
         for opt, sd in zip(trainer.optimizers, st["optimizers"]):
-            opt.load_state_dict(_copy_state(sd, None, None))
+            opt.load_state_dict(copy_state(sd, None, None))
         for cfg, sd in zip(trainer.lr_scheduler_configs, st["schedulers"]):
-            cfg.scheduler.load_state_dict(_copy_state(sd, None, None))
+            cfg.scheduler.load_state_dict(copy_state(sd, None, None))
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is not None and st["scaler"]:
             scaler.load_state_dict(st["scaler"])
@@ -550,7 +330,7 @@ class GradientSnapshots(Callback):
             label = f"step {entry.step if source == 'memory' else entry['step']} ({source})"
             snap, detail_check, reason = None, "", None
             try:
-                snap = self._load_disk(entry) if source == "disk" else entry
+                snap = self.files.load(entry) if source == "disk" else entry
                 self._validate(trainer, pl_module, snap, source)
                 self._load(trainer, pl_module, snap)
                 if self.grad_check:

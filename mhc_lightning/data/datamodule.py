@@ -1,14 +1,20 @@
 """Byte-level language-modelling data: fixed-length windows over the train / val splits of a corpus."""
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from ..errors import ConfigError
 from .corpus import N_SHAKESPEARE_WORKS, SHAKESPEARE, CorpusError, fetch_shakespeare, load_corpus, split_sizes
+from .resumable_sampler import ResumableRandomSampler
+
+# torchdata 0.11 calls a deprecated torch function in every StatefulDataLoader: harmless noise
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 
 
 class ByteWindows(Dataset):
@@ -117,9 +123,12 @@ class ByteTextDataModule(L.LightningDataModule):
             # shuffle=False: single-process batch i is windows [B*i, B*i+B); with W ranks of B/W each, rank r gets
             # windows r, r+W, ...: the same global batch, so runs compare step by step across device counts.
             sampler = DistributedSampler(self.train_dataset, shuffle=hp.shuffle, seed=hp.seed, **dist_kwargs)
-            return self._loader(self.train_dataset, sampler=sampler, drop_last=True)
-        return self._loader(self.train_dataset, shuffle=hp.shuffle, drop_last=True,
-                            generator=torch.Generator().manual_seed(hp.seed))
+            return self._loader(self.train_dataset, StatefulDataLoader, sampler=sampler, drop_last=True)
+        # Stateful: Lightning saves its position (shuffle state, batches done) in every checkpoint, so a run resumed
+        # mid-epoch continues on exactly the batches an uninterrupted run would see (resumable_sampler.py).
+        generator = torch.Generator().manual_seed(hp.seed)
+        order = ResumableRandomSampler(self.train_dataset, generator) if hp.shuffle else None
+        return self._loader(self.train_dataset, StatefulDataLoader, sampler=order, drop_last=True, generator=generator)
 
     def _distributed_sampler_kwargs(self) -> Optional[dict]:
         """num_replicas / rank of the data-parallel group when the trainer runs more than one, else None."""
@@ -136,12 +145,11 @@ class ByteTextDataModule(L.LightningDataModule):
         # The corpus has two splits; `mhc test` reports on the held-out one.
         return self.val_dataloader()
 
-    def _loader(self, dataset: Optional[ByteWindows], **kwargs) -> DataLoader:
+    def _loader(self, dataset: Optional[ByteWindows], loader: type = DataLoader, **kwargs) -> DataLoader:
         if dataset is None:
             raise RuntimeError("call setup() before asking ByteTextDataModule for a dataloader")
         nw = self.hparams.num_workers
-        return DataLoader(dataset, batch_size=self.hparams.batch_size, num_workers=nw,
-                          persistent_workers=nw > 0, **kwargs)
+        return loader(dataset, batch_size=self.hparams.batch_size, num_workers=nw, persistent_workers=nw > 0, **kwargs)
 
 
 def _as_tensor(data: bytes) -> torch.Tensor:

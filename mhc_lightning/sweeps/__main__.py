@@ -1,6 +1,6 @@
 """`python -m mhc_lightning.sweeps ...` == `mhc sweep ...` (worker processes are started this way)."""
 import sys
 
-from .runner import main
+from .cli import main
 
 sys.exit(main())

@@ -7,7 +7,6 @@ import io
 import json
 import math
 import shlex
-import statistics
 import tempfile
 import time
 import warnings
@@ -15,66 +14,33 @@ from pathlib import Path
 from typing import Any, Optional
 
 import optuna
-from lightning.pytorch.callbacks import Callback
+from optuna.storages import RetryHeartbeatStaleTrialCallback
+from optuna.trial import TrialState
 
 from .pruning import StepPruning
-from .spec import SweepSpec, sample, trial_args
+from .recorder import MetricRecorder
+from .settings import STOP_ATTR
+from .spec import SpecError, SweepSpec
+from .trial_args import sample, trial_args
 
-LOGGER_CLASS = "mhc_lightning.sweeps.logger.ResilientMLFlowLogger"
+LOGGER_CLASS = "mhc_lightning.loggers.ResilientMLFlowLogger"
 LINK_CLASS = "mhc_lightning.sweeps.link.TrialLink"
+STORAGE_ENV = "MHC_SWEEP_STORAGE"  # the storage URL for a child's rank 0: it may hold a password, so not in argv
 
 
 class TrialConfigError(ValueError):
     """The trial's arguments were rejected by the `mhc fit` parser (message is the parser's)."""
 
 
-class MetricRecorder(Callback):
-    """Values of the objective metrics over the trial, for `reduce` (last / min / max / mean / median).
-
-    val/* metrics are read at each validation end; the others (logged per step, e.g. tokens/s, Amax)
-    whenever their value in trainer.callback_metrics changes, since that dict keeps the last value.
-    """
-
-    def __init__(self, metrics: list[str]):
-        self.history: dict[str, list[tuple[int, float]]] = {m: [] for m in metrics}
-
-    def _grab(self, trainer, validation: bool) -> None:
-        for m, h in self.history.items():
-            if m.startswith("val/") != validation:
-                continue
-            v = trainer.callback_metrics.get(m)
-            if v is None:
-                continue
-            v = float(v)
-            if validation or not h or h[-1][1] != v:
-                h.append((trainer.global_step, v))
-
-    def on_train_batch_end(self, trainer, *args) -> None:
-        self._grab(trainer, validation=False)
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        self._grab(trainer, validation=False)
-
-    def on_validation_end(self, trainer, pl_module) -> None:
-        if not trainer.sanity_checking:
-            self._grab(trainer, validation=True)
-
-    @classmethod
-    def from_history(cls, history: dict[str, list]) -> "MetricRecorder":
-        """A recorder holding the history another process recorded (a subprocess trial's result file)."""
-        rec = cls(list(history))
-        rec.history = {m: [(int(step), float(v)) for step, v in h] for m, h in history.items()}
-        return rec
-
-    def value(self, metric: str, reduce: str) -> float:
-        vals = [v for _, v in self.history[metric]]
-        if not vals:
-            raise ValueError(f"objective metric {metric!r} was never logged during the trial")
-        return {"last": lambda: vals[-1], "min": lambda: min(vals), "max": lambda: max(vals),
-                "mean": lambda: statistics.fmean(vals), "median": lambda: statistics.median(vals)}[reduce]()
+class DuplicateTrial(RuntimeError):
+    """The sampler proposed exactly the parameters of a trial the study already has; nothing was trained."""
 
 
-def build_trial_cli(args: list[str], callbacks: list[Callback]):
+class ObjectiveMetricMissing(SpecError):
+    """An objective metric the model never logs: a problem of the sweep file, not of one trial."""
+
+
+def build_trial_cli(args: list[str], callbacks: list):
     """The project's LightningCLI with run=False; parser errors become TrialConfigError, not SystemExit."""
     from ..cli import build_cli
 
@@ -101,6 +67,7 @@ class TrialRunner:
         self.spec, self.tracker, self.uri, self.worker, self.spool_dir = spec, tracker, tracking_uri, worker, spool_dir
         self.storage_url = storage_url  # for subprocess trials, which report to the study themselves
         self.current: Optional[optuna.Trial] = None
+        self.duplicate = False  # the last trial was a duplicate proposal (the worker counts them in a row)
 
     def logger_config(self, trial, run_id: str) -> dict:
         return {"class_path": LOGGER_CLASS, "init_args": {
@@ -109,18 +76,26 @@ class TrialRunner:
             "spool_dir": self.spool_dir}}
 
     def __call__(self, trial: optuna.Trial):
-        self.current = trial
+        self.current, self.duplicate = trial, False
         spec = self.spec
+        others = trial.study.get_trials(deepcopy=False)
+        me = next(t for t in others if t.number == trial.number)
+        retry_of = RetryHeartbeatStaleTrialCallback.retried_trial_number(me)  # set by the heartbeat's retry callback
         values = sample(trial, spec)
-        # Optuna has no public accessor for a running trial's system attrs (where the retry callback
-        # records the original trial), hence the storage call.
-        sys_attrs = trial.study._storage.get_trial_system_attrs(trial._trial_id)
         # a re-queued trial inherits the original's user attributes: clear the outcome of the old attempt
         trial.set_user_attr("error", None)
         trial.set_user_attr("interrupted", False)
         trial.set_user_attr("worker", self.worker["id"])
         trial.set_user_attr("sampler_seed", self.worker["seed"])
-        run_id = self.tracker.start_trial(trial, values, self.worker, retry_of=sys_attrs.get("failed_trial"))
+        if retry_of is None:
+            twin = next((t.number for t in others if t.number != trial.number and t.params == trial.params
+                         and t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)), None)
+            if twin is not None:
+                self.duplicate = True
+                trial.set_user_attr("duplicate_of", twin)
+                trial.set_user_attr("error", f"same parameters as trial {twin}: not trained")
+                raise DuplicateTrial(f"trial {trial.number} has the parameters of trial {twin}")
+        run_id = self.tracker.start_trial(trial, values, self.worker, retry_of=retry_of)
         args = trial_args(spec, values, self.logger_config(trial, run_id))
         self.tracker.client.log_text(run_id, fit_command(args) + "\n", "trial_command.txt")
         metrics = list(dict.fromkeys(o.metric for o in spec.objectives))
@@ -140,16 +115,12 @@ class TrialRunner:
                 raise KeyboardInterrupt(msg) from err
             raise
         extra = {"optuna.duration_s": f"{time.time() - t0:.1f}"}
+        if recorder.missing:
+            self._missing_metrics(trial, run_id, recorder.missing, logged, extra)
         if pruned_at is not None:
             self.tracker.end_trial(run_id, "PRUNED", extra_tags={**extra, "optuna.pruned_at_step": pruned_at})
             raise optuna.TrialPruned(f"pruned at step {pruned_at}")
-        try:
-            result = {o.label: recorder.value(o.metric, o.reduce) for o in spec.objectives}
-        except ValueError as err:
-            msg = f"{err}; logged metrics: {logged}"
-            self.tracker.end_trial(run_id, "FAILED", error=msg, extra_tags=extra)
-            trial.set_user_attr("error", msg[:1000])
-            raise ValueError(msg) from None
+        result = {o.label: recorder.value(o.metric, o.reduce) for o in spec.objectives}
         if not all(math.isfinite(v) for v in result.values()):
             msg = f"non-finite objective {result}"
             self.tracker.end_trial(run_id, "FAILED", error=msg, extra_tags=extra)
@@ -159,7 +130,20 @@ class TrialRunner:
         out = tuple(result.values())
         return out if spec.multi_objective else out[0]
 
-    # Both return (the recorded objective metrics, the step the trial was pruned at or None, the logged metric names).
+    def _missing_metrics(self, trial, run_id: str, missing: list[str], logged: list[str], extra: dict) -> None:
+        """Fail the trial; stop the whole sweep when no trial could have logged the metric (a val/* metric absent
+        after a validation, or any metric no completed trial of the study ever had)."""
+        msg = (f"objective metric(s) {missing} never logged by `mhc fit`; it logged: {logged}. "
+               "Fix objectives[].metric in the sweep file")
+        self.tracker.end_trial(run_id, "FAILED", error=msg, extra_tags=extra)
+        trial.set_user_attr("error", msg[:1000])
+        completed = trial.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        if any(m.startswith("val/") for m in missing) or not completed:
+            trial.study.set_user_attr(STOP_ATTR, f"{self.spec.path}: {msg}")
+            raise ObjectiveMetricMissing(msg)
+        raise ValueError(msg)
+
+    # Both return (the recorder, the step the trial was pruned at or None, the logged metric names).
     def _fit_in_process(self, trial, run_id: str, args: list[str], metrics: list[str]):
         recorder = MetricRecorder(metrics)
         pruning = StepPruning(trial, self.spec.objectives[0].metric) if self.spec.pruning else None
@@ -175,18 +159,21 @@ class TrialRunner:
     def _fit_child(self, trial, run_id: str, args: list[str], metrics: list[str]):
         """`mhc fit` as a child process; its rank 0 reports to the trial through the storage (link.py) and leaves
         the recorded metrics in a result file. Its output is logged to the trial's run as trial.log."""
-        from .child import ChildFailed, run_child
+        import os
+
+        from ..launcher import ChildFailed, mhc_command, run
 
         spec = self.spec
         with tempfile.TemporaryDirectory(prefix=f"mhc-trial-{trial.number}-") as tmp:
             result, log = Path(tmp) / "result.json", Path(tmp) / "trial.log"
             link: dict[str, Any] = {"result_path": str(result), "metrics": metrics}
             if spec.pruning:
-                link.update(study_name=trial.study.study_name, trial_id=trial._trial_id,
+                link.update(study_name=trial.study.study_name, trial_number=trial.number,
                             monitor=spec.objectives[0].metric, pruner=spec.pruner)
             link_arg = "--trainer.callbacks+=" + json.dumps({"class_path": LINK_CLASS, "init_args": link})
+            env = dict(os.environ, **({STORAGE_ENV: self.storage_url} if self.storage_url else {}))
             try:
-                run_child([*args, link_arg], log, self.storage_url, spec.trial["timeout_s"])
+                run([*mhc_command(), "fit", *args, link_arg], log, env, spec.trial["timeout_s"], what="`mhc fit`")
                 if not result.is_file():
                     raise ChildFailed("`mhc fit` exited 0 without writing its result (did fit run?)", log)
             except BaseException:
@@ -196,4 +183,4 @@ class TrialRunner:
                 if log.is_file():
                     self.tracker.client.log_artifact(run_id, str(log))
             out = json.loads(result.read_text())
-        return MetricRecorder.from_history(out["history"]), out["pruned_at"], out["logged"]
+        return MetricRecorder.from_result(out["history"], out["missing"]), out["pruned_at"], out["logged"]

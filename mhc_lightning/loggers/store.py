@@ -1,0 +1,142 @@
+"""The MLflow tracking store as the platform meets it: is it there, is it ready, which experiment.
+
+- `check_tracking`: an unreachable store is a `TrackingUnreachable` (a UserError: one line naming the URI), found
+  in seconds rather than after MLflow's default retries (minutes).
+- `is_outage`: tells "the server is not there right now" (keep the write for later) from "the request is wrong"
+  (a bug: raise).
+- `prepare_store`: a fresh SQLite store is migrated by its first client; two processes doing that at once corrupt it
+  (alembic's temporary tables), so the first access is serialised with a lock file beside the database.
+- `ensure_experiment`: the experiment, created if needed, tagged so that the MLflow UI opens it in its
+  training-runs view (see TRAINING_KIND below).
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Optional
+
+from ..errors import UserError
+
+# Fail fast instead of MLflow's default 7 retries with exponential backoff (minutes per call): a training process
+# waits on a dead server for at most (retries + 1) x timeout per attempt, and the spool retries later on its own.
+HTTP_FAST_FAILURE = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                     "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+
+# MLflow 3's UI chooses an experiment's default view from the experiment tag `mlflow.experimentKind`:
+# "genai_development" opens the GenAI "Evaluations" view, "custom_model_development" the training-runs table
+# (the values of the UI's ExperimentKind enum; MLflow's own onboarding guide reads the same tag). Without the tag
+# the UI guesses, and guessed GenAI for our runs.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+TRAINING_KIND = "custom_model_development"
+
+
+class TrackingUnreachable(UserError):
+    """The MLflow tracking store cannot be reached; the message names the URI and what to do."""
+
+
+def redact(url: str) -> str:
+    """user:password@host -> user:***@host, for tags and messages."""
+    return re.sub(r"(//[^:/@]+:)[^@]*@", r"\1***@", url)
+
+
+def is_outage(err: BaseException) -> bool:
+    """True for errors that mean 'the server is not there right now', as opposed to a bad request."""
+    import requests
+    from mlflow.exceptions import MlflowException, RestException
+
+    if isinstance(err, RestException):
+        return err.get_http_status_code() >= 500
+    if isinstance(err, (requests.RequestException, ConnectionError, TimeoutError)):
+        return True
+    if isinstance(err, MlflowException):
+        msg = str(err)
+        code = re.search(r"error code (\d{3})", msg)  # a non-JSON HTTP answer, e.g. the Host-header check's 403
+        if code:
+            return int(code.group(1)) >= 500
+        return any(s in msg for s in ("API request to", "Max retries exceeded", "Connection", "database is locked"))
+    return False
+
+
+def use_fast_http_failures() -> None:
+    """Lower MLflow's HTTP retries for this process, unless the user set MLFLOW_HTTP_REQUEST_* already."""
+    for k, v in HTTP_FAST_FAILURE.items():
+        os.environ.setdefault(k, v)
+
+
+def default_tracking_uri() -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+
+
+def sqlite_path(uri: str) -> Optional[Path]:
+    """The database file of a sqlite:/// URI (None for other stores)."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    return Path(uri[len("sqlite:///"):]).expanduser().resolve()
+
+
+def check_tracking(uri: str, timeout: float = 5.0) -> None:
+    """Raise TrackingUnreachable (naming the URI) unless the tracking store answers; migrate a new SQLite store."""
+    if uri.startswith(("http://", "https://")):
+        import requests
+
+        try:
+            requests.get(uri.rstrip("/") + "/health", timeout=timeout).raise_for_status()
+        except requests.RequestException as err:
+            raise TrackingUnreachable(
+                f"MLflow tracking server {redact(uri)} is unreachable ({type(err).__name__}). Start it "
+                "(`docker compose up -d mlflow`, or `mlflow server ...`), or point MLFLOW_TRACKING_URI / "
+                "--tracking-uri / trainer.logger.init_args.tracking_uri at a running one.") from None
+    try:
+        prepare_store(uri)  # /health skips the server's Host-header check; one API call does not
+    except Exception as err:
+        hint = (" (add this host name to the server's --allowed-hosts / MLFLOW_ALLOWED_HOSTS)"
+                if "Invalid Host header" in str(err) else "")
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise TrackingUnreachable(f"MLflow tracking store {redact(uri)} refused the connection: {first}{hint}") from None
+
+
+def lock_path(db: Path) -> str:
+    """An inter-process lock for a SQLite file, in the temp folder (no litter beside the database)."""
+    import hashlib
+    import tempfile
+
+    return str(Path(tempfile.gettempdir()) / f"mhc-sqlite-{hashlib.sha1(str(db).encode()).hexdigest()[:16]}.lock")
+
+
+def prepare_store(uri: str) -> None:
+    """One API call against the store; for SQLite under an inter-process lock, so that only one process migrates a
+    new database (parallel first clients collide in alembic and can leave the file unusable)."""
+    from mlflow import MlflowClient
+
+    db = sqlite_path(uri)
+    if db is None:
+        MlflowClient(uri).search_experiments(max_results=1)
+        return
+    from filelock import FileLock
+
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(lock_path(db), timeout=300):
+        MlflowClient(uri).search_experiments(max_results=1)
+
+
+def ensure_experiment(client, name: str) -> str:
+    """The id of experiment `name`, created (or restored) if needed and tagged for the training-runs view.
+
+    Safe when several processes race: whoever loses the create finds the winner's experiment. An experiment that
+    already has a kind (set by a user or by MLflow) keeps it.
+    """
+    exp = client.get_experiment_by_name(name)
+    if exp is None:
+        try:
+            exp_id = client.create_experiment(name, tags={EXPERIMENT_KIND_TAG: TRAINING_KIND})
+            return exp_id
+        except Exception:  # another process created it first
+            exp = client.get_experiment_by_name(name)
+            if exp is None:
+                raise
+    if exp.lifecycle_stage == "deleted":
+        client.restore_experiment(exp.experiment_id)
+    if EXPERIMENT_KIND_TAG not in exp.tags:
+        client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, TRAINING_KIND)
+    return exp.experiment_id

@@ -1,0 +1,106 @@
+"""Command lines of the reports: `mhc compare` (and its grouped form `--group-by`) and `mhc report`.
+
+    mhc compare --study smoke --tracking-uri sqlite:///$PWD/mlflow.db
+    mhc compare --experiment mhc_lightning --tracking-uri http://localhost:5000 --out reports/today
+    mhc compare --runs 1a2b... 3c4d... --no-log
+    mhc compare --experiment stability --group-by variant,model.arch.n_layers --report docs/results.md ...
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+from ..errors import UserError
+
+
+def _default_uri() -> str:
+    from ..loggers.store import default_tracking_uri
+
+    return default_tracking_uri()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mhc compare", description="Table and plots comparing MLflow runs.")
+    sel = p.add_mutually_exclusive_group(required=True)
+    sel.add_argument("--experiment", help="every training run of this MLflow experiment")
+    sel.add_argument("--study", help="the trial runs of this Optuna study (tag optuna.study_name)")
+    sel.add_argument("--runs", nargs="+", metavar="RUN_ID", help="these runs")
+    p.add_argument("--tracking-uri", help="sqlite:///abs/mlflow.db or http://host:5000 "
+                                          "(default: $MLFLOW_TRACKING_URI, else ./mlflow.db)")
+    p.add_argument("--out", help="output folder (default: reports/<experiment|study|runs>)")
+    p.add_argument("--top", type=int, default=12, help="runs drawn in the plots (best by val/loss); the table has all")
+    p.add_argument("--include-eval", action="store_true",
+                   help="also the evaluation runs of `mhc validate` / `mhc test` (tag stage), left out by default")
+    p.add_argument("--no-log", action="store_true", help="do not log the table and plots to MLflow")
+    p.add_argument("--log-run-id", help="log into this run instead")
+    g = p.add_argument_group("grouped report (mean +- std over seeds; = mhc report)")
+    g.add_argument("--group-by", help="comma-separated run tags, e.g. variant,model.arch.n_layers")
+    g.add_argument("--report", help="with --group-by: write a markdown report here")
+    g.add_argument("--notes", help="with --group-by: markdown appended to the report")
+    g.add_argument("--context", help="with --group-by: text file (GPU, versions) quoted in the report")
+    return p
+
+
+def grouped_command(args, uri: str) -> list[str]:
+    """The canonical `mhc compare` arguments of a grouped report, as its header quotes them."""
+    cmd = ["--experiment", args.experiment, "--group-by", args.group_by, "--tracking-uri", uri]
+    for flag, value in (("--out", args.out), ("--report", args.report), ("--notes", args.notes),
+                        ("--context", args.context)):
+        if value:
+            cmd += [flag, str(value)]
+    return cmd + (["--include-eval"] if args.include_eval else [])
+
+
+def _grouped(args, uri: str) -> int:
+    from .grouped import report
+
+    out = Path(args.out or "reports/grouped")
+    res = report(uri, args.experiment, args.group_by.split(","), out, Path(args.report) if args.report else None,
+                 Path(args.notes) if args.notes else None, Path(args.context) if args.context else None,
+                 "mhc compare " + " ".join(grouped_command(args, uri)), args.include_eval)
+    print(f"{res['runs']} runs in {res['groups']} groups -> {res['table']}")
+    print(Path(res["table"]).read_text())
+    return 0
+
+
+def _compare(args, uri: str) -> int:
+    from .compare import compare
+
+    out = args.out or str(Path("reports") / (args.experiment or args.study or "runs"))
+    res = compare(uri, out, args.experiment, args.study, args.runs, not args.no_log, args.top, args.log_run_id,
+                  args.include_eval)
+    print(f"{res['runs']} runs -> {res['table_md']}, {res['table_csv']}")
+    for name, path in res["plots"].items():
+        print(f"  {name}: {path}")
+    if "logged_to" in res:
+        print(f"logged to MLflow run {res['logged_to']} (artifacts under comparison/)")
+    print(Path(res["table_md"]).read_text())
+    return 0
+
+
+def main(argv: Optional[list[str]] = None, prog: str = "mhc compare") -> int:
+    parser = build_parser()
+    parser.prog = prog
+    args = parser.parse_args(argv)
+    if args.group_by and not args.experiment:
+        parser.error("--group-by needs --experiment")
+    uri = args.tracking_uri or _default_uri()
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one bar per downloaded file otherwise
+    try:
+        return _grouped(args, uri) if args.group_by else _compare(args, uri)
+    except UserError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
+
+
+def report_main(argv: Optional[list[str]] = None) -> int:
+    """`mhc report ...` == `mhc compare --group-by ...` (--experiment and --group-by required)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--group-by" not in argv or "--experiment" not in argv:
+        print("mhc report: error: --experiment and --group-by are required "
+              "(e.g. --experiment stability --group-by variant,model.arch.n_layers)", file=sys.stderr)
+        return 2
+    return main(argv, prog="mhc report")

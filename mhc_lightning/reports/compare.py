@@ -1,0 +1,139 @@
+"""`mhc compare`: a table and plots for a set of MLflow runs (an experiment, an Optuna study, or run ids).
+
+Writes runs.md and runs.csv (configs and final metrics, best val/loss first) and four PNGs: val_loss.png (curves),
+amax_vs_layer.png (composite Amax gain per layer, from the runs' last diagnostics/per_layer_step*.json), grad_norm.png
+(curves) and tokens_per_sec.png (median per run). They are logged to MLflow too: into the study's parent run for
+--study, else into a new "compare-..." run in the experiment of the first run (--no-log to skip).
+"""
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from . import plots
+from .runs import COMPARISON_TAG, CompareError, RunData, load, search
+from .tables import fmt, frame, write_table
+
+FINAL_METRICS = ["val/loss", "val/bpb", "train/loss", "train/grad_norm", "amax/composite_fwd_max", "amax/composite_bwd_max"]
+CURVES = ["val/loss", "train/grad_norm", "train/tokens_per_sec"]
+
+
+def differing_columns(configs: list[dict], always=("residual_mode",)) -> list[str]:
+    """Config columns whose values differ between runs (equal everywhere says nothing about the difference)."""
+    return [c for c in dict.fromkeys(k for cfg in configs for k in cfg)
+            if c in always or len({cfg.get(c) for cfg in configs}) > 1 or len(configs) == 1]
+
+
+def table_rows(data: list[RunData]) -> list[dict[str, Any]]:
+    configs = [d.config() for d in data]
+    cols = differing_columns(configs)
+    rows = []
+    for d, cfg in zip(data, configs):
+        row = {"run": d.name, "run_id": d.run_id, "status": d.status}
+        if any(x.evaluation for x in data):
+            row["stage"] = d.stage
+        if "optuna.trial" in d.tags:
+            row["trial"] = d.tags["optuna.trial"]
+            row["state"] = d.tags.get("optuna.state", "")
+        row.update({c: cfg.get(c, "") for c in cols})
+        steps = [s for curve in d.curves.values() for s, _ in curve]
+        row["steps"] = max(steps) if steps else ""
+        for m in FINAL_METRICS:
+            row[m] = d.metrics.get(m, "")
+        tps = d.tokens_per_sec()
+        row["tokens/s (median)"] = tps if tps is not None else ""
+        rows.append(row)
+    return rows
+
+
+def _label(d: RunData, cols: list[str]) -> str:
+    cfg = d.config()
+    bits = [f"{c}={fmt(cfg[c])}" if c != "residual_mode" else str(cfg[c]) for c in cols if c in cfg]
+    return f"{d.label} " + " ".join(bits)
+
+
+def layers_caption(shown: list[RunData], have: list[RunData]) -> str:
+    """Which runs the Amax-vs-layer plot leaves out, each by name and with its own reason."""
+    def why(d: RunData) -> str:
+        if d.evaluation:
+            return f"{d.stage} run: no training steps"
+        if d.config().get("residual_mode") == "residual":
+            return "residual: one stream, no H_res"
+        return "no per-layer diagnostics logged"
+
+    missing = [f"{d.label} ({why(d)})" for d in shown if d not in have]
+    return ("not shown: " + "; ".join(missing)) if missing else ""
+
+
+def make_plots(data: list[RunData], out: Path, top: int) -> dict[str, Path]:
+    shown = data[:top]  # legends stay readable; the table has every run
+    cols = differing_columns([d.config() for d in shown])[:4]
+    sub = f" (best {len(shown)} of {len(data)} by val/loss)" if len(data) > len(shown) else ""
+
+    def lines(key):
+        return [(_label(d, cols), *zip(*d.curves[key]), None) for d in shown if d.curves.get(key)]
+
+    result = {
+        "val_loss": plots.curves(lines("val/loss"), "validation loss" + sub, "val/loss (nats/byte)",
+                                 out / "val_loss.png"),
+        "grad_norm": plots.curves(lines("train/grad_norm"), "gradient norm (before clipping)" + sub,
+                                  "train/grad_norm", out / "grad_norm.png", logy=True),
+    }
+    have = [d for d in shown if d.per_layer and "composite_fwd_max" in d.per_layer]
+    if have:
+        steps = sorted({d.per_layer_step for d in have})
+        fig = plots.amax_vs_layer([(f"{_label(d, cols)} (step {d.per_layer_step})", d.per_layer) for d in have],
+                                  title=f"composite Amax gain at each run's last diagnostics (steps {steps})",
+                                  note=layers_caption(shown, have))
+        result["amax_vs_layer"] = plots.save(fig, out / "amax_vs_layer.png")
+    bars = []
+    for d in shown:
+        v = d.tokens_per_sec()
+        if v is None:
+            continue
+        xs = sorted(x for _, x in d.curves.get("train/tokens_per_sec", []))
+        iqr = (v - xs[len(xs) // 4], xs[(3 * len(xs)) // 4] - v) if len(xs) >= 4 else (0.0, 0.0)
+        bars.append((_label(d, cols), v, iqr))
+    result["tokens_per_sec"] = plots.throughput(bars, out / "tokens_per_sec.png")
+    return {k: v for k, v in result.items() if v is not None}
+
+
+def compare(tracking_uri: str, out, experiment: Optional[str] = None, study: Optional[str] = None,
+            run_ids: Optional[list[str]] = None, log: bool = True, top: int = 12,
+            log_run_id: Optional[str] = None, include_evaluation: bool = False) -> dict[str, Any]:
+    from mlflow import MlflowClient
+
+    from ..loggers.store import check_tracking, use_fast_http_failures
+
+    if sum(x is not None and x != [] for x in (experiment, study, run_ids)) != 1:
+        raise CompareError("give exactly one of --experiment, --study, --runs")
+    use_fast_http_failures()
+    check_tracking(tracking_uri)
+    df = search(tracking_uri, experiment, study, run_ids, include_evaluation)
+    data = load(tracking_uri, df, CURVES)
+    # best first: lowest final val/loss; runs without it last
+    data.sort(key=lambda d: (not math.isfinite(d.metrics.get("val/loss", math.nan)), d.metrics.get("val/loss", 0.0)))
+    out = Path(out)
+    md, csv_path = write_table(frame(table_rows(data)), out, "runs", hidden=("run_id",))
+    figures = make_plots(data, out, top)
+    result: dict[str, Any] = {"runs": len(data), "table_md": md, "table_csv": csv_path, "plots": figures}
+    if log:
+        client = MlflowClient(tracking_uri)
+        target = log_run_id
+        if target is None and study:
+            parent = {d.tags.get("mlflow.parentRunId") for d in data} - {None}
+            target = parent.pop() if len(parent) == 1 else None
+        created = False
+        if target is None:
+            name = f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
+            target = client.create_run(data[0].experiment_id, run_name=name, tags={
+                COMPARISON_TAG: "comparison", "mhc.compared_runs": ",".join(d.run_id for d in data)[:5000]}).info.run_id
+            created = True
+        for p in [md, csv_path, *figures.values()]:
+            client.log_artifact(target, str(p), "comparison")
+        if created:
+            client.set_terminated(target, "FINISHED")
+        result["logged_to"] = target
+    return result

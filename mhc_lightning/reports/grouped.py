@@ -1,0 +1,180 @@
+"""Grouped results report: runs aggregated over seeds (mean +- std) into markdown tables and plots.
+
+    mhc compare --experiment stability --group-by variant,model.arch.n_layers \
+        --tracking-uri http://127.0.0.1:5000 --out docs/results --report docs/results.md \
+        --notes docs/results_notes.md --context docs/results/context.txt
+
+Groups come from run tags (the grid runner tags every run with its variant and axis values); only FINISHED
+training runs count. Reads local stores and servers alike (runs.py).
+"""
+from __future__ import annotations
+
+import math
+import os
+import statistics as st
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Optional
+
+from . import plots
+from .runs import CompareError, RunData, load, search
+from .tables import frame, write_table
+
+HISTORIES = ["val/loss", "val/bpb", "train/grad_norm", "train/tokens_per_sec",
+             "amax/composite_fwd_max", "amax/composite_bwd_max", "amax/composite_min_colsum"]
+SPIKE_FACTOR = 4.0  # a logged grad norm (after warmup) above 4x the run's median counts as a spike
+COLUMNS = [  # (summary key, header, format)
+    ("val_bpb", "val bits/byte", "{:.4f}"),
+    ("amax_fwd_peak", "composite Amax fwd (peak)", "{:.4g}"),
+    ("amax_bwd_peak", "composite Amax bwd (peak)", "{:.4g}"),
+    ("min_colsum", "min column sum", "{:.3g}"),
+    ("grad_norm_max", "max grad norm (pre-clip)", "{:.3g}"),
+    ("grad_spikes", f"grad spikes (>{SPIKE_FACTOR:g}x median)", "{:.2g}"),
+    ("tokens_per_sec", "tokens/s", "{:.3g}"),
+]
+
+
+def run_summary(d: RunData) -> dict[str, float]:
+    """Per-run scalars: final validation, the worst gains seen over training, spikes, throughput."""
+    def peak(key):
+        vals = [v for _, v in d.curves.get(key, [])]
+        return max(vals) if vals else 1.0  # residual has no stream mixing: its gain is 1 by definition
+
+    warmup = int(d.params.get("optim/warmup_steps", 0))  # early steps are large by design, not spikes
+    gn = [v for step, v in d.curves.get("train/grad_norm", []) if step >= warmup]
+    med = st.median(gn) if gn else math.nan
+    tps = [v for _, v in d.curves.get("train/tokens_per_sec", [])]
+    colsum = [v for _, v in d.curves.get("amax/composite_min_colsum", [])]
+    return {
+        "val_bpb": d.metrics.get("val/bpb", math.nan),
+        "val_loss": d.metrics.get("val/loss", math.nan),
+        "amax_fwd_peak": peak("amax/composite_fwd_max"),
+        "amax_bwd_peak": peak("amax/composite_bwd_max"),
+        "min_colsum": min(colsum) if colsum else 1.0,
+        "grad_norm_max": max(gn) if gn else math.nan,
+        "grad_spikes": float(sum(v > SPIKE_FACTOR * med for v in gn)) if gn else math.nan,
+        "tokens_per_sec": st.median(tps) if tps else math.nan,
+    }
+
+
+def _num(v: str):
+    try:
+        return int(v)
+    except ValueError:
+        try:
+            return float(v)
+        except ValueError:
+            return v
+
+
+def group(data: list[RunData], keys: list[str]) -> dict[tuple, list[RunData]]:
+    groups: dict[tuple, list[RunData]] = defaultdict(list)
+    for d in data:
+        missing = [k for k in keys if k not in d.tags]
+        if missing:
+            raise CompareError(f"run {d.name} has no tag(s) {missing}; group by tags the runs carry: {sorted(d.tags)}")
+        groups[tuple(_num(d.tags[k]) for k in keys)].append(d)
+    return dict(sorted(groups.items(), key=lambda kv: tuple((isinstance(x, str), x if not isinstance(x, str) else 0, str(x))
+                                                               for x in kv[0])))
+
+
+def mean_std(vals: list[float]) -> tuple[float, float]:
+    vals = [v for v in vals if not math.isnan(v)]
+    if not vals:
+        return math.nan, math.nan
+    return st.fmean(vals), (st.stdev(vals) if len(vals) > 1 else 0.0)
+
+
+def tables(groups, keys):
+    """(numbers: mean and std columns, for the CSV; text: 'mean ± std' cells under readable headers, for markdown)."""
+    records, cells = [], []
+    for gk, runs in groups.items():
+        sums = [run_summary(d) for d in runs]
+        rec, row = dict(zip(keys, gk), runs=len(runs)), {**{k: str(v) for k, v in zip(keys, gk)}, "runs": str(len(runs))}
+        for key, header, f in COLUMNS:
+            m, s = mean_std([x[key] for x in sums])
+            rec[key], rec[key + "_std"] = m, s
+            row[header] = f"{f.format(m)} ± {f.format(s)}"
+        records.append(rec)
+        cells.append(row)
+    return frame(records), frame(cells)
+
+
+def _at_deepest(groups, at):
+    return {gk: runs for gk, runs in groups.items() if at is None or len(gk) < 2 or gk[1] == at}
+
+
+def make_plots(groups, keys, out: Path) -> dict[str, Path]:
+    deepest = max((gk[1] for gk in groups if len(gk) > 1), default=None)
+    axis = keys[1] if len(keys) > 1 else ""
+    at = f" ({axis}={deepest})" if len(keys) > 1 else ""
+
+    def vs_axis(metric):
+        series = defaultdict(list)
+        for gk, runs in groups.items():
+            series[gk[0]].append((gk[1] if len(gk) > 1 else 0, *mean_std([run_summary(d)[metric] for d in runs])))
+        return series
+
+    def band_lines(metric):
+        """Mean over seeds (line) and min..max over seeds (band) of a metric's history, one line per group."""
+        lines = []
+        for gk, runs in _at_deepest(groups, deepest).items():
+            hist = [dict(d.curves[metric]) for d in runs if d.curves.get(metric)]
+            if not hist:
+                continue
+            steps = sorted(set.intersection(*(set(h) for h in hist)))
+            vals = [[h[s] for h in hist] for s in steps]
+            lines.append((" ".join(map(str, gk)), steps, [st.fmean(v) for v in vals],
+                          ([min(v) for v in vals], [max(v) for v in vals])))
+        return lines
+
+    layer_series = []
+    for gk, runs in _at_deepest(groups, deepest).items():
+        layers = {k: [d.per_layer[k] for d in runs if d.per_layer and k in d.per_layer]
+                  for k in ("composite_fwd_max", "composite_bwd_max")}
+        if all(layers.values()):
+            layer_series.append((" ".join(map(str, gk)), {k: [st.fmean(v) for v in zip(*ls)] for k, ls in layers.items()}))
+    layers = None
+    if layer_series:
+        layers = plots.save(plots.amax_vs_layer(layer_series, title="composite Amax gain at the last diagnostics "
+                                                                      f"step, mean over seeds{at}"),
+                            out / "amax_vs_layer.png")
+    result = {
+        "bpb_vs_depth": plots.errorbars(vs_axis("val_bpb"), axis, "validation bits/byte (mean ± std)",
+                                        out / "bpb_vs_depth.png"),
+        "amax_vs_depth": plots.errorbars(vs_axis("amax_fwd_peak"), axis, "peak composite Amax gain, forward",
+                                         out / "amax_vs_depth.png", logy=True),
+        "amax_over_training": plots.curves(band_lines("amax/composite_fwd_max"), "",
+                                           f"composite Amax fwd{at}", out / "amax_over_training.png", logy=True),
+        "amax_vs_layer": layers,
+        "grad_norm": plots.curves(band_lines("train/grad_norm"), "", f"grad norm before clipping{at}",
+                                  out / "grad_norm.png", logy=True),
+        "val_loss": plots.curves(band_lines("val/bpb"), "", f"validation bits/byte{at}", out / "val_bpb_curves.png"),
+    }
+    return {k: v for k, v in result.items() if v is not None}
+
+
+def report(tracking_uri: str, experiment: str, keys: list[str], out: Path, report_path: Optional[Path],
+           notes: Optional[Path], context: Optional[Path], command: str, include_evaluation: bool = False) -> dict:
+    data = load(tracking_uri, search(tracking_uri, experiment=experiment, include_evaluation=include_evaluation,
+                                     finished_only=True), HISTORIES)
+    if not data:
+        raise CompareError(f"experiment {experiment!r} has no FINISHED runs")
+    groups = group(data, keys)
+    numbers, text = tables(groups, keys)
+    md_path, _ = write_table(numbers, out, "groups", md_df=text)
+    figures = make_plots(groups, keys, out)
+    if report_path:
+        rel = os.path.relpath(out, report_path.parent)
+        parts = [f"# Results: experiment `{experiment}`\n",
+                 f"Generated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by:\n\n    {command}\n"]
+        if context and context.exists():
+            parts.append("Context:\n\n" + "".join(f"    {line}\n" for line in context.read_text().splitlines()) + "\n")
+        parts.append(f"{len(data)} finished runs, grouped by {', '.join(keys)}; mean ± std over the runs of each "
+                     f"group.\n\n" + md_path.read_text())
+        parts.append("\n".join(f"![{k}]({rel}/{p.name})" for k, p in figures.items()) + "\n")
+        if notes and notes.exists():
+            parts.append(notes.read_text())
+        report_path.write_text("\n".join(parts))
+    return {"runs": len(data), "groups": len(groups), "table": md_path, "plots": figures}

@@ -1,0 +1,143 @@
+"""Every plot the platform draws: curves over optimizer steps, means with error bars along an axis, throughput bars,
+and the one Amax-vs-layer plot (a run's diagnostics during training, `mhc compare`, the grouped report).
+
+Figures use matplotlib's default style whatever the caller set (Optuna's plots switch the global style to ggplot) and
+the Agg backend (no display needed).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Sequence
+
+DIRECTIONS = (("fwd", "forward"), ("bwd", "backward"))
+STAT_STYLE = {"max": ("-o", "max over tokens"), "tokmean": ("--", "token-mean matrix")}
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save(fig, path: Path) -> Path:
+    plt = _pyplot()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _scale(ax, values: Sequence[float]) -> None:
+    """Log when the values span more than a decade (HC blow-ups), else linear with 1.0 in view and no offset (mHC sits
+    within 1e-6 of 1, which an offset axis would hide)."""
+    pos = [v for v in values if v > 0]
+    if pos and max(pos) / min(pos) > 10:
+        ax.set_yscale("log")
+    elif values:
+        ax.set_ylim(min(0.9, min(values) - 0.05), max(1.1, max(values) + 0.05))
+        ax.ticklabel_format(axis="y", useOffset=False)
+
+
+def amax_vs_layer(series: Sequence[tuple[str, dict]], kinds: Sequence[str] = ("composite",),
+                  stats: Sequence[str] = ("max",), title: str = "", note: str = ""):
+    """Amax gain per sublayer l, one panel per kind (single H_res, composite product l..L-1) and direction, one colour
+    per series (a run, or a group's mean), one line style per statistic. Returns the figure."""
+    plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator
+
+    with plt.style.context("default"):
+        panels = [(kind, d, word) for kind in kinds for d, word in DIRECTIONS]
+        cols = 2
+        rows = len(panels) // cols
+        fig, axes = plt.subplots(rows, cols, figsize=(12, 4.4 * rows), constrained_layout=True, squeeze=False)
+        for ax, (kind, d, word) in zip(axes.flat, panels):
+            values = []
+            for i, (label, per_layer) in enumerate(series):
+                for stat in stats:
+                    ys = per_layer.get(f"{kind}_{d}_{stat}")
+                    if not ys:
+                        continue
+                    style, what = STAT_STYLE[stat]
+                    name = label if len(stats) == 1 else (f"{label} ({what})" if label else what)
+                    ax.plot(range(len(ys)), ys, style, color=f"C{i}", ms=3, lw=1.5, label=name)
+                    values += list(ys)
+            ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+            _scale(ax, values)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.set_xlabel("sublayer l" + (" (product of H_res from l to the last sublayer)" if kind == "composite" else ""))
+            ax.set_ylabel("Amax gain")
+            ax.set_title(f"{kind} H_res, {word}")
+            ax.grid(alpha=0.3, which="both")
+            if ax is axes.flat[len(panels) - 1]:
+                ax.legend(fontsize=7, loc="best")
+        if title or note:
+            fig.suptitle("\n".join(x for x in (title, note) if x), fontsize=9 if note else 11)
+    return fig
+
+
+def diagnostics_figure(per_layer: dict, title: str):
+    """A training run's own Amax-vs-layer figure (logged as diagnostics/amax_per_layer_step*.png)."""
+    return amax_vs_layer([("", per_layer)], kinds=("single", "composite"), stats=("max", "tokmean"), title=title)
+
+
+def curves(lines: Sequence[tuple[str, Sequence[int], Sequence[float], Optional[tuple]]], title: str, ylabel: str,
+           path: Path, logy: bool = False) -> Optional[Path]:
+    """Metric histories over optimizer steps: (label, steps, values, band or None); band = (low, high) per step."""
+    plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator
+
+    if not lines:
+        return None
+    with plt.style.context("default"):
+        fig, ax = plt.subplots(figsize=(9, 5), constrained_layout=True)
+        for label, steps, values, band in lines:
+            ax.plot(steps, values, marker="o" if len(steps) < 12 else None, ms=3, lw=1.5, label=label)
+            if band is not None:
+                ax.fill_between(steps, band[0], band[1], alpha=0.2)
+        ax.set_xlabel("optimizer step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        _finish(ax, title, ylabel, logy)
+        return save(fig, path)
+
+
+def errorbars(series: dict[str, list[tuple[float, float, float]]], xlabel: str, ylabel: str, path: Path,
+              logy: bool = False) -> Path:
+    """One line per series of (x, mean, std) points, std as error bars."""
+    plt = _pyplot()
+    with plt.style.context("default"):
+        fig, ax = plt.subplots(figsize=(7, 4.2), constrained_layout=True)
+        for name, pts in series.items():
+            xs, ms, ss = zip(*sorted(pts)) if pts else ((), (), ())
+            ax.errorbar(xs, ms, yerr=ss, marker="o", capsize=3, label=str(name))
+        ax.set_xlabel(xlabel)
+        _finish(ax, "", ylabel, logy)
+        return save(fig, path)
+
+
+def throughput(bars: Sequence[tuple[str, float, tuple[float, float]]], path: Path) -> Optional[Path]:
+    """Horizontal bars: (label, median tokens/s, (below, above) interquartile distances)."""
+    plt = _pyplot()
+    if not bars:
+        return None
+    with plt.style.context("default"):
+        fig, ax = plt.subplots(figsize=(9, 0.45 * len(bars) + 1.6), constrained_layout=True)
+        labels, vals, errs = zip(*bars)
+        ax.barh(range(len(bars)), vals, xerr=list(zip(*errs)), color="tab:blue", alpha=0.8, capsize=3)
+        ax.set_yticks(range(len(bars)), labels, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlabel("training tokens / s (median over steps, bars = interquartile range)")
+        ax.set_title("throughput")
+        ax.grid(alpha=0.3, axis="x")
+        return save(fig, path)
+
+
+def _finish(ax, title: str, ylabel: str, logy: bool) -> None:
+    ax.set_ylabel(ylabel)
+    if logy:
+        ax.set_yscale("log")
+    if title:
+        ax.set_title(title)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="best")

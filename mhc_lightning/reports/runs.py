@@ -1,0 +1,174 @@
+"""The one run loader: which MLflow runs a report covers (mlflow.search_runs) and what it reads of each (final
+metrics, params, tags, metric histories, the last per-layer diagnostics artifact).
+
+Evaluation runs (`mhc validate` / `mhc test`: MLflow tag `stage` = validate / test) are left out unless asked for: they
+share the training run's name and config but trained nothing, so beside training runs they read as duplicates.
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from ..errors import UserError
+
+# Config columns: (column, MLflow param keys to try). Lightning logs the module's hparams flattened with
+# "/", the sweep logs the trial's values as trial.<cli key>.
+CONFIG_COLUMNS = [
+    ("residual_mode", ["arch/hyper/residual_mode"]),
+    ("n_streams", ["arch/hyper/n_streams"]),
+    ("sinkhorn_iters", ["arch/hyper/sinkhorn_iters"]),
+    ("intensity", ["trial.callbacks.SinkhornScheduler.intensity"]),
+    ("alpha_init", ["arch/hyper/alpha_init"]),
+    ("bias_init", ["arch/hyper/bias_init"]),
+    ("lr", ["optim/lr"]),
+    ("n_layers", ["arch/n_layers"]),
+    ("d_model", ["arch/d_model"]),
+]
+SINKHORN_ONLY = ("sinkhorn_iters", "intensity")
+UNUSED_BY_MODE = {"residual": SINKHORN_ONLY + ("n_streams", "alpha_init", "bias_init"),
+                  "hc": SINKHORN_ONLY + ("bias_init",), "identity": SINKHORN_ONLY}
+COMPARISON_TAG = "mhc.kind"  # on the runs `mhc compare` creates to hold its files
+STAGE_TAG = "stage"  # fit / validate / test, set on every `mhc` run (tracking.MLflowSaveConfig)
+EVALUATION_STAGES = ("validate", "test")
+
+
+class CompareError(UserError):
+    """Nothing to report on (no such experiment, study or run); the message says what exists."""
+
+
+@dataclass
+class RunData:
+    run_id: str
+    name: str
+    status: str
+    experiment_id: str
+    params: dict[str, str]
+    tags: dict[str, str]
+    metrics: dict[str, float]
+    curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    per_layer: Optional[dict[str, list[float]]] = None
+    per_layer_step: Optional[int] = None
+
+    @property
+    def stage(self) -> str:
+        return self.tags.get(STAGE_TAG, "fit")
+
+    @property
+    def evaluation(self) -> bool:
+        return self.stage in EVALUATION_STAGES
+
+    @property
+    def label(self) -> str:
+        """What a plot calls this run: trial number for sweeps, else the run name; evaluation runs say so."""
+        base = f"t{self.tags['optuna.trial']}" if "optuna.trial" in self.tags else self.name
+        return f"{base} [{self.stage}]" if self.evaluation else base
+
+    def config(self) -> dict[str, Any]:
+        out = {}
+        for col, keys in CONFIG_COLUMNS:
+            for k in keys:
+                if k in self.params:
+                    out[col] = self.params[k]
+                    break
+        for k, v in self.params.items():  # other swept values, by their last key component
+            if k.startswith("trial.") and not any(k in keys for _, keys in CONFIG_COLUMNS):
+                out.setdefault(k.rsplit(".", 1)[-1], v)
+        # Settings the mode ignores (Sinkhorn for HC, streams for the residual baseline) would only mislead.
+        unused = UNUSED_BY_MODE.get(out.get("residual_mode"), ())
+        return {k: v for k, v in out.items() if k not in unused}
+
+    def tokens_per_sec(self) -> Optional[float]:
+        vals = [v for _, v in self.curves.get("train/tokens_per_sec", [])]
+        return statistics.median(vals) if vals else self.metrics.get("train/tokens_per_sec")
+
+
+def _quote(value: str) -> str:
+    return "'" + value.replace("'", "\\'") + "'"
+
+
+def search(tracking_uri: str, experiment: Optional[str] = None, study: Optional[str] = None,
+           run_ids: Optional[list[str]] = None, include_evaluation: bool = False, finished_only: bool = False):
+    """The runs of an experiment (without sweep parents and comparison runs), of an Optuna study (its trials) or
+    these run ids, as mlflow.search_runs' DataFrame (one row per run; columns params.*, tags.*, metrics.*)."""
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking_uri)
+    if run_ids:
+        df = mlflow.search_runs(search_all_experiments=True,
+                                filter_string=f"attributes.run_id IN ({', '.join(map(_quote, run_ids))})")
+        missing = sorted(set(run_ids) - set(df["run_id"])) if len(df) else sorted(run_ids)
+        if missing:
+            raise CompareError(f"run(s) {missing} not found at {tracking_uri}")
+        return df  # asked for by id: kept whatever their stage
+    if study:
+        df = mlflow.search_runs(search_all_experiments=True, filter_string=(
+            f"tags.`optuna.study_name` = {_quote(study)} and tags.`optuna.role` = 'trial'"))
+        if not len(df):
+            raise CompareError(f"no trial runs of study {study!r} at this tracking URI")
+    else:
+        if mlflow.MlflowClient().get_experiment_by_name(experiment) is None:
+            names = [e.name for e in mlflow.search_experiments()]
+            raise CompareError(f"experiment {experiment!r} not found; experiments: {names}")
+        df = mlflow.search_runs(experiment_names=[experiment])
+        if "tags.optuna.role" in df:  # a sweep's parent run holds the study, not a training
+            df = df[df["tags.optuna.role"] != "study"]
+        if f"tags.{COMPARISON_TAG}" in df:  # the runs holding earlier comparisons
+            df = df[df[f"tags.{COMPARISON_TAG}"].isna()]
+        if not len(df):
+            raise CompareError(f"experiment {experiment!r} has no runs")
+    col = f"tags.{STAGE_TAG}"
+    if not include_evaluation and col in df:
+        df = df[~df[col].isin(EVALUATION_STAGES)]
+        if not len(df):
+            raise CompareError("only evaluation runs (mhc validate / test) match; add --include-eval to compare them")
+    if finished_only:
+        df = df[df["status"] == "FINISHED"]
+    return df
+
+
+def _row_dict(row, prefix: str) -> dict:
+    return {k[len(prefix):]: v for k, v in row.items()
+            if k.startswith(prefix) and v is not None and not (isinstance(v, float) and math.isnan(v))}
+
+
+def _latest_per_layer(client, run_id: str, tmp: Path) -> tuple[Optional[dict], Optional[int]]:
+    """The run's last diagnostics/per_layer_step<step>.json (written at each validation) and its step."""
+    try:
+        files = [a.path for a in client.list_artifacts(run_id, "diagnostics") if a.path.endswith(".json")]
+    except Exception:
+        return None, None
+    steps = {f: int(Path(f).stem.removeprefix("per_layer_step")) for f in files
+             if Path(f).name.startswith("per_layer_step")}
+    if not steps:
+        return None, None
+    last = max(steps, key=steps.get)
+    local = client.download_artifacts(run_id, last, str(tmp))
+    return json.loads(Path(local).read_text()), steps[last]
+
+
+def load(tracking_uri: str, df, histories: list[str]) -> list[RunData]:
+    """RunData for each row of `search`'s DataFrame, with the metric histories asked for (those the run has) and the
+    last per-layer diagnostics."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for _, row in df.iterrows():
+            tags = _row_dict(row, "tags.")
+            d = RunData(row["run_id"], tags.get("mlflow.runName") or row["run_id"][:8], row["status"],
+                        str(row["experiment_id"]), {k: str(v) for k, v in _row_dict(row, "params.").items()}, tags,
+                        {k: float(v) for k, v in _row_dict(row, "metrics.").items()})
+            for key in histories:
+                if key in d.metrics:
+                    d.curves[key] = sorted((m.step, m.value) for m in client.get_metric_history(d.run_id, key))
+            sub = Path(tmp) / d.run_id
+            sub.mkdir()
+            d.per_layer, d.per_layer_step = _latest_per_layer(client, d.run_id, sub)
+            out.append(d)
+    return out

@@ -1,0 +1,109 @@
+"""`mhc fit <same arguments> --ckpt_path last`: continue the run the same command started, from its last checkpoint,
+in the same MLflow run.
+
+Lightning's own `ckpt_path="last"` looks in the new run's checkpoint folder (runs/<experiment id>/<new run id>/...),
+which is empty, and starts from scratch in a new MLflow run. Here, before the logger and the trainer are built, `last`
+becomes the newest earlier training run of the same experiment and run name (or the run given as
+`trainer.logger.init_args.run_id`), its last checkpoint (the local folder, else downloaded from the run's artifacts
+when `log_model: true` moved it there), and that run's id for the logger. The logger then continues the MLflow run
+without logging a metric step twice (loggers/resilient.py); the train loader continues where the checkpoint stopped
+(a stateful loader, saved in the checkpoint by Lightning).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from .errors import UserError
+
+LAST = "last"
+LOCAL_LAST = "last.ckpt"
+ARTIFACT_LAST = "last/last.ckpt"  # where Lightning's MLFlowLogger uploads last.ckpt (artifact folder = file stem)
+
+
+class NoCheckpointToResume(UserError):
+    """`--ckpt_path last` found no earlier run with a checkpoint; the message says where it looked."""
+
+
+def _get(ns: Any, key: str, default=None):
+    return ns.get(key, default) if hasattr(ns, "get") else getattr(ns, key, default)
+
+
+def _mlflow_logger(trainer_cfg) -> Optional[Any]:
+    """The trainer's MLflow logger config (class_path + init_args), if it has one."""
+    logger = _get(trainer_cfg, "logger")
+    for lg in logger if isinstance(logger, list) else [logger]:
+        if lg is not None and not isinstance(lg, bool) and "MLFlowLogger" in str(_get(lg, "class_path", "")):
+            return lg
+    return None
+
+
+def _checkpoint_dirpath(trainer_cfg) -> Optional[str]:
+    """A ModelCheckpoint `dirpath` set in the config (then checkpoints are not per run)."""
+    for cb in _get(trainer_cfg, "callbacks") or []:
+        if "ModelCheckpoint" in str(_get(cb, "class_path", "")):
+            dirpath = _get(_get(cb, "init_args", {}), "dirpath")
+            if dirpath:
+                return str(dirpath)
+    return None
+
+
+def resolve_last(config, subcommand: Optional[str]) -> Optional[tuple[str, Path]]:
+    """If the command asks for `--ckpt_path last` with an MLflow logger, point it at the previous run's checkpoint and
+    that run; returns (run id, checkpoint) or None when there is nothing to resolve. Raises NoCheckpointToResume."""
+    cfg = config[subcommand] if subcommand else config
+    if _get(cfg, "ckpt_path") != LAST:
+        return None
+    logger = _mlflow_logger(cfg.trainer)
+    if logger is None:
+        return None  # Lightning's own `last` (a checkpoint folder it knows)
+    init = logger.init_args
+    uri, experiment, name = init.tracking_uri, init.experiment_name, _get(init, "run_name")
+    run_id, ckpt = find_checkpoint(uri, experiment, name, _get(init, "run_id"),
+                                   Path(cfg.trainer.default_root_dir or "."), _checkpoint_dirpath(cfg.trainer))
+    init.run_id = run_id
+    cfg.ckpt_path = str(ckpt)
+    print(f"resuming MLflow run {run_id} ({name or 'unnamed'}, experiment {experiment!r}) from {ckpt}",
+          file=sys.stderr, flush=True)
+    return run_id, ckpt
+
+
+def find_checkpoint(uri: Optional[str], experiment: str, run_name: Optional[str], run_id: Optional[str],
+                    root: Path, dirpath: Optional[str]) -> tuple[str, Path]:
+    from mlflow import MlflowClient
+
+    from .loggers.store import check_tracking, default_tracking_uri
+
+    uri = uri or default_tracking_uri()
+    check_tracking(uri)
+    client = MlflowClient(uri)
+    if run_id:
+        candidates = [client.get_run(run_id)]
+        what = f"run {run_id}"
+    else:
+        exp = client.get_experiment_by_name(experiment)
+        flt = f"attributes.run_name = '{run_name}'" if run_name else ""
+        candidates = [] if exp is None else [
+            r for r in client.search_runs([exp.experiment_id], flt, order_by=["attributes.start_time DESC"])
+            if r.data.tags.get("stage", "fit") == "fit"]
+        what = f"an earlier training run named {run_name!r} in experiment {experiment!r}"
+    looked = []
+    for run in candidates:
+        folder = Path(dirpath) if dirpath else root / run.info.experiment_id / run.info.run_id / "checkpoints"
+        local = folder / LOCAL_LAST
+        if local.is_file():
+            return run.info.run_id, local
+        looked.append(str(local))
+        if any(a.path == ARTIFACT_LAST for a in client.list_artifacts(run.info.run_id, "last")):
+            folder.mkdir(parents=True, exist_ok=True)
+            got = Path(client.download_artifacts(run.info.run_id, ARTIFACT_LAST, str(folder)))
+            if got != local:
+                got.replace(local)
+                if got.parent != folder and not any(got.parent.iterdir()):
+                    got.parent.rmdir()
+            return run.info.run_id, local
+    where = f" (looked for {', '.join(looked[:3])} and the runs' MLflow artifact {ARTIFACT_LAST})" if looked else ""
+    raise NoCheckpointToResume(
+        f"--ckpt_path last: no checkpoint of {what} at {uri}{where}; run the same command without --ckpt_path to "
+        "start it, or pass a checkpoint file")

@@ -1,0 +1,113 @@
+"""A sweep worker: trials one at a time until the study holds `budget.n_trials` COMPLETE + PRUNED trials.
+
+Run in the launcher's process (`--workers 1`) or as `python -m mhc_lightning.sweeps worker ...` (launch.py).
+"""
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+import warnings
+import zlib
+from typing import Optional
+
+from .factories import is_journal, make_sampler
+from .settings import STOP_ATTR, Sweep, counts
+
+POLL_S = 2.0
+MAX_DUPLICATES = 10  # proposals in a row that the study already has: the sampler has run out of new points
+
+
+def worker_seed(base: Optional[int], wid: str) -> Optional[int]:
+    """A seed of its own for every worker process, derived from the sweep file's seed and the worker's id
+    (host:pid:start-time). Seeds from the worker's index alone repeat: a re-run after a crash, or a second launcher
+    on the same host, would propose the trials of the first again."""
+    return None if base is None else zlib.crc32(f"{base}:{wid}".encode()) & 0x7FFFFFFF
+
+
+def run_worker(sweep: Sweep, index: int, machine: int, threads: Optional[int] = None,
+               since: Optional[float] = None) -> int:
+    """Returns an exit code: 0 budget met (or worker timeout), 2 the sweep cannot go on (reason printed),
+    3 budget.max_failed exceeded, 130 interrupted. `since`: start of this launch, for budget.max_failed."""
+    import optuna
+
+    from .liveness import fail_dead_local_trials, worker_id
+    from .objective import TrialRunner
+    from .trial_args import check_callbacks
+
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    spec = sweep.spec
+    check_callbacks(spec)  # same skipped-parameter decisions as the launcher
+    wid = worker_id()
+    seed = worker_seed(spec.sampler.get("seed"), wid)
+    study = sweep.study(sampler=make_sampler(spec, seed))
+    tracker = sweep.tracker()
+    tracker.ensure_parent(study)
+    runner = TrialRunner(spec, tracker, sweep.tracking_uri, {"id": wid, "index": index, "machine": machine, "seed": seed},
+                         sweep.spool_dir, sweep.storage_url)
+    journal = is_journal(sweep.storage_url)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM between trials: same clean path as Ctrl-C
+    deadline = time.monotonic() + spec.timeout_s if spec.timeout_s else None
+    since = time.time() if since is None else since
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    me = f"[worker {machine}.{index}]"
+    print(f"{me} {wid} seed={seed} study={spec.name} storage={sweep.storage_label}", flush=True)
+    code, duplicates = 0, 0
+    try:
+        while True:
+            optuna.storages.fail_stale_trials(study)  # heartbeat storages; no-op otherwise
+            if journal:
+                fail_dead_local_trials(study, spec.storage.get("max_retry"))
+            stopped = study.user_attrs.get(STOP_ATTR)
+            if stopped:
+                print(f"{me} stopping: {stopped}", file=sys.stderr, flush=True)
+                code = 2
+                break
+            c = counts(study, since)
+            if c["complete"] + c["pruned"] >= spec.n_trials:
+                break
+            if c["errors"] > spec.max_failed:
+                print(f"{me} {c['errors']} trials failed in this launch (budget.max_failed={spec.max_failed}); "
+                      "stopping: see the failed runs' optuna.error tag", file=sys.stderr, flush=True)
+                code = 3
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            if duplicates >= MAX_DUPLICATES:
+                print(f"{me} the sampler proposed {duplicates} trials in a row that the study already has: the "
+                      "space looks exhausted; stopping", file=sys.stderr, flush=True)
+                break
+            if c["complete"] + c["pruned"] + c["running"] >= spec.n_trials and not c["waiting"]:
+                time.sleep(POLL_S)  # the last trials run elsewhere; stay to re-run them if their worker dies
+                continue
+            study.optimize(runner, n_trials=1, catch=(Exception,), gc_after_trial=True)
+            duplicates = duplicates + 1 if runner.duplicate else 0
+            runner.current = None  # an interrupt from now on is not inside a trial
+    except KeyboardInterrupt:
+        # The interrupted trial is FAIL now; queue it again so that a re-run of the sweep resumes it.
+        t = runner.current
+        if t is not None:
+            from optuna.storages import RetryHeartbeatStaleTrialCallback
+            from optuna.trial import TrialState
+
+            frozen = next(x for x in study.get_trials(deepcopy=False) if x.number == t.number)
+            if frozen.state == TrialState.FAIL:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    RetryHeartbeatStaleTrialCallback(max_retry=None)(study, frozen)
+        code = 130
+    finally:
+        try:
+            tracker.reconcile(study)
+        except Exception as err:  # the tracking server may be the reason we stop
+            print(f"{me} MLflow reconcile skipped: {err}", file=sys.stderr)
+    return code
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")

@@ -1,0 +1,131 @@
+"""The package's layout: no import cycles between its modules, every module imports in a fresh interpreter, no
+private Optuna API in the sweeps, no citation of documents that are not in the repository."""
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import REPO
+
+# source folder -> the package name it is imported as (kernels/ is installed as mhc_lightning.kernels)
+ROOTS = {REPO / "mhc_lightning": "mhc_lightning", REPO / "kernels": "mhc_lightning.kernels"}
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for root, package in ROOTS.items():
+        for path in root.rglob("*.py"):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            name = ".".join([package, *parts])
+            if not name.startswith("mhc_lightning.kernels") or package == "mhc_lightning.kernels":
+                out[name] = path
+    return out
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """Modules of the package that `name` imports, anywhere in the file (a function-level import is a dependency
+    too); a package's own submodules importing it implicitly do not count."""
+    is_pkg = path.name == "__init__.py"
+    base = name if is_pkg else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                pkg = base.rsplit(".", node.level - 1)[0] if node.level > 1 else base
+                mod = f"{pkg}.{node.module}" if node.module else pkg
+            else:
+                mod = node.module or ""
+            targets = [mod] + [f"{mod}.{a.name}" for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in known:
+                t = t.rpartition(".")[0]
+            if t and t != name and not name.startswith(t + "."):
+                found.add(t)
+    return found
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles():
+    mods = modules()
+    graph = {name: imports_of(name, path, set(mods)) for name, path in mods.items()}
+    assert graph["mhc_lightning.reports.compare"] >= {"mhc_lightning.reports.runs", "mhc_lightning.reports.plots"}
+    assert cycles(graph) == []
+
+
+def test_the_cycle_check_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+@pytest.mark.slow
+def test_every_module_imports_in_a_fresh_interpreter():
+    names = sorted(n for n in modules() if not n.endswith("__main__"))
+    code = "import importlib, sys\nfor n in sys.argv[1:]:\n    importlib.import_module(n)\n"
+    res = subprocess.run([sys.executable, "-c", code, *names], capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "TRITON_INTERPRET": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
+def test_sweeps_use_no_private_optuna_api():
+    private = re.compile(r"\._storage\b|\._trial_id\b|\._study_id\b|optuna\.[a-z_.]*\._[a-z]")
+    hits = [f"{p.name}:{i + 1}" for p in (REPO / "mhc_lightning" / "sweeps").glob("*.py")
+            for i, line in enumerate(p.read_text().splitlines()) if private.search(line)]
+    assert hits == []
+
+
+OWNED_TEXT = ["mhc_lightning/sweeps", "mhc_lightning/reports", "mhc_lightning/loggers",
+              "mhc_lightning/callbacks/snapshots.py", "mhc_lightning/callbacks/snapshot_state.py",
+              "mhc_lightning/callbacks/snapshot_files.py", "mhc_lightning/callbacks/rank_consistency.py",
+              "mhc_lightning/launcher.py", "mhc_lightning/grid.py", "mhc_lightning/resume.py",
+              "mhc_lightning/distributed.py", "conf", "sweeps", "docs/sweeps.md", "docs/stability.md",
+              "docs/distributed.md"]
+
+
+def test_no_citations_of_documents_outside_the_repo():
+    bad = re.compile(r"mhc-math|ecosystem-notes")
+    files = [f for entry in OWNED_TEXT for f in ([REPO / entry] if (REPO / entry).is_file()
+                                                  else (REPO / entry).rglob("*")) if f.is_file()
+             and f.suffix in (".py", ".md", ".yaml")]
+    hits = [f"{f.relative_to(REPO)}:{i + 1}" for f in files for i, line in enumerate(f.read_text().splitlines())
+            if bad.search(line)]
+    assert hits == []

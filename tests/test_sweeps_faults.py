@@ -1,0 +1,260 @@
+"""Sweeps under faults (issue 14, items 3-7), with real launcher and worker processes on SQLite and journal storages:
+a SIGKILLed worker on journal storage, duplicate proposals, two launchers on a fresh store, a study stopped by
+max_failed continued, and sweep-file mistakes that must stop the sweep before (or at the first of) its trials.
+
+(PostgreSQL storages with heartbeats: tests/test_tracking_server.py.)
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import optuna
+import pytest
+from mlflow import MlflowClient
+
+from helpers import derived_spec, make_text
+from mhc_lightning.sweeps.cli import main as sweep_main
+from mhc_lightning.sweeps.factories import make_storage
+
+S = optuna.trial.TrialState
+FAST = {"trainer.max_steps": 4, "trainer.val_check_interval": 2}
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    p = tmp_path / "corpus.txt"
+    p.write_text(make_text(60_000, seed=7))
+    return p
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "OPTUNA_STORAGE")}
+    return {**env, "MLFLOW_ENABLE_ASYNC_LOGGING": "false", "PYTHONUNBUFFERED": "1"}
+
+
+def launcher(spec: Path, cwd: Path, corpus: Path, storage: str, uri: str, *extra: str, log: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "mhc_lightning.sweeps", "run", str(spec), "--storage", storage, "--tracking-uri", uri,
+           "--set", f"data.corpus={corpus}", "--set", f"trainer.default_root_dir={cwd / 'runs'}",
+           "--spool-dir", str(cwd / "spool"), *extra]
+    with open(cwd / log, "w") as out:
+        return subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, log: Path, timeout: float = 420) -> int:
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        pytest.fail(f"launcher still running after {timeout} s (hung); log tail:\n{log.read_text()[-4000:]}")
+
+
+def trial_params(study) -> list[tuple]:
+    return [tuple(sorted(t.params.items())) for t in study.trials if t.params
+            and t.user_attrs.get("duplicate_of") is None and t.system_attrs.get("failed_trial") is None]
+
+
+# ---- item 3 (+ 5): a SIGKILLed worker on journal storage -------------------------------------------------------------
+@pytest.mark.slow
+def test_killed_worker_on_journal_storage_is_reaped_and_its_trial_rerun(corpus, tmp_path):
+    """Two workers on a journal storage (no heartbeats); one is SIGKILLed inside a trial. The launcher reaps it, names
+    it, fails and re-queues its trial; the other worker runs the copy; the launcher exits 0 with the budget met."""
+    name = f"journal-{uuid.uuid4().hex[:6]}"
+    spec = derived_spec(tmp_path / "j.yaml", name, enqueue=[], pruner={"name": "none"},
+                        budget={"n_trials": 3, "max_failed": 1}, fixed={"trainer.max_steps": 16,
+                                                                        "trainer.val_check_interval": 8})
+    storage, uri = f"journal:{tmp_path / 'sweeps.journal.log'}", f"sqlite:///{tmp_path / 'mlflow.db'}"
+    journal = make_storage(storage, {})
+    proc = launcher(spec, tmp_path, corpus, storage, uri, "--workers", "2", log="launcher.log")
+    killed = None
+    try:
+        deadline = time.monotonic() + 300
+        while killed is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+            assert proc.poll() is None, (tmp_path / "launcher.log").read_text()[-3000:]
+            try:
+                study = optuna.load_study(study_name=name, storage=journal)
+            except KeyError:
+                continue
+            running = [t for t in study.get_trials(states=(S.RUNNING,)) if "mlflow_run_id" in t.user_attrs]
+            if running:
+                time.sleep(2)  # inside fit
+                pid = int(running[0].user_attrs["worker"].split(":")[1])
+                os.kill(pid, signal.SIGKILL)
+                killed = (running[0].number, pid)
+        assert killed is not None, "no worker ever ran a trial"
+        t_kill = time.monotonic()
+        code = finish(proc, tmp_path / "launcher.log")
+        print(f"[figures] journal: launcher done {time.monotonic() - t_kill:.0f} s after the SIGKILL")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = (tmp_path / "launcher.log").read_text()
+    assert code == 0, out[-4000:]
+    assert f"(pid {killed[1]}) killed by SIGKILL; its trial(s) [{killed[0]}] failed and were queued again" in out
+    study = optuna.load_study(study_name=name, storage=journal)
+    trials = {t.number: t for t in study.trials}
+    assert trials[killed[0]].state == S.FAIL
+    (retry,) = [t for t in study.trials if t.system_attrs.get("failed_trial") == killed[0]]
+    assert retry.state == S.COMPLETE and retry.params == trials[killed[0]].params
+    assert sum(t.state == S.COMPLETE for t in study.trials) == 3 and not study.get_trials(states=(S.RUNNING, S.WAITING))
+    client = MlflowClient(uri)
+    dead = client.get_run(trials[killed[0]].user_attrs["mlflow_run_id"])
+    assert dead.info.status == "FAILED" and dead.data.tags["optuna.state"] == "FAILED"
+
+
+# ---- items 4 and 6: two launchers at once on a fresh store, and a re-run ---------------------------------------------
+@pytest.mark.slow
+def test_two_launchers_on_a_fresh_sqlite_store_propose_no_duplicates(corpus, tmp_path):
+    """Two launchers on one host start at the same moment on a fresh SQLite MLflow store and sweeps database (same
+    spec, same sampler seed): both finish, the store stays usable, and no two sampled trials share parameters; a
+    re-run after that (a larger budget) proposes new points too."""
+    name = f"dup-{uuid.uuid4().hex[:6]}"
+    spec = derived_spec(tmp_path / "d.yaml", name, enqueue=[], pruner={"name": "none"}, fixed=FAST,
+                        space={"model.optim.lr": {"type": "float", "low": 1.0e-4, "high": 1.0e-2, "log": True}},
+                        budget={"n_trials": 4, "max_failed": 1})
+    storage, uri = f"sqlite:///{tmp_path / 'sweeps.db'}", f"sqlite:///{tmp_path / 'mlflow.db'}"
+    procs = [launcher(spec, tmp_path, corpus, storage, uri, log=f"l{i}.log") for i in range(2)]
+    codes = [finish(p, tmp_path / f"l{i}.log") for i, p in enumerate(procs)]
+    assert codes == [0, 0], [(tmp_path / f"l{i}.log").read_text()[-3000:] for i in range(2)]
+    study = optuna.load_study(study_name=name, storage=storage)
+    first = trial_params(study)
+    assert len(first) >= 4 and len(set(first)) == len(first), first
+    assert len({t.user_attrs["sampler_seed"] for t in study.trials}) == 2  # one seed per worker process
+    print(f"[figures] two launchers: {len(first)} sampled trials, {len(first) - len(set(first))} duplicates")
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name(name)
+    parents = client.search_runs([exp.experiment_id], "tags.`optuna.role` = 'study'")
+    assert len(parents) == 1  # the store is usable and both launchers share one parent run
+
+    assert sweep_main(["run", str(spec), "--storage", storage, "--tracking-uri", uri, "--set", f"data.corpus={corpus}",
+                       "--set", f"trainer.default_root_dir={tmp_path / 'runs'}", "--n-trials", "6",
+                       "--spool-dir", str(tmp_path / "spool")]) == 0
+    again = trial_params(optuna.load_study(study_name=name, storage=storage))
+    assert len(set(again)) == len(again) and set(first) < set(again)
+
+
+PREPARE = """import sys, time
+from mhc_lightning.loggers.store import check_tracking, ensure_experiment
+from mhc_lightning.sweeps.factories import make_storage
+from mlflow import MlflowClient
+uri, storage, start = sys.argv[1], sys.argv[2], float(sys.argv[3])
+time.sleep(max(0.0, start - time.time()))  # every process starts at the same moment
+check_tracking(uri)
+ensure_experiment(MlflowClient(uri), "race")
+make_storage(storage, {"heartbeat_interval": 5, "grace_period": 10, "max_retry": 1})
+"""
+
+
+@pytest.mark.slow
+def test_parallel_first_access_to_fresh_sqlite_stores(tmp_path):
+    """What a launcher does first (tracking store, experiment, Optuna storage), by 4 processes at the same moment on
+    fresh SQLite files, 3 times: every process succeeds and the stores stay usable (alembic's temporary tables used to
+    collide and could leave the store unusable)."""
+    for round_ in range(3):
+        uri, storage = f"sqlite:///{tmp_path / f'm{round_}.db'}", f"sqlite:///{tmp_path / f's{round_}.db'}"
+        start = time.time() + 8  # after the imports of every process
+        procs = [subprocess.Popen([sys.executable, "-c", PREPARE, uri, storage, str(start)], env=_env(),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(4)]
+        outs = [p.communicate(timeout=240)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0] * 4, outs
+        client = MlflowClient(uri)
+        assert [e.name for e in client.search_experiments()].count("race") == 1
+        client.create_run(client.get_experiment_by_name("race").experiment_id)  # usable
+        optuna.create_study(storage=storage, study_name="s").optimize(lambda t: t.suggest_float("x", 0, 1), 1)
+    print("[figures] parallel first access: 3 rounds x 4 processes, 0 failures")
+
+
+# ---- item 5: a study stopped by max_failed continues once the cause is fixed -----------------------------------------
+@pytest.mark.slow
+def test_study_stopped_by_max_failed_continues_after_the_fix(corpus, tmp_path, capsys):
+    name = f"maxf-{uuid.uuid4().hex[:6]}"
+    spec = derived_spec(tmp_path / "m.yaml", name, enqueue=[], pruner={"name": "none"}, fixed=FAST,
+                        budget={"n_trials": 2, "max_failed": 1})
+    storage, uri = f"sqlite:///{tmp_path / 'sweeps.db'}", f"sqlite:///{tmp_path / 'mlflow.db'}"
+    common = ["run", str(spec), "--storage", storage, "--tracking-uri", uri, "--spool-dir", str(tmp_path / "spool"),
+              "--set", f"trainer.default_root_dir={tmp_path / 'runs'}"]
+    assert sweep_main(common + ["--set", f"data.corpus={tmp_path / 'missing.txt'}"]) == 3
+    out = capsys.readouterr().out
+    assert "2 trials failed in this launch (budget.max_failed=1)" in out and "run the same command again" in out
+    assert sweep_main(common + ["--set", f"data.corpus={corpus}"]) == 0
+    study = optuna.load_study(study_name=name, storage=storage)
+    assert sum(t.state == S.COMPLETE for t in study.trials) == 2 and sum(t.state == S.FAIL for t in study.trials) == 2
+    print("[figures] max_failed: stopped after 2 failed trials (exit 3); after the fix 2/2 complete in the same study")
+
+
+# ---- item 7: sweep-file mistakes found before, or at the first of, the trials ----------------------------------------
+@pytest.mark.slow  # the `mhc fit` parser is built in the launcher: a few seconds
+@pytest.mark.parametrize("change, named", [
+    ({"fixed": {"trainer.max_stepz": 5}}, "trainer.max_stepz"),
+    ({"space": {"model.optim.lrr": {"type": "float", "low": 1e-4, "high": 1e-2}}}, "model.optim.lrr"),
+])
+def test_unknown_fit_keys_are_refused_before_any_trial(change, named, corpus, tmp_path, capsys):
+    name = f"keys-{uuid.uuid4().hex[:6]}"
+    spec = derived_spec(tmp_path / "k.yaml", name, enqueue=[], **change)
+    storage = f"sqlite:///{tmp_path / 'sweeps.db'}"
+    t0 = time.monotonic()
+    assert sweep_main(["run", str(spec), "--storage", storage, "--tracking-uri", f"sqlite:///{tmp_path / 'm.db'}",
+                       "--set", f"data.corpus={corpus}"]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("mhc sweep: error:")]
+    assert len(lines) == 1 and named in lines[0] and "rejects the sweep's arguments" in lines[0], err
+    assert time.monotonic() - t0 < 60
+    assert optuna.get_all_study_names(storage) == []  # not one trial, not even a study
+    print(f"[figures] unknown key {named}: refused after {time.monotonic() - t0:.1f} s, 0 trials")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("metric", ["val/los", "train/tokens_per_secc"])
+def test_an_objective_metric_never_logged_stops_the_sweep_at_the_first_trial(metric, corpus, tmp_path, capsys):
+    """val/* metrics are checked at the first validation, others at the end of the first trial: one trial, not
+    budget.max_failed + 1 of them, and one line naming the metric."""
+    name = f"metric-{uuid.uuid4().hex[:6]}"
+    spec = derived_spec(tmp_path / "o.yaml", name, enqueue=[], pruner={"name": "none"},
+                        fixed={"trainer.max_steps": 8, "trainer.val_check_interval": 2},
+                        objectives=[{"metric": metric, "direction": "minimize"}], budget={"n_trials": 4, "max_failed": 3})
+    storage = f"sqlite:///{tmp_path / 'sweeps.db'}"
+    assert sweep_main(["run", str(spec), "--storage", storage, "--tracking-uri", f"sqlite:///{tmp_path / 'm.db'}",
+                       "--set", f"data.corpus={corpus}", "--set", f"trainer.default_root_dir={tmp_path / 'runs'}",
+                       "--spool-dir", str(tmp_path / "spool")]) == 2
+    err = capsys.readouterr().err
+    assert f"mhc sweep: error: {spec}: objective metric(s) ['{metric}'] never logged" in err
+    study = optuna.load_study(study_name=name, storage=storage)
+    (trial,) = study.trials
+    assert trial.state == S.FAIL
+    print(f"[figures] objective {metric} never logged: 1 trial, sweep stopped")
+    if metric.startswith("val/"):  # stopped at the first validation (step 2), not after all 8 steps
+        run = MlflowClient(f"sqlite:///{tmp_path / 'm.db'}").get_run(trial.user_attrs["mlflow_run_id"])
+        assert max(m.step for m in MlflowClient(f"sqlite:///{tmp_path / 'm.db'}").get_metric_history(
+            run.info.run_id, "train/loss")) < 4
+
+
+# ---- item 4: duplicate proposals are not trained and do not count ----------------------------------------------------
+@pytest.mark.slow
+def test_duplicate_proposals_are_not_trained_and_do_not_count(corpus, tmp_path, capsys):
+    """A space of two points and a budget of three: the two points train once each; the sampler's repeats are recorded
+    as duplicates (no MLflow run, not an error) and the worker stops when it keeps proposing them."""
+    name = f"exhaust-{uuid.uuid4().hex[:6]}"
+    spec = derived_spec(tmp_path / "e.yaml", name, enqueue=[], pruner={"name": "none"}, fixed=FAST,
+                        space={"model.arch.hyper.residual_mode": {"type": "categorical", "choices": ["mhc", "hc"]}},
+                        budget={"n_trials": 3, "max_failed": 0})
+    storage, uri = f"sqlite:///{tmp_path / 'sweeps.db'}", f"sqlite:///{tmp_path / 'm.db'}"
+    code = sweep_main(["run", str(spec), "--storage", storage, "--tracking-uri", uri, "--set", f"data.corpus={corpus}",
+                       "--set", f"trainer.default_root_dir={tmp_path / 'runs'}", "--spool-dir", str(tmp_path / "spool")])
+    assert code == 1  # budget not met (the space has two points), and it said why
+    assert "the space looks exhausted" in capsys.readouterr().err
+    study = optuna.load_study(study_name=name, storage=storage)
+    trained = [t for t in study.trials if t.user_attrs.get("duplicate_of") is None]
+    dups = [t for t in study.trials if t.user_attrs.get("duplicate_of") is not None]
+    assert sorted(t.params["model.arch.hyper.residual_mode"] for t in trained) == ["hc", "mhc"]
+    assert all(t.state == S.COMPLETE for t in trained) and len(dups) >= 10 and all(t.state == S.FAIL for t in dups)
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name(name).experiment_id], "tags.`optuna.role` = 'trial'")
+    assert len(runs) == 2
+    print(f"[figures] exhausted space: 2 trials trained, {len(dups)} duplicate proposals not trained")
