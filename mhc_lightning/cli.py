@@ -133,7 +133,8 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True, exit_on_error:
     defaults = dict(kwargs.pop("trainer_defaults", None) or {})
     given = defaults.get("callbacks") or []
     defaults["callbacks"] = [FinalValidation(), *(given if isinstance(given, list) else [given])]
-    pk = parser_kwargs({"parser_mode": "omegaconf+", "default_env": False, "exit_on_error": exit_on_error}, run)
+    pk = parser_kwargs({"parser_mode": "omegaconf+", "default_env": False, "exit_on_error": exit_on_error}, run,
+                       TRAINER_COMMANDS)
     pk["prog"] = "mhc"
     for name, text in TRAINER_COMMANDS.items():
         if run:

@@ -8,10 +8,7 @@ explicitly, as older commands do, changes nothing.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
-
-SUBCOMMANDS = ("fit", "validate", "test", "predict")
-
+from typing import Iterable, Optional
 
 def conf_dir() -> Optional[Path]:
     """conf/ of the source tree this package runs from (editable install), else ./conf (e.g. the Docker image)."""
@@ -26,10 +23,10 @@ def default_config_files() -> list[str]:
     return [str(conf / "base.yaml")] if conf is not None else []
 
 
-def parser_kwargs(common: dict, run: bool) -> dict:
+def parser_kwargs(common: dict, run: bool, subcommands: Iterable[str]) -> dict:
     """LightningCLI parser_kwargs with base.yaml as the default config: per subcommand when the CLI has
     subcommands (run=True), else for the single parser."""
     defaults = {"default_config_files": default_config_files()}
     if not run:
         return {**common, **defaults}
-    return {**common, **{sub: {**common, **defaults} for sub in SUBCOMMANDS}}
+    return {**common, **{sub: {**common, **defaults} for sub in subcommands}}

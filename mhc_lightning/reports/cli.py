@@ -99,7 +99,8 @@ def main(argv: Optional[list[str]] = None, prog: str = "mhc compare") -> int:
 def report_main(argv: Optional[list[str]] = None) -> int:
     """`mhc report ...` == `mhc compare --group-by ...` (--experiment and --group-by required)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--group-by" not in argv or "--experiment" not in argv:
+    wants_help = any(a in ("-h", "--help") for a in argv)
+    if not wants_help and ("--group-by" not in argv or "--experiment" not in argv):
         print("mhc report: error: --experiment and --group-by are required "
               "(e.g. --experiment stability --group-by variant,model.arch.n_layers)", file=sys.stderr)
         return 2

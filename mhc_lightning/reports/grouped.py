@@ -22,13 +22,17 @@ from .runs import CompareError, RunData, load, search
 from .tables import frame, write_table
 
 HISTORIES = ["val/loss", "val/bpb", "train/grad_norm", "train/tokens_per_sec",
-             "amax/composite_fwd_max", "amax/composite_bwd_max", "amax/composite_min_colsum"]
+             "amax/composite_fwd_max", "amax/composite_bwd_max", "amax/composite_min_colsum", "hres/dist_identity_max"]
 SPIKE_FACTOR = 4.0  # a logged grad norm (after warmup) above 4x the run's median counts as a spike
 COLUMNS = [  # (summary key, header, format)
     ("val_bpb", "val bits/byte", "{:.4f}"),
     ("amax_fwd_peak", "composite Amax fwd (peak)", "{:.4g}"),
     ("amax_bwd_peak", "composite Amax bwd (peak)", "{:.4g}"),
     ("min_colsum", "min column sum", "{:.3g}"),
+    # is the mechanism engaged at all (docs/design.md §6-7): streams that differ, an H_res that moves
+    ("stream_spread", "stream spread (last sublayer)", "{:.3g}"),
+    ("hres_dist_identity", "‖H_res − I‖ (final, layer mean)", "{:.3g}"),
+    ("hres_dist_identity_peak", "‖H_res − I‖ (largest layer, peak)", "{:.3g}"),
     ("grad_norm_max", "max grad norm (pre-clip)", "{:.3g}"),
     ("grad_spikes", f"grad spikes (>{SPIKE_FACTOR:g}x median)", "{:.2g}"),
     ("tokens_per_sec", "tokens/s", "{:.3g}"),
@@ -39,7 +43,7 @@ def run_summary(d: RunData) -> dict[str, float]:
     """Per-run scalars: final validation, the worst gains seen over training, spikes, throughput."""
     def peak(key):
         vals = [v for _, v in d.curves.get(key, [])]
-        return max(vals) if vals else 1.0  # residual has no stream mixing: its gain is 1 by definition
+        return max(vals) if vals else math.nan  # residual: one stream, no H_res ("–" in the table)
 
     warmup = int(d.params.get("optim/warmup_steps", 0))  # early steps are large by design, not spikes
     gn = [v for step, v in d.curves.get("train/grad_norm", []) if step >= warmup]
@@ -51,7 +55,10 @@ def run_summary(d: RunData) -> dict[str, float]:
         "val_loss": d.metrics.get("val/loss", math.nan),
         "amax_fwd_peak": peak("amax/composite_fwd_max"),
         "amax_bwd_peak": peak("amax/composite_bwd_max"),
-        "min_colsum": min(colsum) if colsum else 1.0,
+        "min_colsum": min(colsum) if colsum else math.nan,
+        "stream_spread": d.metrics.get("streams/spread_last", math.nan),
+        "hres_dist_identity": d.metrics.get("hres/dist_identity", math.nan),
+        "hres_dist_identity_peak": peak("hres/dist_identity_max"),
         "grad_norm_max": max(gn) if gn else math.nan,
         "grad_spikes": float(sum(v > SPIKE_FACTOR * med for v in gn)) if gn else math.nan,
         "tokens_per_sec": st.median(tps) if tps else math.nan,
@@ -95,7 +102,7 @@ def tables(groups, keys):
         for key, header, f in COLUMNS:
             m, s = mean_std([x[key] for x in sums])
             rec[key], rec[key + "_std"] = m, s
-            row[header] = f"{f.format(m)} ± {f.format(s)}"
+            row[header] = "–" if math.isnan(m) else f"{f.format(m)} ± {f.format(s)}"
         records.append(rec)
         cells.append(row)
     return frame(records), frame(cells)
@@ -143,10 +150,11 @@ def make_plots(groups, keys, out: Path) -> dict[str, Path]:
     result = {
         "bpb_vs_depth": plots.errorbars(vs_axis("val_bpb"), axis, "validation bits/byte (mean ± std)",
                                         out / "bpb_vs_depth.png"),
-        "amax_vs_depth": plots.errorbars(vs_axis("amax_fwd_peak"), axis, "peak composite Amax gain, forward",
+        # backward: mHC's forward gain is 1 by construction (rows exact), its column error shows here
+        "amax_vs_depth": plots.errorbars(vs_axis("amax_bwd_peak"), axis, "peak composite Amax gain, backward",
                                          out / "amax_vs_depth.png", logy=True),
-        "amax_over_training": plots.curves(band_lines("amax/composite_fwd_max"), "",
-                                           f"composite Amax fwd{at}", out / "amax_over_training.png", logy=True),
+        "amax_over_training": plots.curves(band_lines("amax/composite_bwd_max"), "",
+                                           f"composite Amax bwd{at}", out / "amax_over_training.png", logy=True),
         "amax_vs_layer": layers,
         "grad_norm": plots.curves(band_lines("train/grad_norm"), "", f"grad norm before clipping{at}",
                                   out / "grad_norm.png", logy=True),
