@@ -161,19 +161,22 @@ def config_changed(name, **changes):
         ops.CONFIG[name] = saved
 
 
-@pytest.fixture(params=[(8, 16), (4, 4096)], ids=["partials", "rows"])
-def post_bwd_tiles(request):
-    """The stream_post_res backward with several C blocks per row (partials summed afterwards) and with one C block
-    per row (direct writes). C=1024 on CUDA: 4 blocks of 256; on CPU (C = 24, 40) 2-3 blocks of 16."""
-    bt, bc = request.param
-    with config_changed("post_bwd", BT=bt, BC=256 if CUDA and bc == 16 else bc):
-        yield
+# The stream_post_res backward with several C blocks per row (partials summed afterwards) and with one C block per
+# row (direct writes). C=1024 on CUDA: 4 blocks of 256; on CPU (C = 24, 40) 2-3 blocks of 16.
+POST_BWD_TILES = {"partials": dict(BT=8, BC=256 if CUDA else 16), "rows": dict(BT=4, BC=4096)}
 
 
-@pytest.mark.parametrize("n", [1, 2, 4, 8])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,dtype,tiles", [
+    (1, torch.float32, "rows"), (2, torch.bfloat16, "partials"), (4, torch.float32, "partials"),
+    (4, torch.bfloat16, "rows"), (8, torch.float32, "rows"), (8, torch.bfloat16, "partials"),
+])
 @pytest.mark.parametrize("with_res", [True, False])
-def test_stream_post_res(n, dtype, with_res, post_bwd_tiles):
+def test_stream_post_res(n, dtype, tiles, with_res):
+    with config_changed("post_bwd", **POST_BWD_TILES[tiles]):
+        _check_stream_post_res(n, dtype, with_res)
+
+
+def _check_stream_post_res(n, dtype, with_res):
     torch.manual_seed(40 + n + 2 * with_res)
     for lead, c in SHAPES:
         x = _leaf(torch.randn(*lead, n, c, device=DEV).to(dtype))
@@ -389,6 +392,7 @@ def _block_chain(x, phi, bias, alpha, w, iters=3):
     return fused.stream_post_res(x, torch.tanh(u * w), h_post, h_res)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", [_block, _block_pre, _block_chain], ids=["three_ops", "mhc_pre", "boundary"])
 def test_compile_fullgraph_matches_eager(block):
     torch.manual_seed(9)
@@ -430,6 +434,7 @@ def test_eager_path_skips_the_dispatcher_and_compile_sees_the_custom_ops():
     assert "eager" not in graphs[0]
 
 
+@pytest.mark.slow
 def test_token_count_change_does_not_recompile():
     from torch._dynamo.testing import CompileCounterWithBackend
 

@@ -162,14 +162,17 @@ def test_recording_is_kept_once(monkeypatch):
         torch.testing.assert_close(got[k], expected[k], rtol=0, atol=0)
 
 
-def test_recompute_under_torch_compile():
-    """AOT autograd with the selective-checkpoint tags (aot_eager: the same graphs inductor gets, no C++ build)."""
-    base = randomized(model())
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_recompute_under_torch_compile(backend):
+    """AOT autograd with the selective-checkpoint tags (aot_eager: the same graphs inductor gets, no C++ build); with
+    the fused kernels the boundary op is a custom op inside each checkpointed block, recomputed in the backward."""
+    opts = dict(kernel_backend=backend, sinkhorn_iters=4)
+    base = randomized(model(**opts))
     idx = tokens()
     loss0, grads0 = loss_and_grads(base, idx)
-    m = model(block=2)
+    m = model(block=2, **opts)
     m.load_state_dict(base.state_dict())
-    compiled = torch.compile(m, backend="aot_eager")
+    compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
     m.zero_grad(set_to_none=True)
     loss = F.cross_entropy(compiled(idx).flatten(0, 1).float(), idx.flatten())
     loss.backward()

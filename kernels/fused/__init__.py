@@ -14,9 +14,8 @@ from ..options import DEFAULT_OPTIONS, EXACT_AXES, RES_LAYOUTS, MHCOptions
 from ..reference.coefficients import mhc_logit_count
 from . import ops
 
-__all__ = ["mhc_coefficients", "mhc_pre", "mhc_boundary", "stream_pre", "stream_post_res", "expand_streams"]
+__all__ = ["mhc_coefficients", "mhc_pre", "mhc_boundary", "stream_pre", "stream_post_res"]
 
-expand_streams = reference.expand_streams
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 

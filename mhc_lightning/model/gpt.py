@@ -1,7 +1,7 @@
 """GPT-style decoder whose sublayers are wired by HyperConnection (residual / HC / mHC / identity-HC).
 
 Streams are expanded once after the embedding, persist through every sublayer, and are collapsed
-once before the final norm (mhc-math.md §4): expanding per block would make n independent residuals.
+once before the final norm (docs/design.md §4): expanding per block would make n independent residuals.
 """
 import contextlib
 import math
