@@ -306,7 +306,8 @@ def test_boundary_identity_hc(prev_res, next_res, n):
 @pytest.mark.parametrize("tiles", ["partials", "rows", "in-kernel-sinkhorn"])
 def test_boundary_bf16_partial_grads_and_tiles(tiles):
     """bf16 streams (both phi dtypes), unused outputs (no upstream gradient), and the launch variants: several C
-    blocks per backward program (partials summed afterwards) or whole rows, split or in-kernel Sinkhorn tail."""
+    blocks per backward program (partials summed afterwards) or whole rows, split or in-kernel Sinkhorn tail. (With
+    CUDA's C = 1000 / 1024 the phi-tile cap, ops._phi_rows_cap, keeps both backward variants in partials.)"""
     torch.manual_seed(95)
     change = {"partials": dict(BC=256 if CUDA else 16), "rows": dict(BC=4096), "in-kernel-sinkhorn": {}}[tiles]
     with config_changed("bnd_bwd", **change), config_changed("bnd_fwd", split_tail=tiles != "in-kernel-sinkhorn"):

@@ -77,6 +77,13 @@ def _np2(v: int, lo: int = 1) -> int:
     return max(lo, _next_pow2(v))
 
 
+def _phi_rows_cap(n: int, m: int) -> int:
+    """Most C columns per stream whose phi rows [n * cols, M] one program stages for a dot: <= 64 KiB as fp32 (a
+    larger operand spills or outgrows shared memory at n = 8, where M = 80)."""
+    cap = (1 << 16) // (n * _np2(m, 16) * 4)
+    return max(16, 1 << (cap.bit_length() - 1))
+
+
 def _dot_mode(x: Tensor, phi: Tensor) -> int:
     if x.dtype == torch.float32:
         return DOT_IEEE  # fp32 activations: full-precision products (the fp32 test tier)
@@ -146,7 +153,10 @@ def _fwd(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mu
         xp, f, php, phr = _rows(post[0]), post[1].contiguous(), post[2].contiguous(), post[3].contiguous()
         post_res = phr.shape[-1] != 0
     phi = _c_contig(phi)
-    cfg = _cfg("coef_fwd" if post is None else "bnd_fwd", BK=_np2(C, 16), BC=_np2(C, 16))
+    if post is None:
+        cfg = _cfg("coef_fwd", BK=_np2(n * C, 16), BC=_np2(C, 16))
+    else:  # BK: C columns of every stream per step
+        cfg = _cfg("bnd_fwd", BK=min(_np2(C, 16), _phi_rows_cap(n, M)), BC=_np2(C, 16))
     split = bool(cfg.get("split_tail", False)) and has_res
     bias, alpha = bias.contiguous(), alpha.contiguous()
     _coef_fwd[(_cdiv(N, cfg["BT"]),)](
@@ -455,7 +465,10 @@ def _post_bwd_run(g, x, f, h_post, h_res, coef=None):
     if N == 0:
         return dx, df, dhp, dhr
     x, f, g = _c_contig(x), _c_contig(f), g.contiguous()
-    cfg = _cfg("post_bwd" if coef is None else "bnd_bwd", BC=_np2(C, 16))
+    if coef is None:
+        cfg = _cfg("post_bwd", BC=_np2(C, 16))
+    else:
+        cfg = _cfg("bnd_bwd", BC=min(_np2(C, 16), _phi_rows_cap(n, coef[5].shape[1])))
     n_cblk = _cdiv(C, cfg["BC"])
     if n_cblk == 1:  # whole rows per program: the kernel writes dh_post / dH directly
         php, phr = dhp, dhr
