@@ -1,6 +1,6 @@
 """mHC (n = 4) cost over a residual transformer stack, and per-kernel bandwidth, in one process.
 
-    python bench/bench_mhc.py [--out DIR] [--shapes 1,2] [--ref-compile] [--budget-s 420]
+    python bench/bench_mhc.py [--out DIR] [--shapes 1,2] [--ref-compile] [--budget-s 420] [--config PREV/bench_mhc.json]
     python bench/bench_mhc.py --smoke        # CPU, Triton interpreter, tiny shapes: checks the script only
     python bench/bench_mhc.py --quick --sweep --out $OUT   # residual + ours eager at both shapes, per-kernel
         table, sweep of the launch variants that have not been timed yet (SWEEP_QUICK)
@@ -42,6 +42,8 @@ p.add_argument("--variants", default=None,
                help="comma-separated substrings: run only the stack variants whose name contains one (residual is kept)")
 p.add_argument("--quick", action="store_true",
                help="only residual + ours (eager) per shape, per-kernel table; --sweep then tries only SWEEP_QUICK")
+p.add_argument("--config", default=None,
+               help="a previous run's bench_mhc.json: start from the launch configs it ended with (e.g. a sweep's)")
 args = p.parse_args()
 if args.smoke:
     os.environ["TRITON_INTERPRET"] = "1"
@@ -481,6 +483,9 @@ def run_variant(name, make, x, rows, base):
 def main():
     info = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 torch=torch.__version__, python=sys.version.split()[0], command=" ".join(sys.argv))
+    if args.config:
+        with open(args.config) as fh:
+            K.CONFIG.update(json.load(fh)["config"])
     try:
         import triton
 
