@@ -1,16 +1,18 @@
 """mHC (n = 4) cost over a residual transformer stack, and per-kernel bandwidth, in one process.
 
-    python bench/bench_mhc.py [--out DIR] [--shapes 1,2] [--ref-compile] [--budget-s 420]
+    python bench/bench_mhc.py [--out DIR] [--shapes 1,2] [--ref-compile] [--budget-s 420] [--config PREV/bench_mhc.json]
     python bench/bench_mhc.py --smoke        # CPU, Triton interpreter, tiny shapes: checks the script only
-    python bench/bench_mhc.py --quick --sweep --out $OUT   # ~2-3 min on an H200: residual + ours eager at both
-        shapes, per-kernel table, sweep of the launch variants that have not been timed yet (SWEEP_QUICK)
+    python bench/bench_mhc.py --quick --sweep --out $OUT   # residual + ours eager at both shapes, per-kernel
+        table, sweep of the launch variants that have not been timed yet (SWEEP_QUICK)
 
 Stack = pre-norm causal attention (SDPA) and pre-norm SwiGLU MLP sublayers in bf16; streams are expanded
 once after the input and sum-collapsed at the end. Variants: residual; mHC through the project's
-HyperConnection wrapper with the reference ops (torch) and with the fused kernels (triton), each eager and
-torch.compile'd; Liger-Kernel LigerMHC and lucidrains hyper-connections when importable. One training step =
-forward + backward of mean(out^2), timed with CUDA events, median of --iters after --warmup steps.
-Before timing, fused ops and the fused stack are checked against the reference in the same run.
+HyperConnection wrapper with the reference ops (torch) and with the fused kernels (triton): chained through the
+sublayer boundary op (model/recompute.py's run_sublayers, the model's path) and one sublayer at a time (its own
+fused pre op and write-back), each eager and torch.compile'd; Liger-Kernel LigerMHC and lucidrains
+hyper-connections when importable. One training step = forward + backward of mean(out^2), timed with CUDA events,
+median of --iters after --warmup steps. Before timing, fused ops and the fused stack are checked against the
+reference in the same run.
 """
 import argparse
 import copy
@@ -20,6 +22,7 @@ import os
 import statistics
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
@@ -39,10 +42,13 @@ p.add_argument("--variants", default=None,
                help="comma-separated substrings: run only the stack variants whose name contains one (residual is kept)")
 p.add_argument("--quick", action="store_true",
                help="only residual + ours (eager) per shape, per-kernel table; --sweep then tries only SWEEP_QUICK")
+p.add_argument("--config", default=None,
+               help="a previous run's bench_mhc.json: start from the launch configs it ended with (e.g. a sweep's)")
 args = p.parse_args()
 if args.smoke:
     os.environ["TRITON_INTERPRET"] = "1"
 
+from mhc_lightning.kernels import MHCOptions  # noqa: E402
 from mhc_lightning.kernels import reference as R  # noqa: E402
 from mhc_lightning.kernels import fused  # noqa: E402
 from mhc_lightning.kernels.fused import ops as K  # noqa: E402
@@ -114,18 +120,21 @@ WRAPPER = "mhc_lightning.model.hyper_connection.HyperConnection"  # the model's 
 L_R = {"1": 2, "2": 2}  # recompute block per shape key (set in main)
 
 
-def hyper_layer(branch, c, index, backend, fused_pre=False):
+def hyper_layer(branch, c, index, backend):
     cfg = HyperConfig(residual_mode="mhc", n_streams=N_STREAMS, kernel_backend=backend, phi_init="normal",
-                      bias_init="a6", sinkhorn_iters=20, fused_pre=fused_pre)
+                      bias_init="a6", sinkhorn_iters=20)
     return HyperConnection(branch, c, index, cfg)
 
 
 class Hyper(nn.Module):
-    def __init__(self, c, heads, blocks, backend, fused_pre=False, recompute=0):
+    """chained: the model's loop (boundary op between sublayers, optional selective recompute); otherwise each
+    sublayer on its own (HyperConnection.forward: fused pre op, branch, write-back)."""
+
+    def __init__(self, c, heads, blocks, backend, chained=True, recompute=0):
         super().__init__()
-        self.layers = nn.ModuleList(hyper_layer(f, c, i, backend, fused_pre)
-                                    for i, f in enumerate(sublayers(c, heads, blocks)))
-        self.recompute = recompute  # sublayers per selective-recompute block (mhc-math §9); 0 = off
+        self.layers = nn.ModuleList(hyper_layer(f, c, i, backend) for i, f in enumerate(sublayers(c, heads, blocks)))
+        self.chained = chained
+        self.recompute = recompute  # sublayers per selective-recompute block (docs/design.md §9); 0 = off
 
     def set_backend(self, backend):
         for layer in self.layers:
@@ -134,7 +143,11 @@ class Hyper(nn.Module):
 
     def forward(self, x):
         x = x.unsqueeze(-2).expand(*x.shape[:-1], N_STREAMS, x.shape[-1]).contiguous()
-        return run_sublayers(self.layers, x, self.recompute).sum(-2)  # recompute 0: a plain loop
+        if self.chained:
+            return run_sublayers(self.layers, x, self.recompute).sum(-2)  # recompute 0: no checkpoints
+        for layer in self.layers:
+            x = layer(x)
+        return x.sum(-2)
 
 
 class Liger(nn.Module):
@@ -246,7 +259,8 @@ def rel_err(a, b):
 
 
 def check_ops(c, tokens):
-    """Fused ops vs the float64 reference at the benchmark's C, bf16 activations and bf16 params."""
+    """Fused ops vs the float64 reference at the benchmark's C, bf16 activations and bf16 params: the model's path
+    for two sublayers (fused pre op, boundary op, write-back), outputs and every gradient."""
     torch.manual_seed(1)
     n, m = N_STREAMS, R.mhc_logit_count(N_STREAMS)
     x = torch.randn(tokens, n, c, device=DEV, dtype=DT)
@@ -256,20 +270,23 @@ def check_ops(c, tokens):
     f = torch.randn(tokens, c, device=DEV, dtype=DT)
     leaves = [t.clone().requires_grad_() for t in (x, phi, bias, alpha, f)]
     refs = [t.double().requires_grad_() for t in (x, phi, bias, alpha, f)]
+    opts = MHCOptions(sinkhorn_iters=20)
     res = {}
     outs = []
     for ops, ins in ((fused, leaves), (R, refs)):
         xx, ph, bb, aa, ff = ins
-        u, h_pre, h_post, h_res = ops.mhc_pre(xx, ph, bb, aa, sinkhorn_iters=20)  # the model's path
-        y = ops.stream_post_res(xx, ff * u, h_post, h_res)
-        outs.append([h_pre, h_post, h_res, u, y])
+        u, h_pre, h_post, h_res = ops.mhc_pre(xx, ph, bb, aa, opts)
+        x1, u1, h_pre1, h_post1, h_res1 = ops.mhc_boundary(xx, ff * u, h_post, h_res, ph, bb, aa, opts)
+        y = ops.stream_post_res(x1, ff * u1, h_post1, h_res1)
+        outs.append([h_pre, h_post, h_res, u, x1, u1, h_pre1, h_post1, h_res1, y])
     torch.manual_seed(2)
     gs = [torch.randn_like(o, dtype=torch.float64) for o in outs[1]]
     grads = []
     for o, ins in zip(outs, (leaves, refs)):
         loss = sum((a.double() * g).sum() for a, g in zip(o, gs))
         grads.append(torch.autograd.grad(loss, ins))
-    for name, a, b in zip(("h_pre", "h_post", "h_res", "u", "x_next"), *outs):
+    names = ("h_pre", "h_post", "h_res", "u", "x_next", "u_next", "h_pre_next", "h_post_next", "h_res_next", "out")
+    for name, a, b in zip(names, *outs):
         res[name] = rel_err(a, b)
     for name, a, b in zip(("dx", "dphi", "dbias", "dalpha", "df"), *grads):
         res[name] = rel_err(a, b)
@@ -277,10 +294,10 @@ def check_ops(c, tokens):
     return res
 
 
-def check_stack(c, heads, blocks, b, t, fused_pre=False):
+def check_stack(c, heads, blocks, b, t, chained=True):
     """The fused stack vs the same weights on the reference ops: output and gradients."""
     torch.manual_seed(3)
-    model = Hyper(c, heads, blocks, "triton", fused_pre).to(DEV, DT)
+    model = Hyper(c, heads, blocks, "triton", chained).to(DEV, DT)
     ref = copy.deepcopy(model).set_backend("torch")
     x = torch.randn(b, t, c, device=DEV, dtype=DT)
     res = {}
@@ -301,121 +318,115 @@ def check_stack(c, heads, blocks, b, t, fused_pre=False):
 
 
 # ------------------------------------------------------------------------------------------------ per kernel
-def kernel_table(c, tokens, copy_bw):
-    """Time each fused op body (its kernels and allocations, no dispatcher) on bf16 activations, back to back so that
-    host time hides behind the GPU; bytes = each input read once, each output written once."""
-    torch.manual_seed(4)
+def _kernel_inputs(c, tokens, seed):
+    """Random bf16 operands of every op body at one shape (never zeros: they can run faster than real data)."""
+    torch.manual_seed(seed)
     n, m = N_STREAMS, R.mhc_logit_count(N_STREAMS)
-    x = torch.randn(tokens, n, c, device=DEV, dtype=DT)
+    t = dict(device=DEV, dtype=DT)
+    x, xn, g = torch.randn(tokens, n, c, **t), torch.randn(tokens, n, c, **t), torch.randn(tokens, n, c, **t)
     phi = (torch.randn(n * c, m, device=DEV) * 0.02).to(DT)
-    bias = torch.randn(m, device=DEV).to(DT)
-    alpha = torch.tensor([0.5, 0.7, 0.9], device=DEV, dtype=DT)
-    f = torch.randn(tokens, c, device=DEV, dtype=DT)
-    opts = (20, 1e-6, True, False, 1e-6, 1e-6, 2.0)
-    h_pre, h_post, h_res, lg, rinv = K.coef_fwd.plain(x, phi, bias, alpha, *opts)
+    bias, alpha = torch.randn(m, device=DEV).to(DT), torch.tensor([0.5, 0.7, 0.9], **t)
+    f, du = torch.randn(tokens, c, **t), torch.randn(tokens, c, **t)
+    h_pre, h_post, h_res, lg, rinv = K.coef_fwd.plain(x, phi, bias, alpha, *OPS_ARGS)
     dh = [torch.randn_like(h) for h in (h_pre, h_post, h_res)]
-    g = torch.randn_like(x)
-    du = torch.randn_like(f)
-    dl, dss, _ = K.bwd_tok(x, phi, bias, alpha, lg, rinv, *dh, 20, 1e-6, True, False, 2.0)
-    dx = torch.empty_like(x)
-    e, f32 = x.element_size(), 4
-    N, NC = tokens, n * c
+    dl, dss, _ = K.bwd_tok(x, phi, bias, alpha, lg, rinv, *dh, *BWD_ARGS, du=du)
+    return SimpleNamespace(x=x, xn=xn, g=g, phi=phi, bias=bias, alpha=alpha, f=f, du=du, h_pre=h_pre, h_post=h_post,
+                           h_res=h_res, lg=lg, rinv=rinv, dh=dh, dl=dl, dss=dss)
+
+
+OPS_ARGS = (20, 1e-6, True, False, 1e-6, 1e-6, 2.0)  # iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult
+BWD_ARGS = (20, 1e-6, True, False, 2.0)  # iters, eps, t_in, t_out, post_mult
+
+
+def _calls(k):
+    """Each fused op body on the model's path (kernels + allocations, no dispatcher), and its parts."""
+    bnd_bwd = (k.x, k.f, k.h_post, k.h_res, k.phi, k.bias, k.alpha, k.xn, k.lg, k.rinv, k.h_pre, k.g, k.du, *k.dh,
+               *BWD_ARGS)
+    return {
+        "mhc_pre fwd (stack entry: coef + u)": lambda: K.mhc_pre_fwd.plain(k.x, k.phi, k.bias, k.alpha, *OPS_ARGS),
+        "mhc_pre bwd (stack entry)": lambda: K.mhc_pre_bwd.plain(
+            k.x, k.phi, k.bias, k.alpha, k.lg, k.rinv, k.h_pre, k.du, *k.dh, *BWD_ARGS),
+        "boundary fwd (post_res + coef + u)": lambda: K.bnd_fwd.plain(
+            k.x, k.f, k.h_post, k.h_res, k.phi, k.bias, k.alpha, *OPS_ARGS),
+        "boundary bwd (whole op)": lambda: K.bnd_bwd.plain(*bnd_bwd),
+        "  per token (<du,x_next> + Sinkhorn)": lambda: K.bwd_tok(
+            k.xn, k.phi, k.bias, k.alpha, k.lg, k.rinv, *k.dh, *BWD_ARGS, du=k.du),
+        "  dphi pass (x_next^T dL)": lambda: K.bwd_x(k.xn, k.phi, k.dl, k.dss),
+        "  2-D pass (G, dx, df, dH, dh_post)": lambda: K._post_bwd_run(
+            k.g, k.x, k.f, k.h_post, k.h_res, coef=(k.xn, k.du, k.dl, k.dss, k.h_pre, k.phi)),
+        "stream_post_res fwd (stack exit)": lambda: K.post_fwd.plain(k.x, k.f, k.h_post, k.h_res),
+        "stream_post_res bwd (stack exit)": lambda: K.post_bwd.plain(k.g, k.x, k.f, k.h_post, k.h_res),
+    }
+
+
+def kernel_table(c, tokens, copy_bw):
+    """Time each op body back to back so that host time hides behind the GPU. Bytes = what the op must move:
+    each input read once, each output written once (a part's own inputs and outputs)."""
+    k = _kernel_inputs(c, tokens, 4)
+    n, m = N_STREAMS, R.mhc_logit_count(N_STREAMS)
+    e, f32, N = k.x.element_size(), 4, tokens
+    S, U = N * n * c * e, N * c * e  # one n-stream, one C-wide activation
     small = N * (2 * n + n * n) * f32  # h_pre, h_post, h_res
-    pre_bwd_args = (x, phi, bias, alpha, lg, rinv, h_pre, du, *dh, 20, 1e-6, True, False, 2.0)
-    rows = [
-        # the model's path: fused pre op (coefficients + u from one read of x; one dx in the backward)
-        ("mhc_pre fwd (coef + u)", lambda: K.mhc_pre_fwd.plain(x, phi, bias, alpha, *opts),
-         N * NC * e + NC * m * e + small + N * (m + 1) * f32 + N * c * e),
-        ("mhc_pre bwd, per token (<du,x>+Sinkhorn)",
-         lambda: K.bwd_tok(x, phi, bias, alpha, lg, rinv, *dh, 20, 1e-6, True, False, 2.0, du=du),
-         N * NC * e + N * c * e + small + 2 * N * (m + 1) * f32),
-        ("mhc_pre bwd (whole op)", lambda: K.mhc_pre_bwd.plain(*pre_bwd_args),
-         2 * N * NC * e + 2 * N * c * e + 2 * NC * m * e + small + N * (m + 1) * f32),
-        ("coef fwd (GEMM+rms+sigma+Sinkhorn)", lambda: K.coef_fwd.plain(x, phi, bias, alpha, *opts),
-         N * NC * e + NC * m * e + small + N * (m + 1) * f32),
-        ("coef bwd, per token (Sinkhorn bwd)",
-         lambda: K.bwd_tok(x, phi, bias, alpha, lg, rinv, *dh, 20, 1e-6, True, False, 2.0),
-         small + 2 * N * (m + 1) * f32),
-        ("coef bwd, x pass (dx + dphi)", lambda: K.bwd_x(x, phi, dl, dss, dx),
-         2 * N * NC * e + 2 * NC * m * e + N * (m + 1) * f32),
-        ("coef bwd (whole op)",
-         lambda: K.coef_bwd.plain(x, phi, bias, alpha, lg, rinv, *dh, 20, 1e-6, True, False, 2.0),
-         2 * N * NC * e + 2 * NC * m * e + small + N * (m + 1) * f32),
-        ("stream_pre fwd", lambda: K.pre_fwd.plain(x, h_pre), N * NC * e + N * n * f32 + N * c * e),
-        ("stream_pre bwd", lambda: K.pre_bwd.plain(du, x, h_pre), 2 * N * NC * e + N * c * e + 2 * N * n * f32),
-        ("stream_post_res fwd", lambda: K.post_fwd.plain(x, f, h_post, h_res), 2 * N * NC * e + N * c * e + small - N * n * f32),
-        ("stream_post_res bwd", lambda: K.post_bwd.plain(g, x, f, h_post, h_res),
-         3 * N * NC * e + 2 * N * c * e + 2 * (small - N * n * f32)),
-    ]
+    saved = N * (m + 1) * f32  # logits, 1/r
+    phi = n * c * m * e
+    nbytes = {
+        "mhc_pre fwd (stack entry: coef + u)": S + phi + small + saved + U,
+        "mhc_pre bwd (stack entry)": S + U + phi + small + saved + S + phi,
+        "boundary fwd (post_res + coef + u)": S + U + small + phi + S + U + small + saved,
+        "boundary bwd (whole op)": 3 * S + 2 * U + 2 * small + saved + phi + S + U + 2 * small + phi,
+        "  per token (<du,x_next> + Sinkhorn)": S + U + small + 2 * saved,
+        "  dphi pass (x_next^T dL)": S + saved + phi,
+        "  2-D pass (G, dx, df, dH, dh_post)": 3 * S + 2 * U + saved + small + phi + S + U + small,
+        "stream_post_res fwd (stack exit)": 2 * S + U + small - N * n * f32,
+        "stream_post_res bwd (stack exit)": 3 * S + 2 * U + 2 * (small - N * n * f32),
+    }
     out = []
-    for name, fn, nbytes in rows:
+    for name, fn in _calls(k).items():
         ms = timed_batch(fn, 20, 10)
-        gbs = nbytes / (ms * 1e-3) / 1e9
-        out.append(dict(kernel=name, C=c, tokens=tokens, bytes=nbytes, ms=ms, gb_s=gbs, pct_copy=100 * gbs / (copy_bw * 1e3)))
+        gbs = nbytes[name] / (ms * 1e-3) / 1e9
+        out.append(dict(kernel=name, C=c, tokens=tokens, bytes=nbytes[name], ms=ms, gb_s=gbs,
+                        pct_copy=100 * gbs / (copy_bw * 1e3)))
     return out
 
 
-# --quick --sweep: only what no GPU run has timed yet (the new kernels / variants), at C=1024 and C=2048 (each
-# shape keeps its own winner when --quick: they differ for post_bwd whole-row tiles).
+# Launch configs to try (--sweep): the boundary kernels and the rewritten stream_post_res backward, which no GPU run
+# has timed yet. --quick tries SWEEP_QUICK at each shape (each keeps its own winner).
 SWEEP_QUICK = {
-    "post_bwd": [dict(BT=bt, BC=bc, num_warps=w, impl=impl) for bt, bc, w, impl in
-                 [(2, 256, 4, "loop"), (4, 256, 4, "2d"), (2, 512, 4, "2d"), (1, 4096, 4, "2d"), (1, 4096, 8, "2d"),
-                  (2, 4096, 8, "2d")]],
-    "coef_fwd": [dict(BT=bt, BK=bk, num_warps=w, num_stages=st, BC=bc, split_tail=sp) for bt, bk, w, st, bc, sp in
-                 [(64, 64, 4, 3, 16, False), (64, 64, 4, 3, 16, True), (32, 128, 4, 3, 32, True),
-                  (16, 128, 4, 3, 64, True), (32, 128, 4, 3, 32, False)]],
-    "coef_tail": [dict(BT=bt, num_warps=w) for bt, w in [(16, 4), (32, 4), (8, 2)]],
-    "coef_bwd_tok": [dict(BT=bt, num_warps=w, BC=bc) for bt, w, bc in [(64, 4, 16), (32, 4, 32), (16, 4, 64)]],
+    "bnd_fwd": [dict(BT=bt, BK=bk, num_warps=w, num_stages=st, BC=bc, split_tail=True) for bt, bk, w, st, bc in
+                [(16, 16, 4, 3, 64), (16, 16, 4, 2, 32), (16, 32, 4, 2, 32), (32, 16, 4, 2, 32), (16, 32, 8, 2, 64)]],
+    "bnd_bwd": [dict(BT=bt, BC=bc, num_warps=w) for bt, bc, w in
+                [(16, 64, 8), (16, 32, 4), (32, 32, 8), (16, 128, 8), (16, 16, 4)]],
+    "bnd_dphi": [dict(BT=bt, BK=bk, num_warps=w, num_stages=st, programs_per_sm=pp) for bt, bk, w, st, pp in
+                 [(64, 128, 8, 2, 4), (64, 64, 4, 3, 4), (128, 64, 8, 3, 2)]],
+    "post_bwd": [dict(BT=bt, BC=bc, num_warps=w) for bt, bc, w in [(4, 256, 4), (8, 128, 4), (2, 512, 4), (4, 512, 8)]],
 }
 
-SWEEP = {  # full run: around the round-2 winners (ops.CONFIG), at C=1024, on the model's path (mhc_pre op)
+SWEEP = dict(SWEEP_QUICK, **{  # full run, at C=1024: also the kernels every path shares
     "coef_fwd": [dict(BT=bt, BK=bk, num_warps=w, num_stages=st, BC=bc, split_tail=True) for bt, bk, w, st, bc in
-                 [(64, 64, 4, 3, 16), (32, 64, 4, 3, 32), (64, 128, 8, 3, 16), (32, 128, 4, 4, 32)]],
+                 [(64, 64, 4, 3, 16), (32, 64, 4, 3, 32), (64, 128, 8, 3, 16)]],
     "coef_tail": [dict(BT=bt, num_warps=w) for bt, w in [(8, 2), (4, 1), (16, 2)]],
     "coef_bwd_tok": [dict(BT=bt, num_warps=w, BC=bc) for bt, w, bc in [(16, 4, 64), (8, 4, 128), (16, 2, 64), (32, 4, 64)]],
-    "coef_bwd_x": [dict(BT=bt, BK=bk, num_warps=w, num_stages=st, programs_per_sm=pp) for bt, bk, w, st, pp in
-                   [(64, 128, 8, 2, 4), (64, 64, 4, 3, 4), (32, 128, 4, 3, 4), (64, 128, 8, 2, 8)]],
-    "pre_fwd": [dict(BT=bt, BC=bc, num_warps=w) for bt, bc, w in [(4, 512, 4), (8, 256, 4)]],
-    "pre_bwd": [dict(BT=bt, BC=bc, num_warps=w) for bt, bc, w in [(4, 256, 4), (8, 256, 8)]],
     "post_fwd": [dict(BT=bt, BC=bc, num_warps=w) for bt, bc, w in [(4, 256, 4), (8, 256, 8), (2, 512, 4)]],
-    "post_bwd": [dict(BT=bt, BC=bc, num_warps=w, impl="2d") for bt, bc, w in
-                 [(4, 256, 4), (8, 256, 8), (4, 512, 8), (2, 256, 4)]],
-}
+})
 
 
 def sweep(c, tokens, table=None):
     """Time every config of each kernel in table (default SWEEP), keep the fastest in K.CONFIG; returns the log."""
-    torch.manual_seed(5)
-    n, m = N_STREAMS, R.mhc_logit_count(N_STREAMS)
-    x = torch.randn(tokens, n, c, device=DEV, dtype=DT)
-    phi = (torch.randn(n * c, m, device=DEV) * 0.02).to(DT)
-    bias, alpha = torch.randn(m, device=DEV).to(DT), torch.tensor([0.5, 0.7, 0.9], device=DEV, dtype=DT)
-    f, du, g = torch.randn(tokens, c, device=DEV, dtype=DT), torch.randn(tokens, c, device=DEV, dtype=DT), torch.randn_like(x)
-    opts = (20, 1e-6, True, False, 1e-6, 1e-6, 2.0)
-    h_pre, h_post, h_res, lg, rinv = K.coef_fwd.plain(x, phi, bias, alpha, *opts)
-    dh = [torch.randn_like(h) for h in (h_pre, h_post, h_res)]
-    dl, dss, _ = K.bwd_tok(x, phi, bias, alpha, lg, rinv, *dh, 20, 1e-6, True, False, 2.0)
-    dx = torch.empty_like(x)
-    # coefficient kernels are timed on the model's path: the fused pre op (u in the forward, du in the backward)
-    calls = {
-        "coef_fwd": lambda: K.mhc_pre_fwd.plain(x, phi, bias, alpha, *opts),
-        "coef_tail": lambda: K.mhc_pre_fwd.plain(x, phi, bias, alpha, *opts),
-        "coef_bwd_tok": lambda: K.bwd_tok(x, phi, bias, alpha, lg, rinv, *dh, 20, 1e-6, True, False, 2.0, du=du),
-        "coef_bwd_x": lambda: K.bwd_x(x, phi, dl, dss, dx, h_pre=h_pre, du=du),
-        "pre_fwd": lambda: K.pre_fwd.plain(x, h_pre),
-        "pre_bwd": lambda: K.pre_bwd.plain(du, x, h_pre),
-        "post_fwd": lambda: K.post_fwd.plain(x, f, h_post, h_res),
-        "post_bwd": lambda: K.post_bwd.plain(g, x, f, h_post, h_res),
+    k = _kernel_inputs(c, tokens, 5)
+    calls = _calls(k)
+    by_kernel = {  # the op (part) each config entry is timed on
+        "bnd_fwd": "boundary fwd (post_res + coef + u)", "bnd_bwd": "  2-D pass (G, dx, df, dH, dh_post)",
+        "bnd_dphi": "  dphi pass (x_next^T dL)", "coef_fwd": "mhc_pre fwd (stack entry: coef + u)",
+        "coef_tail": "boundary fwd (post_res + coef + u)", "coef_bwd_tok": "  per token (<du,x_next> + Sinkhorn)",
+        "post_fwd": "stream_post_res fwd (stack exit)", "post_bwd": "stream_post_res bwd (stack exit)",
     }
     log = {}
     for name, cfgs in (table or SWEEP).items():
-        if name == "coef_tail" and not K.CONFIG["coef_fwd"].get("split_tail"):
-            continue  # only matters when the split tail won
         res = []
         for cfg in cfgs:
             K.CONFIG[name] = cfg
             try:
-                res.append((timed_batch(calls[name], 10, 5), cfg))
+                res.append((timed_batch(calls[by_kernel[name]], 10, 5), cfg))
             except Exception as exc:
                 print(f"  sweep {name} {cfg}: {type(exc).__name__} {str(exc)[:120]}", flush=True)
         res.sort(key=lambda r: r[0])
@@ -472,6 +483,9 @@ def run_variant(name, make, x, rows, base):
 def main():
     info = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 torch=torch.__version__, python=sys.version.split()[0], command=" ".join(sys.argv))
+    if args.config:
+        with open(args.config) as fh:
+            K.CONFIG.update(json.load(fh)["config"])
     try:
         import triton
 
@@ -483,7 +497,7 @@ def main():
     info.update(copy_tb_s=bw, bf16_mm_tflops=mm)
     print(info, flush=True)
     shapes = {"1": (1024, 16, 12, 8, 2048), "2": (2048, 16, 8, 4, 2048)}
-    L_R.update({"1": 4, "2": 3})  # L_r* of mhc-math §9 for 24 and 16 sublayers at n = 4
+    L_R.update({"1": 4, "2": 3})  # L_r* of docs/design.md §9 for 24 and 16 sublayers at n = 4
     if args.smoke:
         shapes = {"1": (64, 4, 1, 2, 16), "2": (96, 4, 1, 1, 24)}
     rows, checks, kernels = [], {}, []
@@ -499,7 +513,7 @@ def main():
             STATE.setdefault("config_per_shape", {})[f"C{c}"] = copy.deepcopy(K.CONFIG)
         checks[f"C{c}_ops"] = check_ops(c, min(b * t, 4096))
         checks[f"C{c}_stack"] = check_stack(c, heads, min(blocks, 2), 1, min(t, 512))
-        checks[f"C{c}_stack_mhc_pre"] = check_stack(c, heads, min(blocks, 2), 1, min(t, 512), fused_pre=True)
+        checks[f"C{c}_stack_per_sublayer"] = check_stack(c, heads, min(blocks, 2), 1, min(t, 512), chained=False)
         print("  checks", {k: v for k, v in checks.items() if k.startswith(f"C{c}_")}, flush=True)
         if not args.no_kernels:
             kernels += kernel_table(c, b * t, bw)
@@ -508,15 +522,14 @@ def main():
         variants = [  # most important first: the time budget cuts from the end
             ("residual", lambda: Residual(c, heads, blocks).to(DEV, DT)),
             ("ours (fused)", lambda: Hyper(c, heads, blocks, "triton").to(DEV, DT)),
-            ("ours (fused, mhc_pre op)", lambda: Hyper(c, heads, blocks, "triton", fused_pre=True).to(DEV, DT)),
             ("residual+compile", lambda: torch.compile(Residual(c, heads, blocks).to(DEV, DT))),
             ("ours (fused)+compile", lambda: torch.compile(Hyper(c, heads, blocks, "triton").to(DEV, DT))),
-            ("ours (fused, mhc_pre op)+compile",
-             lambda: torch.compile(Hyper(c, heads, blocks, "triton", fused_pre=True).to(DEV, DT))),
-            (f"ours (mhc_pre op), recompute L_r={L_R[key]}",
-             lambda: Hyper(c, heads, blocks, "triton", fused_pre=True, recompute=L_R[key]).to(DEV, DT)),
-            (f"ours (mhc_pre op)+compile, recompute L_r={L_R[key]}",
-             lambda: torch.compile(Hyper(c, heads, blocks, "triton", fused_pre=True, recompute=L_R[key]).to(DEV, DT))),
+            ("ours (per-sublayer ops)", lambda: Hyper(c, heads, blocks, "triton", chained=False).to(DEV, DT)),
+            ("ours (per-sublayer ops)+compile",
+             lambda: torch.compile(Hyper(c, heads, blocks, "triton", chained=False).to(DEV, DT))),
+            (f"ours+compile, recompute L_r={L_R[key]}",
+             lambda: torch.compile(Hyper(c, heads, blocks, "triton", recompute=L_R[key]).to(DEV, DT))),
+            (f"ours, recompute L_r={L_R[key]}", lambda: Hyper(c, heads, blocks, "triton", recompute=L_R[key]).to(DEV, DT)),
             ("liger 0.8.5", lambda: Liger(c, heads, blocks).to(DEV, DT)),
             ("reference ops", lambda: Hyper(c, heads, blocks, "torch").to(DEV, DT)),
             ("lucidrains 0.4.11", lambda: Lucid(c, heads, blocks).to(DEV, DT)),
@@ -526,7 +539,7 @@ def main():
         if args.smoke:
             variants = [v for v in variants if "compile" not in v[0] and "liger" not in v[0] and "lucid" not in v[0]]
         if args.quick:
-            variants = [v for v in variants if v[0] in ("residual", "ours (fused)", "ours (fused, mhc_pre op)")]
+            variants = [v for v in variants if v[0] in ("residual", "ours (fused)", "ours (per-sublayer ops)")]
         if args.variants:
             keep = [k.strip() for k in args.variants.split(",")]
             variants = [v for v in variants if v[0] == "residual" or any(k in v[0] for k in keep)]

@@ -1,4 +1,4 @@
-"""Selective recompute (mhc-math §9): activation bytes kept for the backward, and the step-time cost.
+"""Selective recompute (docs/design.md §9): activation bytes kept for the backward, and the step-time cost.
 
 One GPT (default: mHC, 24 sublayers, C = 256, n = 4) is run with GPTConfig.recompute_block = 0 (off) and
 each block size in --blocks ("auto" = L_r*). Per configuration: bytes of activation memory alive between

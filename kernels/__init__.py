@@ -1,23 +1,24 @@
 """mHC ops: pure-PyTorch references (`reference/`) and fused Triton kernels (`fused/`).
 
 The model reaches every op through `get_ops(backend, device)`, the single dispatch point.
-Both backends expose the same functions with the same signatures and conventions:
-    mhc_coefficients(x, phi, bias, alpha, **sinkhorn_and_gate_options) -> (h_pre, h_post, h_res | None)
+Both backends expose the same functions with the same signatures and conventions (opts: `MHCOptions`):
+    mhc_coefficients(x, phi, bias, alpha, opts) -> (h_pre, h_post, h_res | None)
+    mhc_pre(x, phi, bias, alpha, opts) -> (u, h_pre, h_post, h_res | None)
+    mhc_boundary(x, f, h_post, h_res | None, phi, bias, alpha, opts) -> (x_next, u, h_pre, h_post, h_res | None)
     stream_pre(x, h_pre) -> u
     stream_post_res(x, f, h_post, h_res | None) -> x_next
 """
 from types import ModuleType
-from typing import Literal
 
 import torch
 
 from . import reference
+from .options import KERNEL_BACKENDS, MHCOptions
 
-KernelBackend = Literal["auto", "triton", "torch"]
-KERNEL_BACKENDS = ("auto", "triton", "torch")
+__all__ = ["KERNEL_BACKENDS", "MHCOptions", "get_ops", "reference"]
 
 
-def triton_available() -> bool:
+def _triton_importable() -> bool:
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -28,10 +29,10 @@ def triton_available() -> bool:
 def get_ops(backend: str, device: torch.device) -> ModuleType:
     """auto = fused Triton kernels on CUDA, the reference elsewhere; torch = always the reference."""
     if backend not in KERNEL_BACKENDS:
-        raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {backend!r}")
+        raise ValueError(f"kernel_backend must be one of {list(KERNEL_BACKENDS)}, got {backend!r}")
     if backend == "torch" or (backend == "auto" and device.type != "cuda"):
         return reference
-    if not triton_available():
+    if not _triton_importable():
         if backend == "triton":
             raise RuntimeError("kernel_backend='triton' needs the triton package; install it or use 'torch'")
         return reference

@@ -1,11 +1,11 @@
-"""The pure-PyTorch reference ops against mhc-math.md: Sinkhorn, coefficients, streams, Amax gain."""
+"""The pure-PyTorch reference ops against docs/design.md: Sinkhorn, coefficients, streams, Amax gain."""
 import math
 
 import pytest
 import torch
 from torch.autograd import gradcheck
 
-from mhc_lightning.kernels import get_ops, reference
+from mhc_lightning.kernels import MHCOptions, get_ops, reference
 from mhc_lightning.kernels.reference import (
     composite_products, gain_metrics, gain_report, hc_coefficients, mhc_coefficients, sinkhorn,
     sinkhorn_residuals, stream_post_res, stream_pre,
@@ -23,7 +23,7 @@ def logits(*shape, scale=3.0, seed=0, dtype=torch.float64):
 def test_rows_exact_after_t_iterations(start):
     h = sinkhorn(logits(500, 4, 4).float(), iters=20, start=start)
     rows, cols = sinkhorn_residuals(h)
-    assert rows.max() <= 1e-5  # the axis normalised last is exact (mhc-math §11 invariant)
+    assert rows.max() <= 1e-5  # the axis normalised last is exact (docs/design.md §11 invariant)
     assert (h >= 0).all()
     assert cols.max() > 1e-4  # truncation error lands on the other axis at 20 iterations
 
@@ -40,7 +40,7 @@ def test_more_iterations_shrink_the_inexact_axis():
     z = logits(1000, 4, 4)
     errs = [sinkhorn_residuals(sinkhorn(z, t))[1].max().item() for t in (5, 20, 100)]
     assert errs[0] > errs[1] > errs[2]
-    # measured in mhc-math §3 on the same kind of matrices: 4.2e-2 at 20 iterations, 5.7e-3 at 100
+    # measured in docs/design.md §3 on the same kind of matrices: 4.2e-2 at 20 iterations, 5.7e-3 at 100
     assert 1e-2 < errs[1] < 1e-1 and errs[2] < 2e-2
 
 
@@ -85,7 +85,7 @@ def test_mhc_coefficients_match_the_unfused_equations():
     """Norm-after-matmul (Eq. 14-16) equals RMSNorm-then-project (Eq. 7), layout [pre|post|res], H = R^T."""
     x, phi, bias, alpha = mhc_inputs()
     n, C = x.shape[-2:]
-    h_pre, h_post, h_res = mhc_coefficients(x, phi, bias, alpha, sinkhorn_iters=20)
+    h_pre, h_post, h_res = mhc_coefficients(x, phi, bias, alpha, MHCOptions(sinkhorn_iters=20))
     flat = x.reshape(-1, n * C)
     xn = flat / torch.sqrt(flat.square().mean(-1, keepdim=True) + 1e-6)
     t = xn @ phi
@@ -94,7 +94,7 @@ def test_mhc_coefficients_match_the_unfused_equations():
     R = (alpha[2] * t[:, 2 * n:] + bias[2 * n:]).reshape(-1, n, n)  # R[src, dst]
     torch.testing.assert_close(h_res, sinkhorn(R.mT, 20))
     # Liger's layout reads the same logits as H directly
-    _, _, h_liger = mhc_coefficients(x, phi, bias, alpha, res_layout="dst_src")
+    _, _, h_liger = mhc_coefficients(x, phi, bias, alpha, MHCOptions(res_layout="dst_src"))
     torch.testing.assert_close(h_liger, sinkhorn(R, 20))
 
 
@@ -110,7 +110,7 @@ def test_mhc_coefficients_gradcheck_float64():
     x, phi, bias, alpha = (t.requires_grad_() for t in mhc_inputs(n=3, C=4, T=3))
 
     def f(x, phi, bias, alpha):
-        return mhc_coefficients(x, phi, bias, alpha, sinkhorn_iters=8)
+        return mhc_coefficients(x, phi, bias, alpha, MHCOptions(sinkhorn_iters=8))
 
     assert gradcheck(f, (x, phi, bias, alpha), eps=1e-6, atol=1e-6)
 

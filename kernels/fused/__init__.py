@@ -10,13 +10,12 @@ from typing import Optional
 import torch
 
 from .. import reference
-from ..reference.coefficients import RES_LAYOUTS, mhc_logit_count
-from ..reference.sinkhorn import EXACT_AXES
+from ..options import DEFAULT_OPTIONS, EXACT_AXES, RES_LAYOUTS, MHCOptions
+from ..reference.coefficients import mhc_logit_count
 from . import ops
 
-__all__ = ["mhc_coefficients", "mhc_pre", "stream_pre", "stream_post_res", "expand_streams"]
+__all__ = ["mhc_coefficients", "mhc_pre", "mhc_boundary", "stream_pre", "stream_post_res"]
 
-expand_streams = reference.expand_streams
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -29,16 +28,17 @@ def _fusable(x: torch.Tensor) -> bool:
     )
 
 
-def _coef_plan(x, phi, bias, alpha, sinkhorn_iters, exact_axis, start, res_layout):
-    """(t_in, t_out) launch flags when the kernels cover these inputs and options, else None."""
+def _coef_args(x, phi, bias, alpha, opts: MHCOptions) -> Optional[tuple]:
+    """The coefficient kernels' trailing arguments (iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult) when they
+    cover these inputs and options, else None."""
     n, c = x.shape[-2], x.shape[-1]
     m = phi.shape[-1] if phi.dim() == 2 else -1
     ok = (
         _fusable(x)
-        and start == "softmax_eps"
-        and exact_axis in EXACT_AXES
-        and res_layout in RES_LAYOUTS
-        and sinkhorn_iters >= 1
+        and opts.start == "softmax_eps"
+        and opts.exact_axis in EXACT_AXES
+        and opts.res_layout in RES_LAYOUTS
+        and opts.sinkhorn_iters >= 1
         and phi.dim() == 2
         and phi.shape[0] == n * c
         and m in (mhc_logit_count(n, True), mhc_logit_count(n, False))
@@ -48,76 +48,78 @@ def _coef_plan(x, phi, bias, alpha, sinkhorn_iters, exact_axis, start, res_layou
     )
     if not ok:
         return None
-    cols = exact_axis == "cols"
-    # The kernel runs the rows-exact K(w) on w = R^T or R and transposes the result for "cols" (§3.1).
-    return (res_layout == "src_dst") != cols, cols
+    cols = opts.exact_axis == "cols"
+    # The kernel runs the rows-exact K(w) on w = R^T or R and transposes the result for "cols" (docs/design.md §3).
+    t_in, t_out = (opts.res_layout == "src_dst") != cols, cols
+    return (int(opts.sinkhorn_iters), float(opts.sinkhorn_eps), t_in, t_out, float(opts.rms_eps),
+            float(opts.pre_eps), float(opts.post_mult))
 
 
-def mhc_coefficients(
-    x: torch.Tensor,
-    phi: torch.Tensor,
-    bias: torch.Tensor,
-    alpha: torch.Tensor,
-    *,
-    sinkhorn_iters: int = 20,
-    sinkhorn_eps: float = 1e-6,
-    exact_axis: str = "rows",
-    start: str = "softmax_eps",
-    res_layout: str = "src_dst",
-    rms_eps: float = 1e-6,
-    pre_eps: float = 1e-6,
-    post_mult: float = 2.0,
-) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    plan = _coef_plan(x, phi, bias, alpha, sinkhorn_iters, exact_axis, start, res_layout)
-    if plan is None:
-        return reference.mhc_coefficients(
-            x, phi, bias, alpha, sinkhorn_iters=sinkhorn_iters, sinkhorn_eps=sinkhorn_eps, exact_axis=exact_axis,
-            start=start, res_layout=res_layout, rms_eps=rms_eps, pre_eps=pre_eps, post_mult=post_mult,
-        )
-    n, c = x.shape[-2], x.shape[-1]
-    lead = x.shape[:-2]
-    h_pre, h_post, h_res, _, _ = ops.eager.coef(
-        x.reshape(-1, n, c), phi, bias, alpha.reshape(3), int(sinkhorn_iters), float(sinkhorn_eps), *plan,
-        float(rms_eps), float(pre_eps), float(post_mult),
-    )
+def _coefs_out(phi, lead, n, h_pre, h_post, h_res):
     h_pre, h_post = h_pre.reshape(*lead, n), h_post.reshape(*lead, n)
     if phi.shape[-1] == mhc_logit_count(n, False):
         return h_pre, h_post, None
     return h_pre, h_post, h_res.reshape(*lead, n, n)
 
 
+def mhc_coefficients(
+    x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, opts: MHCOptions = DEFAULT_OPTIONS
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    args = _coef_args(x, phi, bias, alpha, opts)
+    if args is None:
+        return reference.mhc_coefficients(x, phi, bias, alpha, opts)
+    n, c = x.shape[-2], x.shape[-1]
+    h_pre, h_post, h_res, _, _ = ops.eager.coef(x.reshape(-1, n, c), phi, bias, alpha.reshape(3), *args)
+    return _coefs_out(phi, x.shape[:-2], n, h_pre, h_post, h_res)
+
+
 def mhc_pre(
-    x: torch.Tensor,
-    phi: torch.Tensor,
-    bias: torch.Tensor,
-    alpha: torch.Tensor,
-    *,
-    sinkhorn_iters: int = 20,
-    sinkhorn_eps: float = 1e-6,
-    exact_axis: str = "rows",
-    start: str = "softmax_eps",
-    res_layout: str = "src_dst",
-    rms_eps: float = 1e-6,
-    pre_eps: float = 1e-6,
-    post_mult: float = 2.0,
+    x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, opts: MHCOptions = DEFAULT_OPTIONS
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """(u, h_pre, h_post, h_res | None) from one read of x; its backward returns a single dx."""
-    opts = dict(sinkhorn_iters=sinkhorn_iters, sinkhorn_eps=sinkhorn_eps, exact_axis=exact_axis, start=start,
-                res_layout=res_layout, rms_eps=rms_eps, pre_eps=pre_eps, post_mult=post_mult)
-    plan = _coef_plan(x, phi, bias, alpha, sinkhorn_iters, exact_axis, start, res_layout)
-    if plan is None:  # same composition as the reference, each part fused where it can be
-        h_pre, h_post, h_res = mhc_coefficients(x, phi, bias, alpha, **opts)
+    args = _coef_args(x, phi, bias, alpha, opts)
+    if args is None:  # same composition as the reference, each part fused where it can be
+        h_pre, h_post, h_res = mhc_coefficients(x, phi, bias, alpha, opts)
         return stream_pre(x, h_pre), h_pre, h_post, h_res
     n, c = x.shape[-2], x.shape[-1]
-    lead = x.shape[:-2]
-    u, h_pre, h_post, h_res, _, _ = ops.eager.mhc_pre(
-        x.reshape(-1, n, c), phi, bias, alpha.reshape(3), int(sinkhorn_iters), float(sinkhorn_eps), *plan,
-        float(rms_eps), float(pre_eps), float(post_mult),
+    u, h_pre, h_post, h_res, _, _ = ops.eager.mhc_pre(x.reshape(-1, n, c), phi, bias, alpha.reshape(3), *args)
+    return (u.reshape(*x.shape[:-2], c), *_coefs_out(phi, x.shape[:-2], n, h_pre, h_post, h_res))
+
+
+def _post_res_fusable(x, f, h_post, h_res) -> bool:
+    n, c = x.shape[-2], x.shape[-1]
+    return (
+        _fusable(x)
+        and f.shape == x.shape[:-2] + (c,)
+        and f.dtype in _DTYPES
+        and f.device == x.device
+        and h_post.shape == x.shape[:-1]
+        and (h_res is None or h_res.shape == x.shape[:-1] + (n,))
     )
-    u, h_pre, h_post = u.reshape(*lead, c), h_pre.reshape(*lead, n), h_post.reshape(*lead, n)
-    if phi.shape[-1] == mhc_logit_count(n, False):
-        return u, h_pre, h_post, None
-    return u, h_pre, h_post, h_res.reshape(*lead, n, n)
+
+
+def _res3(x3: torch.Tensor, h_res: Optional[torch.Tensor]) -> torch.Tensor:
+    """h_res as the kernels take it: [N, n, n], or [N, 0, 0] for H^res = I."""
+    n = x3.shape[1]
+    return x3.new_empty((x3.shape[0], 0, 0), dtype=torch.float32) if h_res is None else h_res.reshape(-1, n, n)
+
+
+def mhc_boundary(
+    x: torch.Tensor, f: torch.Tensor, h_post: torch.Tensor, h_res: Optional[torch.Tensor],
+    phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, opts: MHCOptions = DEFAULT_OPTIONS,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """(x_next, u, h_pre, h_post, h_res | None): sublayer l's write-back and sublayer l+1's coefficients and input in
+    one op (kernels/reference/boundary.py); x_next is written once, and its backward writes dx once."""
+    args = _coef_args(x, phi, bias, alpha, opts)
+    if args is None or not _post_res_fusable(x, f, h_post, h_res):
+        x_next = stream_post_res(x, f, h_post, h_res)
+        return (x_next, *mhc_pre(x_next, phi, bias, alpha, opts))
+    n, c = x.shape[-2], x.shape[-1]
+    lead = x.shape[:-2]
+    x3 = x.reshape(-1, n, c)
+    x_next, u, h_pre, h_post2, h_res2, _, _ = ops.eager.boundary(
+        x3, f.reshape(-1, c), h_post.reshape(-1, n), _res3(x3, h_res), phi, bias, alpha.reshape(3), *args)
+    return (x_next.reshape(x.shape), u.reshape(*lead, c), *_coefs_out(phi, lead, n, h_pre, h_post2, h_res2))
 
 
 def stream_pre(x: torch.Tensor, h_pre: torch.Tensor) -> torch.Tensor:
@@ -131,17 +133,9 @@ def stream_pre(x: torch.Tensor, h_pre: torch.Tensor) -> torch.Tensor:
 def stream_post_res(
     x: torch.Tensor, f: torch.Tensor, h_post: torch.Tensor, h_res: Optional[torch.Tensor]
 ) -> torch.Tensor:
-    n, c = x.shape[-2], x.shape[-1]
-    ok = (
-        _fusable(x)
-        and f.shape == x.shape[:-2] + (c,)
-        and f.dtype in _DTYPES
-        and h_post.shape == x.shape[:-1]
-        and (h_res is None or h_res.shape == x.shape[:-1] + (n,))
-    )
-    if not ok:
+    if not _post_res_fusable(x, f, h_post, h_res):
         return reference.stream_post_res(x, f, h_post, h_res)
+    n, c = x.shape[-2], x.shape[-1]
     x3 = x.reshape(-1, n, c)
-    hr = x3.new_empty((x3.shape[0], 0, 0), dtype=torch.float32) if h_res is None else h_res.reshape(-1, n, n)
-    out = ops.eager.stream_post_res(x3, f.reshape(-1, c), h_post.reshape(-1, n), hr)
+    out = ops.eager.stream_post_res(x3, f.reshape(-1, c), h_post.reshape(-1, n), _res3(x3, h_res))
     return out.reshape(x.shape)

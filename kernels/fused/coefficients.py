@@ -1,13 +1,15 @@
-"""Fused mHC coefficients (mhc-math.md §2-3, §10): GEMM + sum of squares + sigma / 2 sigma + Sinkhorn.
+"""Fused mHC coefficients (docs/design.md §2-3, §10): GEMM + sum of squares + sigma / 2 sigma + Sinkhorn.
 
-Forward, one kernel: one read of x [N, nC] yields the raw projection L = x phi [N, M] (fp32 accumulate,
-M = n^2 + 2n) and sum(x^2); the per-token tail (norm-after-matmul, gates, bias, sigma, Sinkhorn) runs in
-fp32 registers. Only L and 1/r (M + 1 floats per token) are kept for the backward.
-
-Fused "pre" (HAS_U): the same forward kernel also writes u = sum_j h_pre_j x_j; its C loop re-reads the
-token block it has just streamed (an L2 hit), so x leaves DRAM once for coefficients and u together.
-`_coef_tail` (opt-in, CONFIG["coef_fwd"]["split_tail"]) moves Sinkhorn out of the GEMM kernel into its own
-launch with small token blocks, so the serial tail no longer sits behind each program's GEMM loop.
+Forward, one kernel (`_coef_fwd`): one read of x [N, n, C] yields the raw projection L = x phi [N, M] (fp32
+accumulate, M = n^2 + 2n) and sum(x^2); the per-token tail (norm-after-matmul, gates, bias, sigma, Sinkhorn)
+runs in fp32 registers. Only L and 1/r (M + 1 floats per token) are kept for the backward.
+- HAS_U (the fused pre op): the same kernel also writes u = sum_j h_pre_j x_j; its C loop re-reads the token
+  block it has just streamed (L2), so x leaves DRAM once for coefficients and u together.
+- POST (the sublayer boundary op, docs/kernels.md): x is not read but made, tile by tile, as the previous
+  sublayer's write-back x = H^res_prev x_prev + h_post_prev f (reading x_prev and f once) and written once; the
+  projection, sum of squares and u then use the tiles just made.
+- `_coef_tail` (CONFIG "split_tail") runs Sinkhorn in its own launch with small token blocks, so the serial tail
+  does not sit behind each program's GEMM loop.
 
 Backward, two kernels:
 - `_coef_bwd_tok`: per token, replays the Sinkhorn iterates once in registers, saving the 2*iters - 1
@@ -15,10 +17,11 @@ Backward, two kernels:
   rebuilding each iterate by undoing its scaling (exact gradient of the unrolled iterations). It turns
   dh_pre / dh_post / dh_res into dL (the gradient of the raw projection) and d(sum x^2); bias and alpha
   gradients are reduced per program into a small partial buffer (deterministic, no atomics). With HAS_U
-  it first reduces dh_pre += <du, x_j> over C (the u path of the fused pre op).
-- `_coef_bwd_x`: one read of x per (column block, token split): dx = dL phi^T + 2 x d(sum x^2)
-  (+ h_pre_j du with HAS_U: the fused pre op's single dx) and the partial phi gradient x^T dL (tl.dot),
-  summed over splits afterwards.
+  it first reduces dh_pre += <du, x_j> over C (the u path of the fused pre and boundary ops).
+- `_coef_bwd_x`: one read of x per (column block, token split): the partial phi gradient x^T dL (tl.dot),
+  summed over splits afterwards, and with HAS_DX dx = dL phi^T + 2 x d(sum x^2) (+ h_pre_j du with HAS_U:
+  the fused pre op's single dx). The boundary op computes its dx in `_post_bwd_2d` and uses this kernel for
+  the phi gradient only.
 
 Token count is a runtime argument (never specialised); strides depend on C only.
 """
@@ -132,38 +135,73 @@ def _res_tail(lg_ptr, bias_ptr, alpha_ptr, hres_ptr, rows64, rmask, rinv, iters,
 @triton.jit(do_not_specialize=["N", "iters"])
 def _coef_fwd(
     x_ptr, phi_ptr, bias_ptr, alpha_ptr, lg_ptr, rinv_ptr, hpre_ptr, hpost_ptr, hres_ptr, u_ptr,
-    N, K, C, stride_x, stride_phi, iters, eps, rms_eps, pre_eps, post_mult,
+    xp_ptr, f_ptr, php_ptr, phr_ptr,
+    N, C, stride_x, stride_phi, iters, eps, rms_eps, pre_eps, post_mult,
     NS: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, HAS_RES: tl.constexpr, SINK: tl.constexpr,
-    HAS_U: tl.constexpr, T_IN: tl.constexpr, T_OUT: tl.constexpr, DOT: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr,
+    HAS_U: tl.constexpr, POST: tl.constexpr, POST_RES: tl.constexpr, T_IN: tl.constexpr, T_OUT: tl.constexpr,
+    DOT: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr,
 ):
+    """POST: x_ptr is written (contiguous [N, n, C]) from xp_ptr [N, n, C] (contiguous), f_ptr [N, C], php_ptr
+    [N, n] and, with POST_RES, phr_ptr [N, n, n]; BK is then the C tile of every stream per step. Otherwise x_ptr
+    is read and BK is the tile of the flat n*C row. BC: C tile of the u loop."""
     pid = tl.program_id(0)
     rows = pid * BT + tl.arange(0, BT)
     rmask = rows < N
     rows64 = rows.to(tl.int64)
     cols = tl.arange(0, MP)
     cmask = cols < M
+    nn = tl.arange(0, NS)
+    tok = rmask[:, None] & (nn[None, :] < NS)
+    K = NS * C
     acc = tl.zeros([BT, MP], dtype=tl.float32)
     ss = tl.zeros([BT], dtype=tl.float32)
-    # one pass over x: projection and sum of squares share every load
-    for k0 in range(0, K, BK):
-        kk = k0 + tl.arange(0, BK)
-        kmask = kk < K
-        xt = tl.load(x_ptr + rows64[:, None] * stride_x + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        pt = tl.load(phi_ptr + kk[:, None] * stride_phi + cols[None, :], mask=kmask[:, None] & cmask[None, :], other=0.0)
-        xf = xt.to(tl.float32)
-        ss += tl.sum(xf * xf, axis=1)
-        acc = _dot(xt, pt, acc, DOT)
+    if POST:
+        # one C block of every stream at a time: make the block of x ([BT, n, BK], as stream_post_res does), write
+        # it, and feed the same registers to the projection (one dot over the n * BK columns) and the sum of squares
+        kk = tl.arange(0, NS * BK)
+        ks, kc = kk // BK, kk % BK  # flat column -> (stream, channel within the block)
+        for c0 in range(0, C, BK):
+            cc = c0 + tl.arange(0, BK)
+            m2 = rmask[:, None] & (cc[None, :] < C)
+            m3 = m2[:, None, :] & (nn[None, :, None] < NS)
+            f = tl.load(f_ptr + rows64[:, None] * C + cc[None, :], mask=m2, other=0.0).to(tl.float32)
+            hp = tl.load(php_ptr + rows64[:, None] * NS + nn[None, :], mask=tok, other=0.0)
+            acc3 = hp[:, :, None] * f[:, None, :]
+            if POST_RES:  # x_i = sum_j H^res_prev[i, j] x_prev_j + h_post_prev[i] f
+                for j in tl.static_range(NS):
+                    xj = tl.load(xp_ptr + rows64[:, None] * K + j * C + cc[None, :], mask=m2, other=0.0)
+                    hj = tl.load(phr_ptr + rows64[:, None] * (NS * NS) + nn[None, :] * NS + j, mask=tok, other=0.0)
+                    acc3 += hj[:, :, None] * xj.to(tl.float32)[:, None, :]
+            else:
+                acc3 += tl.load(xp_ptr + rows64[:, None, None] * K + nn[None, :, None] * C + cc[None, None, :],
+                                mask=m3, other=0.0).to(tl.float32)
+            xt3 = acc3.to(x_ptr.dtype.element_ty)  # the stored value: the coefficients read what was written
+            tl.store(x_ptr + rows64[:, None, None] * stride_x + nn[None, :, None] * C + cc[None, None, :], xt3, mask=m3)
+            xf3 = xt3.to(tl.float32)
+            ss += tl.sum(tl.sum(xf3 * xf3, axis=2), axis=1)
+            pt = tl.load(phi_ptr + (ks * C + c0 + kc)[:, None] * stride_phi + cols[None, :],
+                         mask=((c0 + kc) < C)[:, None] & cmask[None, :], other=0.0)
+            acc = _dot(tl.reshape(xt3, [BT, NS * BK]), pt, acc, DOT)
+    else:
+        # one pass over x [N, n*C]: projection and sum of squares share every load
+        for k0 in range(0, K, BK):
+            kk = k0 + tl.arange(0, BK)
+            kmask = kk < K
+            xt = tl.load(x_ptr + rows64[:, None] * stride_x + kk[None, :], mask=rmask[:, None] & kmask[None, :],
+                         other=0.0)
+            pt = tl.load(phi_ptr + kk[:, None] * stride_phi + cols[None, :], mask=kmask[:, None] & cmask[None, :],
+                         other=0.0)
+            xf = xt.to(tl.float32)
+            ss += tl.sum(xf * xf, axis=1)
+            acc = _dot(xt, pt, acc, DOT)
     rinv = 1.0 / tl.sqrt(ss / K + rms_eps)
     tl.store(lg_ptr + rows64[:, None] * M + cols[None, :], acc, mask=rmask[:, None] & cmask[None, :])
     tl.store(rinv_ptr + rows, rinv, mask=rmask)
     # Re-read the projection in per-map shapes (a register tile cannot be sliced); the barrier makes
     # this CTA's stores visible to all its threads.
     tl.debug_barrier()
-    nn = tl.arange(0, NS)
     a_pre = tl.load(alpha_ptr).to(tl.float32)
     a_post = tl.load(alpha_ptr + 1).to(tl.float32)
-    tok = rmask[:, None] & (nn[None, :] < NS)
     l_pre = tl.load(lg_ptr + rows64[:, None] * M + nn[None, :], mask=tok, other=0.0)
     l_post = tl.load(lg_ptr + rows64[:, None] * M + NS + nn[None, :], mask=tok, other=0.0)
     y_pre = a_pre * rinv[:, None] * l_pre + tl.load(bias_ptr + nn).to(tl.float32)[None, :]
@@ -172,7 +210,7 @@ def _coef_fwd(
     tl.store(hpre_ptr + rows64[:, None] * NS + nn[None, :], h_pre, mask=tok)
     tl.store(hpost_ptr + rows64[:, None] * NS + nn[None, :], post_mult * tl.sigmoid(y_post), mask=tok)
     if HAS_U:
-        # u = sum_j h_pre_j x_j: this block of x was streamed by the loop above, so these loads hit L2
+        # u = sum_j h_pre_j x_j: this block of x was streamed (or, with POST, written) by the loop above: L2 hits
         for c0 in range(0, C, BC):
             cc = c0 + tl.arange(0, BC)
             m2 = rmask[:, None] & (cc[None, :] < C)
@@ -191,7 +229,7 @@ def _coef_tail(
     lg_ptr, rinv_ptr, bias_ptr, alpha_ptr, hres_ptr, N, iters, eps,
     NS: tl.constexpr, M: tl.constexpr, T_IN: tl.constexpr, T_OUT: tl.constexpr, BT: tl.constexpr,
 ):
-    """Split tail: Sinkhorn on the saved logits, many small programs (opt-in, see module docstring)."""
+    """Split tail: Sinkhorn on the saved logits, many small programs (see module docstring)."""
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     rmask = rows < N
     rinv = tl.load(rinv_ptr + rows, mask=rmask, other=0.0)
@@ -263,7 +301,7 @@ def _coef_bwd_x(
     x_ptr, phi_ptr, dl_ptr, dss_ptr, dx_ptr, dphi_ptr, hpre_ptr, du_ptr,
     N, K, C, stride_x, stride_phi, tok_per_split,
     NS: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, DOT: tl.constexpr, HAS_U: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr,
+    HAS_DX: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
 ):
     pid_k = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -286,14 +324,15 @@ def _coef_bwd_x(
         m2 = rmask[:, None] & kmask[None, :]
         xt = tl.load(x_ptr + rows64[:, None] * stride_x + kk[None, :], mask=m2, other=0.0)
         dlt = tl.load(dl_ptr + rows64[:, None] * M + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
-        dss = tl.load(dss_ptr + rows, mask=rmask, other=0.0)
         xf = xt.to(tl.float32)
-        dx0 = 2.0 * xf * dss[:, None]
-        if HAS_U:  # the u path of the fused pre op: dx_j += h_pre_j du (one dx for the whole op)
-            hpj = tl.load(hpre_ptr + rows64[:, None] * NS + sidx[None, :], mask=m2, other=0.0)
-            duv = tl.load(du_ptr + rows64[:, None] * C + cidx[None, :], mask=m2, other=0.0)
-            dx0 += hpj * duv.to(tl.float32)
-        dx = _dot(dlt, tl.trans(phi_t), dx0, DOT)
-        tl.store(dx_ptr + rows64[:, None] * K + kk[None, :], dx.to(dx_ptr.dtype.element_ty), mask=m2)
+        if HAS_DX:
+            dss = tl.load(dss_ptr + rows, mask=rmask, other=0.0)
+            dx0 = 2.0 * xf * dss[:, None]
+            if HAS_U:  # the u path of the fused pre op: dx_j += h_pre_j du (one dx for the whole op)
+                hpj = tl.load(hpre_ptr + rows64[:, None] * NS + sidx[None, :], mask=m2, other=0.0)
+                duv = tl.load(du_ptr + rows64[:, None] * C + cidx[None, :], mask=m2, other=0.0)
+                dx0 += hpj * duv.to(tl.float32)
+            dx = _dot(dlt, tl.trans(phi_t), dx0, DOT)
+            tl.store(dx_ptr + rows64[:, None] * K + kk[None, :], dx.to(dx_ptr.dtype.element_ty), mask=m2)
         acc = _dot(tl.trans(xf), dlt, acc, DOT)
     tl.store(dphi_ptr + (pid_s * K + kk[:, None]).to(tl.int64) * M + cols[None, :], acc, mask=kmask[:, None] & cmask[None, :])

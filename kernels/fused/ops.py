@@ -11,10 +11,9 @@ import os
 from types import SimpleNamespace
 
 import torch
-import triton
 
 from .coefficients import DOT_IEEE, DOT_NATIVE, DOT_TF32, _coef_bwd_tok, _coef_bwd_x, _coef_fwd, _coef_tail
-from .stream_post_res import _post_bwd, _post_bwd_2d, _post_fwd
+from .stream_post_res import _post_bwd_2d, _post_fwd
 from .stream_pre import _pre_bwd, _pre_fwd
 
 Tensor = torch.Tensor
@@ -22,25 +21,29 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Tests set this: outputs start as NaN, so any element a kernel fails to write fails the comparison.
 POISON = False
 
-# Launch parameters per kernel: the fastest of bench_mhc.py --sweep on an H200 at C=1024, N=16384, bf16
-# (docs/benchmarks.md; round 2 = the `--quick --sweep` of 2026-11-29 23:48 UTC). The benchmark may override them.
-# Tiles shrink to the problem size.
+# Launch parameters per kernel, chosen by `bench/bench_mhc.py --sweep` on an H200 (the timings behind each choice:
+# docs/kernels.md, "Launch configs"). The benchmark may override them. Tiles shrink to the problem size.
 CONFIG = {
-    # BC: C tile of the fused pre op's u loop (HAS_U). split_tail: Sinkhorn in its own launch (`coef_tail`)
-    # after the GEMM programs: 324 vs 361 us for mhc_pre fwd at C=1024, a tie at C=2048. BT * BC <= 1024-2048:
-    # larger u tiles spill at BT=64 (ptxas, sm_90: BC=16 243 registers, no spill; BC=32 spills 120 B).
+    # BK: tile of the flat n*C row in the GEMM loop; BC: C tile of the fused pre op's u loop, BT * BC <= 1024 (larger
+    # u tiles spill at BT = 64). split_tail: Sinkhorn in its own launch (`coef_tail`) after the GEMM programs.
     "coef_fwd": dict(BT=64, BK=64, num_warps=4, num_stages=3, BC=16, split_tail=True),
+    # the boundary op's forward (same kernel, POST; BK = C tile of every stream per step): small token blocks, so the
+    # rows it has just written are still in L2 when its u loop reads them back. Chosen without a GPU run: the
+    # largest tiles without a stack frame (bench/kernel_resources.py); --sweep tries the others.
+    "bnd_fwd": dict(BT=16, BK=16, num_warps=4, num_stages=3, BC=64, split_tail=True),
     "coef_tail": dict(BT=8, num_warps=2),
-    # BC: C tile of the fused pre op's <du, x_j> loop. BT=16, BC=64: 160 us vs 228 us for BT=64, BC=16.
+    # BC: C tile of the <du, x_j> loop (fused pre and boundary ops)
     "coef_bwd_tok": dict(BT=16, num_warps=4, BC=64),
     "coef_bwd_x": dict(BT=64, BK=128, num_warps=8, num_stages=2, programs_per_sm=4),
+    "bnd_dphi": dict(BT=64, BK=128, num_warps=8, num_stages=2, programs_per_sm=4),  # coef_bwd_x without dx
     "pre_fwd": dict(BT=4, BC=512, num_warps=4),
     "pre_bwd": dict(BT=4, BC=256, num_warps=4),
     "post_fwd": dict(BT=4, BC=256, num_warps=4),
-    # impl "2d": the forward's grid (token block x C block), no C loop; each program writes per-C-block partials
-    # of dH / dh_post, summed afterwards (BC >= C: whole rows, written directly). 253 us (44 % of copy) vs the
-    # C-looping "loop" impl's 955 us at C=1024.
-    "post_bwd": dict(BT=4, BC=256, num_warps=4, impl="2d"),
+    # the forward's grid (token block x C block), no C loop; per-C-block partials of dH / dh_post summed
+    # afterwards (BC >= C: whole rows, written directly)
+    "post_bwd": dict(BT=4, BC=256, num_warps=4),
+    # post_bwd with COEF (the boundary op's dx pass); BT >= 16 for tl.dot. Chosen as bnd_fwd.
+    "bnd_bwd": dict(BT=16, BC=64, num_warps=8),
 }
 
 
@@ -72,6 +75,13 @@ def _next_pow2(v: int) -> int:
 
 def _np2(v: int, lo: int = 1) -> int:
     return max(lo, _next_pow2(v))
+
+
+def _phi_rows_cap(n: int, m: int) -> int:
+    """Most C columns per stream whose phi rows [n * cols, M] one program stages for a dot: <= 64 KiB as fp32 (a
+    larger operand spills or outgrows shared memory at n = 8, where M = 80)."""
+    cap = (1 << 16) // (n * _np2(m, 16) * 4)
+    return max(16, 1 << (cap.bit_length() - 1))
 
 
 def _dot_mode(x: Tensor, phi: Tensor) -> int:
@@ -117,35 +127,50 @@ def _impl(ctx, op):
 # ---------------------------------------------------------------------------------------------------------------
 # coefficients
 # ---------------------------------------------------------------------------------------------------------------
-def _fwd(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult, with_u):
-    """Coefficients (and u = sum_j h_pre_j x_j when with_u) in one launch, plus the optional split tail."""
-    N, n, C = x.shape
+def _fwd(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult, with_u, post=None):
+    """Coefficients (and u = sum_j h_pre_j x_j when with_u) in one launch, plus the optional split tail.
+
+    post = (x_prev, f, h_post_prev, h_res_prev [N, n, n] or [N, 0, 0]): the boundary op; x is then None and is made
+    as stream_post_res(*post) inside the same kernel. Returns (x, u, h_pre, h_post, h_res, logits, 1/r)."""
+    src = x if post is None else post[0]
+    N, n, C = src.shape
     M = phi.shape[1]
     has_res = M == n * n + 2 * n
-    dev = x.device
+    dev = src.device
     h_pre, h_post = _new((N, n), torch.float32, dev), _new((N, n), torch.float32, dev)
     h_res = _new((N, n, n) if has_res else (N, 0, 0), torch.float32, dev)
     lg, rinv = _new((N, M), torch.float32, dev), _new((N,), torch.float32, dev)
+    if post is not None:
+        x = _new((N, n, C), src.dtype, dev)
     u = _new((N, C), x.dtype, dev) if with_u else None
     if N == 0:
-        return u, h_pre, h_post, h_res, lg, rinv
-    x = _rows(x)
+        return x, u, h_pre, h_post, h_res, lg, rinv
+    if post is None:
+        x = _rows(x)
+        xp, f, php, phr = x, x, h_pre, h_pre  # unused pointers
+        post_res = False
+    else:
+        xp, f, php, phr = _rows(post[0]), post[1].contiguous(), post[2].contiguous(), post[3].contiguous()
+        post_res = phr.shape[-1] != 0
     phi = _c_contig(phi)
-    K = n * C
-    cfg = _cfg("coef_fwd", BK=_np2(K, 16), BC=_np2(C, 16))
+    if post is None:
+        cfg = _cfg("coef_fwd", BK=_np2(n * C, 16), BC=_np2(C, 16))
+    else:  # BK: C columns of every stream per step
+        cfg = _cfg("bnd_fwd", BK=min(_np2(C, 16), _phi_rows_cap(n, M)), BC=_np2(C, 16))
     split = bool(cfg.get("split_tail", False)) and has_res
     bias, alpha = bias.contiguous(), alpha.contiguous()
     _coef_fwd[(_cdiv(N, cfg["BT"]),)](
-        x, phi, bias, alpha, lg, rinv, h_pre, h_post, h_res, u if with_u else h_pre,
-        N, K, C, x.stride(0), phi.stride(0), iters, eps, rms_eps, pre_eps, post_mult,
-        NS=n, M=M, MP=_np2(M, 16), HAS_RES=has_res, SINK=not split, HAS_U=with_u, T_IN=t_in, T_OUT=t_out,
-        DOT=_dot_mode(x, phi), BT=cfg["BT"], BK=cfg["BK"], BC=min(cfg.get("BC", 16), _np2(C, 16)), **_launch(cfg),
+        x, phi, bias, alpha, lg, rinv, h_pre, h_post, h_res, u if with_u else h_pre, xp, f, php, phr,
+        N, C, x.stride(0), phi.stride(0), iters, eps, rms_eps, pre_eps, post_mult,
+        NS=n, M=M, MP=_np2(M, 16), HAS_RES=has_res, SINK=not split, HAS_U=with_u, POST=post is not None,
+        POST_RES=post_res, T_IN=t_in, T_OUT=t_out, DOT=_dot_mode(x, phi), BT=cfg["BT"], BK=cfg["BK"], BC=cfg["BC"],
+        **_launch(cfg),
     )
     if split:
         ct = _cfg("coef_tail")
         _coef_tail[(_cdiv(N, ct["BT"]),)](
             lg, rinv, bias, alpha, h_res, N, iters, eps, NS=n, M=M, T_IN=t_in, T_OUT=t_out, BT=ct["BT"], **_launch(ct))
-    return u, h_pre, h_post, h_res, lg, rinv
+    return x, u, h_pre, h_post, h_res, lg, rinv
 
 
 def _coef_fwd_body(
@@ -153,7 +178,7 @@ def _coef_fwd_body(
     rms_eps: float, pre_eps: float, post_mult: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """x [N, n, C] -> h_pre [N, n], h_post [N, n], h_res [N, n, n] (or [N, 0, 0]), raw logits [N, M], 1/r [N]."""
-    return _fwd(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult, False)[1:]
+    return _fwd(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult, False)[2:]
 
 
 coef_fwd = _op("coef_fwd", _coef_fwd_body)
@@ -197,12 +222,12 @@ def bwd_tok(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_i
     return dl, dss, part
 
 
-def bwd_x(x, phi, dl, dss, dx, h_pre=None, du=None):
-    """One pass over x: writes dx (+ h_pre_j du when du is given), returns split-partials [splits, nC, M] of
-    dphi = x^T dL."""
+def bwd_x(x, phi, dl, dss, dx=None, h_pre=None, du=None):
+    """One pass over x: returns split-partials [splits, nC, M] of dphi = x^T dL; with dx given, also writes
+    dx = dL phi^T + 2 x d(sum x^2) (+ h_pre_j du when du is given) into it."""
     N, n, C = x.shape
     K, M = n * C, phi.shape[1]
-    cx = _cfg("coef_bwd_x", BK=_np2(K, 16))
+    cx = _cfg("coef_bwd_x" if dx is not None else "bnd_dphi", BK=_np2(K, 16))
     kblocks = _cdiv(K, cx["BK"])
     want = max(1, cx["programs_per_sm"] * _num_sms(x.device) // kblocks)
     tok = max(cx["BT"], _cdiv(_cdiv(N, want), cx["BT"]) * cx["BT"])
@@ -210,17 +235,29 @@ def bwd_x(x, phi, dl, dss, dx, h_pre=None, du=None):
     dphi_part = _new((splits, K, M), torch.float32, x.device)
     with_u = du is not None
     _coef_bwd_x[(kblocks, splits)](
-        x, phi, dl, dss, dx, dphi_part, h_pre.contiguous() if with_u else dl, du.contiguous() if with_u else dl,
-        N, K, C, x.stride(0), phi.stride(0), tok,
+        x, phi, dl, dss, dl if dx is None else dx, dphi_part, h_pre.contiguous() if with_u else dl,
+        du.contiguous() if with_u else dl, N, K, C, x.stride(0), phi.stride(0), tok,
         NS=n, M=M, MP=_np2(M, 16), DOT=DOT_IEEE if x.dtype == torch.float32 else DOT_TF32, HAS_U=with_u,
-        BT=cx["BT"], BK=cx["BK"], **_launch(cx),
+        HAS_DX=dx is not None, BT=cx["BT"], BK=cx["BK"], **_launch(cx),
     )
     return dphi_part
 
 
+def _sum_splits(part: Tensor) -> Tensor:
+    return part[0] if part.shape[0] == 1 else part.sum(0)
+
+
+def _param_grads(phi, bias, alpha, dphi_part, part):
+    """dphi, dbias, dalpha from the kernels' partial sums, in the parameters' dtypes (separate storages: custom-op
+    outputs may not alias each other)."""
+    M = phi.shape[1]
+    red = part.sum(0)
+    return (_sum_splits(dphi_part).to(phi.dtype), red[:M].to(bias.dtype, copy=True),
+            red[M:].to(alpha.dtype, copy=True).reshape(alpha.shape))
+
+
 def _bwd(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult, h_pre=None, du=None):
     N, n, C = x.shape
-    M = phi.shape[1]
     dx = _new((N, n, C), x.dtype, x.device)
     if N == 0:
         return dx, torch.zeros_like(phi), torch.zeros_like(bias), torch.zeros_like(alpha)
@@ -229,10 +266,7 @@ def _bwd(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, 
     dl, dss, part = bwd_tok(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult,
                             du=du)
     dphi_part = bwd_x(x, phi, dl, dss, dx, h_pre=h_pre, du=du)
-    dphi = dphi_part[0] if dphi_part.shape[0] == 1 else dphi_part.sum(0)
-    red = part.sum(0)
-    # separate storages: custom-op outputs may not alias each other
-    return dx, dphi.to(phi.dtype), red[:M].to(bias.dtype, copy=True), red[M:].to(alpha.dtype, copy=True).reshape(alpha.shape)
+    return (dx, *_param_grads(phi, bias, alpha, dphi_part, part))
 
 
 def _coef_bwd_body(
@@ -288,7 +322,7 @@ def _mhc_pre_fwd_body(
     rms_eps: float, pre_eps: float, post_mult: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """x [N, n, C] -> u [N, C] (x.dtype), h_pre, h_post, h_res, raw logits, 1/r (as coef_fwd)."""
-    return _fwd(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult, True)
+    return _fwd(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult, True)[1:]
 
 
 mhc_pre_fwd = _op("mhc_pre", _mhc_pre_fwd_body)
@@ -419,35 +453,48 @@ def _(x, f, h_post, h_res):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-def _post_bwd_body(g: Tensor, x: Tensor, f: Tensor, h_post: Tensor, h_res: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _post_bwd_run(g, x, f, h_post, h_res, coef=None):
+    """Launch `_post_bwd_2d`: (dx, df, dh_post, dh_res). coef = (x_next, du, dL, d(sum x^2), h_pre_next, phi): the
+    boundary op's backward, whose dx also carries what x_next received through the next coefficients and u."""
     N, n, C = x.shape
     has_res = h_res.shape[-1] != 0
     dev = x.device
     dx, df = _new((N, n, C), x.dtype, dev), _new((N, C), f.dtype, dev)
     dhp = _new((N, n), torch.float32, dev)
     dhr = _new((N, n, n) if has_res else (N, 0, 0), torch.float32, dev)
-    if N > 0:
-        x, f, g = _c_contig(x), _c_contig(f), g.contiguous()
+    if N == 0:
+        return dx, df, dhp, dhr
+    x, f, g = _c_contig(x), _c_contig(f), g.contiguous()
+    if coef is None:
         cfg = _cfg("post_bwd", BC=_np2(C, 16))
-        if cfg.get("impl", "loop") == "2d":
-            n_cblk = _cdiv(C, cfg["BC"])
-            if n_cblk == 1:  # whole rows per program: the kernel writes dh_post / dH directly
-                php, phr = dhp, dhr
-            else:
-                php = _new((n_cblk, N, n), torch.float32, dev)
-                phr = _new((n_cblk, N, n, n) if has_res else (1,), torch.float32, dev)
-            _post_bwd_2d[(_cdiv(N, cfg["BT"]), n_cblk)](
-                x, f, h_post.contiguous(), h_res.contiguous(), g, dx, df, php, phr,
-                N, C, x.stride(0), x.stride(1), f.stride(0),
-                NS=n, HAS_RES=has_res, BT=cfg["BT"], BC=cfg["BC"], **_launch(cfg))
-            if n_cblk > 1:
-                dhp = php.sum(0)
-                dhr = phr.sum(0) if has_res else dhr
-        else:
-            _post_bwd[(_cdiv(N, cfg["BT"]),)](
-                x, f, h_post.contiguous(), h_res.contiguous(), g, dx, df, dhp, dhr,
-                N, C, x.stride(0), x.stride(1), f.stride(0),
-                NS=n, HAS_RES=has_res, BT=cfg["BT"], BC=cfg["BC"], **_launch(cfg))
+    else:
+        cfg = _cfg("bnd_bwd", BC=min(_np2(C, 16), _phi_rows_cap(n, coef[5].shape[1])))
+    n_cblk = _cdiv(C, cfg["BC"])
+    if n_cblk == 1:  # whole rows per program: the kernel writes dh_post / dH directly
+        php, phr = dhp, dhr
+    else:
+        php = _new((n_cblk, N, n), torch.float32, dev)
+        phr = _new((n_cblk, N, n, n) if has_res else (1,), torch.float32, dev)
+    if coef is None:
+        xn, du, dl, dss, hpre, phi = g, g, g, g, g, g  # unused pointers
+        M, dot = 1, DOT_IEEE
+    else:
+        xn, du, dl, dss, hpre, phi = coef
+        xn, du, hpre, phi = _rows(xn), du.contiguous(), hpre.contiguous(), _c_contig(phi)
+        M, dot = phi.shape[1], DOT_IEEE if x.dtype == torch.float32 else DOT_TF32
+    _post_bwd_2d[(_cdiv(N, cfg["BT"]), n_cblk)](
+        x, f, h_post.contiguous(), h_res.contiguous(), g, dx, df, php, phr, xn, du, dl, dss, hpre, phi,
+        N, C, x.stride(0), x.stride(1), f.stride(0), phi.stride(0),
+        NS=n, HAS_RES=has_res, COEF=coef is not None, M=M, MP=_np2(M, 16), DOT=dot, BT=cfg["BT"], BC=cfg["BC"],
+        **_launch(cfg))
+    if n_cblk > 1:
+        dhp = php.sum(0)
+        dhr = phr.sum(0) if has_res else dhr
+    return dx, df, dhp, dhr
+
+
+def _post_bwd_body(g: Tensor, x: Tensor, f: Tensor, h_post: Tensor, h_res: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    dx, df, dhp, dhr = _post_bwd_run(g, x, f, h_post, h_res)
     return dx, df, dhp.to(h_post.dtype), dhr.to(h_res.dtype)
 
 
@@ -471,6 +518,78 @@ def _post_backward(ctx, g):
 
 
 post_fwd.register_autograd(_post_backward, setup_context=_post_setup)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# sublayer boundary: stream_post_res of sublayer l + coefficients and u of sublayer l + 1, x_next written once
+# ---------------------------------------------------------------------------------------------------------------
+def _bnd_fwd_body(
+    x: Tensor, f: Tensor, h_post: Tensor, h_res: Tensor, phi: Tensor, bias: Tensor, alpha: Tensor, iters: int,
+    eps: float, t_in: bool, t_out: bool, rms_eps: float, pre_eps: float, post_mult: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """x [N, n, C], f [N, C], h_post [N, n], h_res [N, n, n] or [N, 0, 0] (H^res = I) of sublayer l -> x_next, then
+    u, h_pre, h_post, h_res, raw logits, 1/r of sublayer l + 1 (as mhc_pre on x_next)."""
+    return _fwd(None, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult, True,
+                post=(x, f, h_post, h_res))
+
+
+bnd_fwd = _op("mhc_boundary", _bnd_fwd_body)
+
+
+@bnd_fwd.register_fake
+def _(x, f, h_post, h_res, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty((x.shape[0], x.shape[2]))) + \
+        _coef_fake(x, phi)
+
+
+def _bnd_bwd_body(
+    x: Tensor, f: Tensor, h_post: Tensor, h_res: Tensor, phi: Tensor, bias: Tensor, alpha: Tensor, x_next: Tensor,
+    lg: Tensor, rinv: Tensor, h_pre2: Tensor, g: Tensor, du: Tensor, d_pre: Tensor, d_post: Tensor, d_res: Tensor,
+    iters: int, eps: float, t_in: bool, t_out: bool, post_mult: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dx, df, dh_post, dh_res, dphi, dbias, dalpha): one dx, from the per-token coefficient backward (dL, d(sum x^2))
+    and one 2-D pass that builds x_next's whole gradient in registers and runs the write-back's backward on it."""
+    if x.shape[0] == 0:
+        dx, df, dhp, dhr = _post_bwd_run(g, x, f, h_post, h_res)
+        return dx, df, dhp, dhr, torch.zeros_like(phi), torch.zeros_like(bias), torch.zeros_like(alpha)
+    x_next, phi = _rows(x_next), _c_contig(phi)
+    dl, dss, part = bwd_tok(x_next, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out,
+                            post_mult, du=du)
+    dphi_part = bwd_x(x_next, phi, dl, dss)
+    dx, df, dhp, dhr = _post_bwd_run(g, x, f, h_post, h_res, coef=(x_next, du, dl, dss, h_pre2, phi))
+    return (dx, df, dhp.to(h_post.dtype), dhr.to(h_res.dtype), *_param_grads(phi, bias, alpha, dphi_part, part))
+
+
+bnd_bwd = _op("mhc_boundary_bwd", _bnd_bwd_body)
+
+
+@bnd_bwd.register_fake
+def _(x, f, h_post, h_res, phi, bias, alpha, x_next, lg, rinv, h_pre2, g, du, d_pre, d_post, d_res, iters, eps, t_in,
+      t_out, post_mult):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(f, memory_format=torch.contiguous_format), torch.empty_like(h_post),
+            torch.empty_like(h_res), torch.empty_like(phi), torch.empty_like(bias), torch.empty_like(alpha))
+
+
+def _bnd_setup(ctx, inputs, output):
+    x, f, h_post, h_res, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult = inputs
+    x_next, _, h_pre2, _, _, lg, rinv = output
+    # x_next is also the next op's input: saving it here keeps no extra copy
+    ctx.save_for_backward(x, f, h_post, h_res, phi, bias, alpha, x_next, lg, rinv, h_pre2)
+    ctx.opts = (iters, eps, t_in, t_out, post_mult)
+    ctx.mark_non_differentiable(lg, rinv)
+
+
+def _bnd_backward(ctx, g, du, d_pre, d_post, d_res, _dlg, _drinv):
+    x, f, h_post, h_res, phi, bias, alpha, x_next, lg, rinv, h_pre2 = ctx.saved_tensors
+    dh = _dh_zeros(x_next, phi, d_pre, d_post, d_res)
+    g = torch.zeros_like(x_next) if g is None else g
+    du = torch.zeros((x.shape[0], x.shape[2]), dtype=x.dtype, device=x.device) if du is None else du
+    grads = _impl(ctx, bnd_bwd)(x, f, h_post, h_res, phi, bias, alpha, x_next, lg, rinv, h_pre2, g, du, *dh, *ctx.opts)
+    return (*grads, None, None, None, None, None, None, None)
+
+
+bnd_fwd.register_autograd(_bnd_backward, setup_context=_bnd_setup)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -506,4 +625,5 @@ eager = SimpleNamespace(
     mhc_pre=_eager_fn(mhc_pre_fwd, _mhc_pre_setup, _mhc_pre_backward),
     stream_pre=_eager_fn(pre_fwd, _pre_setup, _pre_backward),
     stream_post_res=_eager_fn(post_fwd, _post_setup, _post_backward),
+    boundary=_eager_fn(bnd_fwd, _bnd_setup, _bnd_backward),
 )

@@ -1,4 +1,4 @@
-"""Fused layer-input read-out u = sum_j h_pre_j x_j (mhc-math.md §1, §8) and its backward.
+"""Fused layer-input read-out u = sum_j h_pre_j x_j (docs/design.md §1, §8) and its backward.
 
 Forward: one read of x [N, n, C], one write of u [N, C] (fp32 accumulate, output in x.dtype).
 Backward, one kernel per token block: reads du and x once, writes dx_j = h_pre_j du and reduces

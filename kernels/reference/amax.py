@@ -1,4 +1,4 @@
-"""Amax Gain Magnitude of single and composite H^res products (mhc-math.md §7).
+"""Amax Gain Magnitude of single and composite H^res products (docs/design.md §7).
 
 Input is always H^res in left-multiplying orientation, per layer and per token: [L, T, n, n].
 Per-token products are built first and aggregated after (the order the spec requires).

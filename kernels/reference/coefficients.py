@@ -1,4 +1,4 @@
-"""Per-token mixing coefficients H^pre, H^post, H^res for mHC (mhc-math.md §2) and HC (§5).
+"""Per-token mixing coefficients H^pre, H^post, H^res for mHC (docs/design.md §2) and HC (§5).
 
 Conventions shared by every op here and by the fused kernels:
 - x is the n-stream residual [..., n, C]; row i is stream i.
@@ -6,15 +6,13 @@ Conventions shared by every op here and by the fused kernels:
 - Coefficient maths runs in promote(x.dtype, float32): fp32 for bf16/fp16/fp32 inputs, fp64 for fp64.
 """
 import functools
-from typing import Literal, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from .sinkhorn import ExactAxis, SinkhornStart, sinkhorn
-
-ResLayout = Literal["src_dst", "dst_src"]
-RES_LAYOUTS = ("src_dst", "dst_src")
+from ..options import DEFAULT_OPTIONS, RES_LAYOUTS, MHCOptions
+from .sinkhorn import sinkhorn
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -43,15 +41,7 @@ def mhc_coefficients(
     phi: torch.Tensor,
     bias: torch.Tensor,
     alpha: torch.Tensor,
-    *,
-    sinkhorn_iters: int = 20,
-    sinkhorn_eps: float = 1e-6,
-    exact_axis: ExactAxis = "rows",
-    start: SinkhornStart = "softmax_eps",
-    res_layout: ResLayout = "src_dst",
-    rms_eps: float = 1e-6,
-    pre_eps: float = 1e-6,
-    post_mult: float = 2.0,
+    opts: MHCOptions = DEFAULT_OPTIONS,
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """mHC Eq. 14-19: one GEMM on the flattened un-normalised stream, norm applied after it.
 
@@ -63,20 +53,20 @@ def mhc_coefficients(
     with_res = phi.shape[-1] == mhc_logit_count(n, True)
     if not with_res and phi.shape[-1] != mhc_logit_count(n, False):
         raise ValueError(f"phi has {phi.shape[-1]} columns; expected {mhc_logit_count(n)} or {2 * n} for n={n}")
-    if res_layout not in RES_LAYOUTS:
-        raise ValueError(f"res_layout must be one of {RES_LAYOUTS}, got {res_layout!r}")
+    if opts.res_layout not in RES_LAYOUTS:
+        raise ValueError(f"res_layout must be one of {list(RES_LAYOUTS)}, got {opts.res_layout!r}")
     cd = compute_dtype(x.dtype)
     flat = x.flatten(-2).to(cd)
     logits = flat @ phi.to(cd)
-    rinv = torch.rsqrt(flat.square().mean(dim=-1, keepdim=True) + rms_eps)
+    rinv = torch.rsqrt(flat.square().mean(dim=-1, keepdim=True) + opts.rms_eps)
     a, b = alpha.to(cd), bias.to(cd)
-    h_pre = torch.sigmoid(a[0] * rinv * logits[..., :n] + b[:n]) + pre_eps
-    h_post = post_mult * torch.sigmoid(a[1] * rinv * logits[..., n : 2 * n] + b[n : 2 * n])
+    h_pre = torch.sigmoid(a[0] * rinv * logits[..., :n] + b[:n]) + opts.pre_eps
+    h_post = opts.post_mult * torch.sigmoid(a[1] * rinv * logits[..., n : 2 * n] + b[n : 2 * n])
     if not with_res:
         return h_pre, h_post, None
     r = (a[2] * rinv * logits[..., 2 * n :] + b[2 * n :]).unflatten(-1, (n, n))
-    z = r.transpose(-1, -2) if res_layout == "src_dst" else r
-    h_res = sinkhorn(z, sinkhorn_iters, sinkhorn_eps, exact_axis, start)
+    z = r.transpose(-1, -2) if opts.res_layout == "src_dst" else r
+    h_res = sinkhorn(z, opts.sinkhorn_iters, opts.sinkhorn_eps, opts.exact_axis, opts.start)
     return h_pre, h_post, h_res
 
 

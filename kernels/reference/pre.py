@@ -1,4 +1,4 @@
-"""Fused "pre" op semantics: coefficients and the layer input u = sum_j h_pre_j x_j together (mhc-math.md §2, §8).
+"""Fused "pre" op semantics: coefficients and the layer input u = sum_j h_pre_j x_j together (docs/design.md §2, §8).
 
 No new math: a thin composition of the reference `mhc_coefficients` and `stream_pre`. The fused kernel computes
 the same thing from one read of x and returns a single dx in its backward.
@@ -7,13 +7,14 @@ from typing import Optional
 
 import torch
 
+from ..options import DEFAULT_OPTIONS, MHCOptions
 from .coefficients import mhc_coefficients
 from .streams import stream_pre
 
 
 def mhc_pre(
-    x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, **options
+    x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, opts: MHCOptions = DEFAULT_OPTIONS
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """(u, h_pre, h_post, h_res | None); options are those of `mhc_coefficients`."""
-    h_pre, h_post, h_res = mhc_coefficients(x, phi, bias, alpha, **options)
+    """(u, h_pre, h_post, h_res | None)."""
+    h_pre, h_post, h_res = mhc_coefficients(x, phi, bias, alpha, opts)
     return stream_pre(x, h_pre), h_pre, h_post, h_res

@@ -1,16 +1,11 @@
-"""Sinkhorn-Knopp projection onto doubly stochastic matrices (mhc-math.md §3).
+"""Sinkhorn-Knopp projection onto doubly stochastic matrices (docs/design.md §3).
 
 Everything here is written on H^res, the matrix that left-multiplies the stream vector
 (rows = output streams, columns = input streams). Works in any float dtype, float64 included.
 """
-from typing import Literal
-
 import torch
 
-ExactAxis = Literal["rows", "cols"]
-SinkhornStart = Literal["softmax_eps", "exp", "log_domain"]
-EXACT_AXES = ("rows", "cols")
-STARTS = ("softmax_eps", "exp", "log_domain")
+from ..options import EXACT_AXES, STARTS, ExactAxis, SinkhornStart
 
 
 def _check(iters: int, exact_axis: str, start: str) -> None:

@@ -1,4 +1,4 @@
-"""Stream-side ops of the per-layer update x_{l+1} = H^res x_l + H^post^T F(H^pre x_l) (mhc-math.md §1, §4).
+"""Stream-side ops of the per-layer update x_{l+1} = H^res x_l + H^post^T F(H^pre x_l) (docs/design.md §1, §4).
 
 Mixing accumulates in promote(x.dtype, float32) and returns x.dtype, as the fused kernels do.
 """

@@ -2,6 +2,9 @@
 from dataclasses import dataclass, field
 from typing import Literal, Union
 
+from ..kernels.options import EXACT_AXES, KERNEL_BACKENDS, RES_LAYOUTS, STARTS, ExactAxis, KernelBackend, ResLayout
+from ..kernels.options import SinkhornStart
+
 ResidualMode = Literal["residual", "hc", "mhc", "identity"]
 RESIDUAL_MODES = ("residual", "hc", "mhc", "identity")
 BiasInit = Literal["home", "zeros", "hc_identity", "a6", "near_identity"]
@@ -40,9 +43,9 @@ class HyperConfig:
     n_streams: int = 4
     sinkhorn_iters: int = 20  # t_max; changed at run time by the scheduler callback
     sinkhorn_eps: float = 1e-6
-    sinkhorn_exact_axis: Literal["rows", "cols"] = "rows"  # rows = DeepSeek/paper, cols = Liger/lucidrains
-    sinkhorn_start: Literal["softmax_eps", "exp", "log_domain"] = "softmax_eps"
-    res_layout: Literal["src_dst", "dst_src"] = "src_dst"  # how the n^2 res logits are indexed
+    sinkhorn_exact_axis: ExactAxis = "rows"  # rows = DeepSeek/paper, cols = Liger/lucidrains
+    sinkhorn_start: SinkhornStart = "softmax_eps"
+    res_layout: ResLayout = "src_dst"  # how the n^2 res logits are indexed
     alpha_init: float = 0.01  # gates alpha_pre/post/res (mHC Table 5); also HC's s_alpha, s_beta
     # home: sublayer k reads stream k mod n (pre logits +-pre_gap), writes every stream (H_post = 1) and mixes with
     # H_res ~ I (res logits res_gap * I): a pre-norm residual at t = 0 whose streams can still part (docs/design.md §6)
@@ -56,10 +59,7 @@ class HyperConfig:
     hc_dynamic: bool = True  # False = static HC
     hc_tanh: bool = True
     collapse: Collapse = "sum"
-    kernel_backend: Literal["auto", "triton", "torch"] = "auto"
-    # One op for coefficients + H_pre aggregation (one read of x). Off by default: on the H200 it ties with the
-    # separate ops eager and is 2-4 % slower compiled (its backward reads x and du twice; docs/benchmarks.md).
-    fused_pre: bool = False
+    kernel_backend: KernelBackend = "auto"
     # Run an init that keeps the streams identical anyway (the degenerate baseline); refused otherwise.
     allow_identical_streams: bool = False
 
@@ -68,13 +68,13 @@ class HyperConfig:
         _at_least("n_streams", self.n_streams, 1)
         _at_least("sinkhorn_iters", self.sinkhorn_iters, 1)
         _at_least("sinkhorn_eps", self.sinkhorn_eps, 0.0)
-        _one_of("sinkhorn_exact_axis", self.sinkhorn_exact_axis, ("rows", "cols"))
-        _one_of("sinkhorn_start", self.sinkhorn_start, ("softmax_eps", "exp", "log_domain"))
-        _one_of("res_layout", self.res_layout, ("src_dst", "dst_src"))
+        _one_of("sinkhorn_exact_axis", self.sinkhorn_exact_axis, EXACT_AXES)
+        _one_of("sinkhorn_start", self.sinkhorn_start, STARTS)
+        _one_of("res_layout", self.res_layout, RES_LAYOUTS)
         _one_of("bias_init", self.bias_init, BIAS_INITS)
         _one_of("phi_init", self.phi_init, PHI_INITS)
         _one_of("collapse", self.collapse, COLLAPSES)
-        _one_of("kernel_backend", self.kernel_backend, ("auto", "triton", "torch"))
+        _one_of("kernel_backend", self.kernel_backend, KERNEL_BACKENDS)
         _at_least("res_gap", self.res_gap, 0.0)
         _at_least("pre_gap", self.pre_gap, 0.0)
         if self.identical_streams and not self.allow_identical_streams:

@@ -2,6 +2,11 @@
 
 The maths lives in the kernels package (reference ops or fused kernels, chosen by `get_ops`);
 this module only owns the parameters, their initialisation and the wiring.
+
+mHC / identity-HC sublayers also run as a chain (`enter`, then `chain` per sublayer; model/recompute.py's
+`run_sublayers` drives it): at each sublayer boundary one op writes sublayer l's output stream and computes
+sublayer l+1's coefficients and input from it (kernels/reference/boundary.py), so the stream is written once and
+read once per boundary, and its gradient is written once. `forward` is one sublayer on its own.
 """
 import math
 from typing import Optional
@@ -10,9 +15,12 @@ import torch
 import torch.nn as nn
 
 from ..diagnostics import stream_spread
-from ..kernels import get_ops
+from ..kernels import MHCOptions, get_ops
 from ..kernels.reference import hc_coefficients, mhc_logit_count
 from .config import BIAS_INITS, HyperConfig
+
+# Between two chained sublayers: (stream x, the sublayer's input u, its h_pre, h_post, h_res | None).
+Carry = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]
 
 
 def mhc_bias_init(scheme: str, n: int, home: int, with_res: bool, res_gap: float = 6.0,
@@ -75,17 +83,16 @@ class HyperConnection(nn.Module):
         else:
             nn.init.xavier_uniform_(self.phi)
 
-    def coefficients(self, x: torch.Tensor, ops) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    @property
+    def chains(self) -> bool:
+        """True when this sublayer can run in a chain (mHC / identity-HC: coefficients from phi)."""
+        return self.mode in ("mhc", "identity")
+
+    def options(self) -> MHCOptions:
         c = self.cfg
-        if self.mode == "hc":
-            return hc_coefficients(
-                x, self.norm_weight, self.w_beta, self.w_m, self.w_r, self.s_alpha, self.s_beta,
-                self.b_static, self.am_static, self.ar_static, dynamic=c.hc_dynamic, use_tanh=c.hc_tanh,
-            )
-        return ops.mhc_coefficients(
-            x, self.phi, self.bias, self.alpha, sinkhorn_iters=self.sinkhorn_iters, sinkhorn_eps=c.sinkhorn_eps,
-            exact_axis=c.sinkhorn_exact_axis, start=c.sinkhorn_start, res_layout=c.res_layout,
-            pre_eps=c.pre_eps, post_mult=c.post_mult,
+        return MHCOptions(
+            sinkhorn_iters=self.sinkhorn_iters, sinkhorn_eps=c.sinkhorn_eps, exact_axis=c.sinkhorn_exact_axis,
+            start=c.sinkhorn_start, res_layout=c.res_layout, pre_eps=c.pre_eps, post_mult=c.post_mult,
         )
 
     def run_branch(self, u: torch.Tensor) -> torch.Tensor:
@@ -94,26 +101,49 @@ class HyperConnection(nn.Module):
         p = next(self.branch.parameters(), None)
         return self.branch(u if p is None or not p.is_floating_point() else u.to(p.dtype))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.mode == "residual":
-            return x + self.run_branch(x).to(x.dtype)  # the stream keeps its dtype (the mHC ops do the same)
-        ops = get_ops(self.cfg.kernel_backend, x.device)
-        if self.mode in ("mhc", "identity") and self.cfg.fused_pre:
-            # coefficients and u in one op: one read of x, one dx in the backward
-            c = self.cfg
-            u, h_pre, h_post, h_res = ops.mhc_pre(
-                x, self.phi, self.bias, self.alpha, sinkhorn_iters=self.sinkhorn_iters, sinkhorn_eps=c.sinkhorn_eps,
-                exact_axis=c.sinkhorn_exact_axis, start=c.sinkhorn_start, res_layout=c.res_layout,
-                pre_eps=c.pre_eps, post_mult=c.post_mult,
-            )
-        else:
-            h_pre, h_post, h_res = self.coefficients(x, ops)
-            u = ops.stream_pre(x, h_pre)
-        out = ops.stream_post_res(x, self.run_branch(u), h_post, h_res)
+    def remember(self, h_pre: torch.Tensor, h_post: torch.Tensor, h_res: Optional[torch.Tensor],
+                 out: torch.Tensor) -> None:
+        """Keep the first sequence's coefficients for diagnostics while `record` is set; out is the stream this
+        sublayer wrote."""
         if self.record:
             self.last = {"h_pre": h_pre[:1].detach(), "h_post": h_post[:1].detach(),
                          "h_res": None if h_res is None else h_res[:1].detach(),
                          "spread": stream_spread(out[:1].detach())}
+
+    def enter(self, x: torch.Tensor) -> Carry:
+        """The first sublayer of a chain: its coefficients and input u from the stream x (one read of x)."""
+        ops = get_ops(self.cfg.kernel_backend, x.device)
+        u, h_pre, h_post, h_res = ops.mhc_pre(x, self.phi, self.bias, self.alpha, self.options())
+        return x, u, h_pre, h_post, h_res
+
+    def chain(self, carry: Carry, nxt: Optional["HyperConnection"]):
+        """Run the branch on the carried input and write its output back into the stream. With a next sublayer, the
+        same op computes that sublayer's coefficients and input (the Carry for `nxt.chain`); without one, returns
+        the stream."""
+        x, u, h_pre, h_post, h_res = carry
+        ops = get_ops(self.cfg.kernel_backend, x.device)
+        f = self.run_branch(u)
+        if nxt is None:
+            out = ops.stream_post_res(x, f, h_post, h_res)
+            self.remember(h_pre, h_post, h_res, out)
+            return out
+        nxt_carry = ops.mhc_boundary(x, f, h_post, h_res, nxt.phi, nxt.bias, nxt.alpha, nxt.options())
+        self.remember(h_pre, h_post, h_res, nxt_carry[0])
+        return nxt_carry
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "residual":
+            return x + self.run_branch(x).to(x.dtype)  # the stream keeps its dtype (the mHC ops do the same)
+        if self.chains:
+            return self.chain(self.enter(x), None)
+        ops = get_ops(self.cfg.kernel_backend, x.device)
+        c = self.cfg
+        h_pre, h_post, h_res = hc_coefficients(
+            x, self.norm_weight, self.w_beta, self.w_m, self.w_r, self.s_alpha, self.s_beta,
+            self.b_static, self.am_static, self.ar_static, dynamic=c.hc_dynamic, use_tanh=c.hc_tanh,
+        )
+        out = ops.stream_post_res(x, self.run_branch(ops.stream_pre(x, h_pre)), h_post, h_res)
+        self.remember(h_pre, h_post, h_res, out)
         return out
 
     def extra_repr(self) -> str:

@@ -1,19 +1,25 @@
-"""Selective recompute of the mHC ops over blocks of L_r sublayers (mhc-math.md §9, mHC §4.3.2).
+"""The sublayer loop (`run_sublayers`), and selective recompute of the mHC ops over blocks of L_r sublayers
+(docs/design.md §9, mHC §4.3.2).
+
+Sublayers that chain (mHC / identity-HC HyperConnections, model/hyper_connection.py) run as one chain: the first
+computes its coefficients and input from the stream, then each sublayer's write-back and the next sublayer's
+coefficients and input are one boundary op. Other modules run as a plain loop of layer(x).
 
 Each block of `block` consecutive sublayers runs under one non-reentrant `torch.utils.checkpoint` with a
 selective-checkpoint policy: the outputs of the expensive matmul-family ops (the branches' projections and
 attention) are cached in the forward, everything else is dropped and re-run in the backward. What stays
-alive per block is its input stream x_{l0} (nC per token) and the cached branch outputs, among them F's
-output; the n-stream x_l of the other sublayers, H^pre x_l, the branch pre-norms and the coefficient
-intermediates are recomputed. A branch is not re-run as a whole: its matmuls and attention come from the
-cache, only its elementwise ops (norm, RoPE, SiLU) are replayed, as are the mHC ops.
+alive per block is its input (the stream x_{l0}, nC per token, and in a chain the block's first input u and
+coefficients, C + a few per token) and the cached branch outputs, among them F's output; the n-stream x_l of
+the other sublayers, H^pre x_l, the branch pre-norms and the coefficient intermediates are recomputed. A branch
+is not re-run as a whole: its matmuls and attention come from the cache, only its elementwise ops (norm, RoPE,
+SiLU) are replayed, as are the mHC ops.
 """
 import gc
 import math
 import weakref
 from contextlib import contextmanager
 from functools import partial
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -35,7 +41,8 @@ _MATMULS = {"mm": 0, "addmm": 1, "bmm": 0, "baddbmm": 1, "mv": 0, "_scaled_mm": 
 
 
 def optimal_block(n_sublayers: int, n_streams: int) -> int:
-    """L_r* = argmin over integers of nC ceil(L / L_r) + (n + 2) C L_r (mhc-math §9); ties go to the smaller L_r."""
+    """L_r* = argmin over integers of nC ceil(L / L_r) + (n + 2) C L_r (docs/design.md §9); ties go to the smaller
+    L_r."""
     if n_sublayers < 1:
         raise ValueError(f"n_sublayers must be >= 1, got {n_sublayers}")
     n = n_streams
@@ -82,41 +89,59 @@ def _not_recording(layers: list[nn.Module]) -> Iterator[None]:
                 layer.record = flag
 
 
+def _chains(layers: Sequence[nn.Module]) -> bool:
+    return len(layers) > 0 and all(getattr(layer, "chains", False) for layer in layers)
+
+
+def _run(layers: Sequence[nn.Module], nxt: Optional[nn.Module], *state):
+    """The layers in order. state: the stream x alone, or (chained layers) the carry a previous block handed on.
+    Returns the stream, or with a chained nxt the carry for it (its coefficients come from this block's last op)."""
+    if not _chains(layers):
+        (x,) = state
+        for layer in layers:
+            x = layer(x)
+        return x
+    carry = layers[0].enter(state[0]) if len(state) == 1 else state
+    for i, layer in enumerate(layers):
+        carry = layer.chain(carry, layers[i + 1] if i + 1 < len(layers) else nxt)
+    return carry
+
+
 class _Block:
     """The function a checkpoint runs, and re-runs in the backward; only the first run records diagnostics."""
 
-    def __init__(self, layers: list[nn.Module]):
-        self.layers, self.ran = layers, False
+    def __init__(self, layers: list[nn.Module], nxt: Optional[nn.Module]):
+        self.layers, self.nxt, self.ran = layers, nxt, False
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, *state):
         replay, self.ran = self.ran, True
         if replay:
             with _not_recording(self.layers):
-                return _run(self.layers, x)
-        return _run(self.layers, x)
-
-
-def _run(layers: Iterable[nn.Module], x: torch.Tensor) -> torch.Tensor:
-    for layer in layers:
-        x = layer(x)
-    return x
+                return _run(self.layers, self.nxt, *state)
+        return _run(self.layers, self.nxt, *state)
 
 
 def run_sublayers(sublayers: Iterable[nn.Module], x: torch.Tensor, block: int) -> torch.Tensor:
-    """x through every sublayer in order. block > 0: one selective checkpoint per `block` consecutive sublayers.
+    """x through every sublayer in order (one chain when they all chain). block > 0: one selective checkpoint per
+    `block` consecutive sublayers.
 
-    block 0, or no autograd recording (torch.no_grad / inference), or every layer in eval mode: a plain loop.
+    block 0, or no autograd recording (torch.no_grad / inference), or every layer in eval mode: no checkpoints.
     Works with any modules mapping a tensor to a tensor of the same kind (HyperConnection layers here).
     """
     layers = list(sublayers)
     if block <= 0 or not torch.is_grad_enabled() or not any(layer.training for layer in layers):
-        return _run(layers, x)
+        return _run(layers, None, x)
+    chained = _chains(layers)
+    state = (x,)
     for i in range(0, len(layers), block):
         part = layers[i : i + block]
+        nxt = layers[i + block] if chained and i + block < len(layers) else None
         # Recording layers set `.last` in their forward: a replay in the backward must not overwrite it. The
         # plain function keeps torch.compile free of Python side effects in the usual, non-recording case.
-        fn = _Block(part) if any(getattr(layer, "record", False) for layer in part) else partial(_run, part)
-        x = checkpoint(fn, x, use_reentrant=False, context_fn=_context_fn)
+        fn = _Block(part, nxt) if any(getattr(layer, "record", False) for layer in part) else partial(_run, part, nxt)
+        out = checkpoint(fn, *state, use_reentrant=False, context_fn=_context_fn)
+        state = out if isinstance(out, tuple) else (out,)
+    (x,) = state
     return x
 
 

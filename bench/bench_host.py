@@ -1,0 +1,92 @@
+"""Host time per sublayer of the fused mHC ops in an eager step, with every Triton launch stubbed out.
+
+    python bench/bench_host.py [--sublayers 24] [--steps 30] [--out bench_host.json]
+
+An eager training step issues its kernel launches from Python; when the host needs longer per sublayer than the
+GPU, the GPU waits (docs/benchmarks.md, "Eager host overhead"). This measures that host cost on any machine: the
+fused ops run under the Triton interpreter's dispatch path with each kernel launch replaced by a no-op, on
+tiny tensors, so what is timed is the Python wrappers, the autograd Functions, allocations and the launch
+arithmetic, forward + backward. Wirings: the chain (one boundary op per sublayer, the model's path) and one
+sublayer at a time (fused pre op + write-back). Branches are identities, so the ops are all that runs.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ["TRITON_INTERPRET"] = "1"  # the fused wrappers take their kernel path on CPU tensors
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+from mhc_lightning.kernels.fused import ops  # noqa: E402
+from mhc_lightning.model import HyperConfig, HyperConnection  # noqa: E402
+from mhc_lightning.model.recompute import run_sublayers  # noqa: E402
+
+
+class _NoLaunch:
+    """Stands in for a kernel's `kernel[grid](...)` launch."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def stub_launches() -> list[str]:
+    """Replace every fused kernel, as the ops module calls it, by a no-op launcher (the kernel modules keep theirs)."""
+    names = [k for k in vars(ops) if k.startswith(("_coef_", "_pre_", "_post_")) and hasattr(getattr(ops, k), "run")]
+    for k in names:
+        setattr(ops, k, _NoLaunch())
+    return names
+
+
+def paired_step_ms(runs: dict, x, params, steps) -> dict:
+    """Median ms of forward + backward per wiring, the wirings alternating step by step (a shared host's load
+    then weighs on all of them alike)."""
+    times = {name: [] for name in runs}
+    for i in range(steps + 3):
+        for name, run in runs.items():
+            for p in params:
+                p.grad = None
+            t = time.perf_counter()
+            run(x).sum().backward()
+            if i >= 3:
+                times[name].append(1e3 * (time.perf_counter() - t))
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sublayers", type=int, default=24)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    stubbed = stub_launches()
+    torch.manual_seed(0)
+    c, n = 64, 4
+    cfg = HyperConfig(residual_mode="mhc", n_streams=n, kernel_backend="triton", phi_init="normal", bias_init="a6")
+    layers = nn.ModuleList(HyperConnection(nn.Identity(), c, i, cfg) for i in range(args.sublayers))
+    params = list(layers.parameters())
+    x = torch.randn(2, 16, n, c, requires_grad=True)
+
+    def one_at_a_time(x):
+        for layer in layers:
+            x = layer(x)
+        return x
+
+    runs = {"chain (boundary op)": lambda x: run_sublayers(layers, x, 0),
+            "one sublayer at a time (mhc_pre + stream_post_res)": one_at_a_time}
+    rows = {}
+    for name, ms in paired_step_ms(runs, x, params, args.steps).items():
+        rows[name] = dict(step_ms=ms, per_sublayer_ms=ms / args.sublayers)
+        print(f"{name:<52} {ms:8.2f} ms per step, {1e3 * ms / args.sublayers:7.0f} us per sublayer", flush=True)
+    info = dict(torch=torch.__version__, python=sys.version.split()[0], threads=torch.get_num_threads(),
+                sublayers=args.sublayers, steps=args.steps, stubbed_kernels=stubbed, command=" ".join(sys.argv))
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(dict(info=info, rows=rows), fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

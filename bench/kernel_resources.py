@@ -1,0 +1,111 @@
+"""Registers, spills and shared memory of every fused kernel at its launch configuration, without a GPU.
+
+    python bench/kernel_resources.py [--arch 90] [--out kernel_resources.json]
+
+Each kernel is compiled ahead of time by Triton for the target (sm_90 = H100 / H200) with the constexprs the ops
+pass on the model's path (bf16 stream, n = 4, ops.CONFIG's tiles at C = 1024), and the PTX is assembled with
+the ptxas that ships with Triton. Too many registers per thread cap the CTAs an SM can hold (65536
+registers per SM), and a stack frame (spills) turns register traffic into local-memory traffic: both are read
+before a GPU run. cuobjdump (shipped with Triton) reads the cubin Triton assembled.
+"""
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from mhc_lightning.kernels.fused import ops
+from mhc_lightning.kernels.fused.coefficients import DOT_NATIVE, DOT_TF32, _coef_bwd_tok, _coef_bwd_x, _coef_fwd, _coef_tail
+from mhc_lightning.kernels.fused.stream_post_res import _post_bwd_2d, _post_fwd
+from mhc_lightning.kernels.fused.stream_pre import _pre_bwd, _pre_fwd
+
+FLOATS = {"eps", "rms_eps", "pre_eps", "post_mult"}
+NS, M, MP = 4, 24, 32
+
+
+def _tiles(name, *keys):
+    return {k: ops.CONFIG[name][k] for k in keys}
+
+
+def cases():
+    """(label, kernel, constexprs, bf16 pointer names, CONFIG entry for num_warps / num_stages)."""
+    res = dict(NS=NS, M=M, HAS_RES=True, T_IN=True, T_OUT=False)
+    fwd = dict(res, MP=MP, SINK=False, HAS_U=True, DOT=DOT_NATIVE)
+    return [
+        ("mhc_pre fwd (coef + u)", _coef_fwd, dict(fwd, POST=False, POST_RES=False, **_tiles("coef_fwd", "BT", "BK", "BC")),
+         {"x_ptr", "phi_ptr", "u_ptr", "xp_ptr", "f_ptr"}, "coef_fwd"),
+        ("boundary fwd", _coef_fwd, dict(fwd, POST=True, POST_RES=True, **_tiles("bnd_fwd", "BT", "BK", "BC")),
+         {"x_ptr", "phi_ptr", "u_ptr", "xp_ptr", "f_ptr"}, "bnd_fwd"),
+        ("Sinkhorn tail", _coef_tail, dict(NS=NS, M=M, T_IN=True, T_OUT=False, BT=ops.CONFIG["coef_tail"]["BT"]),
+         set(), "coef_tail"),
+        ("coef bwd per token (+ <du, x>)", _coef_bwd_tok,
+         dict(res, HAS_U=True, PW=M + 3, **_tiles("coef_bwd_tok", "BT", "BC")), {"x_ptr", "du_ptr"}, "coef_bwd_tok"),
+        ("coef bwd x pass (dx + dphi)", _coef_bwd_x,
+         dict(NS=NS, M=M, MP=MP, DOT=DOT_TF32, HAS_U=True, HAS_DX=True, **_tiles("coef_bwd_x", "BT", "BK")),
+         {"x_ptr", "phi_ptr", "dx_ptr", "du_ptr"}, "coef_bwd_x"),
+        ("boundary bwd dphi pass", _coef_bwd_x,
+         dict(NS=NS, M=M, MP=MP, DOT=DOT_TF32, HAS_U=False, HAS_DX=False, **_tiles("bnd_dphi", "BT", "BK")),
+         {"x_ptr", "phi_ptr", "dx_ptr", "du_ptr"}, "bnd_dphi"),
+        ("boundary bwd 2-D pass", _post_bwd_2d,
+         dict(NS=NS, HAS_RES=True, COEF=True, M=M, MP=MP, DOT=DOT_TF32, **_tiles("bnd_bwd", "BT", "BC")),
+         {"x_ptr", "f_ptr", "g_ptr", "dx_ptr", "df_ptr", "xn_ptr", "du_ptr", "phi_ptr"}, "bnd_bwd"),
+        ("stream_post_res fwd", _post_fwd, dict(NS=NS, HAS_RES=True, **_tiles("post_fwd", "BT", "BC")),
+         {"x_ptr", "f_ptr", "out_ptr"}, "post_fwd"),
+        ("stream_post_res bwd", _post_bwd_2d,
+         dict(NS=NS, HAS_RES=True, COEF=False, M=1, MP=16, DOT=DOT_TF32, **_tiles("post_bwd", "BT", "BC")),
+         {"x_ptr", "f_ptr", "g_ptr", "dx_ptr", "df_ptr"}, "post_bwd"),
+        ("stream_pre fwd", _pre_fwd, dict(NS=NS, **_tiles("pre_fwd", "BT", "BC")), {"x_ptr", "u_ptr"}, "pre_fwd"),
+        ("stream_pre bwd", _pre_bwd, dict(NS=NS, **_tiles("pre_bwd", "BT", "BC")), {"x_ptr", "du_ptr", "dx_ptr"},
+         "pre_bwd"),
+    ]
+
+
+def compile_one(kernel, constexprs, bf16, launch, arch):
+    names = kernel.arg_names
+    sig = {n: "constexpr" if n in constexprs else ("*bf16" if n in bf16 else "*fp32") if n.endswith("_ptr")
+           else "fp32" if n in FLOATS else "i32" for n in names}
+    src = ASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    opts = {k: v for k, v in launch.items() if k in ("num_warps", "num_stages")}
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
+    # the cubin Triton assembled (with the ptxas it picks for the target); cuobjdump reads its resource usage
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as fh:
+            fh.write(compiled.asm["cubin"])
+        out = subprocess.run([cuobjdump, "--dump-resource-usage", path], capture_output=True, text=True, check=True).stdout
+    regs = int(re.search(r"REG:(\d+)", out).group(1))
+    stack = int(re.search(r"STACK:(\d+)", out).group(1))
+    local = int(re.search(r"LOCAL:(\d+)", out).group(1))
+    warps = compiled.metadata.num_warps
+    return dict(registers=regs, stack_bytes=stack, local_bytes=local, shared_bytes=compiled.metadata.shared,
+                num_warps=warps, ctas_per_sm_by_registers=65536 // (regs * 32 * warps))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--arch", type=int, default=90)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    rows = []
+    for label, kernel, constexprs, bf16, cfg_name in cases():
+        r = dict(kernel=label, config=ops.CONFIG[cfg_name], **compile_one(kernel, constexprs, bf16, ops.CONFIG[cfg_name],
+                                                                       args.arch))
+        rows.append(r)
+        print(f"{label:<34} regs {r['registers']:>3}  stack {r['stack_bytes']:>4}  local {r['local_bytes']:>4} "
+              f"smem {r['shared_bytes']:>6}  warps {r['num_warps']}  CTAs/SM (regs) {r['ctas_per_sm_by_registers']}",
+              flush=True)
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(dict(triton=triton.__version__, arch=args.arch, python=sys.version.split()[0], kernels=rows), fh,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()
