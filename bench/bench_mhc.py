@@ -134,6 +134,8 @@ class Hyper(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(hyper_layer(f, c, i, backend) for i, f in enumerate(sublayers(c, heads, blocks)))
         self.chained = chained
+        for layer in self.layers:  # the model's switch (HyperConfig.chain_sublayers)
+            layer.cfg.chain_sublayers = chained
         self.recompute = recompute  # sublayers per selective-recompute block (docs/design.md §9); 0 = off
 
     def set_backend(self, backend):

@@ -14,9 +14,10 @@ $pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any -d "$dest" \
   "mlflow==3.17.2" "jsonargparse[signatures,omegaconf]==4.53.0" "omegaconf==2.4.0" \
   "optuna==5.0.0" "optuna-integration==5.0.0" 2>&1 | grep -v "^WARNING" || true
-# peers for bench/bench_mhc.py (their own needs are on the image)
+# torchdata (the stateful train loader) and the peers of bench/bench_mhc.py, without their needs: those are on the
+# image, torch among them (asked for with its needs, pip would fetch a CUDA torch of several GB)
 $pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform any \
-  -d "$dest" "liger-kernel==0.8.5" "hyper-connections==0.4.11" 2>&1 | grep -v "^WARNING" || true
+  -d "$dest" "torchdata==0.11.0" "liger-kernel==0.8.5" "hyper-connections==0.4.11" 2>&1 | grep -v "^WARNING" || true
 on_image="absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build
 certifi charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cycler cython einops
 filelock fonttools frozenlist fsspec h11 h5py httpcore httpx huggingface-hub idna imageio iniconfig jinja2

@@ -185,7 +185,7 @@ def test_recompute_under_torch_compile(backend):
 def test_chain_equals_one_sublayer_at_a_time(mode, backend):
     """run_sublayers chains mHC sublayers through the boundary op; calling each sublayer on its own (its own
     coefficients, input and write-back) is the same function: same output, gradients and recorded coefficients."""
-    m = randomized(model(mode, kernel_backend=backend, sinkhorn_iters=4))
+    m = randomized(model(mode, kernel_backend=backend, sinkhorn_iters=4, chain_sublayers=True))
     x = torch.randn(B, T, m.n, 32, requires_grad=True)
     results = []
     for run in (lambda x: run_sublayers(m.sublayers, x, 0), lambda x: recompute._run(m.sublayers, None, x),
@@ -205,7 +205,7 @@ def test_chain_equals_one_sublayer_at_a_time(mode, backend):
         torch.testing.assert_close(gx, gx0, **tol)
         for name, g in grads.items():
             torch.testing.assert_close(g, grads0[name], **tol, msg=lambda s: f"{name}: {s}")
-        assert rec.keys() == rec0.keys() == {"h_pre", "h_post", "h_res"}
+        assert rec.keys() == rec0.keys() == {"h_pre", "h_post", "h_res", "spread"}
         for k in rec:
             torch.testing.assert_close(rec[k], rec0[k], **tol)
 

@@ -28,9 +28,9 @@ CONFIG = {
     # u tiles spill at BT = 64). split_tail: Sinkhorn in its own launch (`coef_tail`) after the GEMM programs.
     "coef_fwd": dict(BT=64, BK=64, num_warps=4, num_stages=3, BC=16, split_tail=True),
     # the boundary op's forward (same kernel, POST; BK = C tile of every stream per step): small token blocks, so the
-    # rows it has just written are still in L2 when its u loop reads them back. Chosen without a GPU run: the
-    # largest tiles without a stack frame (bench/kernel_resources.py); --sweep tries the others.
-    "bnd_fwd": dict(BT=16, BK=16, num_warps=4, num_stages=3, BC=64, split_tail=True),
+    # rows it has just written are still in L2 when its u loop reads them back. The winner of bench_mhc --sweep on an
+    # H200 (docs/benchmarks.md, round 3).
+    "bnd_fwd": dict(BT=32, BK=16, num_warps=4, num_stages=2, BC=32, split_tail=True),
     "coef_tail": dict(BT=8, num_warps=2),
     # BC: C tile of the <du, x_j> loop (fused pre and boundary ops)
     "coef_bwd_tok": dict(BT=16, num_warps=4, BC=64),
@@ -42,8 +42,8 @@ CONFIG = {
     # the forward's grid (token block x C block), no C loop; per-C-block partials of dH / dh_post summed
     # afterwards (BC >= C: whole rows, written directly)
     "post_bwd": dict(BT=4, BC=256, num_warps=4),
-    # post_bwd with COEF (the boundary op's dx pass); BT >= 16 for tl.dot. Chosen as bnd_fwd.
-    "bnd_bwd": dict(BT=16, BC=64, num_warps=8),
+    # post_bwd with COEF (the boundary op's dx pass); BT >= 16 for tl.dot. Swept as bnd_fwd.
+    "bnd_bwd": dict(BT=16, BC=128, num_warps=8),
 }
 
 

@@ -60,6 +60,9 @@ class HyperConfig:
     hc_tanh: bool = True
     collapse: Collapse = "sum"
     kernel_backend: KernelBackend = "auto"
+    # Run consecutive mHC sublayers as one chain through the fused boundary op (post/res of l with the coefficients
+    # and input of l + 1). Off: measured slower on an H200 than one sublayer at a time (docs/benchmarks.md, round 3).
+    chain_sublayers: bool = False
     # Run an init that keeps the streams identical anyway (the degenerate baseline); refused otherwise.
     allow_identical_streams: bool = False
 

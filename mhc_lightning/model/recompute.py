@@ -90,7 +90,8 @@ def _not_recording(layers: list[nn.Module]) -> Iterator[None]:
 
 
 def _chains(layers: Sequence[nn.Module]) -> bool:
-    return len(layers) > 0 and all(getattr(layer, "chains", False) for layer in layers)
+    """True when the layers run as one chain of boundary ops (every one can, and their config asks for it)."""
+    return len(layers) > 0 and all(getattr(layer, "chains", False) and layer.cfg.chain_sublayers for layer in layers)
 
 
 def _run(layers: Sequence[nn.Module], nxt: Optional[nn.Module], *state):
