@@ -117,7 +117,7 @@ def _history(client, run_id: str, key: str) -> list[tuple[int, float]]:
 
 
 @pytest.mark.slow
-def test_killed_quickstart_resumes_the_same_run_with_ckpt_path_last(tiny_corpus, tmp_path):
+def test_killed_quickstart_resumes_the_same_run_with_ckpt_path_last(tiny_corpus, tmp_path, capsys):
     """SIGKILL `mhc fit -c conf/quickstart.yaml` before step 7 (last checkpoint: step 4), then run the same command with
     `--ckpt_path last`: the same MLflow run continues and ends FINISHED, no metric step is logged twice, and every
     logged value equals an uninterrupted run's (so the data order continued where the checkpoint stopped)."""
@@ -143,11 +143,15 @@ def test_killed_quickstart_resumes_the_same_run_with_ckpt_path_last(tiny_corpus,
     # steps 4-6 were logged after the step-4 checkpoint: the resumed run trains them again and must not log them twice
     assert [s for s, _ in _history(mlflow.MlflowClient(uri), killed.info.run_id, "train/loss")] == list(range(7))
 
-    no_ckpt = subprocess.run(_quickstart(tiny_corpus, uri, tmp_path / "elsewhere", "--ckpt_path", "last",
-                                         "--trainer.logger.init_args.run_name=never-ran"),
-                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert no_ckpt.returncode == 2 and "Traceback" not in no_ckpt.stderr
-    assert "mhc: error: --ckpt_path last: no checkpoint of an earlier training run named 'never-ran'" in no_ckpt.stderr
+    from mhc_lightning.cli import main
+
+    with pytest.raises(SystemExit) as stopped:  # in-process: the same `main` as the `mhc` script
+        main(_quickstart(tiny_corpus, uri, tmp_path / "elsewhere", "--ckpt_path", "last",
+                         "--trainer.logger.init_args.run_name=never-ran")[1:])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert "mhc: error: --ckpt_path last: no checkpoint of an earlier training run named 'never-ran'" in err
+    assert not (tmp_path / "elsewhere").exists()
 
     resumed = subprocess.run(_quickstart(tiny_corpus, uri, tmp_path / "runs", "--ckpt_path", "last"), cwd=tmp_path,
                              env=env, capture_output=True, text=True, timeout=300)

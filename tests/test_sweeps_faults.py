@@ -144,26 +144,27 @@ PREPARE = """import sys, time
 from mhc_lightning.loggers.store import check_tracking, ensure_experiment
 from mhc_lightning.sweeps.factories import make_storage
 from mlflow import MlflowClient
-uri, storage, start = sys.argv[1], sys.argv[2], float(sys.argv[3])
-time.sleep(max(0.0, start - time.time()))  # every process starts at the same moment
-check_tracking(uri)
-ensure_experiment(MlflowClient(uri), "race")
-make_storage(storage, {"heartbeat_interval": 5, "grace_period": 10, "max_retry": 1})
+for uri, storage, start in zip(*[iter(sys.argv[1:])] * 3):
+    time.sleep(max(0.0, float(start) - time.time()))  # every process starts each round at the same moment
+    check_tracking(uri)
+    ensure_experiment(MlflowClient(uri), "race")
+    make_storage(storage, {"heartbeat_interval": 5, "grace_period": 10, "max_retry": 1})
 """
 
 
 @pytest.mark.slow
 def test_parallel_first_access_to_fresh_sqlite_stores(tmp_path):
     """What a launcher does first (tracking store, experiment, Optuna storage), by 4 processes at the same moment on
-    fresh SQLite files, 3 times: every process succeeds and the stores stay usable (alembic's temporary tables used to
+    fresh SQLite files, 3 rounds: every process succeeds and the stores stay usable (alembic's temporary tables used to
     collide and could leave the store unusable)."""
-    for round_ in range(3):
-        uri, storage = f"sqlite:///{tmp_path / f'm{round_}.db'}", f"sqlite:///{tmp_path / f's{round_}.db'}"
-        start = time.time() + 8  # after the imports of every process
-        procs = [subprocess.Popen([sys.executable, "-c", PREPARE, uri, storage, str(start)], env=_env(),
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(4)]
-        outs = [p.communicate(timeout=240)[0] for p in procs]
-        assert [p.returncode for p in procs] == [0] * 4, outs
+    start = time.time() + 15  # after the imports of every process; then a round every 5 s
+    rounds = [(f"sqlite:///{tmp_path / f'm{r}.db'}", f"sqlite:///{tmp_path / f's{r}.db'}", f"{start + 5 * r:.3f}")
+              for r in range(3)]
+    procs = [subprocess.Popen([sys.executable, "-c", PREPARE, *[a for rnd in rounds for a in rnd]], env=_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(4)]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, outs
+    for uri, storage, _ in rounds:
         client = MlflowClient(uri)
         assert [e.name for e in client.search_experiments()].count("race") == 1
         client.create_run(client.get_experiment_by_name("race").experiment_id)  # usable

@@ -22,7 +22,7 @@ from typing import Any, Mapping, Optional
 
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.loggers.logger import rank_zero_experiment
-from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 
 from .spool import GuardedClient
 from .store import (TrackingUnreachable, check_tracking, ensure_experiment, is_outage, redact,
@@ -119,5 +119,5 @@ class ResilientMLFlowLogger(MLFlowLogger):
             if folder is not None and folder.is_dir() and not any(folder.iterdir()):
                 folder.rmdir()
         if self._checkpoint_callbacks:
-            rank_zero_warn(f"checkpoints uploaded to MLflow run {self.run_id} (artifacts last/, ...) and removed "
+            rank_zero_info(f"checkpoints uploaded to MLflow run {self.run_id} (artifacts last/, ...) and removed "
                            "locally (log_model: true keeps one copy, in MLflow)")
