@@ -10,16 +10,8 @@ OUT=${OUT:-out}; PARALLEL=${PARALLEL:-12}; LIMIT=${LIMIT:-480}; GRID=${GRID:-con
 mkdir -p "$OUT"
 source bench/gpu_env.sh || exit 1
 export OMP_NUM_THREADS=1
-store=/tmp/stability; mkdir -p $store
 # SEED_DB: the store of an earlier part; with --skip-finished the grid continues where that part stopped
-[ -n "${SEED_DB:-}" ] && cp "$SEED_DB" $store/mlflow.db
-python3 -m mlflow server --backend-store-uri sqlite:///$store/mlflow.db --artifacts-destination $store/artifacts \
-  --serve-artifacts --host 127.0.0.1 --port 5055 --workers 4 > $store/server.log 2>&1 &
-server=$!; trap 'kill $server 2>/dev/null' EXIT
-for _ in $(seq 60); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:5055/health')" 2>/dev/null && break; sleep 1; done
-export MLFLOW_TRACKING_URI=http://127.0.0.1:5055
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | tee $OUT/gpu.txt
-python3 -c "import torch, triton, lightning; print('torch', torch.__version__, 'triton', triton.__version__, 'lightning', lightning.__version__)" | tee -a $OUT/gpu.txt
+source bench/gpu_tracking.sh
 [ -n "${SKIP_DIAG_BENCH:-}" ] || timeout 120 python3 bench/bench_diagnostics.py --accelerator gpu --out $OUT/bench_diagnostics_gpu.json 2>&1 | tail -8
 timeout $LIMIT python3 -m mhc_lightning.grid $GRID --parallel $PARALLEL \
   --logs $store/logs "$@" 2>&1 | tee $OUT/grid.log

@@ -8,14 +8,7 @@ OUT=${OUT:-out}; LONG_TIME=${LONG_TIME:-00:00:07:00}; LIMIT=${LIMIT:-510}
 mkdir -p "$OUT"
 source bench/gpu_env.sh || exit 1
 export OMP_NUM_THREADS=1
-store=/tmp/stability; mkdir -p $store
-python3 -m mlflow server --backend-store-uri sqlite:///$store/mlflow.db --artifacts-destination $store/artifacts \
-  --serve-artifacts --host 127.0.0.1 --port 5055 --workers 4 > $store/server.log 2>&1 &
-server=$!; trap 'kill $server 2>/dev/null' EXIT
-for _ in $(seq 60); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:5055/health')" 2>/dev/null && break; sleep 1; done
-export MLFLOW_TRACKING_URI=http://127.0.0.1:5055
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | tee $OUT/gpu.txt
-python3 -c "import torch, triton, lightning; print('torch', torch.__version__, 'triton', triton.__version__, 'lightning', lightning.__version__)" | tee -a $OUT/gpu.txt
+source bench/gpu_tracking.sh
 timeout $LIMIT python3 -m mhc_lightning.grid conf/experiments/stability_long_grid.yaml --parallel 5 \
   --logs $store/logs_long --set trainer.max_time=$LONG_TIME > $OUT/grid_long.log 2>&1 &
 long=$!
