@@ -17,6 +17,12 @@ from helpers import make_text  # noqa: E402
 
 os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
 
+# Under `pytest -n N` the N workers share the machine's cores: one torch thread each (and in the processes they start),
+# instead of N x cores threads fighting over them.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+
 
 @pytest.fixture
 def tiny_corpus(tmp_path: Path) -> Path:

@@ -1,9 +1,11 @@
 """`mhc report`: runs grouped by their tags, mean +- std over seeds, tables, plots and the markdown report."""
 import json
 import math
+import time
 
 import mlflow
 import pytest
+from mlflow.entities import Metric, Param
 
 from mhc_lightning.cli import main
 
@@ -17,16 +19,18 @@ def make_runs(uri: str):
             for seed in (1, 2):
                 run = client.create_run(exp, run_name=f"{variant}-L{depth}-s{seed}",
                                         tags={"variant": variant, "model.arch.n_layers": str(depth), "seed_everything": str(seed)})
-                rid = run.info.run_id
-                client.log_param(rid, "optim/warmup_steps", "0")
+                rid, now = run.info.run_id, int(time.time() * 1000)
+                metrics = [Metric("val/bpb", 2.0 + 0.1 * seed, now, 50)]
                 for step in range(0, 50, 10):
-                    client.log_metric(rid, "train/grad_norm", 1.0 + (9.0 if step == 30 and variant == "hc" else 0.0), step=step)
-                    client.log_metric(rid, "amax/composite_fwd_max", 1.0 + (gain - 1) * depth * step / 40 if variant == "hc" else 1.0, step=step)
-                    client.log_metric(rid, "train/tokens_per_sec", 1000.0 * seed, step=step)
-                client.log_metric(rid, "val/bpb", 2.0 + 0.1 * seed, step=50)
+                    metrics += [
+                        Metric("train/grad_norm", 1.0 + (9.0 if step == 30 and variant == "hc" else 0.0), now, step),
+                        Metric("amax/composite_fwd_max", 1.0 + (gain - 1) * depth * step / 40 if variant == "hc" else 1.0,
+                               now, step),
+                        Metric("train/tokens_per_sec", 1000.0 * seed, now, step)]
+                client.log_batch(rid, metrics=metrics, params=[Param("optim/warmup_steps", "0")])
                 with open("per_layer.json", "w") as f:
                     json.dump({"composite_fwd_max": [gain, 1.0], "composite_bwd_max": [gain, 1.0]}, f)
-                client.log_artifact(rid, "per_layer.json", "diagnostics")
+                client.log_artifact(rid, "per_layer.json", "diagnostics")  # not per_layer_step*: ignored
                 # the loader looks for per_layer_stepNNNNNNN.json
                 client.log_dict(rid, {"composite_fwd_max": [gain, 1.0], "composite_bwd_max": [gain, 1.0]},
                                 "diagnostics/per_layer_step0000040.json")
