@@ -13,7 +13,7 @@ from torchmetrics.text import Perplexity
 
 from .diagnostics import summarize
 from .distributed import reduce_diagnostics
-from .model import GPT, GPTConfig, HyperConfig
+from .model import GPT, GPTConfig
 from .model.compiled import compile_model
 
 

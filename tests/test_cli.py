@@ -14,7 +14,7 @@ import mlflow
 import pytest
 import yaml
 
-from helpers import CONF, REPO, mlflow_logger_arg, tiny_fit_args
+from helpers import CONF, tiny_fit_args
 from mhc_lightning.cli import TOOLS, TRAINER_COMMANDS, build_cli, main
 from mhc_lightning.errors import UserError
 from mhc_lightning.tracking import CHECKPOINT_TAG, SOURCE_RUN_TAG

@@ -16,7 +16,7 @@ import mlflow
 import pytest
 import torch
 
-from helpers import CONF, REPO, mlflow_logger_arg, tiny_fit_args
+from helpers import CONF, REPO, tiny_fit_args
 
 MHC = Path(sys.executable).with_name("mhc")
 TIMEOUT = 240

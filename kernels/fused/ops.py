@@ -94,7 +94,7 @@ def _dot_mode(x: Tensor, phi: Tensor) -> int:
 
 def _rows(x: Tensor) -> Tensor:
     """[N, n, C] with each token's n*C values contiguous (the coefficient GEMM reads rows of n*C)."""
-    n, c = x.shape[1], x.shape[2]
+    c = x.shape[2]
     return x if (x.stride(2) == 1 and x.stride(1) == c) or x.shape[0] == 0 else x.contiguous()
 
 

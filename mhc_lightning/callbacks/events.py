@@ -9,9 +9,12 @@ the events table, so each one works alone.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from lightning.pytorch.utilities import rank_zero_info
+
+if TYPE_CHECKING:
+    import torch
 
 ACTIONS = ("log", "skip", "rollback", "stop")
 _SEVERITY = {a: i for i, a in enumerate(ACTIONS)}  # stop > rollback > skip > log
