@@ -150,7 +150,7 @@ def test_killed_quickstart_resumes_the_same_run_with_ckpt_path_last(tiny_corpus,
                          "--trainer.logger.init_args.run_name=never-ran")[1:])
     assert stopped.value.code == 2
     err = capsys.readouterr().err
-    assert "mhc: error: --ckpt_path last: no checkpoint of an earlier training run named 'never-ran'" in err
+    assert "mhc fit: error: --ckpt_path last: no checkpoint of an earlier training run named 'never-ran'" in err
     assert not (tmp_path / "elsewhere").exists()
 
     resumed = subprocess.run(_quickstart(tiny_corpus, uri, tmp_path / "runs", "--ckpt_path", "last"), cwd=tmp_path,

@@ -180,7 +180,7 @@ def test_unknown_command_is_one_line(capsys):
 
 def test_user_error_from_a_tool_is_one_line(monkeypatch, capsys):
     """Any UserError a tool lets through (e.g. an unreachable tracking server) is printed as one line, exit 2."""
-    import mhc_lightning.compare as compare
+    import mhc_lightning.reports.cli as compare
 
     class ServerDown(UserError):
         pass

@@ -14,10 +14,10 @@ from mhc_lightning.cli import build_cli
 from mhc_lightning.grid import GridError, expand, load_grid
 
 
-def test_stability_grid_expands_to_45_distinct_runs():
+def test_stability_grid_expands_to_54_distinct_runs():
     spec = load_grid(CONF / "experiments" / "stability_grid.yaml")
     runs = expand(spec, REPO, [])
-    assert len(runs) == 5 * 3 * 3
+    assert len(runs) == 6 * 3 * 3  # 6 variants x 3 depths x 3 seeds
     names = [r[0] for r in runs]
     assert len(set(names)) == len(names)
     name, tags, argv = next(r for r in runs if r[0] == "hc_noclip-L24-s3")

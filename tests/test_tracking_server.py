@@ -484,7 +484,7 @@ def test_fit_with_an_unreachable_server_stops_at_once_with_one_line(corpus, tmp_
     out = res.stdout + res.stderr
     named = [line for line in out.splitlines() if url in line]
     assert res.returncode == 2, out[-3000:]
-    assert len(named) == 1 and named[0].startswith("mhc: error: MLflow tracking server") and "unreachable" in named[0]
+    assert len(named) == 1 and named[0].startswith("mhc fit: error: MLflow tracking server") and "unreachable" in named[0]
     assert "Traceback" not in out
     assert took < 30 or took - startup < 15, (took, startup)  # no waiting on HTTP retries (minutes, before)
     assert list(cwd.iterdir()) == []
