@@ -296,7 +296,9 @@ def test_killed_worker_trial_is_failed_and_retried(server, corpus, tmp_path):
     spec = derived_spec(tmp_path / "kill.yaml", name, enqueue=[], pruner={"name": "none"},
                         budget={"n_trials": 3, "max_failed": 2},
                         storage={"heartbeat_interval": 1, "grace_period": 4, "max_retry": 2},
-                        fixed={"trainer.max_steps": 20, "trainer.val_check_interval": 10})
+                        # long enough that the victim's trial is still training when the poll below sees it
+                        # (20 steps finished inside the poll interval on a quiet machine)
+                        fixed={"trainer.max_steps": 150, "trainer.val_check_interval": 50})
     survivor = launch(spec, tmp_path, server, corpus, "--machine-rank", "0", log_name="survivor.log")
     victim = launch(spec, tmp_path, server, corpus, "--machine-rank", "1", log_name="victim.log")
     killed = None
@@ -313,7 +315,6 @@ def test_killed_worker_trial_is_failed_and_retried(server, corpus, tmp_path):
                     if str(t.user_attrs.get("worker", "")).split(":")[1:2] == [str(victim.pid)]
                     and "mlflow_run_id" in t.user_attrs]
             if mine:
-                time.sleep(2)  # well inside fit
                 os.killpg(victim.pid, signal.SIGKILL)
                 victim.wait(timeout=20)
                 killed = mine[0].number
