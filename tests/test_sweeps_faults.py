@@ -67,8 +67,10 @@ def test_killed_worker_on_journal_storage_is_reaped_and_its_trial_rerun(corpus, 
     it, fails and re-queues its trial; the other worker runs the copy; the launcher exits 0 with the budget met."""
     name = f"journal-{uuid.uuid4().hex[:6]}"
     spec = derived_spec(tmp_path / "j.yaml", name, enqueue=[], pruner={"name": "none"},
-                        budget={"n_trials": 3, "max_failed": 1}, fixed={"trainer.max_steps": 16,
-                                                                        "trainer.val_check_interval": 8})
+                        # long enough that the trial is still training when the poll sees it (16 steps finished
+                        # inside the poll on a quiet machine)
+                        budget={"n_trials": 3, "max_failed": 1}, fixed={"trainer.max_steps": 150,
+                                                                        "trainer.val_check_interval": 50})
     storage, uri = f"journal:{tmp_path / 'sweeps.journal.log'}", f"sqlite:///{tmp_path / 'mlflow.db'}"
     journal = make_storage(storage, {})
     proc = launcher(spec, tmp_path, corpus, storage, uri, "--workers", "2", log="launcher.log")
@@ -84,7 +86,6 @@ def test_killed_worker_on_journal_storage_is_reaped_and_its_trial_rerun(corpus, 
                 continue
             running = [t for t in study.get_trials(states=(S.RUNNING,)) if "mlflow_run_id" in t.user_attrs]
             if running:
-                time.sleep(2)  # inside fit
                 pid = int(running[0].user_attrs["worker"].split(":")[1])
                 os.kill(pid, signal.SIGKILL)
                 killed = (running[0].number, pid)
