@@ -356,6 +356,8 @@ def _calls(k):
         "  dphi pass (x_next^T dL)": lambda: K.bwd_x(k.xn, k.phi, k.dl, k.dss),
         "  2-D pass (G, dx, df, dH, dh_post)": lambda: K._post_bwd_run(
             k.g, k.x, k.f, k.h_post, k.h_res, coef=(k.xn, k.du, k.dl, k.dss, k.h_pre, k.phi)),
+        "  one pass (G, dx, df, dH, dh_post, dphi)": lambda: K._bnd_bwd_run(
+            k.g, k.x, k.f, k.h_post, k.h_res, k.xn, k.du, k.dl, k.dss, k.h_pre, k.phi),
         "stream_post_res fwd (stack exit)": lambda: K.post_fwd.plain(k.x, k.f, k.h_post, k.h_res),
         "stream_post_res bwd (stack exit)": lambda: K.post_bwd.plain(k.g, k.x, k.f, k.h_post, k.h_res),
     }
@@ -379,6 +381,7 @@ def kernel_table(c, tokens, copy_bw):
         "  per token (<du,x_next> + Sinkhorn)": S + U + small + 2 * saved,
         "  dphi pass (x_next^T dL)": S + saved + phi,
         "  2-D pass (G, dx, df, dH, dh_post)": 3 * S + 2 * U + saved + small + phi + S + U + small,
+        "  one pass (G, dx, df, dH, dh_post, dphi)": 3 * S + 2 * U + saved + small + phi + S + U + small + phi,
         "stream_post_res fwd (stack exit)": 2 * S + U + small - N * n * f32,
         "stream_post_res bwd (stack exit)": 3 * S + 2 * U + 2 * (small - N * n * f32),
     }
@@ -393,22 +396,29 @@ def kernel_table(c, tokens, copy_bw):
 
 # Launch configs to try (--sweep): the boundary kernels and the rewritten stream_post_res backward, which no GPU run
 # has timed yet. --quick tries SWEEP_QUICK at each shape (each keeps its own winner).
-SWEEP_QUICK = {
-    "bnd_fwd": [dict(BT=bt, BK=bk, num_warps=w, num_stages=st, BC=bc, split_tail=True) for bt, bk, w, st, bc in
-                [(16, 16, 4, 3, 64), (16, 16, 4, 2, 32), (16, 32, 4, 2, 32), (32, 16, 4, 2, 32), (16, 32, 8, 2, 64)]],
-    "bnd_bwd": [dict(BT=bt, BC=bc, num_warps=w) for bt, bc, w in
-                [(16, 64, 8), (16, 32, 4), (32, 32, 8), (16, 128, 8), (16, 16, 4)]],
-    "bnd_dphi": [dict(BT=bt, BK=bk, num_warps=w, num_stages=st, programs_per_sm=pp) for bt, bk, w, st, pp in
-                 [(64, 128, 8, 2, 4), (64, 64, 4, 3, 4), (128, 64, 8, 3, 2)]],
-    "post_bwd": [dict(BT=bt, BC=bc, num_warps=w) for bt, bc, w in [(4, 256, 4), (8, 128, 4), (2, 512, 4), (4, 512, 8)]],
+SWEEP_QUICK = {  # in order: a switch between two paths (coef_fwd, bnd_bwd) is swept after the tiles of each path
+    "coef_gemm": [dict(BT=bt, BK=bk, num_warps=w, num_stages=st, programs_per_sm=pp) for bt, bk, w, st, pp in
+                  [(64, 64, 4, 3, 8), (32, 128, 4, 3, 8), (64, 128, 8, 3, 4), (128, 64, 8, 3, 4), (32, 64, 4, 4, 16),
+                   (16, 128, 4, 3, 16)]],
+    "coef_finish": [dict(BT=bt, BC=bc, num_warps=w, split_tail=st) for bt, bc, w, st in
+                    [(16, 64, 4, False), (8, 128, 4, False), (16, 128, 8, False), (32, 64, 4, False), (16, 64, 4, True),
+                     (4, 256, 4, False)]],
+    # the forward: split-K projection + finishing kernel, or one program per token block (the older kernel)
+    "coef_fwd": [dict(BT=64, BK=64, num_warps=4, num_stages=3, BC=16, split_tail=True, split_k=sk) for sk in (True, False)],
+    # the boundary forward: write-back fused into the coefficient kernel, or its own kernel then the coefficients
+    "bnd_fwd": [dict(BT=32, BK=16, num_warps=4, num_stages=2, BC=32, split_tail=True, fuse_post=fp) for fp in (False, True)],
+    "bnd_bwd_p": [dict(BT=bt, BC=bc, num_warps=w, num_stages=st, programs_per_sm=pp) for bt, bc, w, st, pp in
+                  [(16, 64, 8, 1, 2), (16, 32, 4, 1, 4), (16, 64, 4, 1, 2), (32, 32, 8, 1, 2), (16, 128, 8, 1, 1),
+                   (16, 64, 8, 2, 2), (16, 32, 8, 2, 4), (32, 64, 8, 1, 1)]],
+    # the boundary backward: one pass (bnd_bwd_p) or the 2-D pass + a separate dphi pass
+    "bnd_bwd": [dict(BT=16, BC=128, num_warps=8, persistent=p) for p in (True, False)],
+    "coef_bwd_tok": [dict(BT=bt, num_warps=w, BC=bc) for bt, w, bc in [(16, 4, 64), (8, 4, 128), (32, 4, 64), (8, 2, 64)]],
 }
 
 SWEEP = dict(SWEEP_QUICK, **{  # full run, at C=1024: also the kernels every path shares
-    "coef_fwd": [dict(BT=bt, BK=bk, num_warps=w, num_stages=st, BC=bc, split_tail=True) for bt, bk, w, st, bc in
-                 [(64, 64, 4, 3, 16), (32, 64, 4, 3, 32), (64, 128, 8, 3, 16)]],
     "coef_tail": [dict(BT=bt, num_warps=w) for bt, w in [(8, 2), (4, 1), (16, 2)]],
-    "coef_bwd_tok": [dict(BT=bt, num_warps=w, BC=bc) for bt, w, bc in [(16, 4, 64), (8, 4, 128), (16, 2, 64), (32, 4, 64)]],
     "post_fwd": [dict(BT=bt, BC=bc, num_warps=w) for bt, bc, w in [(4, 256, 4), (8, 256, 8), (2, 512, 4)]],
+    "post_bwd": [dict(BT=bt, BC=bc, num_warps=w) for bt, bc, w in [(4, 256, 4), (8, 128, 4), (2, 512, 4), (4, 512, 8)]],
 })
 
 
@@ -416,10 +426,11 @@ def sweep(c, tokens, table=None):
     """Time every config of each kernel in table (default SWEEP), keep the fastest in K.CONFIG; returns the log."""
     k = _kernel_inputs(c, tokens, 5)
     calls = _calls(k)
+    pre_fwd, bnd_bwd = "mhc_pre fwd (stack entry: coef + u)", "boundary bwd (whole op)"
     by_kernel = {  # the op (part) each config entry is timed on
-        "bnd_fwd": "boundary fwd (post_res + coef + u)", "bnd_bwd": "  2-D pass (G, dx, df, dH, dh_post)",
-        "bnd_dphi": "  dphi pass (x_next^T dL)", "coef_fwd": "mhc_pre fwd (stack entry: coef + u)",
-        "coef_tail": "boundary fwd (post_res + coef + u)", "coef_bwd_tok": "  per token (<du,x_next> + Sinkhorn)",
+        "bnd_fwd": "boundary fwd (post_res + coef + u)", "bnd_bwd": bnd_bwd, "bnd_bwd_p": bnd_bwd,
+        "coef_fwd": pre_fwd, "coef_gemm": pre_fwd, "coef_finish": pre_fwd, "coef_tail": "boundary fwd (post_res + coef + u)",
+        "coef_bwd_tok": "  per token (<du,x_next> + Sinkhorn)",
         "post_fwd": "stream_post_res fwd (stack exit)", "post_bwd": "stream_post_res bwd (stack exit)",
     }
     log = {}

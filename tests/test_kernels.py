@@ -7,7 +7,7 @@ Tolerances follow docs/design.md §11 (Liger tiers): fp32 5e-4 / 1e-3 / 2e-3, bf
 with atol scaled by the reference's magnitude (reductions over tokens grow with N).
 """
 import os
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import pytest
 import torch
@@ -238,11 +238,24 @@ def test_mhc_pre_fp32(n, mode):
                  res_layout="dst_src" if n == 2 else "src_dst")
 
 
-@pytest.mark.parametrize("split_tail", [False, True])
-def test_mhc_pre_bf16_partial_grads_split_tail(split_tail):
-    """bf16 (both phi dtypes), only some outputs used, Sinkhorn in the GEMM kernel or in its own launch."""
-    torch.manual_seed(70 + split_tail)
-    with config_changed("coef_fwd", split_tail=split_tail):
+# Forward launch variants of the coefficients: split-K projection (partials, then a finishing kernel with the tail and
+# u; the Sinkhorn tail there or in its own launch) or one program per token block over the whole row (tail in the GEMM
+# kernel or in its own launch).
+COEF_FWD_VARIANTS = {
+    "split-k": dict(coef_fwd=dict(split_k=True), coef_finish=dict(split_tail=False)),
+    "split-k-split-tail": dict(coef_fwd=dict(split_k=True), coef_finish=dict(split_tail=True)),
+    "one-pass": dict(coef_fwd=dict(split_k=False, split_tail=False)),
+    "one-pass-split-tail": dict(coef_fwd=dict(split_k=False, split_tail=True)),
+}
+
+
+@pytest.mark.parametrize("variant", list(COEF_FWD_VARIANTS))
+def test_mhc_pre_bf16_partial_grads_launch_variants(variant):
+    """bf16 (both phi dtypes), only some outputs used, in each forward launch variant."""
+    torch.manual_seed(70 + len(variant))
+    with ExitStack() as stack:
+        for name, change in COEF_FWD_VARIANTS[variant].items():
+            stack.enter_context(config_changed(name, **change))
         lead, c = SHAPES[1]
         for phi_dtype, used in ((torch.float32, (True, False, True, True)), (torch.bfloat16, (False, True, True, True)),
                                 (torch.float32, (True, True, False, False))):
@@ -303,14 +316,28 @@ def test_boundary_identity_hc(prev_res, next_res, n):
     _run_boundary(_boundary_inputs(lead, c, n, torch.float32, prev_res, next_res), torch.float32, sinkhorn_iters=ITERS)
 
 
-@pytest.mark.parametrize("tiles", ["partials", "rows", "in-kernel-sinkhorn"])
+# Launch variants of the boundary op: the one-pass backward (kernels/fused/boundary.py) with several C blocks per row
+# (partials summed afterwards), whole rows, and several token splits (dphi partials); the older 2-D backward with a
+# separate dphi pass; the forward's write-back fused into the coefficient kernel or in its own kernel; the Sinkhorn
+# tail in the GEMM kernel. (With CUDA's C = 1000 / 1024 the phi-tile cap, ops._phi_rows_cap, keeps "rows" in partials.)
+BOUNDARY_TILES = {
+    "partials": dict(bnd_bwd_p=dict(BC=256 if CUDA else 16)),
+    "rows": dict(bnd_bwd_p=dict(BC=4096)),
+    "splits": dict(bnd_bwd_p=dict(BC=16, programs_per_sm=64)),
+    "two-pass-2d": dict(bnd_bwd=dict(persistent=False, BC=256 if CUDA else 16)),
+    "fused-post": dict(bnd_fwd=dict(fuse_post=True)),
+    "separate-post": dict(bnd_fwd=dict(fuse_post=False)),
+    "in-kernel-sinkhorn": dict(bnd_fwd=dict(split_tail=False)),
+}
+
+
+@pytest.mark.parametrize("tiles", list(BOUNDARY_TILES))
 def test_boundary_bf16_partial_grads_and_tiles(tiles):
-    """bf16 streams (both phi dtypes), unused outputs (no upstream gradient), and the launch variants: several C
-    blocks per backward program (partials summed afterwards) or whole rows, split or in-kernel Sinkhorn tail. (With
-    CUDA's C = 1000 / 1024 the phi-tile cap, ops._phi_rows_cap, keeps both backward variants in partials.)"""
+    """bf16 streams (both phi dtypes), unused outputs (no upstream gradient), and the launch variants above."""
     torch.manual_seed(95)
-    change = {"partials": dict(BC=256 if CUDA else 16), "rows": dict(BC=4096), "in-kernel-sinkhorn": {}}[tiles]
-    with config_changed("bnd_bwd", **change), config_changed("bnd_fwd", split_tail=tiles != "in-kernel-sinkhorn"):
+    with ExitStack() as stack:
+        for name, change in BOUNDARY_TILES[tiles].items():
+            stack.enter_context(config_changed(name, **change))
         lead, c = SHAPES[1]
         for phi_dtype, used in ((torch.float32, (True, True, False, True, True)),
                                 (torch.bfloat16, (True, False, True, False, True))):

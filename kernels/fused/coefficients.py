@@ -194,9 +194,81 @@ def _coef_fwd(
             xf = xt.to(tl.float32)
             ss += tl.sum(xf * xf, axis=1)
             acc = _dot(xt, pt, acc, DOT)
+    _coef_outputs(acc, ss, x_ptr, bias_ptr, alpha_ptr, lg_ptr, rinv_ptr, hpre_ptr, hpost_ptr, hres_ptr, u_ptr,
+                  rows64, rmask, N, C, stride_x, iters, eps, rms_eps, pre_eps, post_mult,
+                  NS, M, MP, HAS_RES, SINK, HAS_U, T_IN, T_OUT, BT, BC)
+
+
+@triton.jit(do_not_specialize=["N", "k_per_split"])
+def _coef_gemm_part(
+    x_ptr, phi_ptr, part_ptr, ss_ptr, N, stride_x, stride_phi, K, k_per_split,
+    M: tl.constexpr, MP: tl.constexpr, DOT: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+):
+    """Split-K projection: program (token block, split) streams x[:, k range] once and writes its partial x phi
+    [splits, N, MP] and partial sum of squares [splits, N] (fp32). Many programs keep enough loads in flight to
+    stream x near copy bandwidth, which one program per token block over the whole n*C row does not."""
+    pid = tl.program_id(0)
+    sp = tl.program_id(1)
+    rows = pid * BT + tl.arange(0, BT)
+    rmask = rows < N
+    rows64 = rows.to(tl.int64)
+    cols = tl.arange(0, MP)
+    acc = tl.zeros([BT, MP], dtype=tl.float32)
+    ss = tl.zeros([BT], dtype=tl.float32)
+    k_lo = sp * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
+    for k0 in range(k_lo, k_hi, BK):
+        kk = k0 + tl.arange(0, BK)
+        kmask = kk < k_hi
+        xt = tl.load(x_ptr + rows64[:, None] * stride_x + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        pt = tl.load(phi_ptr + kk[:, None] * stride_phi + cols[None, :], mask=kmask[:, None] & (cols < M)[None, :],
+                     other=0.0)
+        xf = xt.to(tl.float32)
+        ss += tl.sum(xf * xf, axis=1)
+        acc = _dot(xt, pt, acc, DOT)
+    prow = sp.to(tl.int64) * N + rows64
+    tl.store(part_ptr + prow[:, None] * MP + cols[None, :], acc, mask=rmask[:, None])
+    tl.store(ss_ptr + prow, ss, mask=rmask)
+
+
+@triton.jit(do_not_specialize=["N", "iters", "splits"])
+def _coef_finish(
+    x_ptr, part_ptr, ss_ptr, bias_ptr, alpha_ptr, lg_ptr, rinv_ptr, hpre_ptr, hpost_ptr, hres_ptr, u_ptr,
+    N, C, stride_x, splits, iters, eps, rms_eps, pre_eps, post_mult,
+    NS: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, HAS_RES: tl.constexpr, SINK: tl.constexpr,
+    HAS_U: tl.constexpr, T_IN: tl.constexpr, T_OUT: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+):
+    """After `_coef_gemm_part`: sums the split partials, then the per-token tail and u as in `_coef_fwd`."""
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    rmask = rows < N
+    rows64 = rows.to(tl.int64)
+    cols = tl.arange(0, MP)
+    acc = tl.zeros([BT, MP], dtype=tl.float32)
+    ss = tl.zeros([BT], dtype=tl.float32)
+    for sp in range(splits):
+        prow = sp * N + rows64
+        acc += tl.load(part_ptr + prow[:, None] * MP + cols[None, :], mask=rmask[:, None], other=0.0)
+        ss += tl.load(ss_ptr + prow, mask=rmask, other=0.0)
+    _coef_outputs(acc, ss, x_ptr, bias_ptr, alpha_ptr, lg_ptr, rinv_ptr, hpre_ptr, hpost_ptr, hres_ptr, u_ptr,
+                  rows64, rmask, N, C, stride_x, iters, eps, rms_eps, pre_eps, post_mult,
+                  NS, M, MP, HAS_RES, SINK, HAS_U, T_IN, T_OUT, BT, BC)
+
+
+@triton.jit
+def _coef_outputs(acc, ss, x_ptr, bias_ptr, alpha_ptr, lg_ptr, rinv_ptr, hpre_ptr, hpost_ptr, hres_ptr, u_ptr,
+                  rows64, rmask, N, C, stride_x, iters, eps, rms_eps, pre_eps, post_mult,
+                  NS: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, HAS_RES: tl.constexpr, SINK: tl.constexpr,
+                  HAS_U: tl.constexpr, T_IN: tl.constexpr, T_OUT: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """From the projection acc [BT, MP] and sum of squares ss [BT] of a token block: store the logits and 1/r, the
+    gates h_pre / h_post, optionally u = sum_j h_pre_j x_j (re-reading the block's rows of x) and H^res (SINK)."""
+    K = NS * C
+    cols = tl.arange(0, MP)
+    cmask = cols < M
+    nn = tl.arange(0, NS)
+    tok = rmask[:, None] & (nn[None, :] < NS)
     rinv = 1.0 / tl.sqrt(ss / K + rms_eps)
     tl.store(lg_ptr + rows64[:, None] * M + cols[None, :], acc, mask=rmask[:, None] & cmask[None, :])
-    tl.store(rinv_ptr + rows, rinv, mask=rmask)
+    tl.store(rinv_ptr + rows64, rinv, mask=rmask)
     # Re-read the projection in per-map shapes (a register tile cannot be sliced); the barrier makes
     # this CTA's stores visible to all its threads.
     tl.debug_barrier()
@@ -210,7 +282,8 @@ def _coef_fwd(
     tl.store(hpre_ptr + rows64[:, None] * NS + nn[None, :], h_pre, mask=tok)
     tl.store(hpost_ptr + rows64[:, None] * NS + nn[None, :], post_mult * tl.sigmoid(y_post), mask=tok)
     if HAS_U:
-        # u = sum_j h_pre_j x_j: this block of x was streamed (or, with POST, written) by the loop above: L2 hits
+        # u = sum_j h_pre_j x_j. In `_coef_fwd` this block of x was just streamed (or, with POST, written) by the
+        # same program: L2 hits; after the split-K projection it is a second read
         for c0 in range(0, C, BC):
             cc = c0 + tl.arange(0, BC)
             m2 = rmask[:, None] & (cc[None, :] < C)
