@@ -42,6 +42,8 @@ p.add_argument("--variants", default=None,
                help="comma-separated substrings: run only the stack variants whose name contains one (residual is kept)")
 p.add_argument("--quick", action="store_true",
                help="only residual + ours (eager) per shape, per-kernel table; --sweep then tries only SWEEP_QUICK")
+p.add_argument("--profile", action="store_true",
+               help="per eager mHC variant: CUDA time per kernel over one training step (torch.profiler), top 25")
 p.add_argument("--config", default=None,
                help="a previous run's bench_mhc.json: start from the launch configs it ended with (e.g. a sweep's)")
 args = p.parse_args()
@@ -398,8 +400,8 @@ def kernel_table(c, tokens, copy_bw):
 # has timed yet. --quick tries SWEEP_QUICK at each shape (each keeps its own winner).
 SWEEP_QUICK = {  # in order: a switch between two paths (coef_fwd, bnd_bwd) is swept after the tiles of each path
     "coef_gemm": [dict(BT=bt, BK=bk, num_warps=w, num_stages=st, programs_per_sm=pp) for bt, bk, w, st, pp in
-                  [(64, 64, 4, 3, 8), (32, 128, 4, 3, 8), (64, 128, 8, 3, 4), (128, 64, 8, 3, 4), (32, 64, 4, 4, 16),
-                   (16, 128, 4, 3, 16)]],
+                  [(64, 64, 4, 3, 8), (32, 128, 4, 3, 8), (32, 64, 4, 4, 16), (16, 128, 4, 4, 16), (32, 64, 4, 3, 8),
+                   (16, 256, 4, 3, 16), (64, 64, 8, 4, 8)]],
     "coef_finish": [dict(BT=bt, BC=bc, num_warps=w, split_tail=st) for bt, bc, w, st in
                     [(16, 64, 4, False), (8, 128, 4, False), (16, 128, 8, False), (32, 64, 4, False), (16, 64, 4, True),
                      (4, 256, 4, False)]],
@@ -411,8 +413,11 @@ SWEEP_QUICK = {  # in order: a switch between two paths (coef_fwd, bnd_bwd) is s
                   [(16, 64, 8, 1, 2), (16, 32, 4, 1, 4), (16, 64, 4, 1, 2), (32, 32, 8, 1, 2), (16, 128, 8, 1, 1),
                    (16, 64, 8, 2, 2), (16, 32, 8, 2, 4), (32, 64, 8, 1, 1)]],
     # the boundary backward: one pass (bnd_bwd_p) or the 2-D pass + a separate dphi pass
-    "bnd_bwd": [dict(BT=16, BC=128, num_warps=8, persistent=p) for p in (True, False)],
+    "bnd_bwd": [dict(BT=bt, BC=bc, num_warps=w, persistent=p) for bt, bc, w, p in
+                [(16, 128, 8, False), (16, 64, 8, False), (16, 32, 4, False), (16, 128, 8, True)]],
     "coef_bwd_tok": [dict(BT=bt, num_warps=w, BC=bc) for bt, w, bc in [(16, 4, 64), (8, 4, 128), (32, 4, 64), (8, 2, 64)]],
+    "coef_bwd_x": [dict(BT=bt, BK=bk, num_warps=w, num_stages=st, programs_per_sm=pp) for bt, bk, w, st, pp in
+                   [(64, 128, 8, 2, 4), (64, 64, 8, 2, 4), (32, 64, 4, 2, 8), (32, 128, 8, 2, 4), (64, 64, 8, 2, 8)]],
 }
 
 SWEEP = dict(SWEEP_QUICK, **{  # full run, at C=1024: also the kernels every path shares
@@ -430,7 +435,7 @@ def sweep(c, tokens, table=None):
     by_kernel = {  # the op (part) each config entry is timed on
         "bnd_fwd": "boundary fwd (post_res + coef + u)", "bnd_bwd": bnd_bwd, "bnd_bwd_p": bnd_bwd,
         "coef_fwd": pre_fwd, "coef_gemm": pre_fwd, "coef_finish": pre_fwd, "coef_tail": "boundary fwd (post_res + coef + u)",
-        "coef_bwd_tok": "  per token (<du,x_next> + Sinkhorn)",
+        "coef_bwd_tok": "  per token (<du,x_next> + Sinkhorn)", "coef_bwd_x": "mhc_pre bwd (stack entry)",
         "post_fwd": "stream_post_res fwd (stack exit)", "post_bwd": "stream_post_res bwd (stack exit)",
     }
     log = {}
@@ -462,6 +467,32 @@ def dump():
     return path
 
 
+def profile_step(step, steps=3):
+    """CUDA time per kernel name over one training step (mean of steps), largest first: where the step's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        sync()
+    per = {}
+    for ev in prof.key_averages():  # a kernel's self device time is its own; CPU ops have none of their own
+        us = getattr(ev, "self_device_time_total", None)
+        us = ev.self_cuda_time_total if us is None else us
+        if us > 0:
+            d = per.setdefault(ev.key[:90], [0.0, 0])
+            d[0] += us
+            d[1] += ev.count
+    rows = sorted(({"kernel": k, "us_per_step": v[0] / steps, "calls_per_step": v[1] / steps} for k, v in per.items()),
+                  key=lambda r: -r["us_per_step"])
+    total = sum(r["us_per_step"] for r in rows)
+    for r in rows[:25]:
+        print(f"    {r['us_per_step']:9.0f} us {100 * r['us_per_step'] / total:5.1f}%  x{r['calls_per_step']:<5.0f} {r['kernel']}",
+              flush=True)
+    return dict(total_us=total, top=rows[:40])
+
+
 def run_variant(name, make, x, rows, base):
     if time.time() - T0 > args.budget_s:
         rows.append(dict(base, variant=name, skipped="time budget"))
@@ -483,6 +514,11 @@ def run_variant(name, make, x, rows, base):
         peak_reset()
         ms = timed(step, args.iters, args.warmup)
         r = dict(base, variant=name, ms=ms, peak_gib=peak_gib(), wall_s=time.time() - t)
+        if args.profile and DEV == "cuda" and "compile" not in name and not name.startswith(("liger", "lucid", "ref")):
+            try:
+                r["profile"] = profile_step(step)
+            except Exception as exc:  # the profile is extra: never lose the timing for it
+                r["profile"] = f"{type(exc).__name__}: {str(exc)[:200]}"
     except Exception as exc:  # a missing peer or a failed compile is reported, not fatal
         r = dict(base, variant=name, error=f"{type(exc).__name__}: {str(exc)[:300]}")
     rows.append(r)

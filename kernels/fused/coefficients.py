@@ -201,12 +201,13 @@ def _coef_fwd(
 
 @triton.jit(do_not_specialize=["N", "k_per_split"])
 def _coef_gemm_part(
-    x_ptr, phi_ptr, part_ptr, ss_ptr, N, stride_x, stride_phi, K, k_per_split,
+    x_ptr, phi_ptr, part_ptr, N, stride_x, stride_phi, K, k_per_split,
     M: tl.constexpr, MP: tl.constexpr, DOT: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
 ):
     """Split-K projection: program (token block, split) streams x[:, k range] once and writes its partial x phi
-    [splits, N, MP] and partial sum of squares [splits, N] (fp32). Many programs keep enough loads in flight to
-    stream x near copy bandwidth, which one program per token block over the whole n*C row does not."""
+    [splits, N, MP] (fp32). Many programs keep more loads in flight than one program per token block over the whole
+    n*C row; with the x tile feeding only the dot (the sum of squares is left to `_coef_finish`), it can be staged in
+    shared memory instead of registers."""
     pid = tl.program_id(0)
     sp = tl.program_id(1)
     rows = pid * BT + tl.arange(0, BT)
@@ -214,7 +215,6 @@ def _coef_gemm_part(
     rows64 = rows.to(tl.int64)
     cols = tl.arange(0, MP)
     acc = tl.zeros([BT, MP], dtype=tl.float32)
-    ss = tl.zeros([BT], dtype=tl.float32)
     k_lo = sp * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
     for k0 in range(k_lo, k_hi, BK):
@@ -223,32 +223,33 @@ def _coef_gemm_part(
         xt = tl.load(x_ptr + rows64[:, None] * stride_x + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         pt = tl.load(phi_ptr + kk[:, None] * stride_phi + cols[None, :], mask=kmask[:, None] & (cols < M)[None, :],
                      other=0.0)
-        xf = xt.to(tl.float32)
-        ss += tl.sum(xf * xf, axis=1)
         acc = _dot(xt, pt, acc, DOT)
     prow = sp.to(tl.int64) * N + rows64
     tl.store(part_ptr + prow[:, None] * MP + cols[None, :], acc, mask=rmask[:, None])
-    tl.store(ss_ptr + prow, ss, mask=rmask)
 
 
 @triton.jit(do_not_specialize=["N", "iters", "splits"])
 def _coef_finish(
-    x_ptr, part_ptr, ss_ptr, bias_ptr, alpha_ptr, lg_ptr, rinv_ptr, hpre_ptr, hpost_ptr, hres_ptr, u_ptr,
+    x_ptr, part_ptr, bias_ptr, alpha_ptr, lg_ptr, rinv_ptr, hpre_ptr, hpost_ptr, hres_ptr, u_ptr,
     N, C, stride_x, splits, iters, eps, rms_eps, pre_eps, post_mult,
     NS: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, HAS_RES: tl.constexpr, SINK: tl.constexpr,
     HAS_U: tl.constexpr, T_IN: tl.constexpr, T_OUT: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
 ):
-    """After `_coef_gemm_part`: sums the split partials, then the per-token tail and u as in `_coef_fwd`."""
+    """After `_coef_gemm_part`: sums the split partials and the rows' squares (a read of the block of x that the u
+    loop then finds in L2), then the per-token tail and u as in `_coef_fwd`."""
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     rmask = rows < N
     rows64 = rows.to(tl.int64)
     cols = tl.arange(0, MP)
     acc = tl.zeros([BT, MP], dtype=tl.float32)
-    ss = tl.zeros([BT], dtype=tl.float32)
     for sp in range(splits):
-        prow = sp * N + rows64
-        acc += tl.load(part_ptr + prow[:, None] * MP + cols[None, :], mask=rmask[:, None], other=0.0)
-        ss += tl.load(ss_ptr + prow, mask=rmask, other=0.0)
+        acc += tl.load(part_ptr + (sp * N + rows64)[:, None] * MP + cols[None, :], mask=rmask[:, None], other=0.0)
+    ss = tl.zeros([BT], dtype=tl.float32)
+    for k0 in range(0, NS * C, BC):
+        kk = k0 + tl.arange(0, BC)
+        xf = tl.load(x_ptr + rows64[:, None] * stride_x + kk[None, :], mask=rmask[:, None] & (kk < NS * C)[None, :],
+                     other=0.0).to(tl.float32)
+        ss += tl.sum(xf * xf, axis=1)
     _coef_outputs(acc, ss, x_ptr, bias_ptr, alpha_ptr, lg_ptr, rinv_ptr, hpre_ptr, hpost_ptr, hres_ptr, u_ptr,
                   rows64, rmask, N, C, stride_x, iters, eps, rms_eps, pre_eps, post_mult,
                   NS, M, MP, HAS_RES, SINK, HAS_U, T_IN, T_OUT, BT, BC)
@@ -374,7 +375,7 @@ def _coef_bwd_x(
     x_ptr, phi_ptr, dl_ptr, dss_ptr, dx_ptr, dphi_ptr, hpre_ptr, du_ptr,
     N, K, C, stride_x, stride_phi, tok_per_split,
     NS: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, DOT: tl.constexpr, HAS_U: tl.constexpr,
-    HAS_DX: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    HAS_DX: tl.constexpr, ALIGNED: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
 ):
     pid_k = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -383,8 +384,12 @@ def _coef_bwd_x(
     cols = tl.arange(0, MP)
     cmask = cols < M
     if HAS_U:  # flat column k of x is stream k // C, channel k % C
-        sidx = kk // C
-        cidx = kk - sidx * C
+        if ALIGNED:  # BK divides C: one stream per program, a [BT] gate and contiguous du columns
+            s0 = (pid_k * BK) // C
+            cidx = kk - s0 * C
+        else:
+            sidx = kk // C
+            cidx = kk - sidx * C
     phi_t = tl.load(phi_ptr + kk[:, None] * stride_phi + cols[None, :], mask=kmask[:, None] & cmask[None, :], other=0.0)
     phi_t = phi_t.to(tl.float32)
     acc = tl.zeros([BK, MP], dtype=tl.float32)
@@ -402,9 +407,13 @@ def _coef_bwd_x(
             dss = tl.load(dss_ptr + rows, mask=rmask, other=0.0)
             dx0 = 2.0 * xf * dss[:, None]
             if HAS_U:  # the u path of the fused pre op: dx_j += h_pre_j du (one dx for the whole op)
-                hpj = tl.load(hpre_ptr + rows64[:, None] * NS + sidx[None, :], mask=m2, other=0.0)
                 duv = tl.load(du_ptr + rows64[:, None] * C + cidx[None, :], mask=m2, other=0.0)
-                dx0 += hpj * duv.to(tl.float32)
+                if ALIGNED:
+                    hpj = tl.load(hpre_ptr + rows64 * NS + s0, mask=rmask, other=0.0)
+                    dx0 += hpj[:, None] * duv.to(tl.float32)
+                else:
+                    hpj = tl.load(hpre_ptr + rows64[:, None] * NS + sidx[None, :], mask=m2, other=0.0)
+                    dx0 += hpj * duv.to(tl.float32)
             dx = _dot(dlt, tl.trans(phi_t), dx0, DOT)
             tl.store(dx_ptr + rows64[:, None] * K + kk[None, :], dx.to(dx_ptr.dtype.element_ty), mask=m2)
         acc = _dot(tl.trans(xf), dlt, acc, DOT)

@@ -204,14 +204,13 @@ def _coef_split_k(x, phi, bias, alpha, lg, rinv, h_pre, h_post, h_res, u, iters,
     k_per = _cdiv(_cdiv(K, splits), cg["BK"]) * cg["BK"]
     splits = _cdiv(K, k_per)
     part = _new((splits, N, MP), torch.float32, x.device)
-    ssp = _new((splits, N), torch.float32, x.device)
     _coef_gemm_part[(blocks, splits)](
-        x, phi, part, ssp, N, x.stride(0), phi.stride(0), K, k_per, M=M, MP=MP, DOT=_dot_mode(x, phi), BT=cg["BT"],
+        x, phi, part, N, x.stride(0), phi.stride(0), K, k_per, M=M, MP=MP, DOT=_dot_mode(x, phi), BT=cg["BT"],
         BK=cg["BK"], **_launch(cg))
     cf = _cfg("coef_finish", BC=_np2(C, 16))
     has_res = h_res.shape[-1] != 0
     _coef_finish[(_cdiv(N, cf["BT"]),)](
-        x, part, ssp, bias, alpha, lg, rinv, h_pre, h_post, h_res, h_pre if u is None else u, N, C, x.stride(0),
+        x, part, bias, alpha, lg, rinv, h_pre, h_post, h_res, h_pre if u is None else u, N, C, x.stride(0),
         splits, iters, eps, rms_eps, pre_eps, post_mult, NS=n, M=M, MP=MP, HAS_RES=has_res, SINK=not split_tail,
         HAS_U=u is not None, T_IN=t_in, T_OUT=t_out, BT=cf["BT"], BC=cf["BC"], **_launch(cf))
 
@@ -281,7 +280,7 @@ def bwd_x(x, phi, dl, dss, dx=None, h_pre=None, du=None):
         x, phi, dl, dss, dl if dx is None else dx, dphi_part, h_pre.contiguous() if with_u else dl,
         du.contiguous() if with_u else dl, N, K, C, x.stride(0), phi.stride(0), tok,
         NS=n, M=M, MP=_np2(M, 16), DOT=DOT_IEEE if x.dtype == torch.float32 else DOT_TF32, HAS_U=with_u,
-        HAS_DX=dx is not None, BT=cx["BT"], BK=cx["BK"], **_launch(cx),
+        HAS_DX=dx is not None, ALIGNED=C % cx["BK"] == 0, BT=cx["BT"], BK=cx["BK"], **_launch(cx),
     )
     return dphi_part
 
