@@ -358,8 +358,6 @@ def _calls(k):
         "  dphi pass (x_next^T dL)": lambda: K.bwd_x(k.xn, k.phi, k.dl, k.dss),
         "  2-D pass (G, dx, df, dH, dh_post)": lambda: K._post_bwd_run(
             k.g, k.x, k.f, k.h_post, k.h_res, coef=(k.xn, k.du, k.dl, k.dss, k.h_pre, k.phi)),
-        "  one pass (G, dx, df, dH, dh_post, dphi)": lambda: K._bnd_bwd_run(
-            k.g, k.x, k.f, k.h_post, k.h_res, k.xn, k.du, k.dl, k.dss, k.h_pre, k.phi),
         "stream_post_res fwd (stack exit)": lambda: K.post_fwd.plain(k.x, k.f, k.h_post, k.h_res),
         "stream_post_res bwd (stack exit)": lambda: K.post_bwd.plain(k.g, k.x, k.f, k.h_post, k.h_res),
     }
@@ -383,7 +381,6 @@ def kernel_table(c, tokens, copy_bw):
         "  per token (<du,x_next> + Sinkhorn)": S + U + small + 2 * saved,
         "  dphi pass (x_next^T dL)": S + saved + phi,
         "  2-D pass (G, dx, df, dH, dh_post)": 3 * S + 2 * U + saved + small + phi + S + U + small,
-        "  one pass (G, dx, df, dH, dh_post, dphi)": 3 * S + 2 * U + saved + small + phi + S + U + small + phi,
         "stream_post_res fwd (stack exit)": 2 * S + U + small - N * n * f32,
         "stream_post_res bwd (stack exit)": 3 * S + 2 * U + 2 * (small - N * n * f32),
     }
@@ -398,30 +395,19 @@ def kernel_table(c, tokens, copy_bw):
 
 # Launch configs to try (--sweep): the boundary kernels and the rewritten stream_post_res backward, which no GPU run
 # has timed yet. --quick tries SWEEP_QUICK at each shape (each keeps its own winner).
-SWEEP_QUICK = {  # in order: a switch between two paths (coef_fwd, bnd_bwd) is swept after the tiles of each path
-    "coef_gemm": [dict(BT=bt, BK=bk, num_warps=w, num_stages=st, programs_per_sm=pp) for bt, bk, w, st, pp in
-                  [(64, 64, 4, 3, 8), (32, 128, 4, 3, 8), (32, 64, 4, 4, 16), (16, 128, 4, 4, 16), (32, 64, 4, 3, 8),
-                   (16, 256, 4, 3, 16), (64, 64, 8, 4, 8)]],
-    "coef_finish": [dict(BT=bt, BC=bc, num_warps=w, split_tail=st) for bt, bc, w, st in
-                    [(16, 64, 4, False), (8, 128, 4, False), (16, 128, 8, False), (32, 64, 4, False), (16, 64, 4, True),
-                     (4, 256, 4, False)]],
-    # the forward: split-K projection + finishing kernel, or one program per token block (the older kernel)
-    "coef_fwd": [dict(BT=64, BK=64, num_warps=4, num_stages=3, BC=16, split_tail=True, split_k=sk) for sk in (True, False)],
-    # the boundary forward: write-back fused into the coefficient kernel, or its own kernel then the coefficients
-    "bnd_fwd": [dict(BT=32, BK=16, num_warps=4, num_stages=2, BC=32, split_tail=True, fuse_post=fp) for fp in (False, True)],
-    "bnd_bwd_p": [dict(BT=bt, BC=bc, num_warps=w, num_stages=st, programs_per_sm=pp) for bt, bc, w, st, pp in
-                  [(16, 64, 8, 1, 2), (16, 32, 4, 1, 4), (16, 64, 4, 1, 2), (32, 32, 8, 1, 2), (16, 128, 8, 1, 1),
-                   (16, 64, 8, 2, 2), (16, 32, 8, 2, 4), (32, 64, 8, 1, 1)]],
-    # the boundary backward: one pass (bnd_bwd_p) or the 2-D pass + a separate dphi pass
-    "bnd_bwd": [dict(BT=bt, BC=bc, num_warps=w, persistent=p) for bt, bc, w, p in
-                [(16, 128, 8, False), (16, 64, 8, False), (16, 32, 4, False), (16, 128, 8, True)]],
-    "coef_bwd_tok": [dict(BT=bt, num_warps=w, BC=bc) for bt, w, bc in [(16, 4, 64), (8, 4, 128), (32, 4, 64), (8, 2, 64)]],
+SWEEP_QUICK = {
+    "coef_fwd": [dict(BT=bt, BK=bk, num_warps=w, num_stages=st, BC=bc, split_tail=True) for bt, bk, w, st, bc in
+                 [(64, 64, 4, 3, 16), (32, 64, 4, 3, 32), (64, 128, 8, 3, 16)]],
+    "bnd_bwd": [dict(BT=bt, BC=bc, num_warps=w) for bt, bc, w in [(16, 128, 8), (16, 64, 8), (16, 32, 4)]],
+    "coef_bwd_tok": [dict(BT=bt, num_warps=w, BC=bc) for bt, w, bc in [(8, 2, 64), (16, 4, 64), (8, 4, 128), (4, 2, 64)]],
     "coef_bwd_x": [dict(BT=bt, BK=bk, num_warps=w, num_stages=st, programs_per_sm=pp) for bt, bk, w, st, pp in
-                   [(64, 128, 8, 2, 4), (64, 64, 8, 2, 4), (32, 64, 4, 2, 8), (32, 128, 8, 2, 4), (64, 64, 8, 2, 8)]],
+                   [(64, 128, 8, 2, 4), (64, 64, 8, 2, 8), (64, 64, 8, 2, 4)]],
 }
 
 SWEEP = dict(SWEEP_QUICK, **{  # full run, at C=1024: also the kernels every path shares
     "coef_tail": [dict(BT=bt, num_warps=w) for bt, w in [(8, 2), (4, 1), (16, 2)]],
+    "bnd_dphi": [dict(BT=bt, BK=bk, num_warps=w, num_stages=st, programs_per_sm=pp) for bt, bk, w, st, pp in
+                 [(64, 128, 8, 2, 4), (64, 64, 4, 3, 4), (128, 64, 8, 3, 2)]],
     "post_fwd": [dict(BT=bt, BC=bc, num_warps=w) for bt, bc, w in [(4, 256, 4), (8, 256, 8), (2, 512, 4)]],
     "post_bwd": [dict(BT=bt, BC=bc, num_warps=w) for bt, bc, w in [(4, 256, 4), (8, 128, 4), (2, 512, 4), (4, 512, 8)]],
 })
@@ -431,10 +417,9 @@ def sweep(c, tokens, table=None):
     """Time every config of each kernel in table (default SWEEP), keep the fastest in K.CONFIG; returns the log."""
     k = _kernel_inputs(c, tokens, 5)
     calls = _calls(k)
-    pre_fwd, bnd_bwd = "mhc_pre fwd (stack entry: coef + u)", "boundary bwd (whole op)"
     by_kernel = {  # the op (part) each config entry is timed on
-        "bnd_fwd": "boundary fwd (post_res + coef + u)", "bnd_bwd": bnd_bwd, "bnd_bwd_p": bnd_bwd,
-        "coef_fwd": pre_fwd, "coef_gemm": pre_fwd, "coef_finish": pre_fwd, "coef_tail": "boundary fwd (post_res + coef + u)",
+        "coef_fwd": "mhc_pre fwd (stack entry: coef + u)", "coef_tail": "boundary fwd (post_res + coef + u)",
+        "bnd_bwd": "  2-D pass (G, dx, df, dH, dh_post)", "bnd_dphi": "  dphi pass (x_next^T dL)",
         "coef_bwd_tok": "  per token (<du,x_next> + Sinkhorn)", "coef_bwd_x": "mhc_pre bwd (stack entry)",
         "post_fwd": "stream_post_res fwd (stack exit)", "post_bwd": "stream_post_res bwd (stack exit)",
     }
@@ -465,6 +450,24 @@ def dump():
     with open(path, "w") as fh:
         json.dump(dict(STATE, wrapper=WRAPPER, config=K.CONFIG), fh, indent=1)
     return path
+
+
+def host_ms(step, steps=5):
+    """Median ms the host needs to issue one step (no synchronisation inside): near the step time, the GPU waits."""
+    ts = []
+    for _ in range(steps):
+        sync()
+        t = time.perf_counter()
+        step()
+        ts.append(1e3 * (time.perf_counter() - t))
+    sync()
+    return statistics.median(ts)
+
+
+def graphed(model, x):
+    """The model's forward and backward captured as CUDA graphs (torch.cuda.make_graphed_callables): one launch per
+    direction replays every kernel, so the step no longer waits on the host."""
+    return torch.cuda.make_graphed_callables(model, (x,), num_warmup_iters=3)
 
 
 def profile_step(step, steps=3):
@@ -513,7 +516,7 @@ def run_variant(name, make, x, rows, base):
         step()  # first call: compile / JIT, outside both the timing and the peak
         peak_reset()
         ms = timed(step, args.iters, args.warmup)
-        r = dict(base, variant=name, ms=ms, peak_gib=peak_gib(), wall_s=time.time() - t)
+        r = dict(base, variant=name, ms=ms, peak_gib=peak_gib(), host_ms=host_ms(step), wall_s=time.time() - t)
         if args.profile and DEV == "cuda" and "compile" not in name and not name.startswith(("liger", "lucid", "ref")):
             try:
                 r["profile"] = profile_step(step)
@@ -576,6 +579,10 @@ def main():
             ("ours (per-sublayer ops)", lambda: Hyper(c, heads, blocks, "triton", chained=False).to(DEV, DT)),
             ("ours (per-sublayer ops)+compile",
              lambda: torch.compile(Hyper(c, heads, blocks, "triton", chained=False).to(DEV, DT))),
+            ("residual+cudagraph", lambda: graphed(Residual(c, heads, blocks).to(DEV, DT), x)),
+            ("ours (fused)+cudagraph", lambda: graphed(Hyper(c, heads, blocks, "triton").to(DEV, DT), x)),
+            ("ours (per-sublayer ops)+cudagraph",
+             lambda: graphed(Hyper(c, heads, blocks, "triton", chained=False).to(DEV, DT), x)),
             (f"ours+compile, recompute L_r={L_R[key]}",
              lambda: torch.compile(Hyper(c, heads, blocks, "triton", recompute=L_R[key]).to(DEV, DT))),
             (f"ours, recompute L_r={L_R[key]}", lambda: Hyper(c, heads, blocks, "triton", recompute=L_R[key]).to(DEV, DT)),
@@ -586,7 +593,7 @@ def main():
         if args.ref_compile and key == "1":  # minutes of compile: first shape only, as the peer harness
             variants.append(("reference ops+compile", lambda: torch.compile(Hyper(c, heads, blocks, "torch").to(DEV, DT))))
         if args.smoke:
-            variants = [v for v in variants if "compile" not in v[0] and "liger" not in v[0] and "lucid" not in v[0]]
+            variants = [v for v in variants if not any(k in v[0] for k in ("compile", "cudagraph", "liger", "lucid"))]
         if args.quick:
             variants = [v for v in variants if v[0] in ("residual", "ours (fused)", "ours (per-sublayer ops)")]
         if args.variants:
@@ -604,13 +611,18 @@ def main():
                 r["x_residual_peak"] = r["peak_gib"] / ref["residual"]["peak_gib"]
             if "residual+compile" in ref:
                 r["x_residual_compiled"] = r["ms"] / ref["residual+compile"]["ms"]
+            if "residual+cudagraph" in ref:
+                r["x_residual_cudagraph"] = r["ms"] / ref["residual+cudagraph"]["ms"]
     path = dump()
     print(f"\n{info['gpu']}  torch {info['torch']}  triton {info.get('triton')}  copy {bw:.2f} TB/s  bf16 mm {mm:.0f} TFLOP/s")
-    print(f"{'C':>5} {'variant':<38} {'ms/step':>8} {'x resid':>8} {'x res.comp':>10} {'peak GiB':>9} {'x peak':>7}")
+    print(f"{'C':>5} {'variant':<38} {'ms/step':>8} {'host ms':>8} {'x resid':>8} {'x res.comp':>10} {'x res.graph':>11} "
+          f"{'peak GiB':>9} {'x peak':>7}")
     for r in rows:
         if "ms" in r:
-            print(f"{r['C']:>5} {r['variant']:<38} {r['ms']:8.1f} {r.get('x_residual', float('nan')):8.3f} "
-                  f"{r.get('x_residual_compiled', float('nan')):10.3f} {r['peak_gib']:9.2f} {r.get('x_residual_peak', float('nan')):7.2f}")
+            nan = float("nan")
+            print(f"{r['C']:>5} {r['variant']:<38} {r['ms']:8.1f} {r.get('host_ms', nan):8.1f} {r.get('x_residual', nan):8.3f} "
+                  f"{r.get('x_residual_compiled', nan):10.3f} {r.get('x_residual_cudagraph', nan):11.3f} "
+                  f"{r['peak_gib']:9.2f} {r.get('x_residual_peak', nan):7.2f}")
         else:
             print(f"{r['C']:>5} {r['variant']:<38} {r.get('error', r.get('skipped'))}")
     if kernels:

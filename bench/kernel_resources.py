@@ -21,10 +21,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from mhc_lightning.kernels.fused import ops
-from mhc_lightning.kernels.fused.boundary import _bnd_bwd
-from mhc_lightning.kernels.fused.coefficients import (
-    DOT_NATIVE, DOT_TF32, _coef_bwd_tok, _coef_bwd_x, _coef_finish, _coef_fwd, _coef_gemm_part, _coef_tail,
-)
+from mhc_lightning.kernels.fused.coefficients import DOT_NATIVE, DOT_TF32, _coef_bwd_tok, _coef_bwd_x, _coef_fwd, _coef_tail
 from mhc_lightning.kernels.fused.stream_post_res import _post_bwd_2d, _post_fwd
 from mhc_lightning.kernels.fused.stream_pre import _pre_bwd, _pre_fwd
 
@@ -41,14 +38,8 @@ def cases():
     res = dict(NS=NS, M=M, HAS_RES=True, T_IN=True, T_OUT=False)
     fwd = dict(res, MP=MP, SINK=False, HAS_U=True, DOT=DOT_NATIVE)
     return [
-        ("mhc_pre fwd (coef + u)", _coef_fwd, dict(fwd, POST=False, POST_RES=False, **_tiles("coef_fwd", "BT", "BK", "BC")),
-         {"x_ptr", "phi_ptr", "u_ptr", "xp_ptr", "f_ptr"}, "coef_fwd"),
-        ("split-K projection", _coef_gemm_part, dict(M=M, MP=MP, DOT=DOT_NATIVE, **_tiles("coef_gemm", "BT", "BK")),
-         {"x_ptr", "phi_ptr"}, "coef_gemm"),
-        ("split-K finish (tail + u)", _coef_finish, dict(res, MP=MP, SINK=True, HAS_U=True, **_tiles("coef_finish", "BT", "BC")),
-         {"x_ptr", "u_ptr"}, "coef_finish"),
-        ("boundary fwd", _coef_fwd, dict(fwd, POST=True, POST_RES=True, **_tiles("bnd_fwd", "BT", "BK", "BC")),
-         {"x_ptr", "phi_ptr", "u_ptr", "xp_ptr", "f_ptr"}, "bnd_fwd"),
+        ("mhc_pre fwd (coef + u)", _coef_fwd, dict(fwd, **_tiles("coef_fwd", "BT", "BK", "BC")), {"x_ptr", "phi_ptr", "u_ptr"},
+         "coef_fwd"),
         ("Sinkhorn tail", _coef_tail, dict(NS=NS, M=M, T_IN=True, T_OUT=False, BT=ops.CONFIG["coef_tail"]["BT"]),
          set(), "coef_tail"),
         ("coef bwd per token (+ <du, x>)", _coef_bwd_tok,
@@ -64,8 +55,6 @@ def cases():
         ("boundary bwd 2-D pass", _post_bwd_2d,
          dict(NS=NS, HAS_RES=True, COEF=True, M=M, MP=MP, DOT=DOT_TF32, **_tiles("bnd_bwd", "BT", "BC")),
          {"x_ptr", "f_ptr", "g_ptr", "dx_ptr", "df_ptr", "xn_ptr", "du_ptr", "phi_ptr"}, "bnd_bwd"),
-        ("boundary bwd one pass", _bnd_bwd, dict(NS=NS, HAS_RES=True, M=M, MP=MP, DOT=DOT_TF32, **_tiles("bnd_bwd_p", "BT", "BC")),
-         {"x_ptr", "f_ptr", "g_ptr", "dx_ptr", "df_ptr", "xn_ptr", "du_ptr", "phi_ptr"}, "bnd_bwd_p"),
         ("stream_post_res fwd", _post_fwd, dict(NS=NS, HAS_RES=True, **_tiles("post_fwd", "BT", "BC")),
          {"x_ptr", "f_ptr", "out_ptr"}, "post_fwd"),
         ("stream_post_res bwd", _post_bwd_2d,

@@ -238,24 +238,11 @@ def test_mhc_pre_fp32(n, mode):
                  res_layout="dst_src" if n == 2 else "src_dst")
 
 
-# Forward launch variants of the coefficients: split-K projection (partials, then a finishing kernel with the tail and
-# u; the Sinkhorn tail there or in its own launch) or one program per token block over the whole row (tail in the GEMM
-# kernel or in its own launch).
-COEF_FWD_VARIANTS = {
-    "split-k": dict(coef_fwd=dict(split_k=True), coef_finish=dict(split_tail=False)),
-    "split-k-split-tail": dict(coef_fwd=dict(split_k=True), coef_finish=dict(split_tail=True)),
-    "one-pass": dict(coef_fwd=dict(split_k=False, split_tail=False)),
-    "one-pass-split-tail": dict(coef_fwd=dict(split_k=False, split_tail=True)),
-}
-
-
-@pytest.mark.parametrize("variant", list(COEF_FWD_VARIANTS))
-def test_mhc_pre_bf16_partial_grads_launch_variants(variant):
-    """bf16 (both phi dtypes), only some outputs used, in each forward launch variant."""
-    torch.manual_seed(70 + len(variant))
-    with ExitStack() as stack:
-        for name, change in COEF_FWD_VARIANTS[variant].items():
-            stack.enter_context(config_changed(name, **change))
+@pytest.mark.parametrize("split_tail", [False, True])
+def test_mhc_pre_bf16_partial_grads_split_tail(split_tail):
+    """bf16 (both phi dtypes), only some outputs used, Sinkhorn in the GEMM kernel or in its own launch."""
+    torch.manual_seed(70 + split_tail)
+    with config_changed("coef_fwd", split_tail=split_tail):
         lead, c = SHAPES[1]
         for phi_dtype, used in ((torch.float32, (True, False, True, True)), (torch.bfloat16, (False, True, True, True)),
                                 (torch.float32, (True, True, False, False))):
@@ -316,18 +303,13 @@ def test_boundary_identity_hc(prev_res, next_res, n):
     _run_boundary(_boundary_inputs(lead, c, n, torch.float32, prev_res, next_res), torch.float32, sinkhorn_iters=ITERS)
 
 
-# Launch variants of the boundary op: the one-pass backward (kernels/fused/boundary.py) with several C blocks per row
-# (partials summed afterwards), whole rows, and several token splits (dphi partials); the older 2-D backward with a
-# separate dphi pass; the forward's write-back fused into the coefficient kernel or in its own kernel; the Sinkhorn
-# tail in the GEMM kernel. (With CUDA's C = 1000 / 1024 the phi-tile cap, ops._phi_rows_cap, keeps "rows" in partials.)
+# Launch variants of the boundary op: the backward's 2-D pass with several C blocks per row (partials summed
+# afterwards) or whole rows, and the Sinkhorn tail in the GEMM kernel. (With CUDA's C = 1000 / 1024 the phi-tile cap,
+# ops._phi_rows_cap, keeps "rows" in partials.)
 BOUNDARY_TILES = {
-    "partials": dict(bnd_bwd_p=dict(BC=256 if CUDA else 16)),
-    "rows": dict(bnd_bwd_p=dict(BC=4096)),
-    "splits": dict(bnd_bwd_p=dict(BC=16, programs_per_sm=64)),
-    "two-pass-2d": dict(bnd_bwd=dict(persistent=False, BC=256 if CUDA else 16)),
-    "fused-post": dict(bnd_fwd=dict(fuse_post=True)),
-    "separate-post": dict(bnd_fwd=dict(fuse_post=False)),
-    "in-kernel-sinkhorn": dict(bnd_fwd=dict(split_tail=False)),
+    "partials": dict(bnd_bwd=dict(BC=256 if CUDA else 16)),
+    "rows": dict(bnd_bwd=dict(BC=4096)),
+    "in-kernel-sinkhorn": dict(coef_fwd=dict(split_tail=False)),
 }
 
 

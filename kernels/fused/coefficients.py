@@ -5,9 +5,8 @@ accumulate, M = n^2 + 2n) and sum(x^2); the per-token tail (norm-after-matmul, g
 runs in fp32 registers. Only L and 1/r (M + 1 floats per token) are kept for the backward.
 - HAS_U (the fused pre op): the same kernel also writes u = sum_j h_pre_j x_j; its C loop re-reads the token
   block it has just streamed (L2), so x leaves DRAM once for coefficients and u together.
-- POST (the sublayer boundary op, docs/kernels.md): x is not read but made, tile by tile, as the previous
-  sublayer's write-back x = H^res_prev x_prev + h_post_prev f (reading x_prev and f once) and written once; the
-  projection, sum of squares and u then use the tiles just made.
+  The sublayer boundary op's forward is `_post_fwd` then this kernel on the x it wrote (docs/kernels.md: the
+  write-back fused into this kernel, and a split-K projection, were measured slower).
 - `_coef_tail` (CONFIG "split_tail") runs Sinkhorn in its own launch with small token blocks, so the serial tail
   does not sit behind each program's GEMM loop.
 
@@ -135,121 +134,31 @@ def _res_tail(lg_ptr, bias_ptr, alpha_ptr, hres_ptr, rows64, rmask, rinv, iters,
 @triton.jit(do_not_specialize=["N", "iters"])
 def _coef_fwd(
     x_ptr, phi_ptr, bias_ptr, alpha_ptr, lg_ptr, rinv_ptr, hpre_ptr, hpost_ptr, hres_ptr, u_ptr,
-    xp_ptr, f_ptr, php_ptr, phr_ptr,
     N, C, stride_x, stride_phi, iters, eps, rms_eps, pre_eps, post_mult,
     NS: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, HAS_RES: tl.constexpr, SINK: tl.constexpr,
-    HAS_U: tl.constexpr, POST: tl.constexpr, POST_RES: tl.constexpr, T_IN: tl.constexpr, T_OUT: tl.constexpr,
+    HAS_U: tl.constexpr, T_IN: tl.constexpr, T_OUT: tl.constexpr,
     DOT: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr,
 ):
-    """POST: x_ptr is written (contiguous [N, n, C]) from xp_ptr [N, n, C] (contiguous), f_ptr [N, C], php_ptr
-    [N, n] and, with POST_RES, phr_ptr [N, n, n]; BK is then the C tile of every stream per step. Otherwise x_ptr
-    is read and BK is the tile of the flat n*C row. BC: C tile of the u loop."""
+    """x [N, n*C] rows (stride_x), BK: tile of the flat row in the projection loop, BC: C tile of the u loop."""
     pid = tl.program_id(0)
     rows = pid * BT + tl.arange(0, BT)
     rmask = rows < N
     rows64 = rows.to(tl.int64)
     cols = tl.arange(0, MP)
     cmask = cols < M
-    nn = tl.arange(0, NS)
-    tok = rmask[:, None] & (nn[None, :] < NS)
     K = NS * C
     acc = tl.zeros([BT, MP], dtype=tl.float32)
     ss = tl.zeros([BT], dtype=tl.float32)
-    if POST:
-        # one C block of every stream at a time: make the block of x ([BT, n, BK], as stream_post_res does), write
-        # it, and feed the same registers to the projection (one dot over the n * BK columns) and the sum of squares
-        kk = tl.arange(0, NS * BK)
-        ks, kc = kk // BK, kk % BK  # flat column -> (stream, channel within the block)
-        for c0 in range(0, C, BK):
-            cc = c0 + tl.arange(0, BK)
-            m2 = rmask[:, None] & (cc[None, :] < C)
-            m3 = m2[:, None, :] & (nn[None, :, None] < NS)
-            f = tl.load(f_ptr + rows64[:, None] * C + cc[None, :], mask=m2, other=0.0).to(tl.float32)
-            hp = tl.load(php_ptr + rows64[:, None] * NS + nn[None, :], mask=tok, other=0.0)
-            acc3 = hp[:, :, None] * f[:, None, :]
-            if POST_RES:  # x_i = sum_j H^res_prev[i, j] x_prev_j + h_post_prev[i] f
-                for j in tl.static_range(NS):
-                    xj = tl.load(xp_ptr + rows64[:, None] * K + j * C + cc[None, :], mask=m2, other=0.0)
-                    hj = tl.load(phr_ptr + rows64[:, None] * (NS * NS) + nn[None, :] * NS + j, mask=tok, other=0.0)
-                    acc3 += hj[:, :, None] * xj.to(tl.float32)[:, None, :]
-            else:
-                acc3 += tl.load(xp_ptr + rows64[:, None, None] * K + nn[None, :, None] * C + cc[None, None, :],
-                                mask=m3, other=0.0).to(tl.float32)
-            xt3 = acc3.to(x_ptr.dtype.element_ty)  # the stored value: the coefficients read what was written
-            tl.store(x_ptr + rows64[:, None, None] * stride_x + nn[None, :, None] * C + cc[None, None, :], xt3, mask=m3)
-            xf3 = xt3.to(tl.float32)
-            ss += tl.sum(tl.sum(xf3 * xf3, axis=2), axis=1)
-            pt = tl.load(phi_ptr + (ks * C + c0 + kc)[:, None] * stride_phi + cols[None, :],
-                         mask=((c0 + kc) < C)[:, None] & cmask[None, :], other=0.0)
-            acc = _dot(tl.reshape(xt3, [BT, NS * BK]), pt, acc, DOT)
-    else:
-        # one pass over x [N, n*C]: projection and sum of squares share every load
-        for k0 in range(0, K, BK):
-            kk = k0 + tl.arange(0, BK)
-            kmask = kk < K
-            xt = tl.load(x_ptr + rows64[:, None] * stride_x + kk[None, :], mask=rmask[:, None] & kmask[None, :],
-                         other=0.0)
-            pt = tl.load(phi_ptr + kk[:, None] * stride_phi + cols[None, :], mask=kmask[:, None] & cmask[None, :],
-                         other=0.0)
-            xf = xt.to(tl.float32)
-            ss += tl.sum(xf * xf, axis=1)
-            acc = _dot(xt, pt, acc, DOT)
-    _coef_outputs(acc, ss, x_ptr, bias_ptr, alpha_ptr, lg_ptr, rinv_ptr, hpre_ptr, hpost_ptr, hres_ptr, u_ptr,
-                  rows64, rmask, N, C, stride_x, iters, eps, rms_eps, pre_eps, post_mult,
-                  NS, M, MP, HAS_RES, SINK, HAS_U, T_IN, T_OUT, BT, BC)
-
-
-@triton.jit(do_not_specialize=["N", "k_per_split"])
-def _coef_gemm_part(
-    x_ptr, phi_ptr, part_ptr, N, stride_x, stride_phi, K, k_per_split,
-    M: tl.constexpr, MP: tl.constexpr, DOT: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-):
-    """Split-K projection: program (token block, split) streams x[:, k range] once and writes its partial x phi
-    [splits, N, MP] (fp32). Many programs keep more loads in flight than one program per token block over the whole
-    n*C row; with the x tile feeding only the dot (the sum of squares is left to `_coef_finish`), it can be staged in
-    shared memory instead of registers."""
-    pid = tl.program_id(0)
-    sp = tl.program_id(1)
-    rows = pid * BT + tl.arange(0, BT)
-    rmask = rows < N
-    rows64 = rows.to(tl.int64)
-    cols = tl.arange(0, MP)
-    acc = tl.zeros([BT, MP], dtype=tl.float32)
-    k_lo = sp * k_per_split
-    k_hi = tl.minimum(K, k_lo + k_per_split)
-    for k0 in range(k_lo, k_hi, BK):
+    # one pass over x [N, n*C]: projection and sum of squares share every load
+    for k0 in range(0, K, BK):
         kk = k0 + tl.arange(0, BK)
-        kmask = kk < k_hi
+        kmask = kk < K
         xt = tl.load(x_ptr + rows64[:, None] * stride_x + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        pt = tl.load(phi_ptr + kk[:, None] * stride_phi + cols[None, :], mask=kmask[:, None] & (cols < M)[None, :],
+        pt = tl.load(phi_ptr + kk[:, None] * stride_phi + cols[None, :], mask=kmask[:, None] & cmask[None, :],
                      other=0.0)
-        acc = _dot(xt, pt, acc, DOT)
-    prow = sp.to(tl.int64) * N + rows64
-    tl.store(part_ptr + prow[:, None] * MP + cols[None, :], acc, mask=rmask[:, None])
-
-
-@triton.jit(do_not_specialize=["N", "iters", "splits"])
-def _coef_finish(
-    x_ptr, part_ptr, bias_ptr, alpha_ptr, lg_ptr, rinv_ptr, hpre_ptr, hpost_ptr, hres_ptr, u_ptr,
-    N, C, stride_x, splits, iters, eps, rms_eps, pre_eps, post_mult,
-    NS: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, HAS_RES: tl.constexpr, SINK: tl.constexpr,
-    HAS_U: tl.constexpr, T_IN: tl.constexpr, T_OUT: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-):
-    """After `_coef_gemm_part`: sums the split partials and the rows' squares (a read of the block of x that the u
-    loop then finds in L2), then the per-token tail and u as in `_coef_fwd`."""
-    rows = tl.program_id(0) * BT + tl.arange(0, BT)
-    rmask = rows < N
-    rows64 = rows.to(tl.int64)
-    cols = tl.arange(0, MP)
-    acc = tl.zeros([BT, MP], dtype=tl.float32)
-    for sp in range(splits):
-        acc += tl.load(part_ptr + (sp * N + rows64)[:, None] * MP + cols[None, :], mask=rmask[:, None], other=0.0)
-    ss = tl.zeros([BT], dtype=tl.float32)
-    for k0 in range(0, NS * C, BC):
-        kk = k0 + tl.arange(0, BC)
-        xf = tl.load(x_ptr + rows64[:, None] * stride_x + kk[None, :], mask=rmask[:, None] & (kk < NS * C)[None, :],
-                     other=0.0).to(tl.float32)
+        xf = xt.to(tl.float32)
         ss += tl.sum(xf * xf, axis=1)
+        acc = _dot(xt, pt, acc, DOT)
     _coef_outputs(acc, ss, x_ptr, bias_ptr, alpha_ptr, lg_ptr, rinv_ptr, hpre_ptr, hpost_ptr, hres_ptr, u_ptr,
                   rows64, rmask, N, C, stride_x, iters, eps, rms_eps, pre_eps, post_mult,
                   NS, M, MP, HAS_RES, SINK, HAS_U, T_IN, T_OUT, BT, BC)
@@ -283,8 +192,7 @@ def _coef_outputs(acc, ss, x_ptr, bias_ptr, alpha_ptr, lg_ptr, rinv_ptr, hpre_pt
     tl.store(hpre_ptr + rows64[:, None] * NS + nn[None, :], h_pre, mask=tok)
     tl.store(hpost_ptr + rows64[:, None] * NS + nn[None, :], post_mult * tl.sigmoid(y_post), mask=tok)
     if HAS_U:
-        # u = sum_j h_pre_j x_j. In `_coef_fwd` this block of x was just streamed (or, with POST, written) by the
-        # same program: L2 hits; after the split-K projection it is a second read
+        # u = sum_j h_pre_j x_j: this block of x was just streamed by the same program (L2 hits)
         for c0 in range(0, C, BC):
             cc = c0 + tl.arange(0, BC)
             m2 = rmask[:, None] & (cc[None, :] < C)

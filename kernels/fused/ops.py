@@ -12,11 +12,7 @@ from types import SimpleNamespace
 
 import torch
 
-from .boundary import _bnd_bwd
-from .coefficients import (
-    DOT_IEEE, DOT_NATIVE, DOT_TF32, _coef_bwd_tok, _coef_bwd_x, _coef_finish, _coef_fwd,
-    _coef_gemm_part, _coef_tail,
-)
+from .coefficients import DOT_IEEE, DOT_NATIVE, DOT_TF32, _coef_bwd_tok, _coef_bwd_x, _coef_fwd, _coef_tail
 from .stream_post_res import _post_bwd_2d, _post_fwd
 from .stream_pre import _pre_bwd, _pre_fwd
 
@@ -30,18 +26,10 @@ POISON = False
 CONFIG = {
     # BK: tile of the flat n*C row in the GEMM loop; BC: C tile of the fused pre op's u loop, BT * BC <= 1024 (larger
     # u tiles spill at BT = 64). split_tail: Sinkhorn in its own launch (`coef_tail`) after the GEMM programs.
-    "coef_fwd": dict(BT=64, BK=64, num_warps=4, num_stages=3, BC=16, split_tail=True, split_k=True),
-    # the boundary op's forward (same kernel, POST; BK = C tile of every stream per step): small token blocks, so the
-    # rows it has just written are still in L2 when its u loop reads them back. The winner of bench_mhc --sweep on an
-    # H200 (docs/benchmarks.md, round 3).
-    # split_k: the projection as many (token block, K range) programs writing partials (coef_gemm), then the sums,
-    # tail and u per token block (coef_finish); BT >= 16 for tl.dot
-    "coef_gemm": dict(BT=64, BK=64, num_warps=4, num_stages=3, programs_per_sm=8),
-    "coef_finish": dict(BT=16, BC=64, num_warps=4, split_tail=False),
-    "bnd_fwd": dict(BT=32, BK=16, num_warps=4, num_stages=2, BC=32, split_tail=True),
+    "coef_fwd": dict(BT=64, BK=64, num_warps=4, num_stages=3, BC=16, split_tail=True),
     "coef_tail": dict(BT=8, num_warps=2),
     # BC: C tile of the <du, x_j> loop (fused pre and boundary ops)
-    "coef_bwd_tok": dict(BT=16, num_warps=4, BC=64),
+    "coef_bwd_tok": dict(BT=8, num_warps=2, BC=64),
     "coef_bwd_x": dict(BT=64, BK=128, num_warps=8, num_stages=2, programs_per_sm=4),
     "bnd_dphi": dict(BT=64, BK=128, num_warps=8, num_stages=2, programs_per_sm=4),  # coef_bwd_x without dx
     "pre_fwd": dict(BT=4, BC=512, num_warps=4),
@@ -50,10 +38,8 @@ CONFIG = {
     # the forward's grid (token block x C block), no C loop; per-C-block partials of dH / dh_post summed
     # afterwards (BC >= C: whole rows, written directly)
     "post_bwd": dict(BT=4, BC=256, num_warps=4),
-    # post_bwd with COEF (the boundary op's dx pass); BT >= 16 for tl.dot. Swept as bnd_fwd. persistent: use
-    # bnd_bwd_p instead (kernels/fused/boundary.py: phi rows and dphi kept per program, no separate dphi pass)
-    "bnd_bwd": dict(BT=16, BC=128, num_warps=8, persistent=True),
-    "bnd_bwd_p": dict(BT=16, BC=64, num_warps=8, num_stages=1, programs_per_sm=2),
+    # post_bwd with COEF (the boundary op's dx pass); BT >= 16 for tl.dot
+    "bnd_bwd": dict(BT=16, BC=128, num_warps=8),
 }
 
 
@@ -141,78 +127,34 @@ def _fwd(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mu
     """Coefficients (and u = sum_j h_pre_j x_j when with_u) in one launch, plus the optional split tail.
 
     post = (x_prev, f, h_post_prev, h_res_prev [N, n, n] or [N, 0, 0]): the boundary op; x is then None and is made
-    as stream_post_res(*post) inside the same kernel. Returns (x, u, h_pre, h_post, h_res, logits, 1/r)."""
-    src = x if post is None else post[0]
-    N, n, C = src.shape
+    first as stream_post_res(*post) by its own streaming kernel. Returns (x, u, h_pre, h_post, h_res, logits, 1/r)."""
+    if post is not None:
+        x = _post_fwd_body(*post)
+    N, n, C = x.shape
     M = phi.shape[1]
     has_res = M == n * n + 2 * n
-    dev = src.device
+    dev = x.device
     h_pre, h_post = _new((N, n), torch.float32, dev), _new((N, n), torch.float32, dev)
     h_res = _new((N, n, n) if has_res else (N, 0, 0), torch.float32, dev)
     lg, rinv = _new((N, M), torch.float32, dev), _new((N,), torch.float32, dev)
-    if post is not None and not CONFIG["bnd_fwd"].get("fuse_post", True):
-        # the write-back in its own streaming kernel, then the coefficients read x_next back like any stream
-        x, post = _post_fwd_body(*post), None
-    elif post is not None:
-        x = _new((N, n, C), src.dtype, dev)
     u = _new((N, C), x.dtype, dev) if with_u else None
     if N == 0:
         return x, u, h_pre, h_post, h_res, lg, rinv
-    if post is None:
-        x = _rows(x)
-        xp, f, php, phr = x, x, h_pre, h_pre  # unused pointers
-        post_res = False
-    else:
-        xp, f, php, phr = _rows(post[0]), post[1].contiguous(), post[2].contiguous(), post[3].contiguous()
-        post_res = phr.shape[-1] != 0
-    phi = _c_contig(phi)
-    if post is None:
-        cfg = _cfg("coef_fwd", BK=_np2(n * C, 16), BC=_np2(C, 16))
-    else:  # BK: C columns of every stream per step
-        cfg = _cfg("bnd_fwd", BK=min(_np2(C, 16), _phi_rows_cap(n, M)), BC=_np2(C, 16))
+    x, phi = _rows(x), _c_contig(phi)
+    cfg = _cfg("coef_fwd", BK=_np2(n * C, 16), BC=_np2(C, 16))
     bias, alpha = bias.contiguous(), alpha.contiguous()
-    if post is None and cfg.get("split_k"):
-        split = bool(CONFIG["coef_finish"].get("split_tail", False)) and has_res
-        _coef_split_k(x, phi, bias, alpha, lg, rinv, h_pre, h_post, h_res, u, iters, eps, t_in, t_out, rms_eps,
-                      pre_eps, post_mult, split)
-    else:
-        split = bool(cfg.get("split_tail", False)) and has_res
-        _coef_fwd[(_cdiv(N, cfg["BT"]),)](
-            x, phi, bias, alpha, lg, rinv, h_pre, h_post, h_res, u if with_u else h_pre, xp, f, php, phr,
-            N, C, x.stride(0), phi.stride(0), iters, eps, rms_eps, pre_eps, post_mult,
-            NS=n, M=M, MP=_np2(M, 16), HAS_RES=has_res, SINK=not split, HAS_U=with_u, POST=post is not None,
-            POST_RES=post_res, T_IN=t_in, T_OUT=t_out, DOT=_dot_mode(x, phi), BT=cfg["BT"], BK=cfg["BK"], BC=cfg["BC"],
-            **_launch(cfg),
-        )
+    split = bool(cfg.get("split_tail", False)) and has_res
+    _coef_fwd[(_cdiv(N, cfg["BT"]),)](
+        x, phi, bias, alpha, lg, rinv, h_pre, h_post, h_res, u if with_u else h_pre,
+        N, C, x.stride(0), phi.stride(0), iters, eps, rms_eps, pre_eps, post_mult,
+        NS=n, M=M, MP=_np2(M, 16), HAS_RES=has_res, SINK=not split, HAS_U=with_u, T_IN=t_in, T_OUT=t_out,
+        DOT=_dot_mode(x, phi), BT=cfg["BT"], BK=cfg["BK"], BC=cfg["BC"], **_launch(cfg),
+    )
     if split:
         ct = _cfg("coef_tail")
         _coef_tail[(_cdiv(N, ct["BT"]),)](
             lg, rinv, bias, alpha, h_res, N, iters, eps, NS=n, M=M, T_IN=t_in, T_OUT=t_out, BT=ct["BT"], **_launch(ct))
     return x, u, h_pre, h_post, h_res, lg, rinv
-
-
-def _coef_split_k(x, phi, bias, alpha, lg, rinv, h_pre, h_post, h_res, u, iters, eps, t_in, t_out, rms_eps, pre_eps,
-                  post_mult, split_tail):
-    """Coefficients (and u) in two launches: the split-K projection (`_coef_gemm_part`, CONFIG "coef_gemm"), then
-    per token block the sum of the partials, the tail and u (`_coef_finish`, CONFIG "coef_finish")."""
-    N, n, C = x.shape
-    K, M = n * C, phi.shape[1]
-    MP = _np2(M, 16)
-    cg = _cfg("coef_gemm", BK=_np2(K, 16))
-    blocks = _cdiv(N, cg["BT"])
-    splits = max(1, min(_cdiv(K, cg["BK"]), _cdiv(cg["programs_per_sm"] * _num_sms(x.device), blocks)))
-    k_per = _cdiv(_cdiv(K, splits), cg["BK"]) * cg["BK"]
-    splits = _cdiv(K, k_per)
-    part = _new((splits, N, MP), torch.float32, x.device)
-    _coef_gemm_part[(blocks, splits)](
-        x, phi, part, N, x.stride(0), phi.stride(0), K, k_per, M=M, MP=MP, DOT=_dot_mode(x, phi), BT=cg["BT"],
-        BK=cg["BK"], **_launch(cg))
-    cf = _cfg("coef_finish", BC=_np2(C, 16))
-    has_res = h_res.shape[-1] != 0
-    _coef_finish[(_cdiv(N, cf["BT"]),)](
-        x, part, bias, alpha, lg, rinv, h_pre, h_post, h_res, h_pre if u is None else u, N, C, x.stride(0),
-        splits, iters, eps, rms_eps, pre_eps, post_mult, NS=n, M=M, MP=MP, HAS_RES=has_res, SINK=not split_tail,
-        HAS_U=u is not None, T_IN=t_in, T_OUT=t_out, BT=cf["BT"], BC=cf["BC"], **_launch(cf))
 
 
 def _coef_fwd_body(
@@ -584,30 +526,6 @@ def _(x, f, h_post, h_res, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, p
         _coef_fake(x, phi)
 
 
-def _bnd_bwd_run(g, x, f, h_post, h_res, x_next, du, dl, dss, h_pre2, phi):
-    """Launch `_bnd_bwd` (kernels/fused/boundary.py): (dx, df, dh_post, dh_res, dphi split-partials)."""
-    N, n, C = x.shape
-    M = phi.shape[1]
-    has_res = h_res.shape[-1] != 0
-    dev = x.device
-    cfg = _cfg("bnd_bwd_p", BC=min(_np2(C, 16), _phi_rows_cap(n, M)))
-    n_cblk = _cdiv(C, cfg["BC"])
-    want = max(1, cfg["programs_per_sm"] * _num_sms(dev) // n_cblk)
-    tok = max(cfg["BT"], _cdiv(_cdiv(N, want), cfg["BT"]) * cfg["BT"])
-    splits = _cdiv(N, tok)
-    dx, df = _new((N, n, C), x.dtype, dev), _new((N, C), f.dtype, dev)
-    dhp = _new((n_cblk, N, n), torch.float32, dev)
-    dhr = _new((n_cblk, N, n, n) if has_res else (1, N, 0, 0), torch.float32, dev)
-    dphi_part = _new((splits, n * C, M), torch.float32, dev)
-    x, f, g = _c_contig(x), _c_contig(f), g.contiguous()
-    _bnd_bwd[(n_cblk, splits)](
-        x, f, h_post.contiguous(), h_res.contiguous(), g, dx, df, dhp, dhr, x_next, du.contiguous(), dl, dss,
-        h_pre2.contiguous(), phi, dphi_part, N, C, x.stride(0), x.stride(1), f.stride(0), phi.stride(0), tok,
-        NS=n, HAS_RES=has_res, M=M, MP=_np2(M, 16), DOT=DOT_IEEE if x.dtype == torch.float32 else DOT_TF32,
-        BT=cfg["BT"], BC=cfg["BC"], **_launch(cfg))
-    return dx, df, _sum_splits(dhp), _sum_splits(dhr), dphi_part
-
-
 def _bnd_bwd_body(
     x: Tensor, f: Tensor, h_post: Tensor, h_res: Tensor, phi: Tensor, bias: Tensor, alpha: Tensor, x_next: Tensor,
     lg: Tensor, rinv: Tensor, h_pre2: Tensor, g: Tensor, du: Tensor, d_pre: Tensor, d_post: Tensor, d_res: Tensor,
@@ -621,11 +539,8 @@ def _bnd_bwd_body(
     x_next, phi = _rows(x_next), _c_contig(phi)
     dl, dss, part = bwd_tok(x_next, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out,
                             post_mult, du=du)
-    if CONFIG["bnd_bwd"].get("persistent", True):
-        dx, df, dhp, dhr, dphi_part = _bnd_bwd_run(g, x, f, h_post, h_res, x_next, du, dl, dss, h_pre2, phi)
-    else:
-        dphi_part = bwd_x(x_next, phi, dl, dss)
-        dx, df, dhp, dhr = _post_bwd_run(g, x, f, h_post, h_res, coef=(x_next, du, dl, dss, h_pre2, phi))
+    dphi_part = bwd_x(x_next, phi, dl, dss)
+    dx, df, dhp, dhr = _post_bwd_run(g, x, f, h_post, h_res, coef=(x_next, du, dl, dss, h_pre2, phi))
     return (dx, df, dhp.to(h_post.dtype), dhr.to(h_res.dtype), *_param_grads(phi, bias, alpha, dphi_part, part))
 
 
