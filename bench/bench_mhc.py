@@ -40,6 +40,7 @@ p.add_argument("--sweep", action="store_true", help="try launch configs per kern
 p.add_argument("--smoke", action="store_true", help="CPU + Triton interpreter at tiny shapes")
 p.add_argument("--variants", default=None,
                help="comma-separated substrings: run only the stack variants whose name contains one (residual is kept)")
+p.add_argument("--skip", default=None, help="comma-separated substrings: leave out the variants whose name contains one")
 p.add_argument("--quick", action="store_true",
                help="only residual + ours (eager) per shape, per-kernel table; --sweep then tries only SWEEP_QUICK")
 p.add_argument("--profile", action="store_true",
@@ -599,6 +600,9 @@ def main():
         if args.variants:
             keep = [k.strip() for k in args.variants.split(",")]
             variants = [v for v in variants if v[0] == "residual" or any(k in v[0] for k in keep)]
+        if args.skip:
+            drop = [k.strip() for k in args.skip.split(",")]
+            variants = [v for v in variants if v[0] == "residual" or not any(k in v[0] for k in drop)]
         for name, make in variants:
             run_variant(name, make, x, rows, base)
     for c in sorted({r["C"] for r in rows}):
