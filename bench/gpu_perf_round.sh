@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One full performance call on the GPU machine (issue 13's protocol, docs/benchmarks.md): the kernel tests, the stack
+# benchmark in one process (eager, CUDA graphs, the per-sublayer compile, Liger), and the trainer rows. Each step has
+# its own time limit, so a hang (the chained stack under torch.compile: docs/benchmarks.md, round 4) costs its
+# limit and not the call; everything lands under $OUT. Carry .gpuwheels (bench/gpu_wheels.sh).
+#   run: OUT=$OUT bash bench/gpu_perf_round.sh            (about 8 minutes on an H200)
+#   PROFILE=1 adds --quick --sweep --profile (launch-config sweep, CUDA time per kernel) instead of the full table.
+set -u
+OUT=${OUT:-out}
+mkdir -p "$OUT/trainer" "$OUT/trainer_chain" "$OUT/compile"
+source bench/gpu_env.sh > "$OUT/setup.log" 2>&1 || { tail "$OUT/setup.log"; exit 1; }
+
+echo "== kernel tests"
+timeout 200 python3 -m pytest -q -x tests/test_kernels.py tests/test_recompute.py -n 8 -p no:cacheprovider 2>&1 \
+  | tail -3 | tee "$OUT/tests.log"
+
+echo "== stack benchmark"
+if [ "${PROFILE:-0}" = 1 ]; then
+  bench_args=(--quick --sweep --profile)
+else
+  bench_args=(--no-kernels --variants "ours,cudagraph,liger" --skip "compile,recompute")
+fi
+timeout 230 python3 bench/bench_mhc.py --shapes 1,2 --iters 10 --warmup 2 --budget-s 200 "${bench_args[@]}" \
+  --out "$OUT" > "$OUT/bench_mhc.log" 2>&1
+grep -A30 "ms/step" "$OUT/bench_mhc.log"
+
+echo "== compiled, one sublayer at a time"
+timeout 120 python3 bench/bench_mhc.py --shapes 1 --iters 5 --warmup 1 --no-kernels \
+  --variants "residual+compile,per-sublayer ops)+compile" --skip recompute --out "$OUT/compile" \
+  > "$OUT/compile/bench_mhc.log" 2>&1
+grep -A5 "ms/step" "$OUT/compile/bench_mhc.log"
+
+echo "== trainer (bench_ddp --gpus 1): residual and mHC, then the chained mHC"
+timeout 130 python3 bench/bench_ddp.py --gpus 1 --no-check --timeout 110 --out "$OUT/trainer" 2>&1 | tail -4
+timeout 80 python3 bench/bench_ddp.py --gpus 1 --no-check --modes mhc --timeout 70 \
+  --fit-args=--model.arch.hyper.chain_sublayers=true --out "$OUT/trainer_chain" 2>&1 | tail -3
