@@ -45,6 +45,8 @@ p.add_argument("--quick", action="store_true",
                help="only residual + ours (eager) per shape, per-kernel table; --sweep then tries only SWEEP_QUICK")
 p.add_argument("--profile", action="store_true",
                help="per eager mHC variant: CUDA time per kernel over one training step (torch.profiler), top 25")
+p.add_argument("--profile-host", action="store_true",
+               help="per eager mHC variant: Python time per function over one step (cProfile), top 25 by own time")
 p.add_argument("--config", default=None,
                help="a previous run's bench_mhc.json: start from the launch configs it ended with (e.g. a sweep's)")
 args = p.parse_args()
@@ -465,6 +467,30 @@ def host_ms(step, steps=5):
     return statistics.median(ts)
 
 
+def profile_host(step, steps=3, top=25):
+    """Where the host's time per step goes: cProfile over steps, functions by own time (ms per step)."""
+    import cProfile
+    import pstats
+
+    sync()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    prof.disable()
+    sync()
+    st = pstats.Stats(prof)
+    rows = []
+    for (file, line, fn), (_cc, ncalls, tottime, cumtime, _callers) in st.stats.items():
+        rows.append(dict(function=f"{os.path.basename(file)}:{line}:{fn}", calls_per_step=ncalls / steps,
+                         own_ms=1e3 * tottime / steps, cum_ms=1e3 * cumtime / steps))
+    rows.sort(key=lambda r: -r["own_ms"])
+    for r in rows[:top]:
+        print(f"    {r['own_ms']:8.2f} ms own {r['cum_ms']:8.2f} cum  x{r['calls_per_step']:<6.0f} {r['function'][:90]}",
+              flush=True)
+    return rows[:60]
+
+
 def graphed(model, x):
     """The model's forward and backward captured as CUDA graphs (torch.cuda.make_graphed_callables): one launch per
     direction replays every kernel, so the step no longer waits on the host."""
@@ -523,10 +549,15 @@ def run_variant(name, make, x, rows, base):
                 r["profile"] = profile_step(step)
             except Exception as exc:  # the profile is extra: never lose the timing for it
                 r["profile"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        if args.profile_host and "compile" not in name and "cudagraph" not in name:
+            try:
+                r["host_profile"] = profile_host(step)
+            except Exception as exc:
+                r["host_profile"] = f"{type(exc).__name__}: {str(exc)[:200]}"
     except Exception as exc:  # a missing peer or a failed compile is reported, not fatal
         r = dict(base, variant=name, error=f"{type(exc).__name__}: {str(exc)[:300]}")
     rows.append(r)
-    print(f"  {r}", flush=True)
+    print(f"  {({k: v for k, v in r.items() if k not in ('profile', 'host_profile')})}", flush=True)
     dump()
     model = None
     if DEV == "cuda":

@@ -4,7 +4,8 @@
 # its own time limit, so a hang (the chained stack under torch.compile: docs/benchmarks.md, round 4) costs its
 # limit and not the call; everything lands under $OUT. Carry .gpuwheels (bench/gpu_wheels.sh).
 #   run: OUT=$OUT bash bench/gpu_perf_round.sh            (about 8 minutes on an H200)
-#   PROFILE=1 adds --quick --sweep --profile (launch-config sweep, CUDA time per kernel) instead of the full table.
+#   PROFILE=1: --quick --sweep --profile --profile-host instead of the full table (launch-config sweep, CUDA time per
+#   kernel, host time per Python function: the eager step waits on the host on slow machines).
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT/trainer" "$OUT/trainer_chain" "$OUT/compile"
@@ -16,7 +17,7 @@ timeout 200 python3 -m pytest -q -x tests/test_kernels.py tests/test_recompute.p
 
 echo "== stack benchmark"
 if [ "${PROFILE:-0}" = 1 ]; then
-  bench_args=(--quick --sweep --profile)
+  bench_args=(--quick --sweep --profile --profile-host)
 else
   bench_args=(--no-kernels --variants "ours,cudagraph,liger" --skip "compile,recompute")
 fi
