@@ -19,7 +19,7 @@ from .data import ByteTextDataModule
 from .errors import EXIT_USER_ERROR, UserError, one_line
 from .launcher import die_with_parent
 from .model import GPTConfig, HyperConfig
-from .module import LitLM, OptimConfig
+from .module import LitLM, OptimConfig, check_compile
 from .preflight import check_inputs
 from .resume import resolve_last
 from .tracking import MLflowSaveConfig, announce_run, label_runs
@@ -79,6 +79,7 @@ def validate_model_config(model_cfg) -> None:
             raise ValueError(f"{prefix}.{err}") from err
     if model_cfg.diagnostics_every < 0:
         raise ValueError(f"model.diagnostics_every must be >= 0 (0 = off), got {model_cfg.diagnostics_every}")
+    check_compile(GPTConfig(**arch, hyper=HyperConfig(**hyper)), bool(model_cfg.compile))
 
 
 class MHCLightningCLI(LightningCLI):

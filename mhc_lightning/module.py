@@ -56,6 +56,14 @@ def lr_lambda(warmup: int, total: int, min_ratio: float):
     return f
 
 
+def check_compile(arch: GPTConfig, compile: bool) -> None:
+    """Refuse what is known not to compile: the chained mHC stack under torch.compile did not finish its first step
+    within 150 s on an H200 in three runs (docs/benchmarks.md, round 4), while one sublayer at a time compiles."""
+    if compile and arch.hyper.chain_sublayers and arch.hyper.residual_mode in ("mhc", "identity"):
+        raise ValueError("model.compile=true with model.arch.hyper.chain_sublayers=true is refused: the chained stack "
+                         "does not finish compiling (docs/benchmarks.md, round 4); set one of them to false")
+
+
 class LitLM(L.LightningModule):
     """Byte-level language model. `arch` and `optim` appear as --model.arch.* and --model.optim.* in the CLI.
 
@@ -74,6 +82,7 @@ class LitLM(L.LightningModule):
         arch, optim = copy.deepcopy(_as(GPTConfig, arch)), copy.deepcopy(_as(OptimConfig, optim))
         if diagnostics_every < 0:
             raise ValueError(f"diagnostics_every must be >= 0 (0 = off), got {diagnostics_every}")
+        check_compile(arch, compile)
         self.arch, self.optim = arch, optim
         self.diagnostics_every = diagnostics_every
         self.save_hyperparameters({"arch": asdict(arch), "optim": asdict(optim),

@@ -134,10 +134,12 @@ def test_interpolation_follows_later_overrides(tmp_path, monkeypatch):
     ("--model.arch.n_heads=3", "model.arch.d_model must be divisible by n_heads"),
     ("--model.optim.lr=-0.1", "model.optim.lr must be > 0"),
     ("--model.arch.hyper.bias_init=ones", "bias_init"),
+    ("--model.compile=true --model.arch.hyper.chain_sublayers=true",
+     "model.compile=true with model.arch.hyper.chain_sublayers=true is refused"),
 ])
 def test_bad_values_fail_at_parse_time(arg, message, capsys):
     with pytest.raises(SystemExit) as exc:
-        main(["fit", "-c", str(CONF / "base.yaml"), arg])
+        main(["fit", "-c", str(CONF / "base.yaml"), *arg.split()])
     assert exc.value.code != 0
     err = capsys.readouterr().err
     assert message in err
