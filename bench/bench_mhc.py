@@ -125,9 +125,9 @@ WRAPPER = "mhc_lightning.model.hyper_connection.HyperConnection"  # the model's 
 L_R = {"1": 2, "2": 2}  # recompute block per shape key (set in main)
 
 
-def hyper_layer(branch, c, index, backend):
-    cfg = HyperConfig(residual_mode="mhc", n_streams=N_STREAMS, kernel_backend=backend, phi_init="normal",
-                      bias_init="a6", sinkhorn_iters=20)
+def hyper_layer(branch, c, index, backend, mode="mhc"):
+    cfg = HyperConfig(residual_mode=mode, n_streams=N_STREAMS, kernel_backend=backend, phi_init="normal",
+                      bias_init="a6" if mode != "hc" else "hc_identity", sinkhorn_iters=20)
     return HyperConnection(branch, c, index, cfg)
 
 
@@ -135,9 +135,10 @@ class Hyper(nn.Module):
     """chained: the model's loop (boundary op between sublayers, optional selective recompute); otherwise each
     sublayer on its own (HyperConnection.forward: fused pre op, branch, write-back)."""
 
-    def __init__(self, c, heads, blocks, backend, chained=True, recompute=0):
+    def __init__(self, c, heads, blocks, backend, chained=True, recompute=0, mode="mhc"):
         super().__init__()
-        self.layers = nn.ModuleList(hyper_layer(f, c, i, backend) for i, f in enumerate(sublayers(c, heads, blocks)))
+        self.layers = nn.ModuleList(hyper_layer(f, c, i, backend, mode)
+                                    for i, f in enumerate(sublayers(c, heads, blocks)))
         self.chained = chained
         for layer in self.layers:  # the model's switch (HyperConfig.chain_sublayers)
             layer.cfg.chain_sublayers = chained
@@ -618,6 +619,8 @@ def main():
             (f"ours+compile, recompute L_r={L_R[key]}",
              lambda: torch.compile(Hyper(c, heads, blocks, "triton", recompute=L_R[key]).to(DEV, DT))),
             (f"ours, recompute L_r={L_R[key]}", lambda: Hyper(c, heads, blocks, "triton", recompute=L_R[key]).to(DEV, DT)),
+            ("hc (fused projection + stream ops)",
+             lambda: Hyper(c, heads, blocks, "triton", chained=False, mode="hc").to(DEV, DT)),
             ("liger 0.8.5", lambda: Liger(c, heads, blocks).to(DEV, DT)),
             ("reference ops", lambda: Hyper(c, heads, blocks, "torch").to(DEV, DT)),
             ("lucidrains 0.4.11", lambda: Lucid(c, heads, blocks).to(DEV, DT)),

@@ -19,7 +19,7 @@ echo "== stack benchmark"
 if [ "${PROFILE:-0}" = 1 ]; then
   bench_args=(--quick --sweep --profile --profile-host)
 else
-  bench_args=(--no-kernels --variants "ours,cudagraph,liger" --skip "compile,recompute")
+  bench_args=(--no-kernels --variants "ours,cudagraph,hc,liger" --skip "compile,recompute")
 fi
 timeout 230 python3 bench/bench_mhc.py --shapes 1,2 --iters 10 --warmup 2 --budget-s 200 "${bench_args[@]}" \
   --out "$OUT" > "$OUT/bench_mhc.log" 2>&1
@@ -31,7 +31,8 @@ timeout 120 python3 bench/bench_mhc.py --shapes 1 --iters 5 --warmup 1 --no-kern
   > "$OUT/compile/bench_mhc.log" 2>&1
 grep -A5 "ms/step" "$OUT/compile/bench_mhc.log"
 
-echo "== trainer (bench_ddp --gpus 1): residual and mHC, then the chained mHC"
-timeout 130 python3 bench/bench_ddp.py --gpus 1 --no-check --timeout 110 --out "$OUT/trainer" 2>&1 | tail -4
+echo "== trainer (bench_ddp --gpus 1): residual, mHC and HC, then the chained mHC"
+timeout 180 python3 bench/bench_ddp.py --gpus 1 --no-check --modes residual,mhc,hc --timeout 110 --out "$OUT/trainer" \
+  2>&1 | tail -5
 timeout 80 python3 bench/bench_ddp.py --gpus 1 --no-check --modes mhc --timeout 70 \
   --fit-args=--model.arch.hyper.chain_sublayers=true --out "$OUT/trainer_chain" 2>&1 | tail -3

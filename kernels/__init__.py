@@ -5,6 +5,9 @@ Both backends expose the same functions with the same signatures and conventions
     mhc_coefficients(x, phi, bias, alpha, opts) -> (h_pre, h_post, h_res | None)
     mhc_pre(x, phi, bias, alpha, opts) -> (u, h_pre, h_post, h_res | None)
     mhc_boundary(x, f, h_post, h_res | None, phi, bias, alpha, opts) -> (x_next, u, h_pre, h_post, h_res | None)
+    hc_coefficients(x, norm_weight, w_beta, w_m, w_r, s_alpha, s_beta, b_static, am_static, ar_static, *, dynamic,
+                    use_tanh, norm_eps) -> (h_pre, h_post, h_res)      (HC, unconstrained)
+    rms_proj(x, w, eps) -> RMSNorm(x) w                                  (HC's projection)
     stream_pre(x, h_pre) -> u
     stream_post_res(x, f, h_post, h_res | None) -> x_next
 """

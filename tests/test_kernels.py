@@ -253,6 +253,66 @@ def test_mhc_pre_bf16_partial_grads_split_tail(split_tail):
         _run_pre(inputs, torch.float32, sinkhorn_iters=20)
 
 
+@pytest.mark.parametrize("m", [3, 6, 10, 20])  # n + 2 for n = 1, 4, 8; and wider
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_proj(m, dtype):
+    """HC's projection RMSNorm(x) w (one read of x; the coefficient kernel without its tail), forward and both
+    gradients against float64, over several token blocks and a C that is not a power of two."""
+    torch.manual_seed(100 + m)
+    lead, c = SHAPES[1]
+    x = _leaf(torch.randn(*lead, 4, c, device=DEV).to(dtype) * 3)
+    w = _leaf(torch.randn(c, m, device=DEV) / c ** 0.5)
+    out = fused.rms_proj(x, w)
+    assert out.dtype == torch.float32 and out.shape == (*lead, 4, m)
+    ref_in = _f64([x, w])
+    ref = R.rms_proj(*ref_in)
+    g = torch.randn_like(ref)
+    t_h, _, t_g = TOL[dtype]
+    check(out, ref, t_h, "y")
+    for name, a, b in zip(("dx", "dw"), _grads([out], [x, w], [g]), _grads([ref], ref_in, [g])):
+        check(a, b, t_g, name)
+
+
+def _hc_inputs(lead, c, n, dtype):
+    """x and HC's ten parameters, all away from their (zero / one) inits so every term of the tail is exercised."""
+    x = torch.randn(*lead, n, c, device=DEV).to(dtype)
+    ps = [torch.rand(c, device=DEV) + 0.5, torch.randn(c, device=DEV) / c ** 0.5, torch.randn(c, device=DEV) / c ** 0.5,
+          torch.randn(c, n, device=DEV) / c ** 0.5, torch.tensor(0.4, device=DEV), torch.tensor(0.9, device=DEV),
+          torch.randn(n, device=DEV), torch.randn(n, device=DEV), torch.randn(n, n, device=DEV)]
+    return [_leaf(t) for t in (x, *ps)]
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("use_tanh", [True, False])
+def test_hc_coefficients(n, dtype, use_tanh):
+    """The fused HC coefficients (rms_proj + the reference tail) against the float64 reference: the three maps and
+    the gradient of x and of every parameter."""
+    torch.manual_seed(110 + n + 10 * use_tanh)
+    inputs = _hc_inputs(SHAPES[0][0], SHAPES[0][1], n, dtype)
+    out = fused.hc_coefficients(*inputs, use_tanh=use_tanh)
+    ref_in = _f64(inputs)
+    ref = R.hc_coefficients(*ref_in, use_tanh=use_tanh)
+    gs = [torch.randn_like(r) for r in ref]
+    t_h, _, t_g = TOL[dtype]
+    for name, a, b in zip(("h_pre", "h_post", "h_res"), out, ref):
+        check(a, b, t_h, name)
+    names = ("dx", "dnorm_weight", "dw_beta", "dw_m", "dw_r", "ds_alpha", "ds_beta", "db_static", "dam_static",
+             "dar_static")
+    for name, a, b in zip(names, _grads(out, inputs, gs), _grads(ref, ref_in, gs)):
+        check(a, b, t_g, name)
+
+
+def test_hc_static_and_float64_go_to_the_reference():
+    torch.manual_seed(12)
+    inputs = _hc_inputs((5,), 8, 4, torch.float32)
+    for a, b in zip(fused.hc_coefficients(*inputs, dynamic=False), R.hc_coefficients(*inputs, dynamic=False)):
+        assert torch.equal(a, b)
+    xd = [t.detach().double() for t in inputs]
+    for a, b in zip(fused.hc_coefficients(*xd), R.hc_coefficients(*xd)):
+        assert torch.equal(a, b)
+
+
 def _boundary_inputs(lead, c, n, dtype, prev_res=True, next_res=True, phi_dtype=torch.float32):
     """Sublayer l's stream, branch output and write-back coefficients, and sublayer l+1's parameters."""
     x = _leaf(torch.randn(*lead, n, c, device=DEV).to(dtype))
@@ -402,8 +462,19 @@ def _block_chain(x, phi, bias, alpha, w, iters=3):
     return fused.stream_post_res(x, torch.tanh(u * w), h_post, h_res)
 
 
+def _block_hc(x, phi, bias, alpha, w, iters=3):
+    """An HC sublayer on the fused ops: rms_proj inside the coefficients, then the stream ops (phi's first rows as
+    the HC projection weights, so the test's leaves all get gradients)."""
+    n, c = x.shape[-2], x.shape[-1]
+    h_pre, h_post, h_res = fused.hc_coefficients(
+        x, w + 1.0, phi[:c, 0], phi[:c, 1], phi[:c, 2:2 + n], alpha[0], alpha[1], bias[:n], bias[n:2 * n],
+        bias[2 * n:2 * n + n * n].reshape(n, n))
+    return fused.stream_post_res(x, torch.tanh(fused.stream_pre(x, h_pre) * w), h_post, h_res)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("block", [_block, _block_pre, _block_chain], ids=["three_ops", "mhc_pre", "boundary"])
+@pytest.mark.parametrize("block", [_block, _block_pre, _block_chain, _block_hc],
+                         ids=["three_ops", "mhc_pre", "boundary", "hc"])
 def test_compile_fullgraph_matches_eager(block):
     torch.manual_seed(9)
     backend = "inductor" if CUDA else "aot_eager"  # the CPU check is graph capture + fake impls + autograd

@@ -14,7 +14,7 @@ from ..options import DEFAULT_OPTIONS, EXACT_AXES, RES_LAYOUTS, MHCOptions
 from ..reference.coefficients import mhc_logit_count
 from . import ops
 
-__all__ = ["mhc_coefficients", "mhc_pre", "mhc_boundary", "stream_pre", "stream_post_res"]
+__all__ = ["hc_coefficients", "mhc_coefficients", "mhc_pre", "mhc_boundary", "rms_proj", "stream_pre", "stream_post_res"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -139,3 +139,29 @@ def stream_post_res(
     x3 = x.reshape(-1, n, c)
     out = ops.eager.stream_post_res(x3, f.reshape(-1, c), h_post.reshape(-1, n), _res3(x3, h_res))
     return out.reshape(x.shape)
+
+
+def rms_proj(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """RMSNorm(x) w without a gain, [..., C] @ [C, M] -> [..., M] fp32 (reference.rms_proj): one read of x."""
+    c = x.shape[-1]
+    if not (x.dtype in _DTYPES and (x.is_cuda or ops.INTERPRET) and w.dim() == 2 and w.shape[0] == c
+            and w.device == x.device and w.dtype in _DTYPES):
+        return reference.rms_proj(x, w, eps)
+    y, _, _ = ops.eager.rms_proj(x.reshape(-1, c), w, float(eps))
+    return y.reshape(*x.shape[:-1], w.shape[1])
+
+
+def hc_coefficients(
+    x: torch.Tensor, norm_weight: torch.Tensor, w_beta: torch.Tensor, w_m: torch.Tensor, w_r: torch.Tensor,
+    s_alpha: torch.Tensor, s_beta: torch.Tensor, b_static: torch.Tensor, am_static: torch.Tensor,
+    ar_static: torch.Tensor, *, dynamic: bool = True, use_tanh: bool = True, norm_eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """reference.hc_coefficients with its projection fused (`rms_proj`: x read once, no fp32 copy of the streams
+    kept for the backward); the per-token tail on [..., n, n + 2] stays in torch."""
+    if not (dynamic and _fusable(x)):
+        return reference.hc_coefficients(x, norm_weight, w_beta, w_m, w_r, s_alpha, s_beta, b_static, am_static,
+                                         ar_static, dynamic=dynamic, use_tanh=use_tanh, norm_eps=norm_eps)
+    with torch.autocast(x.device.type, enabled=False):  # fp32 coefficient maths, as the reference
+        w = reference.hc_projection_weights(norm_weight, w_beta, w_m, w_r)
+        y = rms_proj(x, w, norm_eps)
+        return reference.hc_from_projection(y, s_alpha, s_beta, b_static, am_static, ar_static, use_tanh)

@@ -137,9 +137,10 @@ def _coef_fwd(
     N, C, stride_x, stride_phi, iters, eps, rms_eps, pre_eps, post_mult,
     NS: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, HAS_RES: tl.constexpr, SINK: tl.constexpr,
     HAS_U: tl.constexpr, T_IN: tl.constexpr, T_OUT: tl.constexpr,
-    DOT: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr,
+    DOT: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr, TAIL: tl.constexpr = True,
 ):
-    """x [N, n*C] rows (stride_x), BK: tile of the flat row in the projection loop, BC: C tile of the u loop."""
+    """x [N, n*C] rows (stride_x), BK: tile of the flat row in the projection loop, BC: C tile of the u loop.
+    TAIL = False (the RMS-normalised projection of HC, `rms_proj`): only the raw projection and 1/r are stored."""
     pid = tl.program_id(0)
     rows = pid * BT + tl.arange(0, BT)
     rmask = rows < N
@@ -159,9 +160,13 @@ def _coef_fwd(
         xf = xt.to(tl.float32)
         ss += tl.sum(xf * xf, axis=1)
         acc = _dot(xt, pt, acc, DOT)
-    _coef_outputs(acc, ss, x_ptr, bias_ptr, alpha_ptr, lg_ptr, rinv_ptr, hpre_ptr, hpost_ptr, hres_ptr, u_ptr,
-                  rows64, rmask, N, C, stride_x, iters, eps, rms_eps, pre_eps, post_mult,
-                  NS, M, MP, HAS_RES, SINK, HAS_U, T_IN, T_OUT, BT, BC)
+    if TAIL:
+        _coef_outputs(acc, ss, x_ptr, bias_ptr, alpha_ptr, lg_ptr, rinv_ptr, hpre_ptr, hpost_ptr, hres_ptr, u_ptr,
+                      rows64, rmask, N, C, stride_x, iters, eps, rms_eps, pre_eps, post_mult,
+                      NS, M, MP, HAS_RES, SINK, HAS_U, T_IN, T_OUT, BT, BC)
+    else:
+        tl.store(lg_ptr + rows64[:, None] * M + cols[None, :], acc, mask=rmask[:, None] & cmask[None, :])
+        tl.store(rinv_ptr + rows64, 1.0 / tl.sqrt(ss / K + rms_eps), mask=rmask)
 
 
 @triton.jit

@@ -356,6 +356,72 @@ mhc_pre_fwd.register_autograd(_mhc_pre_backward, setup_context=_mhc_pre_setup)
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# rms_proj: HC's projection y = RMSNorm(x) w (the coefficient kernels with one stream per row and no tail)
+# ---------------------------------------------------------------------------------------------------------------
+def _rms_proj_fwd_body(x: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """x [R, C] rows, w [C, M] -> y = L / r [R, M] fp32, the raw projection L = x w and 1/r [R] (r: RMS of the row)."""
+    R, C = x.shape
+    M = w.shape[1]
+    lg, rinv = _new((R, M), torch.float32, x.device), _new((R,), torch.float32, x.device)
+    if R > 0:
+        x, w = _c_contig(x), _c_contig(w)
+        cfg = _cfg("coef_fwd", BK=_np2(C, 16), BC=_np2(C, 16))
+        _coef_fwd[(_cdiv(R, cfg["BT"]),)](
+            x, w, w, w, lg, rinv, lg, lg, lg, lg, R, C, x.stride(0), w.stride(0), 1, 0.0, eps, 0.0, 0.0,
+            NS=1, M=M, MP=_np2(M, 16), HAS_RES=False, SINK=False, HAS_U=False, T_IN=False, T_OUT=False,
+            DOT=_dot_mode(x, w), BT=cfg["BT"], BK=cfg["BK"], BC=cfg["BC"], TAIL=False, **_launch(cfg))
+    return lg * rinv[:, None], lg, rinv
+
+
+rms_proj_fwd = _op("rms_proj", _rms_proj_fwd_body)
+
+
+@rms_proj_fwd.register_fake
+def _(x, w, eps):
+    f32 = dict(dtype=torch.float32)
+    return x.new_empty((x.shape[0], w.shape[1]), **f32), x.new_empty((x.shape[0], w.shape[1]), **f32), \
+        x.new_empty((x.shape[0],), **f32)
+
+
+def _rms_proj_bwd_body(dy: Tensor, x: Tensor, w: Tensor, lg: Tensor, rinv: Tensor) -> tuple[Tensor, Tensor]:
+    """dx = dL w^T + 2 x d(sum x^2) and dw = x^T dL (`_coef_bwd_x`), with dL = dy / r, d(sum x^2) from d(1/r)."""
+    R, C = x.shape
+    dx = _new((R, C), x.dtype, x.device)
+    if R == 0:
+        return dx, torch.zeros_like(w)
+    dl = (dy * rinv[:, None]).contiguous()
+    dss = (-0.5 / C) * (dy * lg).sum(1) * rinv.pow(3)  # 1/r = (sum x^2 / C + eps)^(-1/2)
+    part = bwd_x(_c_contig(x).view(R, 1, C), _c_contig(w), dl, dss.contiguous(), dx.view(R, 1, C))
+    return dx, _sum_splits(part).to(w.dtype)
+
+
+rms_proj_bwd = _op("rms_proj_bwd", _rms_proj_bwd_body)
+
+
+@rms_proj_bwd.register_fake
+def _(dy, x, w, lg, rinv):
+    return torch.empty_like(x), torch.empty_like(w)
+
+
+def _rms_proj_setup(ctx, inputs, output):
+    x, w, _ = inputs
+    _, lg, rinv = output
+    ctx.save_for_backward(x, w, lg, rinv)
+    ctx.mark_non_differentiable(lg, rinv)
+
+
+def _rms_proj_backward(ctx, dy, _dlg, _drinv):
+    x, w, lg, rinv = ctx.saved_tensors
+    if dy is None:
+        return None, None, None
+    dx, dw = _impl(ctx, rms_proj_bwd)(dy.contiguous(), x, w, lg, rinv)
+    return dx, dw, None
+
+
+rms_proj_fwd.register_autograd(_rms_proj_backward, setup_context=_rms_proj_setup)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # stream_pre
 # ---------------------------------------------------------------------------------------------------------------
 def _pre_fwd_body(x: Tensor, h_pre: Tensor) -> Tensor:
@@ -610,4 +676,5 @@ eager = SimpleNamespace(
     stream_pre=_eager_fn(pre_fwd, _pre_setup, _pre_backward),
     stream_post_res=_eager_fn(post_fwd, _post_setup, _post_backward),
     boundary=_eager_fn(bnd_fwd, _bnd_setup, _bnd_backward),
+    rms_proj=_eager_fn(rms_proj_fwd, _rms_proj_setup, _rms_proj_backward),
 )

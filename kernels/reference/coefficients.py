@@ -82,6 +82,32 @@ def head_weights(
     return torch.sigmoid(alpha.to(cd) * rinv * (flat @ phi.to(cd)) + bias.to(cd)) + eps
 
 
+def rms_proj(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """y = RMSNorm(x) w without a gain ([..., C] @ [C, M] -> [..., M]), in compute_dtype(x): HC's projection, with
+    the norm's gain folded into w (`hc_projection_weights`)."""
+    cd = compute_dtype(x.dtype)
+    return F.rms_norm(x.to(cd), (x.shape[-1],), None, eps) @ w.to(cd)
+
+
+def hc_projection_weights(norm_weight: torch.Tensor, w_beta: torch.Tensor, w_m: torch.Tensor,
+                          w_r: torch.Tensor) -> torch.Tensor:
+    """[C, n + 2] = diag(g) [w_beta | w_m | W_r]: RMSNorm(x; g) w = RMSNorm(x) (diag(g) w), so one projection of the
+    normalised stream gives every HC logit (columns: beta, m, then the n of r)."""
+    cd = compute_dtype(w_r.dtype)
+    w = torch.cat([w_beta.to(cd)[:, None], w_m.to(cd)[:, None], w_r.to(cd)], dim=1)
+    return norm_weight.to(cd)[:, None] * w
+
+
+def hc_from_projection(y, s_alpha, s_beta, b_static, am_static, ar_static, use_tanh: bool = True):
+    """HC's coefficients from the projection y [..., n, n + 2] of `hc_projection_weights`."""
+    cd = y.dtype
+    act = torch.tanh(y) if use_tanh else y
+    h_post = b_static.to(cd) + s_beta.to(cd) * act[..., 0]
+    h_pre = am_static.to(cd) + s_alpha.to(cd) * act[..., 1]
+    a_r = ar_static.to(cd) + s_alpha.to(cd) * act[..., 2:]
+    return h_pre, h_post, a_r.transpose(-1, -2)
+
+
 @no_autocast
 def hc_coefficients(
     x: torch.Tensor,
@@ -107,14 +133,9 @@ def hc_coefficients(
     Unbounded and signed: this is the unconstrained baseline.
     """
     cd = compute_dtype(x.dtype)
-    shape = x.shape[:-2]
-    h_post = b_static.to(cd).expand(*shape, -1)
-    h_pre = am_static.to(cd).expand(*shape, -1)
-    a_r = ar_static.to(cd).expand(*shape, -1, -1)
-    if dynamic:
-        xn = F.rms_norm(x.to(cd), (x.shape[-1],), norm_weight.to(cd), norm_eps)
-        act = torch.tanh if use_tanh else (lambda t: t)
-        h_post = h_post + s_beta.to(cd) * act(xn @ w_beta.to(cd))
-        h_pre = h_pre + s_alpha.to(cd) * act(xn @ w_m.to(cd))
-        a_r = a_r + s_alpha.to(cd) * act(xn @ w_r.to(cd))
-    return h_pre, h_post, a_r.transpose(-1, -2)
+    if not dynamic:
+        shape = x.shape[:-2]
+        return (am_static.to(cd).expand(*shape, -1), b_static.to(cd).expand(*shape, -1),
+                ar_static.to(cd).expand(*shape, -1, -1).transpose(-1, -2))
+    y = rms_proj(x, hc_projection_weights(norm_weight, w_beta, w_m, w_r), norm_eps)
+    return hc_from_projection(y.to(cd), s_alpha, s_beta, b_static, am_static, ar_static, use_tanh)

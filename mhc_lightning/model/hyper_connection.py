@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from ..diagnostics import stream_spread
 from ..kernels import MHCOptions, get_ops
-from ..kernels.reference import hc_coefficients, mhc_logit_count
+from ..kernels.reference import mhc_logit_count
 from .config import BIAS_INITS, HyperConfig
 
 # Between two chained sublayers: (stream x, the sublayer's input u, its h_pre, h_post, h_res | None).
@@ -138,7 +138,7 @@ class HyperConnection(nn.Module):
             return self.chain(self.enter(x), None)
         ops = get_ops(self.cfg.kernel_backend, x.device)
         c = self.cfg
-        h_pre, h_post, h_res = hc_coefficients(
+        h_pre, h_post, h_res = ops.hc_coefficients(
             x, self.norm_weight, self.w_beta, self.w_m, self.w_r, self.s_alpha, self.s_beta,
             self.b_static, self.am_static, self.ar_static, dynamic=c.hc_dynamic, use_tanh=c.hc_tanh,
         )
