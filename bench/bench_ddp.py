@@ -169,7 +169,7 @@ def machine_args(smoke: bool, devices: int, fsdp: bool = False) -> list[str]:
 def common_args(corpus: Path, root: Path, steps: int, d_model: int, layers: int, heads: int, seq: int,
                 batch: int, diagnostics_every: int) -> list[str]:
     return [
-        f"--seed_everything=1234", f"--data.corpus={corpus}", f"--data.seq_len={seq}", f"--data.batch_size={batch}",
+        "--seed_everything=1234", f"--data.corpus={corpus}", f"--data.seq_len={seq}", f"--data.batch_size={batch}",
         "--data.val_fraction=0.02", f"--model.arch.d_model={d_model}", f"--model.arch.n_layers={layers}",
         f"--model.arch.n_heads={heads}", f"--model.diagnostics_every={diagnostics_every}",
         "--model.optim.lr=1e-3", "--model.optim.warmup_steps=5",

@@ -256,7 +256,6 @@ def ceilings():
     m = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
     k = torch.randn_like(m)
     ms = timed(lambda: m @ k, 10, 3)
-    del a, b, m, k
     return bw, 2 * 8192**3 / (ms * 1e-3) / 1e12
 
 
