@@ -147,13 +147,24 @@ class LitLM(L.LightningModule):
             # holds the same values; rank 0 logs them. No-op in a single process.
             scalars, self.last_per_layer = reduce_diagnostics(scalars, self.last_per_layer, self.device)
             self.last_diagnostics, self.last_diagnostics_step = scalars, self.global_step
-            self.log_dict(scalars, on_step=True, on_epoch=False)
+            self._log_diagnostics(scalars)
         else:
             logits = self(x)
         loss = self.lm_loss(logits, y)
         self.last_loss = loss.detach()
         self.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=True)
         return loss
+
+    def _log_diagnostics(self, scalars: dict[str, float]) -> None:
+        """The diagnostics at the step they were taken. Through self.log they would reach the logger only at the next
+        log_every_n_steps flush, under that step and overwritten by any later diagnostics step before it (at k = 7
+        and a flush every 10 steps, the values of steps 0 and 21 were lost and step 7's was logged as step 9). So the
+        loggers get them directly (rank 0; the values are the same on every rank), and self.log(logger=False) keeps
+        them in callback_metrics, where sweep objectives and the progress bar read them."""
+        self.log_dict(scalars, on_step=True, on_epoch=False, logger=False)
+        if self.trainer.is_global_zero:
+            for lg in self.trainer.loggers:
+                lg.log_metrics(scalars, step=self.global_step)
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         now = time.perf_counter()
@@ -259,7 +270,7 @@ class LitLM(L.LightningModule):
 
         for lg in self.trainer.loggers:
             if isinstance(lg, MLFlowLogger):
-                step = self.global_step
+                step = self.last_diagnostics_step  # the step the per-layer values were recorded at
                 lg.experiment.log_dict(lg.run_id, self.last_per_layer, f"diagnostics/per_layer_step{step:07d}.json")
                 from .reports.plots import diagnostics_figure
 

@@ -33,6 +33,20 @@ def artifact_paths(client, run_id: str, path: str = "") -> list[str]:
     return out
 
 
+def test_diagnostics_are_logged_at_the_steps_they_were_taken(tiny_corpus, mlflow_uri, tmp_path):
+    """Every diagnostics step reaches MLflow under its own step, whatever the logger's flush cadence (through
+    self.log, k = 7 with a flush every 10 steps had logged step 7's values as step 9 and lost step 0's), and the
+    per-layer artifact is named after the step it was recorded at."""
+    main(tiny_fit_args(tiny_corpus, mlflow_uri, tmp_path / "root", steps=16) + [
+        "--model.diagnostics_every=7", "--trainer.log_every_n_steps=10", "--trainer.val_check_interval=16"])
+    client, (run,) = runs_of(mlflow_uri)
+    for key in ("amax/composite_bwd_max", "streams/spread_last", "hres/dist_identity"):
+        assert [m.step for m in client.get_metric_history(run.info.run_id, key)] == [0, 7, 14], key
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [9, 15]
+    arts = artifact_paths(client, run.info.run_id, "diagnostics")
+    assert "diagnostics/per_layer_step0000014.json" in arts
+
+
 @pytest.mark.parametrize("mode", ["residual", "hc", "mhc", "identity"])
 def test_fit_writes_an_mlflow_run(mode, tiny_corpus, mlflow_uri, tmp_path):
     main(tiny_fit_args(tiny_corpus, mlflow_uri, tmp_path / "root", mode=mode, run_name=f"fit-{mode}"))
