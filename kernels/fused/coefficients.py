@@ -160,30 +160,23 @@ def _coef_fwd(
         xf = xt.to(tl.float32)
         ss += tl.sum(xf * xf, axis=1)
         acc = _dot(xt, pt, acc, DOT)
-    if TAIL:
-        _coef_outputs(acc, ss, x_ptr, bias_ptr, alpha_ptr, lg_ptr, rinv_ptr, hpre_ptr, hpost_ptr, hres_ptr, u_ptr,
-                      rows64, rmask, N, C, stride_x, iters, eps, rms_eps, pre_eps, post_mult,
-                      NS, M, MP, HAS_RES, SINK, HAS_U, T_IN, T_OUT, BT, BC)
-    else:
-        tl.store(lg_ptr + rows64[:, None] * M + cols[None, :], acc, mask=rmask[:, None] & cmask[None, :])
-        tl.store(rinv_ptr + rows64, 1.0 / tl.sqrt(ss / K + rms_eps), mask=rmask)
-
-
-@triton.jit
-def _coef_outputs(acc, ss, x_ptr, bias_ptr, alpha_ptr, lg_ptr, rinv_ptr, hpre_ptr, hpost_ptr, hres_ptr, u_ptr,
-                  rows64, rmask, N, C, stride_x, iters, eps, rms_eps, pre_eps, post_mult,
-                  NS: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, HAS_RES: tl.constexpr, SINK: tl.constexpr,
-                  HAS_U: tl.constexpr, T_IN: tl.constexpr, T_OUT: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """From the projection acc [BT, MP] and sum of squares ss [BT] of a token block: store the logits and 1/r, the
-    gates h_pre / h_post, optionally u = sum_j h_pre_j x_j (re-reading the block's rows of x) and H^res (SINK)."""
-    K = NS * C
-    cols = tl.arange(0, MP)
-    cmask = cols < M
-    nn = tl.arange(0, NS)
-    tok = rmask[:, None] & (nn[None, :] < NS)
     rinv = 1.0 / tl.sqrt(ss / K + rms_eps)
     tl.store(lg_ptr + rows64[:, None] * M + cols[None, :], acc, mask=rmask[:, None] & cmask[None, :])
     tl.store(rinv_ptr + rows64, rinv, mask=rmask)
+    if TAIL:
+        _coef_gates(rinv, x_ptr, bias_ptr, alpha_ptr, lg_ptr, hpre_ptr, hpost_ptr, hres_ptr, u_ptr, rows64, rmask, C,
+                    stride_x, iters, eps, pre_eps, post_mult, NS, M, HAS_RES, SINK, HAS_U, T_IN, T_OUT, BT, BC)
+
+
+@triton.jit
+def _coef_gates(rinv, x_ptr, bias_ptr, alpha_ptr, lg_ptr, hpre_ptr, hpost_ptr, hres_ptr, u_ptr, rows64, rmask, C,
+                stride_x, iters, eps, pre_eps, post_mult, NS: tl.constexpr, M: tl.constexpr, HAS_RES: tl.constexpr,
+                SINK: tl.constexpr, HAS_U: tl.constexpr, T_IN: tl.constexpr, T_OUT: tl.constexpr, BT: tl.constexpr,
+                BC: tl.constexpr):
+    """The per-token tail of a token block whose logits and 1/r `_coef_fwd` has just stored: the gates h_pre /
+    h_post, optionally u = sum_j h_pre_j x_j (re-reading the block's rows of x) and H^res (SINK)."""
+    nn = tl.arange(0, NS)
+    tok = rmask[:, None] & (nn[None, :] < NS)
     # Re-read the projection in per-map shapes (a register tile cannot be sliced); the barrier makes
     # this CTA's stores visible to all its threads.
     tl.debug_barrier()
