@@ -68,18 +68,19 @@ def validate_model_config(model_cfg) -> None:
     """Build the config dataclasses once; their errors get the full CLI key as prefix."""
     arch = _plain(model_cfg.arch)
     hyper = _plain(arch.pop("hyper"))
+    built = {}
     for prefix, build in (
         ("model.arch.hyper", lambda: HyperConfig(**hyper)),
-        ("model.arch", lambda: GPTConfig(**arch, hyper=HyperConfig(**hyper))),
+        ("model.arch", lambda: GPTConfig(**arch, hyper=built["model.arch.hyper"])),
         ("model.optim", lambda: OptimConfig(**_plain(model_cfg.optim))),
     ):
         try:
-            build()
+            built[prefix] = build()
         except (ValueError, TypeError) as err:
             raise ValueError(f"{prefix}.{err}") from err
     if model_cfg.diagnostics_every < 0:
         raise ValueError(f"model.diagnostics_every must be >= 0 (0 = off), got {model_cfg.diagnostics_every}")
-    check_compile(GPTConfig(**arch, hyper=HyperConfig(**hyper)), bool(model_cfg.compile))
+    check_compile(built["model.arch"], bool(model_cfg.compile))
 
 
 class MHCLightningCLI(LightningCLI):

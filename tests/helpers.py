@@ -81,3 +81,31 @@ def derived_spec(path: Path, name: str, **changes) -> Path:
             d[k] = v
     path.write_text(yaml.safe_dump(d, sort_keys=False))
     return path
+
+
+def wait_for_running_trial(name: str, storage, proc, log: Path, timeout: float, worker_pid: int | None = None,
+                           poll: float = 0.5):
+    """The first RUNNING trial of study `name` that already has its MLflow run (its `mhc fit` is training), of the
+    worker process `worker_pid` when given; None after `timeout`. Fails with the log's tail if `proc` ends first."""
+    import optuna
+    from optuna.trial import TrialState
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        time.sleep(poll)
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            study = optuna.load_study(study_name=name, storage=storage)
+        except KeyError:  # not created yet
+            continue
+        for t in study.get_trials(states=(TrialState.RUNNING,)):
+            if "mlflow_run_id" in t.user_attrs and worker_pid in (None, trial_worker_pid(t)):
+                return t
+    return None
+
+
+def trial_worker_pid(trial) -> int | None:
+    """The pid in a trial's `worker` attribute ("host:pid")."""
+    parts = str(trial.user_attrs.get("worker", "")).split(":")
+    return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else None
+

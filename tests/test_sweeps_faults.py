@@ -18,7 +18,7 @@ import optuna
 import pytest
 from mlflow import MlflowClient
 
-from helpers import derived_spec, make_text
+from helpers import derived_spec, make_text, trial_worker_pid, wait_for_running_trial
 from mhc_lightning.sweeps.cli import main as sweep_main
 from mhc_lightning.sweeps.factories import make_storage
 
@@ -74,22 +74,11 @@ def test_killed_worker_on_journal_storage_is_reaped_and_its_trial_rerun(corpus, 
     storage, uri = f"journal:{tmp_path / 'sweeps.journal.log'}", f"sqlite:///{tmp_path / 'mlflow.db'}"
     journal = make_storage(storage, {})
     proc = launcher(spec, tmp_path, corpus, storage, uri, "--workers", "2", log="launcher.log")
-    killed = None
     try:
-        deadline = time.monotonic() + 300
-        while killed is None and time.monotonic() < deadline:
-            time.sleep(0.5)
-            assert proc.poll() is None, (tmp_path / "launcher.log").read_text()[-3000:]
-            try:
-                study = optuna.load_study(study_name=name, storage=journal)
-            except KeyError:
-                continue
-            running = [t for t in study.get_trials(states=(S.RUNNING,)) if "mlflow_run_id" in t.user_attrs]
-            if running:
-                pid = int(running[0].user_attrs["worker"].split(":")[1])
-                os.kill(pid, signal.SIGKILL)
-                killed = (running[0].number, pid)
-        assert killed is not None, "no worker ever ran a trial"
+        trial = wait_for_running_trial(name, journal, proc, tmp_path / "launcher.log", 300)
+        assert trial is not None, "no worker ever ran a trial"
+        killed = (trial.number, trial_worker_pid(trial))
+        os.kill(killed[1], signal.SIGKILL)
         t_kill = time.monotonic()
         code = finish(proc, tmp_path / "launcher.log")
         print(f"[figures] journal: launcher done {time.monotonic() - t_kill:.0f} s after the SIGKILL")

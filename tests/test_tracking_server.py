@@ -25,7 +25,7 @@ import requests
 import yaml
 from mlflow import MlflowClient
 
-from helpers import REPO, derived_spec, handshake_arg, make_text, tiny_fit_args, wait_for
+from helpers import REPO, derived_spec, handshake_arg, make_text, tiny_fit_args, wait_for, wait_for_running_trial
 from mhc_lightning.sweeps import factories
 from mhc_lightning.sweeps.cli import main as sweep_main
 
@@ -301,24 +301,13 @@ def test_killed_worker_trial_is_failed_and_retried(server, corpus, tmp_path):
                         fixed={"trainer.max_steps": 150, "trainer.val_check_interval": 50})
     survivor = launch(spec, tmp_path, server, corpus, "--machine-rank", "0", log_name="survivor.log")
     victim = launch(spec, tmp_path, server, corpus, "--machine-rank", "1", log_name="victim.log")
-    killed = None
     try:
-        deadline = time.monotonic() + 240
-        while killed is None and time.monotonic() < deadline:
-            time.sleep(1)
-            assert victim.poll() is None, (tmp_path / "victim.log").read_text()[-3000:]
-            try:
-                study = optuna.load_study(study_name=name, storage=server["sweeps"])
-            except KeyError:
-                continue
-            mine = [t for t in study.get_trials(states=(S.RUNNING,))
-                    if str(t.user_attrs.get("worker", "")).split(":")[1:2] == [str(victim.pid)]
-                    and "mlflow_run_id" in t.user_attrs]
-            if mine:
-                os.killpg(victim.pid, signal.SIGKILL)
-                victim.wait(timeout=20)
-                killed = mine[0].number
-        assert killed is not None, "the victim never started a trial"
+        trial = wait_for_running_trial(name, server["sweeps"], victim, tmp_path / "victim.log", 240,
+                                       worker_pid=victim.pid, poll=1)
+        assert trial is not None, "the victim never started a trial"
+        os.killpg(victim.pid, signal.SIGKILL)
+        victim.wait(timeout=20)
+        killed = trial.number
         assert wait(survivor, 420, tmp_path / "survivor.log") == 0, (tmp_path / "survivor.log").read_text()[-4000:]
     finally:
         stop(victim)

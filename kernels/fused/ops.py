@@ -123,13 +123,9 @@ def _impl(ctx, op):
 # ---------------------------------------------------------------------------------------------------------------
 # coefficients
 # ---------------------------------------------------------------------------------------------------------------
-def _fwd(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult, with_u, post=None):
+def _fwd(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult, with_u):
     """Coefficients (and u = sum_j h_pre_j x_j when with_u) in one launch, plus the optional split tail.
-
-    post = (x_prev, f, h_post_prev, h_res_prev [N, n, n] or [N, 0, 0]): the boundary op; x is then None and is made
-    first as stream_post_res(*post) by its own streaming kernel. Returns (x, u, h_pre, h_post, h_res, logits, 1/r)."""
-    if post is not None:
-        x = _post_fwd_body(*post)
+    Returns (u or None, h_pre, h_post, h_res, logits, 1/r)."""
     N, n, C = x.shape
     M = phi.shape[1]
     has_res = M == n * n + 2 * n
@@ -139,7 +135,7 @@ def _fwd(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mu
     lg, rinv = _new((N, M), torch.float32, dev), _new((N,), torch.float32, dev)
     u = _new((N, C), x.dtype, dev) if with_u else None
     if N == 0:
-        return x, u, h_pre, h_post, h_res, lg, rinv
+        return u, h_pre, h_post, h_res, lg, rinv
     x, phi = _rows(x), _c_contig(phi)
     cfg = _cfg("coef_fwd", BK=_np2(n * C, 16), BC=_np2(C, 16))
     bias, alpha = bias.contiguous(), alpha.contiguous()
@@ -154,7 +150,7 @@ def _fwd(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mu
         ct = _cfg("coef_tail")
         _coef_tail[(_cdiv(N, ct["BT"]),)](
             lg, rinv, bias, alpha, h_res, N, iters, eps, NS=n, M=M, T_IN=t_in, T_OUT=t_out, BT=ct["BT"], **_launch(ct))
-    return x, u, h_pre, h_post, h_res, lg, rinv
+    return u, h_pre, h_post, h_res, lg, rinv
 
 
 def _coef_fwd_body(
@@ -162,7 +158,7 @@ def _coef_fwd_body(
     rms_eps: float, pre_eps: float, post_mult: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """x [N, n, C] -> h_pre [N, n], h_post [N, n], h_res [N, n, n] (or [N, 0, 0]), raw logits [N, M], 1/r [N]."""
-    return _fwd(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult, False)[2:]
+    return _fwd(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult, False)[1:]
 
 
 coef_fwd = _op("coef_fwd", _coef_fwd_body)
@@ -306,7 +302,7 @@ def _mhc_pre_fwd_body(
     rms_eps: float, pre_eps: float, post_mult: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """x [N, n, C] -> u [N, C] (x.dtype), h_pre, h_post, h_res, raw logits, 1/r (as coef_fwd)."""
-    return _fwd(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult, True)[1:]
+    return _fwd(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult, True)
 
 
 mhc_pre_fwd = _op("mhc_pre", _mhc_pre_fwd_body)
@@ -579,8 +575,8 @@ def _bnd_fwd_body(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """x [N, n, C], f [N, C], h_post [N, n], h_res [N, n, n] or [N, 0, 0] (H^res = I) of sublayer l -> x_next, then
     u, h_pre, h_post, h_res, raw logits, 1/r of sublayer l + 1 (as mhc_pre on x_next)."""
-    return _fwd(None, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult, True,
-                post=(x, f, h_post, h_res))
+    x_next = _post_fwd_body(x, f, h_post, h_res)  # its own streaming kernel; the coefficients read it back
+    return (x_next, *_fwd(x_next, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult, True))
 
 
 bnd_fwd = _op("mhc_boundary", _bnd_fwd_body)
