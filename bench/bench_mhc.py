@@ -47,6 +47,11 @@ p.add_argument("--profile", action="store_true",
                help="per eager mHC variant: CUDA time per kernel over one training step (torch.profiler), top 25")
 p.add_argument("--profile-host", action="store_true",
                help="per eager mHC variant: Python time per function over one step (cProfile), top 25 by own time")
+p.add_argument("--phi-dtype", choices=("bf16", "fp32"), default="bf16",
+               help="dtype of phi (the rest is bf16): fp32 is what the trainer holds under bf16-mixed (tf32 dots)")
+p.add_argument("--only-op", default=None, metavar="NAME",
+               help="run one op body of the kernel table (a substring of its name) 20 times at C=1024 and exit: the "
+                    "target of a kernel profiler (ncu --kernel-name ...)")
 p.add_argument("--config", default=None,
                help="a previous run's bench_mhc.json: start from the launch configs it ended with (e.g. a sweep's)")
 args = p.parse_args()
@@ -63,6 +68,7 @@ from mhc_lightning.model.recompute import run_sublayers  # noqa: E402
 
 DEV = "cpu" if args.smoke else "cuda"
 DT = torch.float32 if args.smoke else torch.bfloat16
+PHI_DT = torch.float32 if args.phi_dtype == "fp32" else DT
 N_STREAMS = 4
 T0 = time.time()
 torch.backends.cuda.matmul.allow_tf32 = True
@@ -156,6 +162,15 @@ class Hyper(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return x.sum(-2)
+
+
+def hyper(c, heads, blocks, backend, chained=True, **kw):
+    """A Hyper stack in bf16 on the GPU, phi in --phi-dtype (fp32: as the trainer holds it under bf16-mixed)."""
+    model = Hyper(c, heads, blocks, backend, chained, **kw).to(DEV, DT)
+    for mod in model.modules():
+        if isinstance(mod, HyperConnection) and getattr(mod, "phi", None) is not None:
+            mod.phi.data = mod.phi.data.to(PHI_DT)
+    return model
 
 
 class Liger(nn.Module):
@@ -271,7 +286,7 @@ def check_ops(c, tokens):
     torch.manual_seed(1)
     n, m = N_STREAMS, R.mhc_logit_count(N_STREAMS)
     x = torch.randn(tokens, n, c, device=DEV, dtype=DT)
-    phi = (torch.randn(n * c, m, device=DEV) * 0.02).to(DT)
+    phi = (torch.randn(n * c, m, device=DEV) * 0.02).to(PHI_DT)
     bias = torch.cat([torch.zeros(2 * n), (6 * torch.eye(n) - 3).flatten()]).to(DEV, DT)
     alpha = torch.tensor([0.5, 0.7, 0.9], device=DEV, dtype=DT)
     f = torch.randn(tokens, c, device=DEV, dtype=DT)
@@ -304,7 +319,7 @@ def check_ops(c, tokens):
 def check_stack(c, heads, blocks, b, t, chained=True):
     """The fused stack vs the same weights on the reference ops: output and gradients."""
     torch.manual_seed(3)
-    model = Hyper(c, heads, blocks, "triton", chained).to(DEV, DT)
+    model = hyper(c, heads, blocks, "triton", chained)
     ref = copy.deepcopy(model).set_backend("torch")
     x = torch.randn(b, t, c, device=DEV, dtype=DT)
     res = {}
@@ -331,7 +346,7 @@ def _kernel_inputs(c, tokens, seed):
     n, m = N_STREAMS, R.mhc_logit_count(N_STREAMS)
     t = dict(device=DEV, dtype=DT)
     x, xn, g = torch.randn(tokens, n, c, **t), torch.randn(tokens, n, c, **t), torch.randn(tokens, n, c, **t)
-    phi = (torch.randn(n * c, m, device=DEV) * 0.02).to(DT)
+    phi = (torch.randn(n * c, m, device=DEV) * 0.02).to(PHI_DT)
     bias, alpha = torch.randn(m, device=DEV).to(DT), torch.tensor([0.5, 0.7, 0.9], **t)
     f, du = torch.randn(tokens, c, **t), torch.randn(tokens, c, **t)
     h_pre, h_post, h_res, lg, rinv = K.coef_fwd.plain(x, phi, bias, alpha, *OPS_ARGS)
@@ -400,8 +415,10 @@ def kernel_table(c, tokens, copy_bw):
 # has timed yet. --quick tries SWEEP_QUICK at each shape (each keeps its own winner).
 SWEEP_QUICK = {
     "coef_fwd": [dict(BT=bt, BK=bk, num_warps=w, num_stages=st, BC=bc, split_tail=True) for bt, bk, w, st, bc in
-                 [(64, 64, 4, 3, 16), (32, 64, 4, 3, 32), (64, 128, 8, 3, 16)]],
-    "bnd_bwd": [dict(BT=bt, BC=bc, num_warps=w) for bt, bc, w in [(16, 128, 8), (16, 64, 8), (16, 32, 4)]],
+                 [(64, 64, 4, 3, 16), (32, 64, 4, 3, 32), (64, 128, 8, 3, 16), (16, 128, 4, 3, 64),
+                  (32, 128, 4, 4, 32), (128, 32, 8, 3, 8)]],
+    "bnd_bwd": [dict(BT=bt, BC=bc, num_warps=w) for bt, bc, w in
+                [(16, 128, 8), (32, 64, 8), (32, 32, 4), (64, 64, 8), (32, 128, 8), (64, 32, 8), (16, 64, 8)]],
     "coef_bwd_tok": [dict(BT=bt, num_warps=w, BC=bc) for bt, w, bc in [(8, 2, 64), (16, 4, 64), (8, 4, 128), (4, 2, 64)]],
     "coef_bwd_x": [dict(BT=bt, BK=bk, num_warps=w, num_stages=st, programs_per_sm=pp) for bt, bk, w, st, pp in
                    [(64, 128, 8, 2, 4), (64, 64, 8, 2, 8), (64, 64, 8, 2, 4)]],
@@ -570,6 +587,14 @@ def main():
     if args.config:
         with open(args.config) as fh:
             K.CONFIG.update(json.load(fh)["config"])
+    if args.only_op:
+        calls = _calls(_kernel_inputs(*((1024, 16384) if not args.smoke else (64, 40)), 4))
+        name = next(k for k in calls if args.only_op in k)
+        for _ in range(20):
+            calls[name]()
+        sync()
+        print("ran", name, "x20")
+        return
     try:
         import triton
 
@@ -605,27 +630,27 @@ def main():
         base = dict(C=c, sublayers=2 * blocks, B=b, T=t, n=N_STREAMS)
         variants = [  # most important first: the time budget cuts from the end
             ("residual", lambda: Residual(c, heads, blocks).to(DEV, DT)),
-            ("ours (fused)", lambda: Hyper(c, heads, blocks, "triton").to(DEV, DT)),
+            ("ours (fused)", lambda: hyper(c, heads, blocks, "triton")),
             ("residual+compile", lambda: torch.compile(Residual(c, heads, blocks).to(DEV, DT))),
-            ("ours (fused)+compile", lambda: torch.compile(Hyper(c, heads, blocks, "triton").to(DEV, DT))),
-            ("ours (per-sublayer ops)", lambda: Hyper(c, heads, blocks, "triton", chained=False).to(DEV, DT)),
+            ("ours (fused)+compile", lambda: torch.compile(hyper(c, heads, blocks, "triton"))),
+            ("ours (per-sublayer ops)", lambda: hyper(c, heads, blocks, "triton", chained=False)),
             ("ours (per-sublayer ops)+compile",
-             lambda: torch.compile(Hyper(c, heads, blocks, "triton", chained=False).to(DEV, DT))),
+             lambda: torch.compile(hyper(c, heads, blocks, "triton", chained=False))),
             ("residual+cudagraph", lambda: graphed(Residual(c, heads, blocks).to(DEV, DT), x)),
-            ("ours (fused)+cudagraph", lambda: graphed(Hyper(c, heads, blocks, "triton").to(DEV, DT), x)),
+            ("ours (fused)+cudagraph", lambda: graphed(hyper(c, heads, blocks, "triton"), x)),
             ("ours (per-sublayer ops)+cudagraph",
-             lambda: graphed(Hyper(c, heads, blocks, "triton", chained=False).to(DEV, DT), x)),
+             lambda: graphed(hyper(c, heads, blocks, "triton", chained=False), x)),
             (f"ours+compile, recompute L_r={L_R[key]}",
-             lambda: torch.compile(Hyper(c, heads, blocks, "triton", recompute=L_R[key]).to(DEV, DT))),
-            (f"ours, recompute L_r={L_R[key]}", lambda: Hyper(c, heads, blocks, "triton", recompute=L_R[key]).to(DEV, DT)),
+             lambda: torch.compile(hyper(c, heads, blocks, "triton", recompute=L_R[key]))),
+            (f"ours, recompute L_r={L_R[key]}", lambda: hyper(c, heads, blocks, "triton", recompute=L_R[key])),
             ("hc (fused projection + stream ops)",
-             lambda: Hyper(c, heads, blocks, "triton", chained=False, mode="hc").to(DEV, DT)),
+             lambda: hyper(c, heads, blocks, "triton", chained=False, mode="hc")),
             ("liger 0.8.5", lambda: Liger(c, heads, blocks).to(DEV, DT)),
-            ("reference ops", lambda: Hyper(c, heads, blocks, "torch").to(DEV, DT)),
+            ("reference ops", lambda: hyper(c, heads, blocks, "torch")),
             ("lucidrains 0.4.11", lambda: Lucid(c, heads, blocks).to(DEV, DT)),
         ]
         if args.ref_compile and key == "1":  # minutes of compile: first shape only, as the peer harness
-            variants.append(("reference ops+compile", lambda: torch.compile(Hyper(c, heads, blocks, "torch").to(DEV, DT))))
+            variants.append(("reference ops+compile", lambda: torch.compile(hyper(c, heads, blocks, "torch"))))
         if args.smoke:
             variants = [v for v in variants if not any(k in v[0] for k in ("compile", "cudagraph", "liger", "lucid"))]
         if args.quick:

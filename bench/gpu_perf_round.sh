@@ -8,7 +8,7 @@
 #   kernel, host time per Python function: the eager step waits on the host on slow machines).
 set -u
 OUT=${OUT:-out}
-mkdir -p "$OUT/trainer" "$OUT/trainer_chain" "$OUT/compile"
+mkdir -p "$OUT/trainer" "$OUT/trainer_chain" "$OUT/compile" "$OUT/phi_fp32"
 source bench/gpu_env.sh > "$OUT/setup.log" 2>&1 || { tail "$OUT/setup.log"; exit 1; }
 
 echo "== kernel tests"
@@ -24,6 +24,11 @@ fi
 timeout 230 python3 bench/bench_mhc.py --shapes 1,2 --iters 10 --warmup 2 --budget-s 200 "${bench_args[@]}" \
   --out "$OUT" > "$OUT/bench_mhc.log" 2>&1
 grep -A30 "ms/step" "$OUT/bench_mhc.log"
+
+echo "== kernel table and stack with phi in fp32 (what the trainer holds under bf16-mixed)"
+timeout 100 python3 bench/bench_mhc.py --quick --shapes 1 --iters 8 --warmup 2 --phi-dtype fp32 --out "$OUT/phi_fp32" \
+  > "$OUT/phi_fp32/bench_mhc.log" 2>&1
+grep -A18 "ms/step" "$OUT/phi_fp32/bench_mhc.log" | grep -v "^checks"
 
 echo "== compiled, one sublayer at a time"
 timeout 120 python3 bench/bench_mhc.py --shapes 1 --iters 5 --warmup 1 --no-kernels \

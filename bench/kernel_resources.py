@@ -40,8 +40,11 @@ def cases():
     return [
         ("mhc_pre fwd (coef + u)", _coef_fwd, dict(fwd, **_tiles("coef_fwd", "BT", "BK", "BC")), {"x_ptr", "phi_ptr", "u_ptr"},
          "coef_fwd"),
-        ("HC projection (rms_proj)", _coef_fwd, dict(fwd, NS=1, M=6, MP=16, HAS_RES=False, HAS_U=False, TAIL=False,
-                                                    **_tiles("coef_fwd", "BT", "BK", "BC")), {"x_ptr"}, "coef_fwd"),
+        ("mhc_pre fwd, fp32 phi as hi + lo", _coef_fwd, dict(fwd, SPLIT=True, **_tiles("coef_fwd", "BT", "BK", "BC")),
+         {"x_ptr", "phi_ptr", "phil_ptr", "u_ptr"}, "coef_fwd"),
+        ("HC projection (rms_proj, hi + lo)", _coef_fwd,
+         dict(fwd, NS=1, M=6, MP=16, HAS_RES=False, HAS_U=False, TAIL=False, SPLIT=True,
+              **_tiles("coef_fwd", "BT", "BK", "BC")), {"x_ptr", "phi_ptr", "phil_ptr"}, "coef_fwd"),
         ("Sinkhorn tail", _coef_tail, dict(NS=NS, M=M, T_IN=True, T_OUT=False, BT=ops.CONFIG["coef_tail"]["BT"]),
          set(), "coef_tail"),
         ("coef bwd per token (+ <du, x>)", _coef_bwd_tok,

@@ -71,6 +71,24 @@ def _coef_inputs(lead, c, n, dtype, with_res=True, phi_dtype=torch.float32, gate
     return [_leaf(t) for t in (x, phi, bias, alpha)]
 
 
+def test_projection_of_bf16_x_with_fp32_phi_is_more_precise_than_tf32():
+    """The trainer's case (bf16 stream, fp32 phi): the coefficient GEMM splits phi into two bf16 parts (ops._projection).
+    Its raw projection must match float64 to ~1e-5 (phi to 16 mantissa bits): tf32's rounding of phi alone gives
+    ~2e-4, bf16's ~2e-3 (on the GPU the dots are the tensor-core ones)."""
+    torch.manual_seed(31)
+    x, phi, bias, alpha = [t.detach() for t in _coef_inputs((37,), 40, 4, torch.bfloat16)]
+    assert phi.dtype == torch.float32 and ops._projection(x, phi)[3]  # the split is taken
+    lg = ops.coef_fwd.plain(x, phi, bias, alpha, 3, 1e-6, True, False, 1e-6, 1e-6, 2.0)[3]
+    ref = x.double().reshape(37, -1) @ phi.double()
+    err = ((lg.double() - ref).abs().max() / ref.abs().max()).item()
+    assert err < 4e-5, err
+    # the bound separates the split from tf32 (phi rounded to 10 mantissa bits) and from phi in bf16 alone
+    tf32 = ((phi.view(torch.int32) + 0x1000) & ~0x1FFF).view(torch.float32)
+    for rounded in (tf32, phi.bfloat16()):
+        coarse = x.double().reshape(37, -1) @ rounded.double()
+        assert ((coarse - ref).abs().max() / ref.abs().max()).item() > 1e-4
+
+
 def _run_coef(inputs, dtype, **kw):
     x, phi, bias, alpha = inputs
     out = fused.mhc_coefficients(x, phi, bias, alpha, MHCOptions(**kw))
@@ -491,6 +509,24 @@ def test_compile_fullgraph_matches_eager(block):
     torch.testing.assert_close(out, eager, atol=1e-5, rtol=1e-5)
     for a, b in zip(g_comp, g_eager):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_fake_impls_give_the_real_outputs_strides():
+    """Compiled graphs assert the fake impls' output strides: HC hands the stream ops a transposed H^res and a gate
+    sliced out of a wider tensor; every output the op allocates itself is contiguous, in the fake impl too (a fake
+    that copied H^res's strides failed inductor's stride assert on the GPU)."""
+    torch.manual_seed(12)
+    N, n, C = 5, 4, 16
+    x, f, g = torch.randn(N, n, C, device=DEV), torch.randn(N, C, device=DEV), torch.randn(N, n, C, device=DEV)
+    h_pre = torch.rand(N, n, 2, device=DEV)[..., 0]
+    h_post = torch.rand(N, n, device=DEV)
+    h_res = torch.rand(N, n, n, device=DEV).transpose(1, 2)
+    assert not h_res.is_contiguous() and not h_pre.is_contiguous()
+    for op, args in ((ops.post_fwd, (x, f, h_post, h_res)), (ops.post_bwd, (g, x, f, h_post, h_res)),
+                     (ops.pre_fwd, (x, h_pre)), (ops.pre_bwd, (f, x, h_pre)),
+                     (ops.rms_proj_fwd, (x.reshape(N * n, C), torch.randn(C, n + 2, device=DEV).t().contiguous().t(),
+                                         1e-6))):
+        torch.library.opcheck(op, args, test_utils=("test_faketensor",))
 
 
 def test_eager_path_skips_the_dispatcher_and_compile_sees_the_custom_ops():

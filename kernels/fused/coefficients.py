@@ -133,14 +133,17 @@ def _res_tail(lg_ptr, bias_ptr, alpha_ptr, hres_ptr, rows64, rmask, rinv, iters,
 
 @triton.jit(do_not_specialize=["N", "iters"])
 def _coef_fwd(
-    x_ptr, phi_ptr, bias_ptr, alpha_ptr, lg_ptr, rinv_ptr, hpre_ptr, hpost_ptr, hres_ptr, u_ptr,
+    x_ptr, phi_ptr, phil_ptr, bias_ptr, alpha_ptr, lg_ptr, rinv_ptr, hpre_ptr, hpost_ptr, hres_ptr, u_ptr,
     N, C, stride_x, stride_phi, iters, eps, rms_eps, pre_eps, post_mult,
     NS: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, HAS_RES: tl.constexpr, SINK: tl.constexpr,
     HAS_U: tl.constexpr, T_IN: tl.constexpr, T_OUT: tl.constexpr,
     DOT: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr, TAIL: tl.constexpr = True,
+    SPLIT: tl.constexpr = False,
 ):
     """x [N, n*C] rows (stride_x), BK: tile of the flat row in the projection loop, BC: C tile of the u loop.
-    TAIL = False (the RMS-normalised projection of HC, `rms_proj`): only the raw projection and 1/r are stored."""
+    TAIL = False (the RMS-normalised projection of HC, `rms_proj`): only the raw projection and 1/r are stored.
+    SPLIT: phi is given as two parts in x's dtype, phi = hi (phi_ptr) + lo (phil_ptr), one dot each (exact 16-bit
+    products, fp32 accumulate: an fp32 phi to 16 mantissa bits, more than tf32's 11, at the speed of native dots)."""
     pid = tl.program_id(0)
     rows = pid * BT + tl.arange(0, BT)
     rmask = rows < N
@@ -160,6 +163,10 @@ def _coef_fwd(
         xf = xt.to(tl.float32)
         ss += tl.sum(xf * xf, axis=1)
         acc = _dot(xt, pt, acc, DOT)
+        if SPLIT:
+            pl = tl.load(phil_ptr + kk[:, None] * stride_phi + cols[None, :], mask=kmask[:, None] & cmask[None, :],
+                         other=0.0)
+            acc = _dot(xt, pl, acc, DOT)
     rinv = 1.0 / tl.sqrt(ss / K + rms_eps)
     tl.store(lg_ptr + rows64[:, None] * M + cols[None, :], acc, mask=rmask[:, None] & cmask[None, :])
     tl.store(rinv_ptr + rows64, rinv, mask=rmask)

@@ -26,7 +26,7 @@ POISON = False
 CONFIG = {
     # BK: tile of the flat n*C row in the GEMM loop; BC: C tile of the fused pre op's u loop, BT * BC <= 1024 (larger
     # u tiles spill at BT = 64). split_tail: Sinkhorn in its own launch (`coef_tail`) after the GEMM programs.
-    "coef_fwd": dict(BT=64, BK=64, num_warps=4, num_stages=3, BC=16, split_tail=True),
+    "coef_fwd": dict(BT=64, BK=128, num_warps=8, num_stages=3, BC=16, split_tail=True),
     "coef_tail": dict(BT=8, num_warps=2),
     # BC: C tile of the <du, x_j> loop (fused pre and boundary ops)
     "coef_bwd_tok": dict(BT=8, num_warps=2, BC=64),
@@ -47,6 +47,12 @@ def _new(shape, dtype, device) -> Tensor:
     if POISON:
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _like(t: Tensor) -> Tensor:
+    """A fake impl's output for a tensor the op allocates itself: contiguous whatever t's strides (a transposed
+    h_res, as HC passes, must not give its strides to dH: compiled graphs assert the fake strides)."""
+    return torch.empty_like(t, memory_format=torch.contiguous_format)
 
 
 def _cfg(name: str, **limits) -> dict:
@@ -80,12 +86,21 @@ def _phi_rows_cap(n: int, m: int) -> int:
     return max(16, 1 << (cap.bit_length() - 1))
 
 
-def _dot_mode(x: Tensor, phi: Tensor) -> int:
+def _projection(x: Tensor, phi: Tensor) -> tuple[Tensor, Tensor, int, bool]:
+    """(phi or its hi part, its lo part, DOT, SPLIT) for `_coef_fwd`'s GEMM x phi (the coefficients, HC's rms_proj)."""
     if x.dtype == torch.float32:
-        return DOT_IEEE  # fp32 activations: full-precision products (the fp32 test tier)
-    # bf16 x is exact in tf32, phi goes in as tf32 (the paper's precision). Native 16-bit dots only when phi
-    # has x's dtype, and never under the interpreter (its bf16 dot is wrong in triton 3.9).
-    return DOT_NATIVE if phi.dtype == x.dtype and not INTERPRET else DOT_TF32
+        return phi, phi, DOT_IEEE, False  # fp32 activations: full-precision products (the fp32 test tier)
+    # native 16-bit dots, never under the interpreter: its bf16 dot is wrong in triton 3.9; there fp32 dots on the
+    # same 16-bit values give the same exact products
+    native = DOT_IEEE if INTERPRET else DOT_NATIVE
+    if phi.dtype == x.dtype:
+        return phi, phi, native, False
+    if phi.dtype == torch.float32:
+        # the trainer's case (fp32 parameters under bf16-mixed): phi = hi + lo in x's dtype, two native dots, at
+        # least the paper's tf32 precision. A tf32 dot (x tiles converted to fp32) took 2.3x as long (round 5).
+        hi = phi.to(x.dtype)
+        return hi, (phi - hi).to(x.dtype), native, True
+    return phi, phi, DOT_TF32, False
 
 
 def _rows(x: Tensor) -> Tensor:
@@ -140,11 +155,12 @@ def _fwd(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mu
     cfg = _cfg("coef_fwd", BK=_np2(n * C, 16), BC=_np2(C, 16))
     bias, alpha = bias.contiguous(), alpha.contiguous()
     split = bool(cfg.get("split_tail", False)) and has_res
+    phi, phi_lo, dot, two = _projection(x, phi)
     _coef_fwd[(_cdiv(N, cfg["BT"]),)](
-        x, phi, bias, alpha, lg, rinv, h_pre, h_post, h_res, u if with_u else h_pre,
+        x, phi, phi_lo, bias, alpha, lg, rinv, h_pre, h_post, h_res, u if with_u else h_pre,
         N, C, x.stride(0), phi.stride(0), iters, eps, rms_eps, pre_eps, post_mult,
         NS=n, M=M, MP=_np2(M, 16), HAS_RES=has_res, SINK=not split, HAS_U=with_u, T_IN=t_in, T_OUT=t_out,
-        DOT=_dot_mode(x, phi), BT=cfg["BT"], BK=cfg["BK"], BC=cfg["BC"], **_launch(cfg),
+        DOT=dot, BT=cfg["BT"], BK=cfg["BK"], BC=cfg["BC"], SPLIT=two, **_launch(cfg),
     )
     if split:
         ct = _cfg("coef_tail")
@@ -262,7 +278,7 @@ coef_bwd = _op("coef_bwd", _coef_bwd_body)
 
 @coef_bwd.register_fake
 def _(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult):
-    return torch.empty_like(x), torch.empty_like(phi), torch.empty_like(bias), torch.empty_like(alpha)
+    return _like(x), _like(phi), _like(bias), _like(alpha)
 
 
 def _coef_setup(ctx, inputs, output):
@@ -327,7 +343,7 @@ mhc_pre_bwd = _op("mhc_pre_bwd", _mhc_pre_bwd_body)
 
 @mhc_pre_bwd.register_fake
 def _(x, phi, bias, alpha, lg, rinv, h_pre, du, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult):
-    return torch.empty_like(x), torch.empty_like(phi), torch.empty_like(bias), torch.empty_like(alpha)
+    return _like(x), _like(phi), _like(bias), _like(alpha)
 
 
 def _mhc_pre_setup(ctx, inputs, output):
@@ -362,10 +378,11 @@ def _rms_proj_fwd_body(x: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor
     if R > 0:
         x, w = _c_contig(x), _c_contig(w)
         cfg = _cfg("coef_fwd", BK=_np2(C, 16), BC=_np2(C, 16))
+        w_hi, w_lo, dot, two = _projection(x, w)
         _coef_fwd[(_cdiv(R, cfg["BT"]),)](
-            x, w, w, w, lg, rinv, lg, lg, lg, lg, R, C, x.stride(0), w.stride(0), 1, 0.0, eps, 0.0, 0.0,
+            x, w_hi, w_lo, w, w, lg, rinv, lg, lg, lg, lg, R, C, x.stride(0), w_hi.stride(0), 1, 0.0, eps, 0.0, 0.0,
             NS=1, M=M, MP=_np2(M, 16), HAS_RES=False, SINK=False, HAS_U=False, T_IN=False, T_OUT=False,
-            DOT=_dot_mode(x, w), BT=cfg["BT"], BK=cfg["BK"], BC=cfg["BC"], TAIL=False, **_launch(cfg))
+            DOT=dot, BT=cfg["BT"], BK=cfg["BK"], BC=cfg["BC"], TAIL=False, SPLIT=two, **_launch(cfg))
     return lg * rinv[:, None], lg, rinv
 
 
@@ -396,7 +413,7 @@ rms_proj_bwd = _op("rms_proj_bwd", _rms_proj_bwd_body)
 
 @rms_proj_bwd.register_fake
 def _(dy, x, w, lg, rinv):
-    return torch.empty_like(x), torch.empty_like(w)
+    return _like(x), _like(w)
 
 
 def _rms_proj_setup(ctx, inputs, output):
@@ -457,7 +474,7 @@ pre_bwd = _op("stream_pre_bwd", _pre_bwd_body)
 
 @pre_bwd.register_fake
 def _(du, x, h_pre):
-    return torch.empty_like(x), torch.empty_like(h_pre)
+    return _like(x), _like(h_pre)
 
 
 def _pre_setup(ctx, inputs, output):
@@ -496,7 +513,7 @@ post_fwd = _op("stream_post_res", _post_fwd_body)
 
 @post_fwd.register_fake
 def _(x, f, h_post, h_res):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+    return _like(x)
 
 
 def _post_bwd_run(g, x, f, h_post, h_res, coef=None):
@@ -549,9 +566,7 @@ post_bwd = _op("stream_post_res_bwd", _post_bwd_body)
 
 @post_bwd.register_fake
 def _(g, x, f, h_post, h_res):
-    return (torch.empty_like(x, memory_format=torch.contiguous_format),
-            torch.empty_like(f, memory_format=torch.contiguous_format),
-            torch.empty_like(h_post), torch.empty_like(h_res))
+    return _like(x), _like(f), _like(h_post), _like(h_res)
 
 
 def _post_setup(ctx, inputs, output):
@@ -584,7 +599,7 @@ bnd_fwd = _op("mhc_boundary", _bnd_fwd_body)
 
 @bnd_fwd.register_fake
 def _(x, f, h_post, h_res, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult):
-    return (torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty((x.shape[0], x.shape[2]))) + \
+    return (_like(x), x.new_empty((x.shape[0], x.shape[2]))) + \
         _coef_fake(x, phi)
 
 
@@ -612,9 +627,7 @@ bnd_bwd = _op("mhc_boundary_bwd", _bnd_bwd_body)
 @bnd_bwd.register_fake
 def _(x, f, h_post, h_res, phi, bias, alpha, x_next, lg, rinv, h_pre2, g, du, d_pre, d_post, d_res, iters, eps, t_in,
       t_out, post_mult):
-    return (torch.empty_like(x, memory_format=torch.contiguous_format),
-            torch.empty_like(f, memory_format=torch.contiguous_format), torch.empty_like(h_post),
-            torch.empty_like(h_res), torch.empty_like(phi), torch.empty_like(bias), torch.empty_like(alpha))
+    return _like(x), _like(f), _like(h_post), _like(h_res), _like(phi), _like(bias), _like(alpha)
 
 
 def _bnd_setup(ctx, inputs, output):
