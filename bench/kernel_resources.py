@@ -29,8 +29,13 @@ FLOATS = {"eps", "rms_eps", "pre_eps", "post_mult"}
 NS, M, MP = 4, 24, 32
 
 
-def _tiles(name, *keys):
-    return {k: ops.CONFIG[name][k] for k in keys}
+def _launch_config(entry):
+    """CONFIG entry name, or (name, "tf32"): the entry with its tiles for a tf32 dot (ops._cfg)."""
+    return ops._cfg(entry[0], tf32=True) if isinstance(entry, tuple) else ops.CONFIG[entry]
+
+
+def _tiles(entry, *keys):
+    return {k: _launch_config(entry)[k] for k in keys}
 
 
 def cases():
@@ -40,11 +45,14 @@ def cases():
     return [
         ("mhc_pre fwd (coef + u)", _coef_fwd, dict(fwd, **_tiles("coef_fwd", "BT", "BK", "BC")), {"x_ptr", "phi_ptr", "u_ptr"},
          "coef_fwd"),
-        ("mhc_pre fwd, fp32 phi as hi + lo", _coef_fwd, dict(fwd, SPLIT=True, **_tiles("coef_fwd", "BT", "BK", "BC")),
+        ("mhc_pre fwd, fp32 phi (tf32 tiles)", _coef_fwd,
+         dict(fwd, DOT=DOT_TF32, **_tiles(("coef_fwd", "tf32"), "BT", "BK", "BC")),
+         {"x_ptr", "u_ptr"}, ("coef_fwd", "tf32")),
+        ("mhc_pre fwd, fp32 phi, phi_split", _coef_fwd, dict(fwd, SPLIT=True, **_tiles("coef_fwd", "BT", "BK", "BC")),
          {"x_ptr", "phi_ptr", "phil_ptr", "u_ptr"}, "coef_fwd"),
-        ("HC projection (rms_proj, hi + lo)", _coef_fwd,
-         dict(fwd, NS=1, M=6, MP=16, HAS_RES=False, HAS_U=False, TAIL=False, SPLIT=True,
-              **_tiles("coef_fwd", "BT", "BK", "BC")), {"x_ptr", "phi_ptr", "phil_ptr"}, "coef_fwd"),
+        ("HC projection (rms_proj, tf32)", _coef_fwd,
+         dict(fwd, NS=1, M=6, MP=16, HAS_RES=False, HAS_U=False, TAIL=False, DOT=DOT_TF32, BC=16,
+              **_tiles("rms_proj", "BT", "BK")), {"x_ptr"}, "rms_proj"),
         ("Sinkhorn tail", _coef_tail, dict(NS=NS, M=M, T_IN=True, T_OUT=False, BT=ops.CONFIG["coef_tail"]["BT"]),
          set(), "coef_tail"),
         ("coef bwd per token (+ <du, x>)", _coef_bwd_tok,
@@ -100,8 +108,8 @@ def main():
     args = p.parse_args()
     rows = []
     for label, kernel, constexprs, bf16, cfg_name in cases():
-        r = dict(kernel=label, config=ops.CONFIG[cfg_name], **compile_one(kernel, constexprs, bf16, ops.CONFIG[cfg_name],
-                                                                       args.arch))
+        launch = _launch_config(cfg_name)
+        r = dict(kernel=label, config=launch, **compile_one(kernel, constexprs, bf16, launch, args.arch))
         rows.append(r)
         print(f"{label:<34} regs {r['registers']:>3}  stack {r['stack_bytes']:>4}  local {r['local_bytes']:>4} "
               f"smem {r['shared_bytes']:>6}  warps {r['num_warps']}  CTAs/SM (regs) {r['ctas_per_sm_by_registers']}",

@@ -72,13 +72,15 @@ def _coef_inputs(lead, c, n, dtype, with_res=True, phi_dtype=torch.float32, gate
 
 
 def test_projection_of_bf16_x_with_fp32_phi_is_more_precise_than_tf32():
-    """The trainer's case (bf16 stream, fp32 phi): the coefficient GEMM splits phi into two bf16 parts (ops._projection).
+    """The trainer's case (bf16 stream, fp32 phi) with CONFIG coef_fwd phi_split: the coefficient GEMM splits phi into two
+    bf16 parts (ops._projection).
     Its raw projection must match float64 to ~1e-5 (phi to 16 mantissa bits): tf32's rounding of phi alone gives
     ~2e-4, bf16's ~2e-3 (on the GPU the dots are the tensor-core ones)."""
     torch.manual_seed(31)
     x, phi, bias, alpha = [t.detach() for t in _coef_inputs((37,), 40, 4, torch.bfloat16)]
-    assert phi.dtype == torch.float32 and ops._projection(x, phi)[3]  # the split is taken
-    lg = ops.coef_fwd.plain(x, phi, bias, alpha, 3, 1e-6, True, False, 1e-6, 1e-6, 2.0)[3]
+    with config_changed("coef_fwd", phi_split=True):
+        assert phi.dtype == torch.float32 and ops._projection(x, phi)[3]  # the split is taken
+        lg = ops.coef_fwd.plain(x, phi, bias, alpha, 3, 1e-6, True, False, 1e-6, 1e-6, 2.0)[3]
     ref = x.double().reshape(37, -1) @ phi.double()
     err = ((lg.double() - ref).abs().max() / ref.abs().max()).item()
     assert err < 4e-5, err

@@ -26,7 +26,12 @@ POISON = False
 CONFIG = {
     # BK: tile of the flat n*C row in the GEMM loop; BC: C tile of the fused pre op's u loop, BT * BC <= 1024 (larger
     # u tiles spill at BT = 64). split_tail: Sinkhorn in its own launch (`coef_tail`) after the GEMM programs.
-    "coef_fwd": dict(BT=64, BK=128, num_warps=8, num_stages=3, BC=16, split_tail=True),
+    # phi_split: an fp32 phi as two 16-bit parts (ops._projection), off: measured slower in the trainer (round 5).
+    # tf32: the tiles with an fp32 phi (the trainer's), where BK = 128 at 8 warps spills (kernel_resources.py)
+    "coef_fwd": dict(BT=64, BK=128, num_warps=8, num_stages=3, BC=16, split_tail=True, phi_split=False,
+                     tf32=dict(BK=64, num_warps=4)),
+    # HC's projection (`_coef_fwd`, one stream per row, K = C, no tail): the tile HC was measured with (round 5)
+    "rms_proj": dict(BT=64, BK=64, num_warps=4, num_stages=3),
     "coef_tail": dict(BT=8, num_warps=2),
     # BC: C tile of the <du, x_j> loop (fused pre and boundary ops)
     "coef_bwd_tok": dict(BT=8, num_warps=2, BC=64),
@@ -55,8 +60,10 @@ def _like(t: Tensor) -> Tensor:
     return torch.empty_like(t, memory_format=torch.contiguous_format)
 
 
-def _cfg(name: str, **limits) -> dict:
+def _cfg(name: str, tf32: bool = False, **limits) -> dict:
     cfg = dict(CONFIG[name])
+    if tf32:  # the entry's tiles for a tf32 dot, whose fp32 operand tiles need more registers and shared memory
+        cfg.update(cfg.get("tf32", {}))
     for k, cap in limits.items():  # never tile wider than the problem (powers of 2, dot needs >= 16)
         if k in cfg:
             cfg[k] = min(cfg[k], cap)
@@ -95,12 +102,13 @@ def _projection(x: Tensor, phi: Tensor) -> tuple[Tensor, Tensor, int, bool]:
     native = DOT_IEEE if INTERPRET else DOT_NATIVE
     if phi.dtype == x.dtype:
         return phi, phi, native, False
-    if phi.dtype == torch.float32:
-        # the trainer's case (fp32 parameters under bf16-mixed): phi = hi + lo in x's dtype, two native dots, at
-        # least the paper's tf32 precision. A tf32 dot (x tiles converted to fp32) took 2.3x as long (round 5).
+    if phi.dtype == torch.float32 and CONFIG["coef_fwd"].get("phi_split"):
+        # fp32 phi (the trainer's parameters under bf16-mixed) as hi + lo in x's dtype, two native dots: at least the
+        # paper's tf32 precision. Off by default: the kernel took 207 vs 337 us, yet the trainer step grew from
+        # 96.3 to 109.5 ms (round 5, docs/benchmarks.md; not yet explained)
         hi = phi.to(x.dtype)
         return hi, (phi - hi).to(x.dtype), native, True
-    return phi, phi, DOT_TF32, False
+    return phi, phi, DOT_TF32, False  # bf16 x is exact in tf32; phi goes in as tf32 (the paper's precision)
 
 
 def _rows(x: Tensor) -> Tensor:
@@ -152,10 +160,10 @@ def _fwd(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mu
     if N == 0:
         return u, h_pre, h_post, h_res, lg, rinv
     x, phi = _rows(x), _c_contig(phi)
-    cfg = _cfg("coef_fwd", BK=_np2(n * C, 16), BC=_np2(C, 16))
+    phi, phi_lo, dot, two = _projection(x, phi)
+    cfg = _cfg("coef_fwd", dot == DOT_TF32, BK=_np2(n * C, 16), BC=_np2(C, 16))
     bias, alpha = bias.contiguous(), alpha.contiguous()
     split = bool(cfg.get("split_tail", False)) and has_res
-    phi, phi_lo, dot, two = _projection(x, phi)
     _coef_fwd[(_cdiv(N, cfg["BT"]),)](
         x, phi, phi_lo, bias, alpha, lg, rinv, h_pre, h_post, h_res, u if with_u else h_pre,
         N, C, x.stride(0), phi.stride(0), iters, eps, rms_eps, pre_eps, post_mult,
@@ -377,12 +385,12 @@ def _rms_proj_fwd_body(x: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor
     lg, rinv = _new((R, M), torch.float32, x.device), _new((R,), torch.float32, x.device)
     if R > 0:
         x, w = _c_contig(x), _c_contig(w)
-        cfg = _cfg("coef_fwd", BK=_np2(C, 16), BC=_np2(C, 16))
+        cfg = _cfg("rms_proj", BK=_np2(C, 16))
         w_hi, w_lo, dot, two = _projection(x, w)
         _coef_fwd[(_cdiv(R, cfg["BT"]),)](
             x, w_hi, w_lo, w, w, lg, rinv, lg, lg, lg, lg, R, C, x.stride(0), w_hi.stride(0), 1, 0.0, eps, 0.0, 0.0,
             NS=1, M=M, MP=_np2(M, 16), HAS_RES=False, SINK=False, HAS_U=False, T_IN=False, T_OUT=False,
-            DOT=dot, BT=cfg["BT"], BK=cfg["BK"], BC=cfg["BC"], TAIL=False, SPLIT=two, **_launch(cfg))
+            DOT=dot, BT=cfg["BT"], BK=cfg["BK"], BC=16, TAIL=False, SPLIT=two, **_launch(cfg))
     return lg * rinv[:, None], lg, rinv
 
 
