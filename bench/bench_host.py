@@ -6,8 +6,9 @@ An eager training step issues its kernel launches from Python; when the host nee
 GPU, the GPU waits (docs/benchmarks.md, "Eager host overhead"). This measures that host cost on any machine: the
 fused ops run under the Triton interpreter's dispatch path with each kernel launch replaced by a no-op, on
 tiny tensors, so what is timed is the Python wrappers, the autograd Functions, allocations and the launch
-arithmetic, forward + backward. Wirings: the chain (one boundary op per sublayer, the model's path) and one
-sublayer at a time (fused pre op + write-back). Branches are identities, so the ops are all that runs.
+arithmetic, forward + backward. Wirings: the chain (one boundary op per sublayer) and one sublayer at a time
+(fused pre op + write-back) for mHC, and HC's sublayer (fused projection, its tail in torch, the stream ops).
+Branches are identities, so the ops are all that runs.
 """
 import argparse
 import json
@@ -67,7 +68,9 @@ def main():
     c, n = 64, 4
     cfg = HyperConfig(residual_mode="mhc", n_streams=n, kernel_backend="triton", phi_init="normal", bias_init="a6")
     layers = nn.ModuleList(HyperConnection(nn.Identity(), c, i, cfg) for i in range(args.sublayers))
-    params = list(layers.parameters())
+    hc_cfg = HyperConfig(residual_mode="hc", n_streams=n, kernel_backend="triton", bias_init="hc_identity")
+    hc_layers = nn.ModuleList(HyperConnection(nn.Identity(), c, i, hc_cfg) for i in range(args.sublayers))
+    params = list(layers.parameters()) + list(hc_layers.parameters())
     x = torch.randn(2, 16, n, c, requires_grad=True)
 
     def chained(x):
@@ -80,7 +83,13 @@ def main():
             x = layer(x)
         return x
 
-    runs = {"chain (boundary op)": chained, "one sublayer at a time (mhc_pre + stream_post_res)": one_at_a_time}
+    def hc(x):
+        for layer in hc_layers:
+            x = layer(x)
+        return x
+
+    runs = {"chain (boundary op)": chained, "one sublayer at a time (mhc_pre + stream_post_res)": one_at_a_time,
+            "HC (rms_proj + tail in torch + stream ops)": hc}
     rows = {}
     for name, ms in paired_step_ms(runs, x, params, args.steps).items():
         rows[name] = dict(step_ms=ms, per_sublayer_ms=ms / args.sublayers)
