@@ -6,10 +6,24 @@
 #   run: OUT=$OUT bash bench/gpu_perf_round.sh            (about 8 minutes on an H200)
 #   PROFILE=1: --quick --sweep --profile --profile-host instead of the full table (launch-config sweep, CUDA time per
 #   kernel, host time per Python function: the eager step waits on the host on slow machines).
+#   NCU=1: first, Nsight Compute on the slowest kernels (occupancy, stall reasons, memory throughput; about a minute),
+#   one op body each (`bench_mhc.py --only-op`), reports under $OUT/ncu.
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT/trainer" "$OUT/trainer_chain" "$OUT/compile" "$OUT/phi_fp32"
 source bench/gpu_env.sh > "$OUT/setup.log" 2>&1 || { tail "$OUT/setup.log"; exit 1; }
+
+if [ "${NCU:-0}" = 1 ]; then
+  echo "== ncu"
+  mkdir -p "$OUT/ncu"
+  ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  for k in "_post_bwd_2d:2-D pass" "_coef_fwd:mhc_pre fwd" "_coef_bwd_x:mhc_pre bwd" "_coef_bwd_tok:per token"; do
+    timeout 120 "$ncu" --kernel-name "regex:${k%%:*}" --launch-skip 5 --launch-count 1 --section SpeedOfLight \
+      --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis --section LaunchStats \
+      python3 bench/bench_mhc.py --only-op "${k#*:}" > "$OUT/ncu/${k%%:*}.txt" 2>&1
+    grep -E "Duration|DRAM Throughput|Registers Per|Achieved Occupancy" "$OUT/ncu/${k%%:*}.txt" | sed "s/^/${k%%:*} /"
+  done
+fi
 
 echo "== kernel tests"
 timeout 200 python3 -m pytest -q -x tests/test_kernels.py tests/test_recompute.py -n 8 -p no:cacheprovider 2>&1 \
