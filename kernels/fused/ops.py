@@ -103,9 +103,9 @@ def _projection(x: Tensor, phi: Tensor) -> tuple[Tensor, Tensor, int, bool]:
     if phi.dtype == x.dtype:
         return phi, phi, native, False
     if phi.dtype == torch.float32 and CONFIG["coef_fwd"].get("phi_split"):
-        # fp32 phi (the trainer's parameters under bf16-mixed) as hi + lo in x's dtype, two native dots: at least the
-        # paper's tf32 precision. Off by default: the kernel took 207 vs 337 us (tf32 at BK = 128), yet the trainer step went from
-        # 96.3 to 109.5 ms (round 5, docs/benchmarks.md; not yet explained)
+        # fp32 phi (the trainer's parameters under bf16-mixed) as hi + lo in x's dtype, two native dots: at least
+        # the paper's tf32 precision. Off by default: the kernel took 207 vs 337 us (tf32 at BK = 128), yet the
+        # trainer step went from 96.3 to 109.5 ms (round 5, docs/benchmarks.md; not yet explained)
         hi = phi.to(x.dtype)
         return hi, (phi - hi).to(x.dtype), native, True
     return phi, phi, DOT_TF32, False  # bf16 x is exact in tf32; phi goes in as tf32 (the paper's precision)
