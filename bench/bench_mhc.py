@@ -70,6 +70,7 @@ DEV = "cpu" if args.smoke else "cuda"
 DT = torch.float32 if args.smoke else torch.bfloat16
 PHI_DT = torch.float32 if args.phi_dtype == "fp32" else DT
 N_STREAMS = 4
+KERNEL_SHAPE = (64, 40) if args.smoke else (1024, 16384)  # (C, tokens) of the full sweep and --only-op
 T0 = time.time()
 torch.backends.cuda.matmul.allow_tf32 = True
 
@@ -588,7 +589,7 @@ def main():
         with open(args.config) as fh:
             K.CONFIG.update(json.load(fh)["config"])
     if args.only_op:
-        calls = _calls(_kernel_inputs(*((1024, 16384) if not args.smoke else (64, 40)), 4))
+        calls = _calls(_kernel_inputs(*KERNEL_SHAPE, 4))
         name = next(k for k in calls if args.only_op in k)
         for _ in range(20):
             calls[name]()
@@ -613,7 +614,7 @@ def main():
     STATE.update(info=info, checks=checks, stack=rows, kernels=kernels)
     STATE["sweep"] = {}
     if args.sweep and not args.quick:
-        STATE["sweep"] = sweep(*((1024, 16384) if not args.smoke else (64, 40)))
+        STATE["sweep"] = sweep(*KERNEL_SHAPE)
     for key in args.shapes.split(","):
         c, heads, blocks, b, t = shapes[key]
         print(f"== C={c} sublayers={2 * blocks} B={b} T={t}", flush=True)
