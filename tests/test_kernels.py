@@ -273,6 +273,64 @@ def test_mhc_pre_bf16_partial_grads_split_tail(split_tail):
         _run_pre(inputs, torch.float32, sinkhorn_iters=20)
 
 
+@pytest.mark.parametrize("u_inside_max_c", [0, 4096])
+@pytest.mark.parametrize("n,dtype,phi_dtype", [(4, torch.bfloat16, torch.float32), (4, torch.bfloat16, torch.bfloat16),
+                                               (2, torch.float32, torch.float32)])
+def test_mhc_pre_u_in_or_after_the_coefficient_kernel(u_inside_max_c, n, dtype, phi_dtype):
+    """u in the coefficient kernel's own loop, or by stream_pre's kernel after it (CONFIG coef_fwd u_inside_max_c)."""
+    torch.manual_seed(75 + n)
+    tf32 = dict(ops.CONFIG["coef_fwd"]["tf32"], u_inside_max_c=u_inside_max_c)
+    with config_changed("coef_fwd", u_inside_max_c=u_inside_max_c, tf32=tf32):
+        lead, c = SHAPES[1]
+        _run_pre(_coef_inputs(lead, c, n, dtype, phi_dtype=phi_dtype), dtype, sinkhorn_iters=ITERS)
+
+
+def test_bwd_x_adds_the_other_consumers_gradient():
+    """bwd_x with dx_in: dx = (its own dx) + dx_in, in the same pass."""
+    torch.manual_seed(77)
+    lead, c = SHAPES[1]
+    x, phi, _, _ = _coef_inputs(lead, c, 4, torch.bfloat16)
+    x = x.detach().reshape(-1, 4, c)
+    N = x.shape[0]
+    dl, dss = torch.randn(N, phi.shape[1], device=DEV), torch.randn(N, device=DEV)
+    h_pre, du = torch.rand(N, 4, device=DEV), torch.randn(N, c, device=DEV).to(x.dtype)
+    dx_in = torch.randn_like(x)
+    plain, summed = torch.empty_like(x), torch.empty_like(x)
+    ops.bwd_x(x, phi.detach(), dl, dss, plain, h_pre=h_pre, du=du)
+    ops.bwd_x(x, phi.detach(), dl, dss, summed, h_pre=h_pre, du=du, dx_in=dx_in)
+    check(summed, plain.double() + dx_in.double(), TOL[torch.bfloat16][2], "dx + dx_in")
+
+
+def _enter_block(ops_, x, phi, bias, alpha, w, opts):
+    """One sublayer as the model runs it: mhc_enter, a branch, the write-back reading the stream mhc_enter handed on."""
+    xt, u, _, h_post, h_res = ops_.mhc_enter(x, phi, bias, alpha, opts)
+    return ops_.stream_post_res(xt, torch.tanh(u * w.to(u.dtype)).to(u.dtype), h_post, h_res), xt
+
+
+@pytest.mark.parametrize("n,dtype,mode", [(4, torch.bfloat16, "rows"), (2, torch.float32, "cols"),
+                                          (4, torch.float32, "identity"), (8, torch.bfloat16, "rows")])
+def test_mhc_enter_then_write_back_matches_reference(n, dtype, mode, monkeypatch):
+    """x has two consumers (the coefficients and u; the write-back): through mhc_enter the write-back's gradient of x
+    enters the pre op's backward and is added in its x pass (checked: bwd_x receives it), matching float64."""
+    torch.manual_seed(78 + n)
+    seen = []
+    real = ops.bwd_x
+    monkeypatch.setattr(ops, "bwd_x", lambda *a, **k: seen.append(k.get("dx_in") is not None) or real(*a, **k))
+    lead, c = SHAPES[1]
+    opts = MHCOptions(sinkhorn_iters=ITERS, exact_axis="cols" if mode == "cols" else "rows")
+    inputs = _coef_inputs(lead, c, n, dtype, with_res=mode != "identity") + [_leaf(torch.randn(c, device=DEV))]
+    out, xt = _enter_block(fused, *inputs, opts)
+    assert type(xt.grad_fn.next_functions[0][0]).__name__ == "mhc_pre_fwd_through_eagerBackward"
+    ref_in = _f64(inputs)
+    ref, _ = _enter_block(R, *ref_in, opts)
+    g = torch.randn_like(ref)
+    t_h, _, t_g = TOL[dtype]
+    check(out, ref, t_h, "x_next")
+    for name, a, b in zip(("dx", "dphi", "dbias", "dalpha", "dw"), _grads([out], inputs, [g]), _grads([ref], ref_in, [g])):
+        check(a, b, t_g, name)
+    assert seen == [True]
+
+
 @pytest.mark.parametrize("m", [3, 6, 10, 20])  # n + 2 for n = 1, 4, 8; and wider
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_proj(m, dtype):
@@ -474,10 +532,14 @@ def _block_pre(x, phi, bias, alpha, w, iters=3):
     return fused.stream_post_res(x, torch.tanh(u * w), h_post, h_res)
 
 
+def _block_enter(x, phi, bias, alpha, w, iters=3):
+    return _enter_block(fused, x, phi, bias, alpha, w, MHCOptions(sinkhorn_iters=iters))[0]
+
+
 def _block_chain(x, phi, bias, alpha, w, iters=3):
     """Two sublayers sharing the parameters, chained through the boundary op (as run_sublayers does)."""
     opts = MHCOptions(sinkhorn_iters=iters)
-    u, _, h_post, h_res = fused.mhc_pre(x, phi, bias, alpha, opts)
+    x, u, _, h_post, h_res = fused.mhc_enter(x, phi, bias, alpha, opts)
     x, u, _, h_post, h_res = fused.mhc_boundary(x, torch.tanh(u * w), h_post, h_res, phi, bias, alpha, opts)
     return fused.stream_post_res(x, torch.tanh(u * w), h_post, h_res)
 
@@ -493,8 +555,8 @@ def _block_hc(x, phi, bias, alpha, w, iters=3):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("block", [_block, _block_pre, _block_chain, _block_hc],
-                         ids=["three_ops", "mhc_pre", "boundary", "hc"])
+@pytest.mark.parametrize("block", [_block, _block_pre, _block_enter, _block_chain, _block_hc],
+                         ids=["three_ops", "mhc_pre", "mhc_enter", "boundary", "hc"])
 def test_compile_fullgraph_matches_eager(block):
     torch.manual_seed(9)
     backend = "inductor" if CUDA else "aot_eager"  # the CPU check is graph capture + fake impls + autograd

@@ -14,7 +14,7 @@ from ..options import DEFAULT_OPTIONS, EXACT_AXES, RES_LAYOUTS, MHCOptions
 from ..reference.coefficients import mhc_logit_count
 from . import ops
 
-__all__ = ["hc_coefficients", "mhc_coefficients", "mhc_pre", "mhc_boundary", "rms_proj", "stream_pre", "stream_post_res"]
+__all__ = ["hc_coefficients", "mhc_coefficients", "mhc_pre", "mhc_enter", "mhc_boundary", "rms_proj", "stream_pre", "stream_post_res"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -84,6 +84,20 @@ def mhc_pre(
     n, c = x.shape[-2], x.shape[-1]
     u, h_pre, h_post, h_res, _, _ = ops.eager.mhc_pre(x.reshape(-1, n, c), phi, bias, alpha.reshape(3), *args)
     return (u.reshape(*x.shape[:-2], c), *_coefs_out(phi, x.shape[:-2], n, h_pre, h_post, h_res))
+
+
+def mhc_enter(
+    x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, opts: MHCOptions = DEFAULT_OPTIONS
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """(x', u, h_pre, h_post, h_res | None): mhc_pre, and x' (an alias of x) for the sublayer's write-back to read.
+    The gradient reaching x' enters this op's backward, whose x pass adds it into the one dx it writes: autograd then
+    has no sum of the two stream-sized gradients of x to run (docs/kernels.md). Under torch.compile x' is x."""
+    args = _coef_args(x, phi, bias, alpha, opts)
+    if args is None:
+        return (x, *mhc_pre(x, phi, bias, alpha, opts))
+    n, c = x.shape[-2], x.shape[-1]
+    xt, u, h_pre, h_post, h_res, _, _ = ops.eager.mhc_enter(x.reshape(-1, n, c), phi, bias, alpha.reshape(3), *args)
+    return (xt.view(x.shape), u.reshape(*x.shape[:-2], c), *_coefs_out(phi, x.shape[:-2], n, h_pre, h_post, h_res))
 
 
 def _post_res_fusable(x, f, h_post, h_res) -> bool:

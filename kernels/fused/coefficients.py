@@ -4,7 +4,8 @@ Forward, one kernel (`_coef_fwd`): one read of x [N, n, C] yields the raw projec
 accumulate, M = n^2 + 2n) and sum(x^2); the per-token tail (norm-after-matmul, gates, bias, sigma, Sinkhorn)
 runs in fp32 registers. Only L and 1/r (M + 1 floats per token) are kept for the backward.
 - HAS_U (the fused pre op): the same kernel also writes u = sum_j h_pre_j x_j; its C loop re-reads the token
-  block it has just streamed (L2), so x leaves DRAM once for coefficients and u together.
+  block it has just streamed. At N = 16384, C = 1024 those re-reads mostly miss the L2 (ncu: 266 MB of DRAM read
+  for a 134 MB x), so above CONFIG "u_inside_max_c" ops runs stream_pre's streaming kernel for u instead.
   The sublayer boundary op's forward is `_post_fwd` then this kernel on the x it wrote (docs/kernels.md: the
   write-back fused into this kernel, and a split-K projection, were measured slower).
 - `_coef_tail` (CONFIG "split_tail") runs Sinkhorn in its own launch with small token blocks, so the serial tail
@@ -19,7 +20,7 @@ Backward, two kernels:
   it first reduces dh_pre += <du, x_j> over C (the u path of the fused pre and boundary ops).
 - `_coef_bwd_x`: one read of x per (column block, token split): the partial phi gradient x^T dL (tl.dot),
   summed over splits afterwards, and with HAS_DX dx = dL phi^T + 2 x d(sum x^2) (+ h_pre_j du with HAS_U:
-  the fused pre op's single dx). The boundary op computes its dx in `_post_bwd_2d` and uses this kernel for
+  the fused pre op's single dx; + the write-back's gradient of x with ACC, `mhc_enter`). The boundary op computes its dx in `_post_bwd_2d` and uses this kernel for
   the phi gradient only.
 
 Token count is a runtime argument (never specialised); strides depend on C only.
@@ -285,11 +286,13 @@ def _coef_bwd_tok(
 
 @triton.jit(do_not_specialize=["N", "tok_per_split"])
 def _coef_bwd_x(
-    x_ptr, phi_ptr, dl_ptr, dss_ptr, dx_ptr, dphi_ptr, hpre_ptr, du_ptr,
+    x_ptr, phi_ptr, dl_ptr, dss_ptr, dx_ptr, dphi_ptr, hpre_ptr, du_ptr, dxin_ptr,
     N, K, C, stride_x, stride_phi, tok_per_split,
     NS: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, DOT: tl.constexpr, HAS_U: tl.constexpr,
-    HAS_DX: tl.constexpr, ALIGNED: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    HAS_DX: tl.constexpr, ALIGNED: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr = False,
 ):
+    """ACC (with HAS_DX): dx also adds dxin [N, K], the gradient x received from its other consumer (the write-back
+    of the same sublayer, `mhc_enter`), so that autograd has no sum of two stream-sized gradients to run."""
     pid_k = tl.program_id(0)
     pid_s = tl.program_id(1)
     kk = pid_k * BK + tl.arange(0, BK)
@@ -319,6 +322,8 @@ def _coef_bwd_x(
         if HAS_DX:
             dss = tl.load(dss_ptr + rows, mask=rmask, other=0.0)
             dx0 = 2.0 * xf * dss[:, None]
+            if ACC:
+                dx0 += tl.load(dxin_ptr + rows64[:, None] * K + kk[None, :], mask=m2, other=0.0).to(tl.float32)
             if HAS_U:  # the u path of the fused pre op: dx_j += h_pre_j du (one dx for the whole op)
                 duv = tl.load(du_ptr + rows64[:, None] * C + cidx[None, :], mask=m2, other=0.0)
                 if ALIGNED:

@@ -9,6 +9,7 @@ to the reference for what the kernels do not cover.
 import functools
 import os
 from types import SimpleNamespace
+from typing import Optional
 
 import torch
 
@@ -27,9 +28,12 @@ CONFIG = {
     # BK: tile of the flat n*C row in the GEMM loop; BC: C tile of the fused pre op's u loop, BT * BC <= 1024 (larger
     # u tiles spill at BT = 64). split_tail: Sinkhorn in its own launch (`coef_tail`) after the GEMM programs.
     # phi_split: an fp32 phi as two 16-bit parts (ops._projection), off: measured slower in the trainer (round 5).
+    # u_inside_max_c: up to this C, u is summed in the GEMM kernel's own loop (re-reading its token block); above it,
+    # stream_pre's streaming kernel computes u after the GEMM (round 6: 161 vs 186 us at C = 1024, 212 vs 184 at
+    # C = 2048; with an fp32 phi 280 vs 208 at C = 1024).
     # tf32: the tiles with an fp32 phi (the trainer's), where BK = 128 at 8 warps spills (kernel_resources.py)
     "coef_fwd": dict(BT=64, BK=128, num_warps=8, num_stages=3, BC=16, split_tail=True, phi_split=False,
-                     tf32=dict(BK=64, num_warps=4)),
+                     u_inside_max_c=1024, tf32=dict(BT=128, BK=64, num_warps=4, u_inside_max_c=0)),
     # HC's projection (`_coef_fwd`, one stream per row, K = C, no tail): the tile HC was measured with (round 5)
     "rms_proj": dict(BT=64, BK=64, num_warps=4, num_stages=3),
     "coef_tail": dict(BT=8, num_warps=2),
@@ -164,12 +168,15 @@ def _fwd(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mu
     cfg = _cfg("coef_fwd", dot == DOT_TF32, BK=_np2(n * C, 16), BC=_np2(C, 16))
     bias, alpha = bias.contiguous(), alpha.contiguous()
     split = bool(cfg.get("split_tail", False)) and has_res
+    u_inside = with_u and C <= cfg.get("u_inside_max_c", 1 << 30)
     _coef_fwd[(_cdiv(N, cfg["BT"]),)](
-        x, phi, phi_lo, bias, alpha, lg, rinv, h_pre, h_post, h_res, u if with_u else h_pre,
+        x, phi, phi_lo, bias, alpha, lg, rinv, h_pre, h_post, h_res, u if u_inside else h_pre,
         N, C, x.stride(0), phi.stride(0), iters, eps, rms_eps, pre_eps, post_mult,
-        NS=n, M=M, MP=_np2(M, 16), HAS_RES=has_res, SINK=not split, HAS_U=with_u, T_IN=t_in, T_OUT=t_out,
+        NS=n, M=M, MP=_np2(M, 16), HAS_RES=has_res, SINK=not split, HAS_U=u_inside, T_IN=t_in, T_OUT=t_out,
         DOT=dot, BT=cfg["BT"], BK=cfg["BK"], BC=cfg["BC"], SPLIT=two, **_launch(cfg),
     )
+    if with_u and not u_inside:  # u by the streaming kernel of stream_pre: x read again, at copy speed
+        _pre_launch(x, h_pre, u)
     if split:
         ct = _cfg("coef_tail")
         _coef_tail[(_cdiv(N, ct["BT"]),)](
@@ -226,9 +233,9 @@ def bwd_tok(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_i
     return dl, dss, part
 
 
-def bwd_x(x, phi, dl, dss, dx=None, h_pre=None, du=None):
+def bwd_x(x, phi, dl, dss, dx=None, h_pre=None, du=None, dx_in=None):
     """One pass over x: returns split-partials [splits, nC, M] of dphi = x^T dL; with dx given, also writes
-    dx = dL phi^T + 2 x d(sum x^2) (+ h_pre_j du when du is given) into it."""
+    dx = dL phi^T + 2 x d(sum x^2) (+ h_pre_j du when du is given, + dx_in when given) into it."""
     N, n, C = x.shape
     K, M = n * C, phi.shape[1]
     cx = _cfg("coef_bwd_x" if dx is not None else "bnd_dphi", BK=_np2(K, 16))
@@ -240,9 +247,10 @@ def bwd_x(x, phi, dl, dss, dx=None, h_pre=None, du=None):
     with_u = du is not None
     _coef_bwd_x[(kblocks, splits)](
         x, phi, dl, dss, dl if dx is None else dx, dphi_part, h_pre.contiguous() if with_u else dl,
-        du.contiguous() if with_u else dl, N, K, C, x.stride(0), phi.stride(0), tok,
+        du.contiguous() if with_u else dl, dl if dx_in is None else dx_in, N, K, C, x.stride(0), phi.stride(0), tok,
         NS=n, M=M, MP=_np2(M, 16), DOT=DOT_IEEE if x.dtype == torch.float32 else DOT_TF32, HAS_U=with_u,
-        HAS_DX=dx is not None, ALIGNED=C % cx["BK"] == 0, BT=cx["BT"], BK=cx["BK"], **_launch(cx),
+        HAS_DX=dx is not None, ACC=dx_in is not None, ALIGNED=C % cx["BK"] == 0, BT=cx["BT"], BK=cx["BK"],
+        **_launch(cx),
     )
     return dphi_part
 
@@ -260,7 +268,8 @@ def _param_grads(phi, bias, alpha, dphi_part, part):
             red[M:].to(alpha.dtype, copy=True).reshape(alpha.shape))
 
 
-def _bwd(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult, h_pre=None, du=None):
+def _bwd(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult, h_pre=None, du=None,
+         dx_in=None):
     N, n, C = x.shape
     dx = _new((N, n, C), x.dtype, x.device)
     if N == 0:
@@ -269,7 +278,7 @@ def _bwd(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, 
     phi = _c_contig(phi)
     dl, dss, part = bwd_tok(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult,
                             du=du)
-    dphi_part = bwd_x(x, phi, dl, dss, dx, h_pre=h_pre, du=du)
+    dphi_part = bwd_x(x, phi, dl, dss, dx, h_pre=h_pre, du=du, dx_in=dx_in)
     return (dx, *_param_grads(phi, bias, alpha, dphi_part, part))
 
 
@@ -340,17 +349,20 @@ def _(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult)
 def _mhc_pre_bwd_body(
     x: Tensor, phi: Tensor, bias: Tensor, alpha: Tensor, lg: Tensor, rinv: Tensor, h_pre: Tensor, du: Tensor,
     d_pre: Tensor, d_post: Tensor, d_res: Tensor, iters: int, eps: float, t_in: bool, t_out: bool,
-    post_mult: float,
+    post_mult: float, dx_in: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """dx_in: the gradient x received from its other consumer (`mhc_enter`), added into dx by the same kernel."""
+    if x.shape[0] > 0 and dx_in is not None:
+        dx_in = _rows(dx_in)
     return _bwd(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult,
-                h_pre=h_pre, du=du)
+                h_pre=h_pre, du=du, dx_in=dx_in)
 
 
 mhc_pre_bwd = _op("mhc_pre_bwd", _mhc_pre_bwd_body)
 
 
 @mhc_pre_bwd.register_fake
-def _(x, phi, bias, alpha, lg, rinv, h_pre, du, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult):
+def _(x, phi, bias, alpha, lg, rinv, h_pre, du, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult, dx_in=None):
     return _like(x), _like(phi), _like(bias), _like(alpha)
 
 
@@ -373,6 +385,20 @@ def _mhc_pre_backward(ctx, du, d_pre, d_post, d_res, _dlg, _drinv):
 
 
 mhc_pre_fwd.register_autograd(_mhc_pre_backward, setup_context=_mhc_pre_setup)
+
+
+def _mhc_enter_backward(ctx, dx_next, du, d_pre, d_post, d_res, _dlg, _drinv):
+    """`eager.mhc_enter`: mhc_pre's outputs plus x handed on to the sublayer's write-back, whose gradient dx_next
+    joins this backward's dx in the x pass (no separate sum of two stream-sized gradients)."""
+    if du is None or dx_next is None:
+        grads = _mhc_pre_backward(ctx, du, d_pre, d_post, d_res, _dlg, _drinv)
+        if dx_next is not None:
+            grads = (grads[0] + dx_next, *grads[1:])
+        return grads
+    x, phi, bias, alpha, lg, rinv, h_pre = ctx.saved_tensors
+    dh = _dh_zeros(x, phi, d_pre, d_post, d_res)
+    grads = mhc_pre_bwd.plain(x, phi, bias, alpha, lg, rinv, h_pre, du, *dh, *ctx.opts, dx_in=dx_next)
+    return (*grads, None, None, None, None, None, None, None)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -445,15 +471,18 @@ rms_proj_fwd.register_autograd(_rms_proj_backward, setup_context=_rms_proj_setup
 # ---------------------------------------------------------------------------------------------------------------
 # stream_pre
 # ---------------------------------------------------------------------------------------------------------------
-def _pre_fwd_body(x: Tensor, h_pre: Tensor) -> Tensor:
+def _pre_launch(x: Tensor, h_pre: Tensor, u: Tensor) -> None:
     N, n, C = x.shape
-    u = _new((N, C), x.dtype, x.device)
-    if N == 0:
-        return u
     x, h_pre = _c_contig(x), h_pre.contiguous()
     cfg = _cfg("pre_fwd", BC=_np2(C, 16))
     grid = (_cdiv(N, cfg["BT"]), _cdiv(C, cfg["BC"]))
     _pre_fwd[grid](x, h_pre, u, N, C, x.stride(0), x.stride(1), NS=n, BT=cfg["BT"], BC=cfg["BC"], **_launch(cfg))
+
+
+def _pre_fwd_body(x: Tensor, h_pre: Tensor) -> Tensor:
+    u = _new((x.shape[0], x.shape[2]), x.dtype, x.device)
+    if x.shape[0] > 0:
+        _pre_launch(x, h_pre, u)
     return u
 
 
@@ -667,21 +696,23 @@ bnd_fwd.register_autograd(_bnd_backward, setup_context=_bnd_setup)
 # slow host the GPU then waits for launches. Outside torch.compile the same bodies run under one plain
 # autograd.Function with the same setup / backward functions; under compile (or on fake / traced tensors) the
 # registered custom ops are used, so graphs still see opaque ops with fake implementations.
-def _eager_fn(op, setup, backward):
+def _eager_fn(op, setup, backward, through=False):
+    """through: the Function also returns its first input, as its first output (an alias autograd tracks), and
+    backward receives that output's gradient first; under compile the input itself is returned beside the op's."""
     def forward(ctx, *args):
         out = op.plain(*args)
         ctx.eager = True
         ctx.set_materialize_grads(False)  # unused outputs' grads arrive as None, as with the custom op
         setup(ctx, args, out)
-        return out
+        return (args[0], *out) if through else out
 
     # named at creation: autograd names the backward node after the class (e.g. post_fwd_eagerBackward)
-    name = op.plain.__name__.replace("_body", "").strip("_") + "_eager"
+    name = op.plain.__name__.replace("_body", "").strip("_") + ("_through" if through else "") + "_eager"
     Fn = type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward)})
 
     def call(*args):
         if torch.compiler.is_compiling() or type(args[0]) is not Tensor:
-            return op(*args)
+            return (args[0], *op(*args)) if through else op(*args)
         return Fn.apply(*args)
 
     return call
@@ -690,6 +721,7 @@ def _eager_fn(op, setup, backward):
 eager = SimpleNamespace(
     coef=_eager_fn(coef_fwd, _coef_setup, _coef_backward),
     mhc_pre=_eager_fn(mhc_pre_fwd, _mhc_pre_setup, _mhc_pre_backward),
+    mhc_enter=_eager_fn(mhc_pre_fwd, _mhc_pre_setup, _mhc_enter_backward, through=True),
     stream_pre=_eager_fn(pre_fwd, _pre_setup, _pre_backward),
     stream_post_res=_eager_fn(post_fwd, _post_setup, _post_backward),
     boundary=_eager_fn(bnd_fwd, _bnd_setup, _bnd_backward),

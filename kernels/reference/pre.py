@@ -18,3 +18,11 @@ def mhc_pre(
     """(u, h_pre, h_post, h_res | None)."""
     h_pre, h_post, h_res = mhc_coefficients(x, phi, bias, alpha, opts)
     return stream_pre(x, h_pre), h_pre, h_post, h_res
+
+
+def mhc_enter(
+    x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, opts: MHCOptions = DEFAULT_OPTIONS
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """(x, u, h_pre, h_post, h_res | None): mhc_pre, and the stream the sublayer's write-back is to read. Here x itself;
+    the fused op hands on an alias, so that the write-back's gradient of x joins its own backward."""
+    return (x, *mhc_pre(x, phi, bias, alpha, opts))

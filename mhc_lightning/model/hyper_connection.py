@@ -111,10 +111,10 @@ class HyperConnection(nn.Module):
                          "spread": stream_spread(out[:1].detach())}
 
     def enter(self, x: torch.Tensor) -> Carry:
-        """The first sublayer of a chain: its coefficients and input u from the stream x (one read of x)."""
+        """The first sublayer of a chain: its coefficients and input u from the stream x (one read of x), and the stream
+        its write-back reads (through the op, so that x's two gradients meet in one kernel)."""
         ops = get_ops(self.cfg.kernel_backend, x.device)
-        u, h_pre, h_post, h_res = ops.mhc_pre(x, self.phi, self.bias, self.alpha, self.options())
-        return x, u, h_pre, h_post, h_res
+        return ops.mhc_enter(x, self.phi, self.bias, self.alpha, self.options())
 
     def chain(self, carry: Carry, nxt: Optional["HyperConnection"]):
         """Run the branch on the carried input and write its output back into the stream. With a next sublayer, the
