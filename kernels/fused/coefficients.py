@@ -290,9 +290,13 @@ def _coef_bwd_x(
     N, K, C, stride_x, stride_phi, tok_per_split,
     NS: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, DOT: tl.constexpr, HAS_U: tl.constexpr,
     HAS_DX: tl.constexpr, ALIGNED: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr = False,
+    SPLIT: tl.constexpr = False, PHI_LO: tl.constexpr = False,
 ):
     """ACC (with HAS_DX): dx also adds dxin [N, K], the gradient x received from its other consumer (the write-back
-    of the same sublayer, `mhc_enter`), so that autograd has no sum of two stream-sized gradients to run."""
+    of the same sublayer, `mhc_enter`), so that autograd has no sum of two stream-sized gradients to run.
+    SPLIT (bf16 x): dL (fp32) enters both dots as two bf16 parts hi + lo, phi as its bf16 part (+ its lo part with
+    PHI_LO, for an fp32 phi), and x as it is stored: 16-bit operands (no fp32 copies of x tiles in shared memory),
+    exact products in the fp32 accumulator, 16 mantissa bits of dL and phi (tf32: 11)."""
     pid_k = tl.program_id(0)
     pid_s = tl.program_id(1)
     kk = pid_k * BK + tl.arange(0, BK)
@@ -308,6 +312,9 @@ def _coef_bwd_x(
             cidx = kk - sidx * C
     phi_t = tl.load(phi_ptr + kk[:, None] * stride_phi + cols[None, :], mask=kmask[:, None] & cmask[None, :], other=0.0)
     phi_t = phi_t.to(tl.float32)
+    if SPLIT:
+        phi_hi = phi_t.to(tl.bfloat16)
+        phi_lo = (phi_t - phi_hi.to(tl.float32)).to(tl.bfloat16)
     acc = tl.zeros([BK, MP], dtype=tl.float32)
     t_lo = pid_s * tok_per_split
     t_hi = tl.minimum(N, t_lo + tok_per_split)
@@ -332,7 +339,20 @@ def _coef_bwd_x(
                 else:
                     hpj = tl.load(hpre_ptr + rows64[:, None] * NS + sidx[None, :], mask=m2, other=0.0)
                     dx0 += hpj * duv.to(tl.float32)
-            dx = _dot(dlt, tl.trans(phi_t), dx0, DOT)
+            if SPLIT:
+                dl_hi = dlt.to(tl.bfloat16)
+                dl_lo = (dlt - dl_hi.to(tl.float32)).to(tl.bfloat16)
+                dx = _dot(dl_hi, tl.trans(phi_hi), dx0, DOT)
+                dx = _dot(dl_lo, tl.trans(phi_hi), dx, DOT)
+                if PHI_LO:
+                    dx = _dot(dl_hi, tl.trans(phi_lo), dx, DOT)
+            else:
+                dx = _dot(dlt, tl.trans(phi_t), dx0, DOT)
             tl.store(dx_ptr + rows64[:, None] * K + kk[None, :], dx.to(dx_ptr.dtype.element_ty), mask=m2)
-        acc = _dot(tl.trans(xf), dlt, acc, DOT)
+        if SPLIT:
+            dh = dlt.to(tl.bfloat16)
+            acc = _dot(tl.trans(xt), dh, acc, DOT)
+            acc = _dot(tl.trans(xt), (dlt - dh.to(tl.float32)).to(tl.bfloat16), acc, DOT)
+        else:
+            acc = _dot(tl.trans(xf), dlt, acc, DOT)
     tl.store(dphi_ptr + (pid_s * K + kk[:, None]).to(tl.int64) * M + cols[None, :], acc, mask=kmask[:, None] & cmask[None, :])

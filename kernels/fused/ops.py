@@ -39,8 +39,12 @@ CONFIG = {
     "coef_tail": dict(BT=8, num_warps=2),
     # BC: C tile of the <du, x_j> loop (fused pre and boundary ops)
     "coef_bwd_tok": dict(BT=8, num_warps=2, BC=64),
-    "coef_bwd_x": dict(BT=64, BK=128, num_warps=8, num_stages=2, programs_per_sm=4),
-    "bnd_dphi": dict(BT=64, BK=128, num_warps=8, num_stages=2, programs_per_sm=4),  # coef_bwd_x without dx
+    # dl_split: with bf16 x, the two dots on 16-bit parts of dL and phi (_coef_bwd_x SPLIT) instead of tf32 on fp32
+    # copies (round 6 ncu of the tf32 version: 176 registers, 49 KB of shared memory, one CTA per SM). The smaller
+    # tiles it affords: mhc_pre bwd 276-280 vs 384 us (tf32 at BT 64, BK 128, 8 warps), 322 vs 370 with an fp32
+    # phi; the phi-gradient pass 57-59 vs 79-81 us (round 6 sweep, docs/kernels.md)
+    "coef_bwd_x": dict(BT=64, BK=64, num_warps=4, num_stages=3, programs_per_sm=8, dl_split=True),
+    "bnd_dphi": dict(BT=64, BK=64, num_warps=4, num_stages=3, programs_per_sm=8, dl_split=True),  # without dx
     "pre_fwd": dict(BT=4, BC=512, num_warps=4),
     "pre_bwd": dict(BT=4, BC=256, num_warps=4),
     "post_fwd": dict(BT=4, BC=256, num_warps=4),
@@ -245,11 +249,18 @@ def bwd_x(x, phi, dl, dss, dx=None, h_pre=None, du=None, dx_in=None):
     splits = _cdiv(N, tok)
     dphi_part = _new((splits, K, M), torch.float32, x.device)
     with_u = du is not None
+    # bf16 x: dL and phi as bf16 parts in native dots (CONFIG "dl_split"; under the interpreter fp32 dots on the same
+    # parts, see _projection); fp16 x keeps tf32 dots (dL's range does not fit fp16 parts), fp32 x full fp32 ones
+    split = x.dtype == torch.bfloat16 and bool(cx.get("dl_split"))
+    if x.dtype == torch.float32:
+        dot = DOT_IEEE
+    else:
+        dot = (DOT_IEEE if INTERPRET else DOT_NATIVE) if split else DOT_TF32
     _coef_bwd_x[(kblocks, splits)](
         x, phi, dl, dss, dl if dx is None else dx, dphi_part, h_pre.contiguous() if with_u else dl,
         du.contiguous() if with_u else dl, dl if dx_in is None else dx_in, N, K, C, x.stride(0), phi.stride(0), tok,
-        NS=n, M=M, MP=_np2(M, 16), DOT=DOT_IEEE if x.dtype == torch.float32 else DOT_TF32, HAS_U=with_u,
-        HAS_DX=dx is not None, ACC=dx_in is not None, ALIGNED=C % cx["BK"] == 0, BT=cx["BT"], BK=cx["BK"],
+        NS=n, M=M, MP=_np2(M, 16), DOT=dot, HAS_U=with_u, HAS_DX=dx is not None, ACC=dx_in is not None,
+        ALIGNED=C % cx["BK"] == 0, BT=cx["BT"], BK=cx["BK"], SPLIT=split, PHI_LO=split and phi.dtype != torch.bfloat16,
         **_launch(cx),
     )
     return dphi_part
