@@ -88,7 +88,7 @@ def main():
             x = layer(x)
         return x
 
-    runs = {"chain (boundary op)": chained, "one sublayer at a time (mhc_pre + stream_post_res)": one_at_a_time,
+    runs = {"chain (boundary op)": chained, "one sublayer at a time (mhc_enter + stream_post_res)": one_at_a_time,
             "HC (rms_proj + tail in torch + stream ops)": hc}
     rows = {}
     for name, ms in paired_step_ms(runs, x, params, args.steps).items():

@@ -433,23 +433,25 @@ def kernel_table(c, tokens, copy_bw):
     return out
 
 
-# Launch configs to try (--sweep): the boundary kernels and the rewritten stream_post_res backward, which no GPU run
-# has timed yet. --quick tries SWEEP_QUICK at each shape (each keeps its own winner).
+# Launch configs to try (--sweep): the variants no GPU run has timed yet (round 6: the x pass on 16-bit parts of dL and
+# phi, `dl_split`, at the tiles the tf32 version could not afford). --quick tries SWEEP_QUICK at each shape (each keeps
+# its own winner).
+_XPASS = [(64, 128, 8, 2, 4, False), (64, 128, 8, 2, 4, True), (64, 128, 8, 3, 4, True), (64, 64, 4, 3, 8, True),
+          (128, 64, 8, 2, 4, True), (32, 128, 4, 3, 8, True)]
 SWEEP_QUICK = {
+    name: [dict(BT=bt, BK=bk, num_warps=w, num_stages=st, programs_per_sm=pp, dl_split=sp)
+           for bt, bk, w, st, pp, sp in _XPASS]
+    for name in ("coef_bwd_x", "bnd_dphi")
+}
+
+SWEEP = dict(SWEEP_QUICK, **{  # full run, at C=1024: also the kernels every path shares
     "coef_fwd": [dict(BT=bt, BK=bk, num_warps=w, num_stages=st, BC=bc, split_tail=True) for bt, bk, w, st, bc in
                  [(64, 64, 4, 3, 16), (32, 64, 4, 3, 32), (64, 128, 8, 3, 16), (16, 128, 4, 3, 64),
                   (32, 128, 4, 4, 32), (128, 32, 8, 3, 8)]],
     "bnd_bwd": [dict(BT=bt, BC=bc, num_warps=w) for bt, bc, w in
                 [(16, 128, 8), (32, 64, 8), (32, 32, 4), (64, 64, 8), (32, 128, 8), (64, 32, 8), (16, 64, 8)]],
     "coef_bwd_tok": [dict(BT=bt, num_warps=w, BC=bc) for bt, w, bc in [(8, 2, 64), (16, 4, 64), (8, 4, 128), (4, 2, 64)]],
-    "coef_bwd_x": [dict(BT=bt, BK=bk, num_warps=w, num_stages=st, programs_per_sm=pp) for bt, bk, w, st, pp in
-                   [(64, 128, 8, 2, 4), (64, 64, 8, 2, 8), (64, 64, 8, 2, 4)]],
-}
-
-SWEEP = dict(SWEEP_QUICK, **{  # full run, at C=1024: also the kernels every path shares
     "coef_tail": [dict(BT=bt, num_warps=w) for bt, w in [(8, 2), (4, 1), (16, 2)]],
-    "bnd_dphi": [dict(BT=bt, BK=bk, num_warps=w, num_stages=st, programs_per_sm=pp) for bt, bk, w, st, pp in
-                 [(64, 128, 8, 2, 4), (64, 64, 4, 3, 4), (128, 64, 8, 3, 2)]],
     "post_fwd": [dict(BT=bt, BC=bc, num_warps=w) for bt, bc, w in [(4, 256, 4), (8, 256, 8), (2, 512, 4)]],
     "post_bwd": [dict(BT=bt, BC=bc, num_warps=w) for bt, bc, w in [(4, 256, 4), (8, 128, 4), (2, 512, 4), (4, 512, 8)]],
 })

@@ -38,6 +38,13 @@ def _tiles(entry, *keys):
     return {k: _launch_config(entry)[k] for k in keys}
 
 
+def xpass(entry):
+    """`_coef_bwd_x`'s constexprs at a CONFIG entry (bf16 x and phi): 16-bit parts with native dots when dl_split."""
+    split = bool(ops.CONFIG[entry].get("dl_split"))
+    return dict(NS=NS, M=M, MP=MP, DOT=DOT_NATIVE if split else DOT_TF32, SPLIT=split, ALIGNED=True,
+                **_tiles(entry, "BT", "BK"))
+
+
 def cases():
     """(label, kernel, constexprs, bf16 pointer names, CONFIG entry for num_warps / num_stages)."""
     res = dict(NS=NS, M=M, HAS_RES=True, T_IN=True, T_OUT=False)
@@ -57,17 +64,9 @@ def cases():
          set(), "coef_tail"),
         ("coef bwd per token (+ <du, x>)", _coef_bwd_tok,
          dict(res, HAS_U=True, PW=M + 3, **_tiles("coef_bwd_tok", "BT", "BC")), {"x_ptr", "du_ptr"}, "coef_bwd_tok"),
-        ("coef bwd x pass (dx + dphi)", _coef_bwd_x,
-         dict(NS=NS, M=M, MP=MP, DOT=DOT_TF32, HAS_U=True, HAS_DX=True, ALIGNED=True,
-              **_tiles("coef_bwd_x", "BT", "BK")),
-         {"x_ptr", "phi_ptr", "dx_ptr", "du_ptr"}, "coef_bwd_x"),
-        ("coef bwd x pass + dx_in (mhc_enter)", _coef_bwd_x,
-         dict(NS=NS, M=M, MP=MP, DOT=DOT_TF32, HAS_U=True, HAS_DX=True, ALIGNED=True, ACC=True,
-              **_tiles("coef_bwd_x", "BT", "BK")),
-         {"x_ptr", "phi_ptr", "dx_ptr", "du_ptr", "dxin_ptr"}, "coef_bwd_x"),
-        ("boundary bwd dphi pass", _coef_bwd_x,
-         dict(NS=NS, M=M, MP=MP, DOT=DOT_TF32, HAS_U=False, HAS_DX=False, ALIGNED=True,
-              **_tiles("bnd_dphi", "BT", "BK")),
+        ("coef bwd x pass (dx + dphi, mhc_enter)", _coef_bwd_x,
+         dict(xpass("coef_bwd_x"), HAS_U=True, HAS_DX=True, ACC=True), {"x_ptr", "phi_ptr", "dx_ptr", "du_ptr", "dxin_ptr"}, "coef_bwd_x"),
+        ("boundary bwd dphi pass", _coef_bwd_x, dict(xpass("bnd_dphi"), HAS_U=False, HAS_DX=False),
          {"x_ptr", "phi_ptr", "dx_ptr", "du_ptr"}, "bnd_dphi"),
         ("boundary bwd 2-D pass", _post_bwd_2d,
          dict(NS=NS, HAS_RES=True, COEF=True, M=M, MP=MP, DOT=DOT_TF32, **_tiles("bnd_bwd", "BT", "BC")),

@@ -22,7 +22,8 @@ def test_bench_mhc_smoke_checks_and_times_every_wiring(tmp_path):
     data = json.loads((tmp_path / "bench_mhc.json").read_text())
     assert all(c["ok"] for c in data["checks"].values()), data["checks"]
     rows = {r["variant"]: r for r in data["stack"]}
-    assert {"residual", "ours (fused)", "ours (per-sublayer ops)", "hc (fused projection + stream ops)"} == rows.keys()
+    assert {"residual", "ours (fused)", "ours (per-sublayer ops)", "ours (per-sublayer, dx summed)",
+            "hc (fused projection + stream ops)"} == rows.keys()
     for r in rows.values():
         assert r["ms"] > 0 and r["host_ms"] > 0
     assert rows["ours (fused)"]["host_profile"][0]["own_ms"] > 0  # cProfile rows, largest first
@@ -33,6 +34,6 @@ def test_bench_host_times_every_wiring(tmp_path):
     path = tmp_path / "host.json"
     _run(["bench/bench_host.py", "--sublayers", "4", "--steps", "3", "--out", str(path)], tmp_path)
     rows = json.loads(path.read_text())["rows"]
-    assert set(rows) == {"chain (boundary op)", "one sublayer at a time (mhc_pre + stream_post_res)",
+    assert set(rows) == {"chain (boundary op)", "one sublayer at a time (mhc_enter + stream_post_res)",
                          "HC (rms_proj + tail in torch + stream ops)"}
     assert all(r["per_sublayer_ms"] > 0 for r in rows.values())
