@@ -55,3 +55,8 @@ timeout 180 python3 bench/bench_ddp.py --gpus 1 --no-check --modes residual,mhc,
   2>&1 | tail -5
 timeout 80 python3 bench/bench_ddp.py --gpus 1 --no-check --modes mhc --timeout 70 \
   --fit-args=--model.arch.hyper.chain_sublayers=true --out "$OUT/trainer_chain" 2>&1 | tail -3
+
+# The device returns at most 8 files: the sub-runs' JSON and logs travel as one archive (tar xzf round.tgz)
+tar czf "$OUT/round.tgz" -C "$OUT" trainer trainer_chain compile phi_fp32 $([ -d "$OUT/ncu" ] && echo ncu) \
+  && rm -r "$OUT/trainer" "$OUT/trainer_chain" "$OUT/compile" "$OUT/phi_fp32" "$OUT/ncu" 2>/dev/null
+ls "$OUT"
