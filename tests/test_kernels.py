@@ -301,28 +301,29 @@ def test_bwd_x_adds_the_other_consumers_gradient():
     check(summed, plain.double() + dx_in.double(), TOL[torch.bfloat16][2], "dx + dx_in")
 
 
-@pytest.mark.parametrize("phi_dtype", [torch.float32, torch.bfloat16])
-def test_x_pass_on_16_bit_parts(phi_dtype):
+@pytest.mark.parametrize("n,phi_dtype", [(4, torch.float32), (4, torch.bfloat16), (1, torch.float32),
+                                         (2, torch.bfloat16), (8, torch.float32)])
+def test_x_pass_on_16_bit_parts(n, phi_dtype):
     """`_coef_bwd_x` SPLIT (CONFIG dl_split): dL and phi enter the dots as bf16 hi + lo parts. The phi gradient
     x^T dL keeps 16 mantissa bits of dL (checked at 1e-4 against float64, tighter than tf32's 11 bits allow) and dx
     the bf16 tier; then the whole pre op and the boundary op with it against the float64 composition."""
-    torch.manual_seed(79)
+    torch.manual_seed(79 + n)
     lead, c = SHAPES[1]
-    x, phi, _, _ = _coef_inputs(lead, c, 4, torch.bfloat16, phi_dtype=phi_dtype)
-    x, phi = x.detach().reshape(-1, 4, c), phi.detach()
+    x, phi, _, _ = _coef_inputs(lead, c, n, torch.bfloat16, phi_dtype=phi_dtype)
+    x, phi = x.detach().reshape(-1, n, c), phi.detach()
     N = x.shape[0]
     dl, dss = torch.randn(N, phi.shape[1], device=DEV), torch.randn(N, device=DEV)
-    h_pre, du = torch.rand(N, 4, device=DEV), torch.randn(N, c, device=DEV).to(x.dtype)
+    h_pre, du = torch.rand(N, n, device=DEV), torch.randn(N, c, device=DEV).to(x.dtype)
     with config_changed("coef_bwd_x", dl_split=True), config_changed("bnd_dphi", dl_split=True):
         dx = torch.empty_like(x)
         dphi = ops._sum_splits(ops.bwd_x(x, phi, dl, dss, dx, h_pre=h_pre, du=du))
         xd, dld = x.double().reshape(N, -1), dl.double()
         check(dphi, xd.t() @ dld, 1e-4, "dphi")
-        ref_dx = (dld @ phi.double().t()).reshape(N, 4, c) + 2 * x.double() * dss.double()[:, None, None] \
+        ref_dx = (dld @ phi.double().t()).reshape(N, n, c) + 2 * x.double() * dss.double()[:, None, None] \
             + h_pre.double()[:, :, None] * du.double()[:, None, :]
         check(dx, ref_dx, TOL[torch.bfloat16][0], "dx")
-        _run_pre(_coef_inputs(lead, c, 4, torch.bfloat16, phi_dtype=phi_dtype), torch.bfloat16, sinkhorn_iters=ITERS)
-        _run_boundary(_boundary_inputs(lead, c, 4, torch.bfloat16, phi_dtype=phi_dtype), torch.bfloat16,
+        _run_pre(_coef_inputs(lead, c, n, torch.bfloat16, phi_dtype=phi_dtype), torch.bfloat16, sinkhorn_iters=ITERS)
+        _run_boundary(_boundary_inputs(lead, c, n, torch.bfloat16, phi_dtype=phi_dtype), torch.bfloat16,
                       sinkhorn_iters=ITERS)
 
 
