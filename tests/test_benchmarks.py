@@ -1,6 +1,7 @@
 """The benchmark scripts still run: each one end to end on the CPU at its smoke size, in its own process, with
 its JSON read back (the GPU numbers themselves live in docs/benchmarks.md, not in tests)."""
 import json
+import os
 import subprocess
 import sys
 
@@ -10,8 +11,8 @@ from helpers import REPO
 pytestmark = pytest.mark.slow
 
 
-def _run(args, tmp_path, timeout=600):
-    proc = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+def _run(args, tmp_path, timeout=600, env=None):
+    proc = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return proc.stdout
 
@@ -37,3 +38,19 @@ def test_bench_host_times_every_wiring(tmp_path):
     assert set(rows) == {"chain (boundary op)", "one sublayer at a time (mhc_enter + stream_post_res)",
                          "HC (rms_proj + tail in torch + stream ops)"}
     assert all(r["per_sublayer_ms"] > 0 for r in rows.values())
+
+
+def test_bench_ddp_repeats_alternate_and_record_the_kernel_config(tmp_path):
+    """--repeat: each variant runs that many times and the table takes the run with the median mean step (the lower
+    middle one of two); a launch-config override (MHC_KERNEL_CONFIG) reaches the runs' environment and the JSON."""
+    override = '{"coef_fwd": {"phi_split": true}}'
+    _run(["bench/bench_ddp.py", "--smoke", "--gpus", "1", "--no-check", "--repeat", "2", "--modes", "residual",
+          "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")], tmp_path,
+         env=dict(os.environ, MHC_KERNEL_CONFIG=override))
+    data = json.loads((tmp_path / "out" / "bench_ddp.json").read_text())
+    head = data["bench"]["residual-1"]
+    means = [r["step_ms_mean"] for r in head["repeats"]]
+    assert len(means) == 2 and head["step_ms_mean"] == min(means)
+    assert data["summary"]["x_residual"]["residual"]["1"] == 1.0
+    assert data["environment"]["mhc_kernel_config"] == override
+    assert {p.name for p in (tmp_path / "work").glob("residual-1-r*.log")} == {"residual-1-r0.log", "residual-1-r1.log"}

@@ -6,7 +6,10 @@ starts NaN-filled (ops.POISON), so unwritten elements fail; a NaN never compares
 Tolerances follow docs/design.md §11 (Liger tiers): fp32 5e-4 / 1e-3 / 2e-3, bf16 1.5e-2 / 2.5e-2 / 5e-2,
 with atol scaled by the reference's magnitude (reductions over tokens grow with N).
 """
+import json
 import os
+import subprocess
+import sys
 from contextlib import ExitStack, contextmanager
 
 import pytest
@@ -285,6 +288,25 @@ def test_mhc_pre_u_in_or_after_the_coefficient_kernel(u_inside_max_c, n, dtype, 
         _run_pre(_coef_inputs(lead, c, n, dtype, phi_dtype=phi_dtype), dtype, sinkhorn_iters=ITERS)
 
 
+def test_kernel_config_override_from_the_environment():
+    """MHC_KERNEL_CONFIG merges into ops.CONFIG at import (nested tf32 tiles key by key); a kernel or key CONFIG does
+    not have, or text that is not JSON, stops the import with one line naming it and what is allowed."""
+    def imported(value):
+        code = "import json; from mhc_lightning.kernels.fused import ops; print(json.dumps(ops.CONFIG['coef_fwd']))"
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              env=dict(os.environ, MHC_KERNEL_CONFIG=value))
+
+    proc = imported('{"coef_fwd": {"phi_split": true, "tf32": {"BT": 32}}}')
+    cfg = json.loads(proc.stdout)
+    assert cfg["phi_split"] is True and cfg["tf32"]["BT"] == 32
+    assert cfg["tf32"]["BK"] == ops.CONFIG["coef_fwd"]["tf32"]["BK"]  # the rest of the nested entry kept
+    for value, words in (('{"coef_fwdx": {}}', "unknown kernel 'coef_fwdx'; allowed: coef_fwd,"),
+                         ('{"coef_fwd": {"BQ": 1}}', "MHC_KERNEL_CONFIG.coef_fwd: unknown key 'BQ'; allowed: BT,"),
+                         ("{coef", "MHC_KERNEL_CONFIG is not JSON")):
+        proc = imported(value)
+        assert proc.returncode != 0 and words in proc.stderr.strip().splitlines()[-1]
+
+
 def test_bwd_x_adds_the_other_consumers_gradient():
     """bwd_x with dx_in: dx = (its own dx) + dx_in, in the same pass."""
     torch.manual_seed(77)
@@ -352,7 +374,8 @@ def test_mhc_enter_then_write_back_matches_reference(n, dtype, mode, monkeypatch
     g = torch.randn_like(ref)
     t_h, _, t_g = TOL[dtype]
     check(out, ref, t_h, "x_next")
-    for name, a, b in zip(("dx", "dphi", "dbias", "dalpha", "dw"), _grads([out], inputs, [g]), _grads([ref], ref_in, [g])):
+    grads = zip(("dx", "dphi", "dbias", "dalpha", "dw"), _grads([out], inputs, [g]), _grads([ref], ref_in, [g]))
+    for name, a, b in grads:
         check(a, b, t_g, name)
     assert seen == [True]
 

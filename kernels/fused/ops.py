@@ -7,6 +7,7 @@ Ops work on flattened [N, n, C] streams; the public wrappers in `__init__.py` re
 to the reference for what the kernels do not cover.
 """
 import functools
+import json
 import os
 from types import SimpleNamespace
 from typing import Optional
@@ -54,6 +55,31 @@ CONFIG = {
     # post_bwd with COEF (the boundary op's dx pass); BT >= 16 for tl.dot
     "bnd_bwd": dict(BT=16, BC=128, num_warps=8),
 }
+
+
+def _apply_overrides(text: str) -> None:
+    """MHC_KERNEL_CONFIG, a JSON object {kernel: {key: value}}, merged into CONFIG at import: a launch config tried in
+    a whole training run (bench/bench_ddp.py) without editing this file, e.g. '{"coef_fwd": {"phi_split": true}}'.
+    A nested entry (coef_fwd's tf32 tiles) is merged key by key. Only the kernels and keys CONFIG has are accepted."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"MHC_KERNEL_CONFIG is not JSON ({exc.msg}); expected e.g. "
+                         '\'{"coef_fwd": {"phi_split": true}}\'') from None
+    if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+        raise ValueError("MHC_KERNEL_CONFIG must be an object of objects, {kernel: {key: value}}")
+    for name, changes in data.items():
+        if name not in CONFIG:
+            raise ValueError(f"MHC_KERNEL_CONFIG: unknown kernel {name!r}; allowed: {', '.join(CONFIG)}")
+        for key, value in changes.items():
+            if key not in CONFIG[name]:
+                raise ValueError(f"MHC_KERNEL_CONFIG.{name}: unknown key {key!r}; allowed: {', '.join(CONFIG[name])}")
+            old = CONFIG[name][key]
+            CONFIG[name][key] = dict(old, **value) if isinstance(old, dict) and isinstance(value, dict) else value
+
+
+if os.environ.get("MHC_KERNEL_CONFIG"):
+    _apply_overrides(os.environ["MHC_KERNEL_CONFIG"])
 
 
 def _new(shape, dtype, device) -> Tensor:
