@@ -443,6 +443,10 @@ SWEEP_QUICK = {
            for bt, bk, w, st, pp, sp in _XPASS]
     for name in ("coef_bwd_x", "bnd_dphi")
 }
+# the chain's 2-D pass with dL phi^T on 16-bit parts (not timed yet), at its tf32 winner and tiles it may now afford
+SWEEP_QUICK["bnd_bwd"] = [dict(BT=bt, BC=bc, num_warps=w, dl_split=sp) for bt, bc, w, sp in
+                          [(16, 128, 8, False), (16, 128, 8, True), (32, 64, 8, True), (16, 64, 4, True),
+                           (32, 128, 8, True)]]
 
 SWEEP = dict(SWEEP_QUICK, **{  # full run, at C=1024: also the kernels every path shares
     "coef_fwd": [dict(BT=bt, BK=bk, num_warps=w, num_stages=st, BC=bc, split_tail=True) for bt, bk, w, st, bc in

@@ -497,6 +497,7 @@ BOUNDARY_TILES = {
     "partials": dict(bnd_bwd=dict(BC=256 if CUDA else 16)),
     "rows": dict(bnd_bwd=dict(BC=4096)),
     "in-kernel-sinkhorn": dict(coef_fwd=dict(split_tail=False)),
+    "16-bit-parts": dict(bnd_bwd=dict(dl_split=True)),
 }
 
 
@@ -512,6 +513,25 @@ def test_boundary_bf16_partial_grads_and_tiles(tiles):
                                 (torch.bfloat16, (True, False, True, False, True))):
             inputs = _boundary_inputs(lead, c, 4, torch.bfloat16, phi_dtype=phi_dtype)
             _run_boundary(inputs, torch.bfloat16, used=used, sinkhorn_iters=ITERS, exact_axis="cols")
+
+
+@pytest.mark.parametrize("phi_dtype", [torch.float32, torch.bfloat16])
+def test_two_d_pass_on_16_bit_parts(phi_dtype):
+    """The boundary's 2-D pass with CONFIG bnd_bwd dl_split: with only the dL phi^T part in the gradient of x_next,
+    the fp32 outputs dH^res and dh_post carry it at 16 mantissa bits (1e-4 against float64; a bf16 dL alone: 2^-9)."""
+    torch.manual_seed(96)
+    lead, c = SHAPES[1]
+    inputs = _boundary_inputs(lead, c, 4, torch.bfloat16, phi_dtype=phi_dtype)
+    x, f, h_post, h_res, phi = [t.detach() for t in inputs[:5]]
+    x, f, h_post, h_res = x.reshape(-1, 4, c), f.reshape(-1, c), h_post.reshape(-1, 4), h_res.reshape(-1, 4, 4)
+    N = x.shape[0]
+    dl, zero = torch.randn(N, phi.shape[1], device=DEV), torch.zeros(N, device=DEV)
+    coef = (torch.randn_like(x), torch.zeros_like(f), dl, zero, torch.rand(N, 4, device=DEV), phi)
+    with config_changed("bnd_bwd", dl_split=True, BC=16 if not CUDA else 128):
+        _, _, dhp, dhr = ops._post_bwd_run(torch.zeros_like(x), x, f, h_post, h_res, coef=coef)
+    G = (dl.double() @ phi.double().t()).reshape(N, 4, c)
+    check(dhr, torch.einsum("tic,tjc->tij", G, x.double()), 1e-4, "dH^res")
+    check(dhp, torch.einsum("tic,tc->ti", G, f.double()), 1e-4, "dh_post")
 
 
 def test_boundary_fallback_matches_reference():

@@ -52,8 +52,9 @@ CONFIG = {
     # the forward's grid (token block x C block), no C loop; per-C-block partials of dH / dh_post summed
     # afterwards (BC >= C: whole rows, written directly)
     "post_bwd": dict(BT=4, BC=256, num_warps=4),
-    # post_bwd with COEF (the boundary op's dx pass); BT >= 16 for tl.dot
-    "bnd_bwd": dict(BT=16, BC=128, num_warps=8),
+    # post_bwd with COEF (the boundary op's dx pass); BT >= 16 for tl.dot. dl_split: dL phi^T on 16-bit parts as in
+    # coef_bwd_x (tested against float64; not yet timed on a GPU, hence off: the next sweep's SWEEP_QUICK entries)
+    "bnd_bwd": dict(BT=16, BC=128, num_warps=8, dl_split=False),
 }
 
 
@@ -612,18 +613,23 @@ def _post_bwd_run(g, x, f, h_post, h_res, coef=None):
     else:
         php = _new((n_cblk, N, n), torch.float32, dev)
         phr = _new((n_cblk, N, n, n) if has_res else (1,), torch.float32, dev)
+    split = coef is not None and x.dtype == torch.bfloat16 and bool(cfg.get("dl_split"))
     if coef is None:
         xn, du, dl, dss, hpre, phi = g, g, g, g, g, g  # unused pointers
         M, dot = 1, DOT_IEEE
     else:
         xn, du, dl, dss, hpre, phi = coef
         xn, du, hpre, phi = _rows(xn), du.contiguous(), hpre.contiguous(), _c_contig(phi)
-        M, dot = phi.shape[1], DOT_IEEE if x.dtype == torch.float32 else DOT_TF32
+        M = phi.shape[1]
+        if x.dtype == torch.float32:
+            dot = DOT_IEEE
+        else:  # 16-bit parts as in bwd_x (native dots; fp32 dots on the same parts under the interpreter)
+            dot = (DOT_IEEE if INTERPRET else DOT_NATIVE) if split else DOT_TF32
     _post_bwd_2d[(_cdiv(N, cfg["BT"]), n_cblk)](
         x, f, h_post.contiguous(), h_res.contiguous(), g, dx, df, php, phr, xn, du, dl, dss, hpre, phi,
         N, C, x.stride(0), x.stride(1), f.stride(0), phi.stride(0),
         NS=n, HAS_RES=has_res, COEF=coef is not None, M=M, MP=_np2(M, 16), DOT=dot, BT=cfg["BT"], BC=cfg["BC"],
-        **_launch(cfg))
+        SPLIT=split, PHI_LO=split and phi.dtype != torch.bfloat16, **_launch(cfg))
     if n_cblk > 1:
         dhp = php.sum(0)
         dhr = phr.sum(0) if has_res else dhr

@@ -50,14 +50,15 @@ def _post_bwd_2d(
     xn_ptr, du_ptr, dl_ptr, dss_ptr, hpre_ptr, phi_ptr,
     N, C, stride_xt, stride_xn, stride_ft, stride_phi,
     NS: tl.constexpr, HAS_RES: tl.constexpr, COEF: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,
-    DOT: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    DOT: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SPLIT: tl.constexpr = False, PHI_LO: tl.constexpr = False,
 ):
     """Backward on the forward's 2-D grid (token block x C block), no C loop: every stream sum is a broadcast
     multiply-add and the only reductions are over this C block. dH [.., n, n] and dh_post [.., n] go to
     dhr_ptr / dhp_ptr at row (C block * N + token): with one C block (BC >= C) those are the outputs themselves
     (no partial buffer, no second launch); otherwise per-C-block partials [n_cblk, N, ...] summed afterwards.
     COEF (BT >= 16 for tl.dot): g_i becomes G_i (module docstring) from x_next xn_ptr [N, n, C] (contiguous),
-    du [N, C], dL [N, M] fp32, d(sum x^2) [N], the next h_pre [N, n] and phi [n*C, M]."""
+    du [N, C], dL [N, M] fp32, d(sum x^2) [N], the next h_pre [N, n] and phi [n*C, M]. SPLIT (bf16 streams): dL phi^T
+    on bf16 parts, dL = hi + lo and phi's hi (+ lo with PHI_LO), as `_coef_bwd_x` SPLIT does."""
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     cb = tl.program_id(1)
     cc = cb * BC + tl.arange(0, BC)
@@ -78,7 +79,17 @@ def _post_bwd_2d(
         dl = tl.load(dl_ptr + rows64[:, None] * M + mm[None, :], mask=rmask[:, None] & (mm[None, :] < M), other=0.0)
         phi_t = tl.load(phi_ptr + (ks * C + cb * BC + kc)[:, None] * stride_phi + mm[None, :],
                         mask=((cb * BC + kc) < C)[:, None] & (mm[None, :] < M), other=0.0)
-        g += tl.reshape(_dot(dl, tl.trans(phi_t), tl.zeros([BT, NS * BC], dtype=tl.float32), DOT), [BT, NS, BC])
+        gd = tl.zeros([BT, NS * BC], dtype=tl.float32)
+        if SPLIT:
+            dl_hi = dl.to(tl.bfloat16)
+            phi_hi = phi_t.to(tl.float32).to(tl.bfloat16)
+            gd = _dot(dl_hi, tl.trans(phi_hi), gd, DOT)
+            gd = _dot((dl - dl_hi.to(tl.float32)).to(tl.bfloat16), tl.trans(phi_hi), gd, DOT)
+            if PHI_LO:
+                gd = _dot(dl_hi, tl.trans((phi_t.to(tl.float32) - phi_hi.to(tl.float32)).to(tl.bfloat16)), gd, DOT)
+        else:
+            gd = _dot(dl, tl.trans(phi_t), gd, DOT)
+        g += tl.reshape(gd, [BT, NS, BC])
         dss2 = 2.0 * tl.load(dss_ptr + rows, mask=rmask, other=0.0)
         xn = tl.load(xn_ptr + off3, mask=m3, other=0.0).to(tl.float32)
         du = tl.load(du_ptr + rows64[:, None] * C + cc[None, :], mask=m2, other=0.0).to(tl.float32)
