@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -38,11 +39,14 @@ def _tiles(entry, *keys):
     return {k: _launch_config(entry)[k] for k in keys}
 
 
+def grad_dots(entry):
+    """The dot constexprs (DOT, SPLIT, PHI_LO) ops picks for a gradient pass at this CONFIG entry, bf16 x and phi."""
+    return ops._grad_dots(torch.bfloat16, torch.bfloat16, ops.CONFIG[entry])
+
+
 def xpass(entry):
-    """`_coef_bwd_x`'s constexprs at a CONFIG entry (bf16 x and phi): 16-bit parts with native dots when dl_split."""
-    split = bool(ops.CONFIG[entry].get("dl_split"))
-    return dict(NS=NS, M=M, MP=MP, DOT=DOT_NATIVE if split else DOT_TF32, SPLIT=split, ALIGNED=True,
-                **_tiles(entry, "BT", "BK"))
+    """`_coef_bwd_x`'s constexprs at a CONFIG entry (bf16 x and phi)."""
+    return dict(NS=NS, M=M, MP=MP, ALIGNED=True, **grad_dots(entry), **_tiles(entry, "BT", "BK"))
 
 
 def cases():
@@ -69,7 +73,7 @@ def cases():
         ("boundary bwd dphi pass", _coef_bwd_x, dict(xpass("bnd_dphi"), HAS_U=False, HAS_DX=False),
          {"x_ptr", "phi_ptr", "dx_ptr", "du_ptr"}, "bnd_dphi"),
         ("boundary bwd 2-D pass", _post_bwd_2d,
-         dict(NS=NS, HAS_RES=True, COEF=True, M=M, MP=MP, DOT=DOT_TF32, **_tiles("bnd_bwd", "BT", "BC")),
+         dict(NS=NS, HAS_RES=True, COEF=True, M=M, MP=MP, **grad_dots("bnd_bwd"), **_tiles("bnd_bwd", "BT", "BC")),
          {"x_ptr", "f_ptr", "g_ptr", "dx_ptr", "df_ptr", "xn_ptr", "du_ptr", "phi_ptr"}, "bnd_bwd"),
         ("stream_post_res fwd", _post_fwd, dict(NS=NS, HAS_RES=True, **_tiles("post_fwd", "BT", "BC")),
          {"x_ptr", "f_ptr", "out_ptr"}, "post_fwd"),

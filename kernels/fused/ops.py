@@ -128,13 +128,17 @@ def _phi_rows_cap(n: int, m: int) -> int:
     return max(16, 1 << (cap.bit_length() - 1))
 
 
+def _native() -> int:
+    """Native 16-bit dots, never under the interpreter: its bf16 dot is wrong in triton 3.9; there fp32 dots on the
+    same 16-bit values give the same exact products."""
+    return DOT_IEEE if INTERPRET else DOT_NATIVE
+
+
 def _projection(x: Tensor, phi: Tensor) -> tuple[Tensor, Tensor, int, bool]:
     """(phi or its hi part, its lo part, DOT, SPLIT) for `_coef_fwd`'s GEMM x phi (the coefficients, HC's rms_proj)."""
     if x.dtype == torch.float32:
         return phi, phi, DOT_IEEE, False  # fp32 activations: full-precision products (the fp32 test tier)
-    # native 16-bit dots, never under the interpreter: its bf16 dot is wrong in triton 3.9; there fp32 dots on the
-    # same 16-bit values give the same exact products
-    native = DOT_IEEE if INTERPRET else DOT_NATIVE
+    native = _native()
     if phi.dtype == x.dtype:
         return phi, phi, native, False
     if phi.dtype == torch.float32 and CONFIG["coef_fwd"].get("phi_split"):
@@ -144,6 +148,15 @@ def _projection(x: Tensor, phi: Tensor) -> tuple[Tensor, Tensor, int, bool]:
         hi = phi.to(x.dtype)
         return hi, (phi - hi).to(x.dtype), native, True
     return phi, phi, DOT_TF32, False  # bf16 x is exact in tf32; phi goes in as tf32 (the paper's precision)
+
+
+def _grad_dots(x_dtype: torch.dtype, phi_dtype: torch.dtype, cfg: dict) -> dict:
+    """DOT, SPLIT and PHI_LO of a gradient pass with dL phi^T (and x^T dL) dots: with bf16 x and the entry's
+    "dl_split", dL and phi as bf16 parts in native dots; fp16 x keeps tf32 dots (dL's range does not fit fp16 parts),
+    fp32 x full fp32 ones."""
+    split = x_dtype == torch.bfloat16 and bool(cfg.get("dl_split"))
+    dot = DOT_IEEE if x_dtype == torch.float32 else _native() if split else DOT_TF32
+    return dict(DOT=dot, SPLIT=split, PHI_LO=split and phi_dtype != torch.bfloat16)
 
 
 def _rows(x: Tensor) -> Tensor:
@@ -276,19 +289,11 @@ def bwd_x(x, phi, dl, dss, dx=None, h_pre=None, du=None, dx_in=None):
     splits = _cdiv(N, tok)
     dphi_part = _new((splits, K, M), torch.float32, x.device)
     with_u = du is not None
-    # bf16 x: dL and phi as bf16 parts in native dots (CONFIG "dl_split"; under the interpreter fp32 dots on the same
-    # parts, see _projection); fp16 x keeps tf32 dots (dL's range does not fit fp16 parts), fp32 x full fp32 ones
-    split = x.dtype == torch.bfloat16 and bool(cx.get("dl_split"))
-    if x.dtype == torch.float32:
-        dot = DOT_IEEE
-    else:
-        dot = (DOT_IEEE if INTERPRET else DOT_NATIVE) if split else DOT_TF32
     _coef_bwd_x[(kblocks, splits)](
         x, phi, dl, dss, dl if dx is None else dx, dphi_part, h_pre.contiguous() if with_u else dl,
         du.contiguous() if with_u else dl, dl if dx_in is None else dx_in, N, K, C, x.stride(0), phi.stride(0), tok,
-        NS=n, M=M, MP=_np2(M, 16), DOT=dot, HAS_U=with_u, HAS_DX=dx is not None, ACC=dx_in is not None,
-        ALIGNED=C % cx["BK"] == 0, BT=cx["BT"], BK=cx["BK"], SPLIT=split, PHI_LO=split and phi.dtype != torch.bfloat16,
-        **_launch(cx),
+        NS=n, M=M, MP=_np2(M, 16), HAS_U=with_u, HAS_DX=dx is not None, ACC=dx_in is not None,
+        ALIGNED=C % cx["BK"] == 0, BT=cx["BT"], BK=cx["BK"], **_grad_dots(x.dtype, phi.dtype, cx), **_launch(cx),
     )
     return dphi_part
 
@@ -312,7 +317,7 @@ def _bwd(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, 
     dx = _new((N, n, C), x.dtype, x.device)
     if N == 0:
         return dx, torch.zeros_like(phi), torch.zeros_like(bias), torch.zeros_like(alpha)
-    x = _rows(x)
+    x, dx_in = _rows(x), None if dx_in is None else _rows(dx_in)
     phi = _c_contig(phi)
     dl, dss, part = bwd_tok(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult,
                             du=du)
@@ -390,8 +395,6 @@ def _mhc_pre_bwd_body(
     post_mult: float, dx_in: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """dx_in: the gradient x received from its other consumer (`mhc_enter`), added into dx by the same kernel."""
-    if x.shape[0] > 0 and dx_in is not None:
-        dx_in = _rows(dx_in)
     return _bwd(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult,
                 h_pre=h_pre, du=du, dx_in=dx_in)
 
@@ -412,31 +415,26 @@ def _mhc_pre_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(lg, rinv)
 
 
-def _mhc_pre_backward(ctx, du, d_pre, d_post, d_res, _dlg, _drinv):
+def _mhc_pre_backward(ctx, du, d_pre, d_post, d_res, _dlg, _drinv, dx_next=None):
+    """dx_next (`mhc_enter`): the gradient of the x handed on to the write-back, added in the x pass."""
     x, phi, bias, alpha, lg, rinv, h_pre = ctx.saved_tensors
     dh = _dh_zeros(x, phi, d_pre, d_post, d_res)
     if du is None:
         grads = _impl(ctx, coef_bwd)(x, phi, bias, alpha, lg, rinv, *dh, *ctx.opts)
+        if dx_next is not None:
+            grads = (grads[0] + dx_next, *grads[1:])
     else:
-        grads = _impl(ctx, mhc_pre_bwd)(x, phi, bias, alpha, lg, rinv, h_pre, du, *dh, *ctx.opts)
+        grads = _impl(ctx, mhc_pre_bwd)(x, phi, bias, alpha, lg, rinv, h_pre, du, *dh, *ctx.opts, dx_in=dx_next)
     return (*grads, None, None, None, None, None, None, None)
 
 
 mhc_pre_fwd.register_autograd(_mhc_pre_backward, setup_context=_mhc_pre_setup)
 
 
-def _mhc_enter_backward(ctx, dx_next, du, d_pre, d_post, d_res, _dlg, _drinv):
+def _mhc_enter_backward(ctx, dx_next, *grads):
     """`eager.mhc_enter`: mhc_pre's outputs plus x handed on to the sublayer's write-back, whose gradient dx_next
     joins this backward's dx in the x pass (no separate sum of two stream-sized gradients)."""
-    if du is None or dx_next is None:
-        grads = _mhc_pre_backward(ctx, du, d_pre, d_post, d_res, _dlg, _drinv)
-        if dx_next is not None:
-            grads = (grads[0] + dx_next, *grads[1:])
-        return grads
-    x, phi, bias, alpha, lg, rinv, h_pre = ctx.saved_tensors
-    dh = _dh_zeros(x, phi, d_pre, d_post, d_res)
-    grads = mhc_pre_bwd.plain(x, phi, bias, alpha, lg, rinv, h_pre, du, *dh, *ctx.opts, dx_in=dx_next)
-    return (*grads, None, None, None, None, None, None, None)
+    return _mhc_pre_backward(ctx, *grads, dx_next=dx_next)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -613,23 +611,18 @@ def _post_bwd_run(g, x, f, h_post, h_res, coef=None):
     else:
         php = _new((n_cblk, N, n), torch.float32, dev)
         phr = _new((n_cblk, N, n, n) if has_res else (1,), torch.float32, dev)
-    split = coef is not None and x.dtype == torch.bfloat16 and bool(cfg.get("dl_split"))
     if coef is None:
         xn, du, dl, dss, hpre, phi = g, g, g, g, g, g  # unused pointers
-        M, dot = 1, DOT_IEEE
+        M, dots = 1, dict(DOT=DOT_IEEE)
     else:
         xn, du, dl, dss, hpre, phi = coef
         xn, du, hpre, phi = _rows(xn), du.contiguous(), hpre.contiguous(), _c_contig(phi)
-        M = phi.shape[1]
-        if x.dtype == torch.float32:
-            dot = DOT_IEEE
-        else:  # 16-bit parts as in bwd_x (native dots; fp32 dots on the same parts under the interpreter)
-            dot = (DOT_IEEE if INTERPRET else DOT_NATIVE) if split else DOT_TF32
+        M, dots = phi.shape[1], _grad_dots(x.dtype, phi.dtype, cfg)
     _post_bwd_2d[(_cdiv(N, cfg["BT"]), n_cblk)](
         x, f, h_post.contiguous(), h_res.contiguous(), g, dx, df, php, phr, xn, du, dl, dss, hpre, phi,
         N, C, x.stride(0), x.stride(1), f.stride(0), phi.stride(0),
-        NS=n, HAS_RES=has_res, COEF=coef is not None, M=M, MP=_np2(M, 16), DOT=dot, BT=cfg["BT"], BC=cfg["BC"],
-        SPLIT=split, PHI_LO=split and phi.dtype != torch.bfloat16, **_launch(cfg))
+        NS=n, HAS_RES=has_res, COEF=coef is not None, M=M, MP=_np2(M, 16), BT=cfg["BT"], BC=cfg["BC"], **dots,
+        **_launch(cfg))
     if n_cblk > 1:
         dhp = php.sum(0)
         dhr = phr.sum(0) if has_res else dhr
