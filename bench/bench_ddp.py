@@ -83,6 +83,7 @@ class Throughput(L.Callback):
             "mode": cfg.hyper.residual_mode, "world_size": trainer.world_size,
             "strategy": type(trainer.strategy).__name__, "precision": str(trainer.precision),
             "kernel_backend": cfg.hyper.kernel_backend, "d_model": cfg.d_model, "n_layers": cfg.n_layers,
+            "kernel_config": os.environ.get("MHC_KERNEL_CONFIG"),  # as this process saw it
             "params": sum(p.numel() for p in pl_module.parameters()),
             "tokens_per_step": self.tokens_per_step, "timed_steps": len(times),
             "step_ms_mean": mean, "step_ms_median": med, "step_ms_min": min(times), "step_ms_max": max(times),
@@ -127,8 +128,10 @@ def _cb(cls: str, **init_args) -> str:
     return "--trainer.callbacks+=" + json.dumps({"class_path": cls, "init_args": init_args})
 
 
-def _env(smoke: bool) -> dict:
+def _env(smoke: bool, kernel_config: Optional[str] = None) -> dict:
     env = dict(os.environ)  # keeps the machine's NCCL settings (e.g. NCCL_NVLS_ENABLE=0)
+    if kernel_config is not None:  # a --kernel-config variant: launch-config overrides (kernels/fused/ops.py)
+        env["MHC_KERNEL_CONFIG"] = kernel_config
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), str(REPO / "bench"), env.get("PYTHONPATH")) if p)
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.setdefault("OMP_NUM_THREADS", "1" if smoke else "4")
@@ -137,7 +140,8 @@ def _env(smoke: bool) -> dict:
     return env
 
 
-def run_fit(name: str, args: list[str], work: Path, smoke: bool, timeout: int) -> tuple[int, float, str]:
+def run_fit(name: str, args: list[str], work: Path, smoke: bool, timeout: int,
+            kernel_config: Optional[str] = None) -> tuple[int, float, str]:
     log = work / f"{name}.log"
     t0 = time.time()
     cmd = [sys.executable, "-m", "mhc_lightning.cli", "fit", *args]
@@ -145,7 +149,7 @@ def run_fit(name: str, args: list[str], work: Path, smoke: bool, timeout: int) -
         with log.open("w") as f:
             f.write(" ".join(cmd) + "\n\n")
             f.flush()
-            rc = subprocess.run(cmd, cwd=work, env=_env(smoke), stdout=f, stderr=subprocess.STDOUT,
+            rc = subprocess.run(cmd, cwd=work, env=_env(smoke, kernel_config), stdout=f, stderr=subprocess.STDOUT,
                                 timeout=timeout).returncode
     except subprocess.TimeoutExpired:
         rc = 124
@@ -274,8 +278,9 @@ def bench_phase(args, work: Path, corpus: Path, results: dict, save) -> dict:
     for devices in sorted({1, args.gpus}):
         runs: dict = {}
         for rep in range(args.repeat):
-            for mode in args.modes:
-                name = f"{mode}-{devices}"
+            for variant in args.modes:
+                mode, _, config_name = variant.partition("@")
+                name = f"{variant}-{devices}"
                 run_name = name if args.repeat == 1 else f"{name}-r{rep}"
                 out = work / f"{run_name}.json"
                 precision = "32-true" if args.smoke else "bf16-mixed"
@@ -285,7 +290,8 @@ def bench_phase(args, work: Path, corpus: Path, results: dict, save) -> dict:
                                   args.heads, args.seq, args.batch, args.diagnostics_every),
                      f"--trainer.precision={precision}", "--trainer.logger=false",
                      _cb("bench_ddp.Throughput", warmup=args.warmup, out=str(out)), *shlex.split(args.fit_args)]
-                rc, dt, _ = run_fit(run_name, a, work, args.smoke, args.timeout)
+                rc, dt, _ = run_fit(run_name, a, work, args.smoke, args.timeout,
+                                    args.kernel_configs.get(config_name) if config_name else None)
                 rec = json.loads(out.read_text()) if rc == 0 and out.exists() else {"exit": rc}
                 rec["seconds"] = round(dt, 1)
                 runs.setdefault(name, []).append(rec)
@@ -368,6 +374,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--repeat", type=int, default=1,
                    help="run each variant this many times, the variants alternating; the table reports the run with "
                         "the median mean step (A/Bs on hosts whose speed varies between processes)")
+    p.add_argument("--kernel-config", action="append", default=[], metavar="NAME=JSON",
+                   help="one more variant of every mode but residual, named MODE@NAME, run with MHC_KERNEL_CONFIG=JSON "
+                        "(launch-config overrides, docs/kernels.md); with --repeat, an A/B inside one call")
     p.add_argument("--work", default=None, help="folder for runs and logs (default: a new temporary folder)")
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--no-bench", action="store_true")
@@ -375,6 +384,17 @@ def main(argv: Optional[list[str]] = None) -> int:
                    "'--model.arch.stream_dtype=float32'")
     args = p.parse_args(argv)
     args.modes = [m for m in args.modes.split(",") if m]
+    args.kernel_configs = {}
+    for item in args.kernel_config:
+        name, sep, text = item.partition("=")
+        if not sep or not name or "@" in name or "-" in name:
+            p.error(f"--kernel-config: expected NAME=JSON with a NAME of letters, digits and _, got {item!r}")
+        try:
+            json.loads(text)
+        except json.JSONDecodeError as exc:
+            p.error(f"--kernel-config {name}: not JSON ({exc.msg}); e.g. {name}='{{\"coef_fwd\": {{\"phi_split\": true}}}}'")
+        args.kernel_configs[name] = text
+    args.modes += [f"{m}@{name}" for name in args.kernel_configs for m in list(args.modes) if m != "residual"]
     if args.smoke:
         args.d_model, args.layers, args.heads, args.seq, args.batch = 64, 2, 2, 64, 4
         args.warmup, args.steps, args.timeout = 3, 5, min(args.timeout, 300)

@@ -447,6 +447,8 @@ SWEEP_QUICK = {
 SWEEP_QUICK["bnd_bwd"] = [dict(BT=bt, BC=bc, num_warps=w, dl_split=sp) for bt, bc, w, sp in
                           [(16, 128, 8, False), (16, 128, 8, True), (32, 64, 8, True), (16, 64, 4, True),
                            (32, 128, 8, True)]]
+if PHI_DT == torch.float32:  # an fp32 phi (the trainer's): tf32 dots at the tf32 tiles, or phi as two 16-bit parts
+    SWEEP_QUICK["coef_fwd"] = [dict(phi_split=False), dict(phi_split=True), dict(phi_split=True, u_inside_max_c=0)]
 
 SWEEP = dict(SWEEP_QUICK, **{  # full run, at C=1024: also the kernels every path shares
     "coef_fwd": [dict(BT=bt, BK=bk, num_warps=w, num_stages=st, BC=bc, split_tail=True) for bt, bk, w, st, bc in

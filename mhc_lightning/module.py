@@ -92,7 +92,7 @@ class LitLM(L.LightningModule):
         self.val_loss = MeanMetric()
         self.val_ppl = Perplexity()
         self.last_per_layer: Optional[dict[str, list[float]]] = None
-        self.last_grad_norm: Optional[float] = None
+        self._last_grad_norm: Optional[torch.Tensor] = None  # on the device; `last_grad_norm` reads it on demand
         self._t_last: Optional[float] = None
         # ---- hooks for the stability callbacks (mhc_lightning/callbacks); inert unless a callback sets them ----
         self.last_loss: Optional[torch.Tensor] = None  # detached loss of the latest training_step (None: skipped)
@@ -206,11 +206,17 @@ class LitLM(L.LightningModule):
                 self._grad_norms = (sq.sum().sqrt(), per_layer[:n_layers].sqrt())
         return self._grad_norms
 
+    @property
+    def last_grad_norm(self) -> Optional[float]:
+        """The latest step's pre-clip global grad norm as a float (a host sync, paid only by a reader: the step itself
+        keeps it on the device, so the host can queue the next step's kernels while the GPU finishes this one)."""
+        return None if self._last_grad_norm is None else float(self._last_grad_norm)
+
     def on_before_optimizer_step(self, optimizer) -> None:
         # Called before clipping (and after unscaling under 16-mixed): this is the pre-clip norm,
         # the one that clipping would otherwise hide (docs/design.md §7).
         total = self.grad_norms()[0]
-        self.last_grad_norm = total.item()
+        self._last_grad_norm = total.detach()
         self.log("train/grad_norm", total, on_step=True, on_epoch=False)
         if self.skip_optimizer_step:
             # A stability callback vetoed this update (runs after the callbacks' hooks): with no gradients,

@@ -40,10 +40,11 @@ def test_bench_host_times_every_wiring(tmp_path):
     assert all(r["per_sublayer_ms"] > 0 for r in rows.values())
 
 
-def test_bench_ddp_repeats_alternate_and_record_the_kernel_config(tmp_path):
+def test_bench_ddp_repeats_alternate_and_run_kernel_config_variants(tmp_path):
     """--repeat: each variant runs that many times and the table takes the run with the median mean step (the lower
-    middle one of two); a launch-config override (MHC_KERNEL_CONFIG) reaches the runs' environment and the JSON."""
-    override = '{"coef_fwd": {"phi_split": true}}'
+    middle one of two); --kernel-config adds MODE@NAME, whose runs (and only those) see MHC_KERNEL_CONFIG; an override
+    in bench_ddp's own environment reaches every run and the JSON."""
+    override, split = '{"coef_fwd": {"BC": 16}}', '{"coef_fwd": {"phi_split": true}}'
     _run(["bench/bench_ddp.py", "--smoke", "--gpus", "1", "--no-check", "--repeat", "2", "--modes", "residual",
           "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")], tmp_path,
          env=dict(os.environ, MHC_KERNEL_CONFIG=override))
@@ -52,5 +53,15 @@ def test_bench_ddp_repeats_alternate_and_record_the_kernel_config(tmp_path):
     means = [r["step_ms_mean"] for r in head["repeats"]]
     assert len(means) == 2 and head["step_ms_mean"] == min(means)
     assert data["summary"]["x_residual"]["residual"]["1"] == 1.0
-    assert data["environment"]["mhc_kernel_config"] == override
+    assert data["environment"]["mhc_kernel_config"] == override == head["kernel_config"]
     assert {p.name for p in (tmp_path / "work").glob("residual-1-r*.log")} == {"residual-1-r0.log", "residual-1-r1.log"}
+
+    _run(["bench/bench_ddp.py", "--smoke", "--gpus", "1", "--no-check", "--modes", "residual,mhc",
+          "--kernel-config", f"split={split}", "--out", str(tmp_path / "ab"), "--work", str(tmp_path / "ab_work")],
+         tmp_path)
+    data = json.loads((tmp_path / "ab" / "bench_ddp.json").read_text())
+    assert set(data["bench"]) == {"residual-1", "mhc-1", "mhc@split-1"}
+    assert data["bench"]["mhc@split-1"]["kernel_config"] == split
+    assert data["bench"]["mhc-1"]["kernel_config"] is None and data["bench"]["residual-1"]["kernel_config"] is None
+    assert data["bench"]["mhc@split-1"]["mode"] == "mhc"
+    assert set(data["summary"]["x_residual"]) == {"residual", "mhc", "mhc@split"}

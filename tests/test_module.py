@@ -1,0 +1,68 @@
+"""LitLM's training step (mhc_lightning/module.py): what it leaves on the device."""
+from __future__ import annotations
+
+import math
+import sys
+
+import lightning as L
+import pytest
+import torch
+
+from test_callbacks_common import tiny_fit
+
+SYNCS = ("item", "tolist", "__float__", "__int__", "__bool__")
+
+
+class CountHostReads(L.Callback):
+    """Counts tensor-to-host reads (item, tolist, float(), int(), bool()) from the start of each batch to its end,
+    the first step left out (lazy setup). Not counted: the optimizer's step counters, which torch keeps on the CPU
+    beside CUDA parameters (no sync there; on this CPU-only test every tensor is a CPU tensor)."""
+
+    def __init__(self, monkeypatch):
+        self.on = False
+        self.calls: list[str] = []
+        for name in SYNCS:
+            orig = getattr(torch.Tensor, name)
+
+            def wrapped(t, *a, _orig=orig, _name=name, **k):
+                if self.on and "torch/optim/" not in sys._getframe(1).f_code.co_filename.replace("\\", "/"):
+                    self.calls.append(_name)
+                return _orig(t, *a, **k)
+
+            monkeypatch.setattr(torch.Tensor, name, wrapped)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.on = trainer.global_step >= 1
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.on = False
+
+
+@pytest.mark.parametrize("mode", ["residual", "mhc"])
+def test_training_steps_read_nothing_back_to_the_host(tiny_corpus, monkeypatch, mode):
+    """With no stability callback and no diagnostics due, a step queues its kernels and returns: a read-back
+    (the pre-clip grad norm's .item() did it before) makes the host wait for the GPU every step, so the next step's
+    launches no longer overlap this step's kernels."""
+    from test_callbacks_common import tiny_module
+
+    counter = CountHostReads(monkeypatch)
+    trainer, module = tiny_fit(tiny_corpus, [counter], steps=4, module=tiny_module(mode, diagnostics_every=0),
+                               gradient_clip_val=1.0)
+    assert trainer.global_step == 4
+    assert counter.calls == []
+    # the norm is still there for a reader (SinkhornSchedule), as the pre-clip global norm of this step's gradients
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    assert grads and isinstance(module.last_grad_norm, float) and math.isfinite(module.last_grad_norm)
+
+
+def test_last_grad_norm_is_the_pre_clip_norm(tiny_corpus):
+    seen = {}
+
+    class Probe(L.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+            seen["norm"] = math.sqrt(sum(float(p.grad.double().square().sum()) for p in pl_module.parameters()
+                                         if p.grad is not None))
+
+    _, module = tiny_fit(tiny_corpus, [Probe()], steps=2, gradient_clip_val=1e-3)
+    assert seen["norm"] > 1e-3  # clipping engaged, and the module kept the norm from before it
+    assert module.last_grad_norm == pytest.approx(seen["norm"], rel=1e-5)
