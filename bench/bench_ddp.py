@@ -35,6 +35,7 @@ import lightning as L
 import torch
 
 from mhc_lightning.data.synthetic import english_like_text
+from profiling import print_rows
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
@@ -93,6 +94,44 @@ class Throughput(L.Callback):
             "step_ms": times,
         }
         Path(self.out).write_text(json.dumps(record, indent=1))
+
+
+class ProfileSteps(L.Callback):
+    """torch.profiler over `steps` optimizer steps after `warmup` (rank 0): device time per kernel, and the steps'
+    wall time beside the sum of their kernels — the gap is time the GPU waited on the host. Its own run: a profiled
+    step is slower than a timed one."""
+
+    def __init__(self, warmup: int, steps: int, out: str):
+        self.warmup, self.steps, self.out = warmup, steps, out
+        self.prof = None
+        self.t0 = 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.warmup and self.prof is None and trainer.global_rank == 0:
+            from torch.profiler import ProfilerActivity, profile
+
+            cuda = pl_module.device.type == "cuda"
+            if cuda:
+                torch.cuda.synchronize()
+            self.prof = profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
+            self.prof.__enter__()
+            self.t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.prof is None or trainer.global_step != self.warmup + self.steps:
+            return
+        from profiling import time_per_name
+
+        cuda = pl_module.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+        wall_us = 1e6 * (time.perf_counter() - self.t0) / self.steps
+        self.prof.__exit__(None, None, None)
+        total, rows = time_per_name(self.prof, self.steps, device=cuda)
+        record = {"steps": self.steps, "wall_us_per_step": wall_us, "busy_us_per_step": total,
+                  "device_time": cuda, "top": rows[:40]}
+        Path(self.out).write_text(json.dumps(record, indent=1))
+        self.prof = None
 
 
 class CheckProbe(L.Callback):
@@ -271,7 +310,7 @@ def _headline(runs: list[dict]) -> dict:
     return head
 
 
-def bench_phase(args, work: Path, corpus: Path, results: dict, save) -> dict:
+def bench_phase(args, work: Path, corpus: Path, results: dict, save, profiles: dict) -> dict:
     print(f"bench: {args.modes} on 1 and {args.gpus} devices, C={args.d_model}, {args.layers} blocks, "
           f"B={args.batch}/device, T={args.seq}, {args.warmup} warm-up + {args.steps} timed steps"
           + (f", each {args.repeat} times, alternating" if args.repeat > 1 else ""), flush=True)
@@ -300,6 +339,27 @@ def bench_phase(args, work: Path, corpus: Path, results: dict, save) -> dict:
                 if "tokens_per_s" in rec:
                     print(f"    {rec['tokens_per_s']:,.0f} tok/s, step {rec['step_ms_mean']:.1f} ms mean / "
                           f"{rec['step_ms_median']:.1f} median, peak {rec['peak_mem_gib'] or 0:.1f} GiB", flush=True)
+    if args.profile:
+        print(f"profile: {args.profile} steps after {args.warmup} warm-up steps, one more run per variant", flush=True)
+        for variant in args.modes:
+            mode, _, config_name = variant.partition("@")
+            out = work / f"{variant}-profile.json"
+            a = ["-c", str(CONF / "base.yaml"), "-c", str(CONF / "model" / f"{mode}.yaml"), *machine_args(args.smoke, 1),
+                 *common_args(corpus, work / "root", args.warmup + args.profile, args.d_model, args.layers,
+                              args.heads, args.seq, args.batch, args.diagnostics_every),
+                 f"--trainer.precision={'32-true' if args.smoke else 'bf16-mixed'}", "--trainer.logger=false",
+                 _cb("bench_ddp.ProfileSteps", warmup=args.warmup, steps=args.profile, out=str(out)),
+                 *shlex.split(args.fit_args)]
+            rc, _, _ = run_fit(f"{variant}-profile", a, work, args.smoke, args.timeout,
+                               args.kernel_configs.get(config_name) if config_name else None)
+            rec = json.loads(out.read_text()) if rc == 0 and out.exists() else {"exit": rc}
+            profiles[variant] = rec
+            save()
+            if "top" in rec:
+                busy, wall = rec["busy_us_per_step"], rec["wall_us_per_step"]
+                print(f"  {variant}: {wall / 1e3:.1f} ms per profiled step, kernels {busy / 1e3:.1f} ms "
+                      f"({100 * busy / wall:.0f} %)", flush=True)
+                print_rows(rec["top"], busy, top=15)
     return results
 
 
@@ -377,6 +437,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--kernel-config", action="append", default=[], metavar="NAME=JSON",
                    help="one more variant of every mode but residual, named MODE@NAME, run with MHC_KERNEL_CONFIG=JSON "
                         "(launch-config overrides, docs/kernels.md); with --repeat, an A/B inside one call")
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="after the timed runs, one more run per variant with torch.profiler over STEPS steps: device "
+                        "time per kernel, and kernels against wall time (the GPU waiting on the host)")
     p.add_argument("--work", default=None, help="folder for runs and logs (default: a new temporary folder)")
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--no-bench", action="store_true")
@@ -429,8 +492,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         report["check"] = {}
         check_phase(args, work, corpus, report["check"], save)
     if not args.no_bench:
-        report["bench"] = {}
-        bench_phase(args, work, corpus, report["bench"], save)
+        report["bench"], report["profile"] = {}, {}
+        bench_phase(args, work, corpus, report["bench"], save, report["profile"])
         report["summary"] = summary(report["bench"], args.modes, args.gpus)
         print_table(report["bench"], report["summary"], args.modes, args.gpus)
     save()

@@ -58,6 +58,7 @@ args = p.parse_args()
 if args.smoke:
     os.environ["TRITON_INTERPRET"] = "1"
 
+from profiling import print_rows, time_per_name  # noqa: E402  (bench/, this script's folder)
 from mhc_lightning.kernels import MHCOptions  # noqa: E402
 from mhc_lightning.kernels import reference as R  # noqa: E402
 from mhc_lightning.kernels import fused  # noqa: E402
@@ -448,7 +449,10 @@ SWEEP_QUICK["bnd_bwd"] = [dict(BT=bt, BC=bc, num_warps=w, dl_split=sp) for bt, b
                           [(16, 128, 8, False), (16, 128, 8, True), (32, 64, 8, True), (16, 64, 4, True),
                            (32, 128, 8, True)]]
 if PHI_DT == torch.float32:  # an fp32 phi (the trainer's): tf32 dots at the tf32 tiles, or phi as two 16-bit parts
-    SWEEP_QUICK["coef_fwd"] = [dict(phi_split=False), dict(phi_split=True), dict(phi_split=True, u_inside_max_c=0)]
+    SWEEP_QUICK["coef_fwd"] = [dict(phi_split=False), dict(phi_split="interleaved"), dict(phi_split="in_kernel"),
+                               dict(phi_split="in_kernel", split=dict(BT=64, BK=128, num_warps=8)),
+                               dict(phi_split="in_kernel", split=dict(BT=32, BK=64, num_warps=4)),
+                               dict(phi_split="interleaved", split=dict(BT=32, BK=64, num_warps=4))]
 
 SWEEP = dict(SWEEP_QUICK, **{  # full run, at C=1024: also the kernels every path shares
     "coef_fwd": [dict(BT=bt, BK=bk, num_warps=w, num_stages=st, BC=bc, split_tail=True) for bt, bk, w, st, bc in
@@ -554,20 +558,8 @@ def profile_step(step, steps=3):
         for _ in range(steps):
             step()
         sync()
-    per = {}
-    for ev in prof.key_averages():  # a kernel's self device time is its own; CPU ops have none of their own
-        us = getattr(ev, "self_device_time_total", None)
-        us = ev.self_cuda_time_total if us is None else us
-        if us > 0:
-            d = per.setdefault(ev.key[:90], [0.0, 0])
-            d[0] += us
-            d[1] += ev.count
-    rows = sorted(({"kernel": k, "us_per_step": v[0] / steps, "calls_per_step": v[1] / steps} for k, v in per.items()),
-                  key=lambda r: -r["us_per_step"])
-    total = sum(r["us_per_step"] for r in rows)
-    for r in rows[:25]:
-        print(f"    {r['us_per_step']:9.0f} us {100 * r['us_per_step'] / total:5.1f}%  x{r['calls_per_step']:<5.0f} {r['kernel']}",
-              flush=True)
+    total, rows = time_per_name(prof, steps)
+    print_rows(rows, total)
     return dict(total_us=total, top=rows[:40])
 
 

@@ -31,8 +31,8 @@ NS, M, MP = 4, 24, 32
 
 
 def _launch_config(entry):
-    """CONFIG entry name, or (name, "tf32"): the entry with its tiles for a tf32 dot (ops._cfg)."""
-    return ops._cfg(entry[0], tf32=True) if isinstance(entry, tuple) else ops.CONFIG[entry]
+    """CONFIG entry name, or (name, sub-entry): the entry with that sub-entry's tiles merged in (ops._cfg)."""
+    return ops._cfg(*entry) if isinstance(entry, tuple) else ops.CONFIG[entry]
 
 
 def _tiles(entry, *keys):
@@ -56,11 +56,15 @@ def cases():
     return [
         ("mhc_pre fwd (coef + u)", _coef_fwd, dict(fwd, **_tiles("coef_fwd", "BT", "BK", "BC")), {"x_ptr", "phi_ptr", "u_ptr"},
          "coef_fwd"),
-        ("mhc_pre fwd, fp32 phi (tf32 tiles)", _coef_fwd,
+        ("mhc_pre fwd, fp32 phi, tf32 (phi_split false)", _coef_fwd,
          dict(fwd, DOT=DOT_TF32, **_tiles(("coef_fwd", "tf32"), "BT", "BK", "BC")),
          {"x_ptr", "u_ptr"}, ("coef_fwd", "tf32")),
-        ("mhc_pre fwd, fp32 phi, phi_split", _coef_fwd, dict(fwd, SPLIT=True, **_tiles("coef_fwd", "BT", "BK", "BC")),
-         {"x_ptr", "phi_ptr", "phil_ptr", "u_ptr"}, "coef_fwd"),
+        ("mhc_pre fwd, fp32 phi, phi_split interleaved (the default)", _coef_fwd,
+         dict(fwd, SPLIT=2, **_tiles(("coef_fwd", "split"), "BT", "BK", "BC")), {"x_ptr", "phi_ptr", "u_ptr"},
+         ("coef_fwd", "split")),
+        ("mhc_pre fwd, fp32 phi, phi_split dots", _coef_fwd,
+         dict(fwd, SPLIT=1, **_tiles(("coef_fwd", "split"), "BT", "BK", "BC")), {"x_ptr", "phi_ptr", "phil_ptr", "u_ptr"},
+         ("coef_fwd", "split")),
         ("HC projection (rms_proj, tf32)", _coef_fwd,
          dict(fwd, NS=1, M=6, MP=16, HAS_RES=False, HAS_U=False, TAIL=False, DOT=DOT_TF32, BC=16,
               **_tiles("rms_proj", "BT", "BK")), {"x_ptr"}, "rms_proj"),

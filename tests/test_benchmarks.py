@@ -40,10 +40,10 @@ def test_bench_host_times_every_wiring(tmp_path):
     assert all(r["per_sublayer_ms"] > 0 for r in rows.values())
 
 
-def test_bench_ddp_repeats_alternate_and_run_kernel_config_variants(tmp_path):
+def test_bench_ddp_repeats_alternate_runs_kernel_config_variants_and_profiles(tmp_path):
     """--repeat: each variant runs that many times and the table takes the run with the median mean step (the lower
     middle one of two); --kernel-config adds MODE@NAME, whose runs (and only those) see MHC_KERNEL_CONFIG; an override
-    in bench_ddp's own environment reaches every run and the JSON."""
+    in bench_ddp's own environment reaches every run and the JSON; --profile adds a profiled run per variant."""
     override, split = '{"coef_fwd": {"BC": 16}}', '{"coef_fwd": {"phi_split": true}}'
     _run(["bench/bench_ddp.py", "--smoke", "--gpus", "1", "--no-check", "--repeat", "2", "--modes", "residual",
           "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")], tmp_path,
@@ -57,11 +57,17 @@ def test_bench_ddp_repeats_alternate_and_run_kernel_config_variants(tmp_path):
     assert {p.name for p in (tmp_path / "work").glob("residual-1-r*.log")} == {"residual-1-r0.log", "residual-1-r1.log"}
 
     _run(["bench/bench_ddp.py", "--smoke", "--gpus", "1", "--no-check", "--modes", "residual,mhc",
-          "--kernel-config", f"split={split}", "--out", str(tmp_path / "ab"), "--work", str(tmp_path / "ab_work")],
-         tmp_path)
+          "--kernel-config", f"split={split}", "--profile", "2", "--out", str(tmp_path / "ab"),
+          "--work", str(tmp_path / "ab_work")], tmp_path)
     data = json.loads((tmp_path / "ab" / "bench_ddp.json").read_text())
     assert set(data["bench"]) == {"residual-1", "mhc-1", "mhc@split-1"}
     assert data["bench"]["mhc@split-1"]["kernel_config"] == split
     assert data["bench"]["mhc-1"]["kernel_config"] is None and data["bench"]["residual-1"]["kernel_config"] is None
     assert data["bench"]["mhc@split-1"]["mode"] == "mhc"
     assert set(data["summary"]["x_residual"]) == {"residual", "mhc", "mhc@split"}
+    # --profile: one more run per variant, its ops' own time per step (host time on this CPU) beside the wall time
+    assert set(data["profile"]) == {"residual", "mhc", "mhc@split"}
+    for rec in data["profile"].values():
+        assert rec["steps"] == 2 and rec["device_time"] is False and rec["top"]
+        assert 0 < rec["busy_us_per_step"] and 0 < rec["wall_us_per_step"]
+        assert rec["top"][0]["us_per_step"] >= rec["top"][-1]["us_per_step"]

@@ -74,15 +74,16 @@ def _coef_inputs(lead, c, n, dtype, with_res=True, phi_dtype=torch.float32, gate
     return [_leaf(t) for t in (x, phi, bias, alpha)]
 
 
-def test_projection_of_bf16_x_with_fp32_phi_is_more_precise_than_tf32():
+@pytest.mark.parametrize("split", ["dots", "interleaved", "in_kernel"])
+def test_projection_of_bf16_x_with_fp32_phi_is_more_precise_than_tf32(split):
     """The trainer's case (bf16 stream, fp32 phi) with CONFIG coef_fwd phi_split: the coefficient GEMM splits phi into two
-    bf16 parts (ops._projection).
+    bf16 parts (ops._projection), one dot per part ("dots") or one dot on interleaved hi / lo columns.
     Its raw projection must match float64 to ~1e-5 (phi to 16 mantissa bits): tf32's rounding of phi alone gives
     ~2e-4, bf16's ~2e-3 (on the GPU the dots are the tensor-core ones)."""
     torch.manual_seed(31)
     x, phi, bias, alpha = [t.detach() for t in _coef_inputs((37,), 40, 4, torch.bfloat16)]
-    with config_changed("coef_fwd", phi_split=True):
-        assert phi.dtype == torch.float32 and ops._projection(x, phi)[3]  # the split is taken
+    with config_changed("coef_fwd", phi_split=split):
+        assert phi.dtype == torch.float32 and ops._projection(x, phi)[3] == ops.PHI_SPLITS[split]  # the split is taken
         lg = ops.coef_fwd.plain(x, phi, bias, alpha, 3, 1e-6, True, False, 1e-6, 1e-6, 2.0)[3]
     ref = x.double().reshape(37, -1) @ phi.double()
     err = ((lg.double() - ref).abs().max() / ref.abs().max()).item()
@@ -92,6 +93,16 @@ def test_projection_of_bf16_x_with_fp32_phi_is_more_precise_than_tf32():
     for rounded in (tf32, phi.bfloat16()):
         coarse = x.double().reshape(37, -1) @ rounded.double()
         assert ((coarse - ref).abs().max() / ref.abs().max()).item() > 1e-4
+
+
+def test_interleaved_split_only_up_to_its_tile_width():
+    """n = 8 (M = 80) keeps tf32 under the default phi_split (ops.SPLIT_MAX_MP: its 256-wide pair tile failed the
+    float64 check on the H200); n = 4 (M = 24) takes the pairs."""
+    x = torch.randn(2, 8, device=DEV).bfloat16()
+    for m, (dot, split) in ((24, (ops._native(), ops.PHI_SPLITS[ops.CONFIG["coef_fwd"]["phi_split"]])),
+                            (80, (ops.DOT_TF32, 0))):
+        assert ops._projection(x, torch.randn(8, m, device=DEV))[2:] == (dot, split)
+    assert ops.CONFIG["coef_fwd"]["phi_split"] == "interleaved"
 
 
 def _run_coef(inputs, dtype, **kw):
@@ -277,13 +288,20 @@ def test_mhc_pre_bf16_partial_grads_split_tail(split_tail):
 
 
 @pytest.mark.parametrize("u_inside_max_c", [0, 4096])
-@pytest.mark.parametrize("n,dtype,phi_dtype", [(4, torch.bfloat16, torch.float32), (4, torch.bfloat16, torch.bfloat16),
-                                               (2, torch.float32, torch.float32)])
-def test_mhc_pre_u_in_or_after_the_coefficient_kernel(u_inside_max_c, n, dtype, phi_dtype):
-    """u in the coefficient kernel's own loop, or by stream_pre's kernel after it (CONFIG coef_fwd u_inside_max_c)."""
+@pytest.mark.parametrize("n,dtype,phi_dtype,phi_split", [
+    (4, torch.bfloat16, torch.float32, "interleaved"), (4, torch.bfloat16, torch.float32, "in_kernel"),
+    (4, torch.bfloat16, torch.float32, False),
+    (4, torch.bfloat16, torch.bfloat16, False), (2, torch.float32, torch.float32, False)])
+def test_mhc_pre_u_in_or_after_the_coefficient_kernel(u_inside_max_c, n, dtype, phi_dtype, phi_split):
+    """u in the coefficient kernel's own loop, or by stream_pre's kernel after it (CONFIG coef_fwd u_inside_max_c),
+    at each dot the trainer's fp32 phi can take (16-bit parts, the default, or tf32 at its own tiles)."""
     torch.manual_seed(75 + n)
-    tf32 = dict(ops.CONFIG["coef_fwd"]["tf32"], u_inside_max_c=u_inside_max_c)
-    with config_changed("coef_fwd", u_inside_max_c=u_inside_max_c, tf32=tf32):
+    subs = {k: dict(ops.CONFIG["coef_fwd"][k], u_inside_max_c=u_inside_max_c) for k in ("tf32", "split")}
+    with config_changed("coef_fwd", u_inside_max_c=u_inside_max_c, phi_split=phi_split, **subs):
+        assert ops._projection(_coef_inputs((2,), 8, n, dtype, phi_dtype=phi_dtype)[0],
+                               torch.zeros(1, 1, dtype=phi_dtype))[2] == (
+            ops.DOT_IEEE if dtype == torch.float32 else ops.DOT_TF32 if phi_dtype == torch.float32 and not phi_split
+            else ops._native())
         lead, c = SHAPES[1]
         _run_pre(_coef_inputs(lead, c, n, dtype, phi_dtype=phi_dtype), dtype, sinkhorn_iters=ITERS)
 
@@ -302,6 +320,8 @@ def test_kernel_config_override_from_the_environment():
     assert cfg["tf32"]["BK"] == ops.CONFIG["coef_fwd"]["tf32"]["BK"]  # the rest of the nested entry kept
     for value, words in (('{"coef_fwdx": {}}', "unknown kernel 'coef_fwdx'; allowed: coef_fwd,"),
                          ('{"coef_fwd": {"BQ": 1}}', "MHC_KERNEL_CONFIG.coef_fwd: unknown key 'BQ'; allowed: BT,"),
+                         ('{"coef_fwd": {"phi_split": "halves"}}',
+                          'MHC_KERNEL_CONFIG.coef_fwd.phi_split: \'halves\'; allowed: false, true, "dots", "interleaved", "in_kernel"'),
                          ("{coef", "MHC_KERNEL_CONFIG is not JSON")):
         proc = imported(value)
         assert proc.returncode != 0 and words in proc.stderr.strip().splitlines()[-1]
@@ -381,15 +401,19 @@ def test_mhc_enter_then_write_back_matches_reference(n, dtype, mode, monkeypatch
 
 
 @pytest.mark.parametrize("m", [3, 6, 10, 20])  # n + 2 for n = 1, 4, 8; and wider
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_proj(m, dtype):
+@pytest.mark.parametrize("dtype,split", [(torch.float32, False), (torch.bfloat16, False),
+                                         (torch.bfloat16, "interleaved"), (torch.bfloat16, "in_kernel")])
+def test_rms_proj(m, dtype, split):
     """HC's projection RMSNorm(x) w (one read of x; the coefficient kernel without its tail), forward and both
-    gradients against float64, over several token blocks and a C that is not a power of two."""
+    gradients against float64, over several token blocks and a C that is not a power of two; with bf16 x, the fp32 w
+    also as interleaved 16-bit parts (CONFIG coef_fwd phi_split)."""
     torch.manual_seed(100 + m)
     lead, c = SHAPES[1]
     x = _leaf(torch.randn(*lead, 4, c, device=DEV).to(dtype) * 3)
     w = _leaf(torch.randn(c, m, device=DEV) / c ** 0.5)
-    out = fused.rms_proj(x, w)
+    with config_changed("coef_fwd", phi_split=split):
+        assert ops._projection(x, w)[3] == ops.PHI_SPLITS[split]
+        out = fused.rms_proj(x, w)
     assert out.dtype == torch.float32 and out.shape == (*lead, 4, m)
     ref_in = _f64([x, w])
     ref = R.rms_proj(*ref_in)

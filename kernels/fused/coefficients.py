@@ -139,12 +139,15 @@ def _coef_fwd(
     NS: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, HAS_RES: tl.constexpr, SINK: tl.constexpr,
     HAS_U: tl.constexpr, T_IN: tl.constexpr, T_OUT: tl.constexpr,
     DOT: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr, TAIL: tl.constexpr = True,
-    SPLIT: tl.constexpr = False,
+    SPLIT: tl.constexpr = 0,
 ):
     """x [N, n*C] rows (stride_x), BK: tile of the flat row in the projection loop, BC: C tile of the u loop.
     TAIL = False (the RMS-normalised projection of HC, `rms_proj`): only the raw projection and 1/r are stored.
-    SPLIT: phi is given as two parts in x's dtype, phi = hi (phi_ptr) + lo (phil_ptr), one dot each (exact 16-bit
-    products, fp32 accumulate: an fp32 phi to 16 mantissa bits, more than tf32's 11, at the speed of native dots)."""
+    SPLIT: phi in two parts of x's dtype, phi = hi + lo (exact 16-bit products, fp32 accumulate: an fp32 phi to 16
+    mantissa bits, more than tf32's 11, with native dots). 1: hi at phi_ptr, lo at phil_ptr, one dot each. 2: one
+    [K, 2M] matrix at phi_ptr, hi and lo of column j interleaved (columns 2j, 2j + 1): one dot of twice the width,
+    x's tile fed to the tensor cores once, the pairs summed after the loop. 3: as 2, the pairs made in the kernel from
+    the fp32 phi at phi_ptr (no host-side split: no extra launches, nothing to keep in step with the parameter)."""
     pid = tl.program_id(0)
     rows = pid * BT + tl.arange(0, BT)
     rmask = rows < N
@@ -152,22 +155,31 @@ def _coef_fwd(
     cols = tl.arange(0, MP)
     cmask = cols < M
     K = NS * C
-    acc = tl.zeros([BT, MP], dtype=tl.float32)
+    W: tl.constexpr = 2 * MP if SPLIT >= 2 else MP  # width of the dot (interleaved hi / lo pairs: twice)
+    wcols = tl.arange(0, 2 * MP if SPLIT == 2 else MP)  # columns of the phi tile as stored
+    wmask = wcols < (2 * M if SPLIT == 2 else M)
+    acc = tl.zeros([BT, W], dtype=tl.float32)
     ss = tl.zeros([BT], dtype=tl.float32)
     # one pass over x [N, n*C]: projection and sum of squares share every load
     for k0 in range(0, K, BK):
         kk = k0 + tl.arange(0, BK)
         kmask = kk < K
         xt = tl.load(x_ptr + rows64[:, None] * stride_x + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        pt = tl.load(phi_ptr + kk[:, None] * stride_phi + cols[None, :], mask=kmask[:, None] & cmask[None, :],
+        pt = tl.load(phi_ptr + kk[:, None] * stride_phi + wcols[None, :], mask=kmask[:, None] & wmask[None, :],
                      other=0.0)
         xf = xt.to(tl.float32)
         ss += tl.sum(xf * xf, axis=1)
+        if SPLIT == 3:
+            hi = pt.to(xt.dtype)
+            pt = tl.reshape(tl.join(hi, (pt - hi.to(tl.float32)).to(xt.dtype)), [BK, W])
         acc = _dot(xt, pt, acc, DOT)
-        if SPLIT:
+        if SPLIT == 1:
             pl = tl.load(phil_ptr + kk[:, None] * stride_phi + cols[None, :], mask=kmask[:, None] & cmask[None, :],
                          other=0.0)
             acc = _dot(xt, pl, acc, DOT)
+    if SPLIT >= 2:
+        hi, lo = tl.split(tl.reshape(acc, [BT, MP, 2]))
+        acc = hi + lo
     rinv = 1.0 / tl.sqrt(ss / K + rms_eps)
     tl.store(lg_ptr + rows64[:, None] * M + cols[None, :], acc, mask=rmask[:, None] & cmask[None, :])
     tl.store(rinv_ptr + rows64, rinv, mask=rmask)
