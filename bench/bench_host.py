@@ -36,7 +36,7 @@ class _NoLaunch:
 
 def stub_launches() -> list[str]:
     """Replace every fused kernel, as the ops module calls it, by a no-op launcher (the kernel modules keep theirs)."""
-    names = [k for k in vars(ops) if k.startswith(("_coef_", "_pre_", "_post_")) and hasattr(getattr(ops, k), "run")]
+    names = [k for k in vars(ops) if k.startswith(("_coef_", "_pre_", "_post_", "_hc_")) and hasattr(getattr(ops, k), "run")]
     for k in names:
         setattr(ops, k, _NoLaunch())
     return names
@@ -89,7 +89,7 @@ def main():
         return x
 
     runs = {"chain (boundary op)": chained, "one sublayer at a time (mhc_enter + stream_post_res)": one_at_a_time,
-            "HC (rms_proj + tail in torch + stream ops)": hc}
+            "HC (hc_coef: projection and tail in one op + stream ops)": hc}
     rows = {}
     for name, ms in paired_step_ms(runs, x, params, args.steps).items():
         rows[name] = dict(step_ms=ms, per_sublayer_ms=ms / args.sublayers)

@@ -436,12 +436,18 @@ def _hc_inputs(lead, c, n, dtype):
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("use_tanh", [True, False])
-def test_hc_coefficients(n, dtype, use_tanh):
-    """The fused HC coefficients (rms_proj + the reference tail) against the float64 reference: the three maps and
-    the gradient of x and of every parameter."""
+def test_hc_coefficients(n, dtype, use_tanh, monkeypatch):
+    """The fused HC coefficients (one op: projection and tail in one kernel, the tail's backward in another, partial
+    sums of the static parameters' gradients over several row blocks, the last one partial) against the float64
+    reference: the three maps and the gradient of x and of every parameter."""
     torch.manual_seed(110 + n + 10 * use_tanh)
+    seen = []
+    real = ops.eager.hc_coef
+    monkeypatch.setattr(ops.eager, "hc_coef", lambda *a: seen.append(True) or real(*a))
     inputs = _hc_inputs(SHAPES[0][0], SHAPES[0][1], n, dtype)
-    out = fused.hc_coefficients(*inputs, use_tanh=use_tanh)
+    with config_changed("hc_tail_bwd", BT=16 if not CUDA else 128):
+        out = fused.hc_coefficients(*inputs, use_tanh=use_tanh)
+        assert seen == [True] and (SHAPES[0][0][0] * n) % 16 != 0
     ref_in = _f64(inputs)
     ref = R.hc_coefficients(*ref_in, use_tanh=use_tanh)
     gs = [torch.randn_like(r) for r in ref]
@@ -450,7 +456,9 @@ def test_hc_coefficients(n, dtype, use_tanh):
         check(a, b, t_h, name)
     names = ("dx", "dnorm_weight", "dw_beta", "dw_m", "dw_r", "ds_alpha", "ds_beta", "db_static", "dam_static",
              "dar_static")
-    for name, a, b in zip(names, _grads(out, inputs, gs), _grads(ref, ref_in, gs)):
+    with config_changed("hc_tail_bwd", BT=16 if not CUDA else 128):
+        grads = _grads(out, inputs, gs)
+    for name, a, b in zip(names, grads, _grads(ref, ref_in, gs)):
         check(a, b, t_g, name)
 
 

@@ -171,12 +171,18 @@ def hc_coefficients(
     s_alpha: torch.Tensor, s_beta: torch.Tensor, b_static: torch.Tensor, am_static: torch.Tensor,
     ar_static: torch.Tensor, *, dynamic: bool = True, use_tanh: bool = True, norm_eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """reference.hc_coefficients with its projection fused (`rms_proj`: x read once, no fp32 copy of the streams
-    kept for the backward); the per-token tail on [..., n, n + 2] stays in torch."""
-    if not (dynamic and _fusable(x)):
+    """reference.hc_coefficients in one op (`ops.hc_coef`): the projection RMSNorm(x) w reads x once and keeps no
+    fp32 copy of the streams for the backward, and the per-token tail runs in the same kernel (forward) and in one
+    kernel before the x pass (backward), instead of a dozen small torch ops each way. H^res comes back contiguous
+    (the reference returns a transposed view; the values are the same)."""
+    n, c = x.shape[-2], x.shape[-1]
+    if not (dynamic and _fusable(x) and b_static.shape == (n,) and ar_static.shape == (n, n)
+            and all(p.device == x.device and p.dtype in _DTYPES for p in (norm_weight, w_beta, w_m, w_r))):
         return reference.hc_coefficients(x, norm_weight, w_beta, w_m, w_r, s_alpha, s_beta, b_static, am_static,
                                          ar_static, dynamic=dynamic, use_tanh=use_tanh, norm_eps=norm_eps)
     with torch.autocast(x.device.type, enabled=False):  # fp32 coefficient maths, as the reference
         w = reference.hc_projection_weights(norm_weight, w_beta, w_m, w_r)
-        y = rms_proj(x, w, norm_eps)
-        return reference.hc_from_projection(y, s_alpha, s_beta, b_static, am_static, ar_static, use_tanh)
+        h_pre, h_post, h_res, _, _ = ops.eager.hc_coef(x.reshape(-1, c), w, s_alpha, s_beta, b_static, am_static,
+                                                       ar_static, float(norm_eps), bool(use_tanh))
+    lead = x.shape[:-2]
+    return h_pre.reshape(*lead, n), h_post.reshape(*lead, n), h_res.reshape(*lead, n, n)

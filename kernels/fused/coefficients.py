@@ -139,10 +139,12 @@ def _coef_fwd(
     NS: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, HAS_RES: tl.constexpr, SINK: tl.constexpr,
     HAS_U: tl.constexpr, T_IN: tl.constexpr, T_OUT: tl.constexpr,
     DOT: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr, TAIL: tl.constexpr = True,
-    SPLIT: tl.constexpr = 0,
+    SPLIT: tl.constexpr = 0, HC_TAIL: tl.constexpr = 0, NH: tl.constexpr = 1,
 ):
     """x [N, n*C] rows (stride_x), BK: tile of the flat row in the projection loop, BC: C tile of the u loop.
-    TAIL = False (the RMS-normalised projection of HC, `rms_proj`): only the raw projection and 1/r are stored.
+    TAIL = False (the RMS-normalised projection of HC, `rms_proj`): only the raw projection and 1/r are stored;
+    HC_TAIL (1: tanh, 2: linear) then also HC's coefficients from it (`_hc_tail`; rows are (token, stream) pairs of
+    NH streams, and bias_ptr holds HC's static parameters).
     SPLIT: phi in two parts of x's dtype, phi = hi + lo (exact 16-bit products, fp32 accumulate: an fp32 phi to 16
     mantissa bits, more than tf32's 11, with native dots). 1: hi at phi_ptr, lo at phil_ptr, one dot each. 2: one
     [K, 2M] matrix at phi_ptr, hi and lo of column j interleaved (columns 2j, 2j + 1): one dot of twice the width,
@@ -183,9 +185,92 @@ def _coef_fwd(
     rinv = 1.0 / tl.sqrt(ss / K + rms_eps)
     tl.store(lg_ptr + rows64[:, None] * M + cols[None, :], acc, mask=rmask[:, None] & cmask[None, :])
     tl.store(rinv_ptr + rows64, rinv, mask=rmask)
+    if HC_TAIL > 0:
+        _hc_tail(lg_ptr, rinv, bias_ptr, hpre_ptr, hpost_ptr, hres_ptr, rows64, rmask, M, NH, HC_TAIL == 1)
     if TAIL:
         _coef_gates(rinv, x_ptr, bias_ptr, alpha_ptr, lg_ptr, hpre_ptr, hpost_ptr, hres_ptr, u_ptr, rows64, rmask, C,
                     stride_x, iters, eps, pre_eps, post_mult, NS, M, HAS_RES, SINK, HAS_U, T_IN, T_OUT, BT, BC)
+
+
+@triton.jit
+def _hc_act(y, TANH: tl.constexpr):
+    if TANH:
+        return 2.0 * tl.sigmoid(2.0 * y) - 1.0  # tanh
+    else:
+        return y
+
+
+@triton.jit
+def _hc_rows(lg_ptr, rinv, rows64, rmask, M: tl.constexpr, NH: tl.constexpr, TANH: tl.constexpr):
+    """A block of HC's projection rows (token t, stream i = row % NH): the raw logits L (columns beta, m, then the NH
+    of r) and their activations act(L / r)."""
+    jj = tl.arange(0, NH)
+    m2 = rmask[:, None] & (jj[None, :] < NH)
+    l0 = tl.load(lg_ptr + rows64 * M, mask=rmask, other=0.0)
+    l1 = tl.load(lg_ptr + rows64 * M + 1, mask=rmask, other=0.0)
+    lr = tl.load(lg_ptr + rows64[:, None] * M + 2 + jj[None, :], mask=m2, other=0.0)
+    return (l0, l1, lr, _hc_act(l0 * rinv, TANH), _hc_act(l1 * rinv, TANH), _hc_act(lr * rinv[:, None], TANH))
+
+
+@triton.jit
+def _hc_tail(lg_ptr, rinv, st_ptr, hpre_ptr, hpost_ptr, hres_ptr, rows64, rmask, M: tl.constexpr, NH: tl.constexpr,
+             TANH: tl.constexpr):
+    """HC's coefficients (reference.hc_from_projection) from the projection rows this program has just stored:
+    h_post = B_i + s_beta act_0, h_pre = A_m,i + s_alpha act_1, H^res[t, j, i] = A_r,ij + s_alpha act_2+j.
+    st_ptr: fp32 [s_beta, s_alpha, B (NH), A_m (NH), A_r (NH x NH)]."""
+    tl.debug_barrier()  # this CTA's stores of L, re-read in per-map shapes
+    jj = tl.arange(0, NH)
+    m2 = rmask[:, None] & (jj[None, :] < NH)
+    i = rows64 % NH
+    t = rows64 // NH
+    _, _, _, a0, a1, ar = _hc_rows(lg_ptr, rinv, rows64, rmask, M, NH, TANH)
+    s_beta = tl.load(st_ptr)
+    s_alpha = tl.load(st_ptr + 1)
+    tl.store(hpost_ptr + rows64, tl.load(st_ptr + 2 + i, mask=rmask, other=0.0) + s_beta * a0, mask=rmask)
+    tl.store(hpre_ptr + rows64, tl.load(st_ptr + 2 + NH + i, mask=rmask, other=0.0) + s_alpha * a1, mask=rmask)
+    a_static = tl.load(st_ptr + 2 + 2 * NH + i[:, None] * NH + jj[None, :], mask=m2, other=0.0)
+    tl.store(hres_ptr + t[:, None] * (NH * NH) + jj[None, :] * NH + i[:, None], a_static + s_alpha * ar, mask=m2)
+
+
+@triton.jit(do_not_specialize=["R"])
+def _hc_tail_bwd(lg_ptr, rinv_ptr, st_ptr, dpre_ptr, dpost_ptr, dres_ptr, dl_ptr, dss_ptr, part_ptr, R, inv_c,
+                 M: tl.constexpr, NH: tl.constexpr, TANH: tl.constexpr, PW: tl.constexpr, BT: tl.constexpr):
+    """Backward of `_hc_tail` and of y = L / r for a block of rows: dL = dy / r and d(sum x^2) (what `_coef_bwd_x`
+    turns into dx and dw), and this program's partial sums of the static parameters' gradients (part [programs, PW],
+    laid out as st_ptr; summed afterwards: deterministic, no atomics)."""
+    pid = tl.program_id(0)
+    rows = pid * BT + tl.arange(0, BT)
+    rmask = rows < R
+    rows64 = rows.to(tl.int64)
+    jj = tl.arange(0, NH)
+    m2 = rmask[:, None] & (jj[None, :] < NH)
+    i = rows64 % NH
+    t = rows64 // NH
+    rinv = tl.load(rinv_ptr + rows64, mask=rmask, other=0.0)
+    l0, l1, lr, a0, a1, ar = _hc_rows(lg_ptr, rinv, rows64, rmask, M, NH, TANH)
+    s_beta = tl.load(st_ptr)
+    s_alpha = tl.load(st_ptr + 1)
+    g0 = tl.load(dpost_ptr + rows64, mask=rmask, other=0.0)
+    g1 = tl.load(dpre_ptr + rows64, mask=rmask, other=0.0)
+    gr = tl.load(dres_ptr + t[:, None] * (NH * NH) + jj[None, :] * NH + i[:, None], mask=m2, other=0.0)
+    if TANH:
+        d0, d1, dr = g0 * s_beta * (1.0 - a0 * a0), g1 * s_alpha * (1.0 - a1 * a1), gr * s_alpha * (1.0 - ar * ar)
+    else:
+        d0, d1, dr = g0 * s_beta, g1 * s_alpha, gr * s_alpha
+    tl.store(dl_ptr + rows64 * M, d0 * rinv, mask=rmask)
+    tl.store(dl_ptr + rows64 * M + 1, d1 * rinv, mask=rmask)
+    tl.store(dl_ptr + rows64[:, None] * M + 2 + jj[None, :], dr * rinv[:, None], mask=m2)
+    # 1/r = (sum x^2 / C + eps)^(-1/2)
+    dss = (-0.5 * inv_c) * (d0 * l0 + d1 * l1 + tl.sum(dr * lr, axis=1)) * rinv * rinv * rinv
+    tl.store(dss_ptr + rows64, dss, mask=rmask)
+    base = part_ptr + pid * PW
+    tl.store(base, tl.sum(g0 * a0, axis=0))
+    tl.store(base + 1, tl.sum(g1 * a1, axis=0) + tl.sum(tl.sum(gr * ar, axis=1), axis=0))
+    onehot = (i[:, None] == jj[None, :]).to(tl.float32)  # [BT, NH]: the stream of each row
+    tl.store(base + 2 + jj, tl.sum(onehot * g0[:, None], axis=0))
+    tl.store(base + 2 + NH + jj, tl.sum(onehot * g1[:, None], axis=0))
+    d_ar = tl.sum(onehot[:, :, None] * gr[:, None, :], axis=0)  # [i, j]
+    tl.store(base + 2 + 2 * NH + jj[:, None] * NH + jj[None, :], d_ar)
 
 
 @triton.jit

@@ -14,7 +14,8 @@ from typing import Optional
 
 import torch
 
-from .coefficients import DOT_IEEE, DOT_NATIVE, DOT_TF32, _coef_bwd_tok, _coef_bwd_x, _coef_fwd, _coef_tail
+from .coefficients import (DOT_IEEE, DOT_NATIVE, DOT_TF32, _coef_bwd_tok, _coef_bwd_x, _coef_fwd, _coef_tail,
+                           _hc_tail_bwd)
 from .stream_post_res import _post_bwd_2d, _post_fwd
 from .stream_pre import _pre_bwd, _pre_fwd
 
@@ -40,6 +41,8 @@ CONFIG = {
                      split=dict(BT=64, BK=64, num_warps=4)),
     # HC's projection (`_coef_fwd`, one stream per row, K = C, no tail): the tile HC was measured with (round 5)
     "rms_proj": dict(BT=64, BK=64, num_warps=4, num_stages=3),
+    # HC's tail backward (`_hc_tail_bwd`, per row, a few floats each): not swept
+    "hc_tail_bwd": dict(BT=128, num_warps=4),
     "coef_tail": dict(BT=8, num_warps=2),
     # BC: C tile of the <du, x_j> loop (fused pre and boundary ops)
     "coef_bwd_tok": dict(BT=8, num_warps=2, BC=64),
@@ -750,6 +753,104 @@ bnd_fwd.register_autograd(_bnd_backward, setup_context=_bnd_setup)
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# hc_coef: HC's coefficients, its projection RMSNorm(x) w and the per-token tail in one op (reference.hc_coefficients)
+# ---------------------------------------------------------------------------------------------------------------
+def _hc_statics(s_alpha: Tensor, s_beta: Tensor, b_static: Tensor, am_static: Tensor, ar_static: Tensor) -> Tensor:
+    """HC's static parameters as the kernels read them: fp32 [s_beta, s_alpha, B (n), A_m (n), A_r (n x n)]."""
+    return torch.cat([s_beta.reshape(1).float(), s_alpha.reshape(1).float(), b_static.float(), am_static.float(),
+                      ar_static.float().flatten()])
+
+
+def _hc_coef_fwd_body(x: Tensor, w: Tensor, s_alpha: Tensor, s_beta: Tensor, b_static: Tensor, am_static: Tensor,
+                      ar_static: Tensor, eps: float, tanh: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """x [R, C] rows (token, stream i = row % n), w [C, n + 2] -> h_pre [R], h_post [R], h_res [R / n, n, n] fp32
+    (h_res[t, j, i] = A_r,ij + s_alpha act(y_i,2+j)), the raw projection [R, n + 2] and 1/r [R], in one launch."""
+    R, C = x.shape
+    n, M = b_static.shape[0], w.shape[1]
+    f32 = torch.float32
+    h_pre, h_post, h_res = _new((R,), f32, x.device), _new((R,), f32, x.device), _new((R // n, n, n), f32, x.device)
+    lg, rinv = _new((R, M), f32, x.device), _new((R,), f32, x.device)
+    if R > 0:
+        x, w = _c_contig(x), _c_contig(w)
+        st = _hc_statics(s_alpha, s_beta, b_static, am_static, ar_static)
+        cfg = _cfg("rms_proj", BK=_np2(C, 16))
+        w_hi, w_lo, dot, two = _projection(x, w)
+        _coef_fwd[(_cdiv(R, cfg["BT"]),)](
+            x, w_hi, w_lo, st, st, lg, rinv, h_pre, h_post, h_res, lg, R, C, x.stride(0), w_hi.stride(0), 1, 0.0, eps,
+            0.0, 0.0, NS=1, M=M, MP=_np2(M, 16), HAS_RES=False, SINK=False, HAS_U=False, T_IN=False, T_OUT=False,
+            DOT=dot, BT=cfg["BT"], BK=cfg["BK"], BC=16, TAIL=False, SPLIT=two, HC_TAIL=1 if tanh else 2, NH=n,
+            **_launch(cfg))
+    return h_pre, h_post, h_res, lg, rinv
+
+
+hc_coef_fwd = _op("hc_coef", _hc_coef_fwd_body)
+
+
+@hc_coef_fwd.register_fake
+def _(x, w, s_alpha, s_beta, b_static, am_static, ar_static, eps, tanh):
+    R, n = x.shape[0], b_static.shape[0]
+    f32 = dict(dtype=torch.float32)
+    return (x.new_empty((R,), **f32), x.new_empty((R,), **f32), x.new_empty((R // n, n, n), **f32),
+            x.new_empty((R, w.shape[1]), **f32), x.new_empty((R,), **f32))
+
+
+def _hc_coef_bwd_body(d_pre: Tensor, d_post: Tensor, d_res: Tensor, x: Tensor, w: Tensor, s_alpha: Tensor,
+                      s_beta: Tensor, b_static: Tensor, am_static: Tensor, ar_static: Tensor, lg: Tensor, rinv: Tensor,
+                      tanh: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """dx, dw and the static parameters' gradients: the tail's backward per row (`_hc_tail_bwd`: dL and d(sum x^2)),
+    then the x pass of the coefficient kernels (`_coef_bwd_x`: dx = dL w^T + 2 x d(sum x^2), dw = x^T dL)."""
+    R, C = x.shape
+    n, M = b_static.shape[0], w.shape[1]
+    dx = _new((R, C), x.dtype, x.device)
+    statics = (s_alpha, s_beta, b_static, am_static, ar_static)
+    if R == 0:
+        return (dx, torch.zeros_like(w), *(torch.zeros_like(p) for p in statics))
+    cfg = _cfg("hc_tail_bwd")
+    programs, width = _cdiv(R, cfg["BT"]), 2 + 2 * n + n * n
+    dl, dss = _new((R, M), torch.float32, x.device), _new((R,), torch.float32, x.device)
+    part = _new((programs, width), torch.float32, x.device)
+    _hc_tail_bwd[(programs,)](
+        lg, rinv, _hc_statics(*statics), d_pre.contiguous(), d_post.contiguous(), d_res.contiguous(), dl, dss, part,
+        R, 1.0 / C, M=M, NH=n, TANH=tanh, PW=width, BT=cfg["BT"], **_launch(cfg))
+    x = _c_contig(x)
+    dw = _sum_splits(bwd_x(x.view(R, 1, C), _c_contig(w), dl, dss, dx.view(R, 1, C))).to(w.dtype)
+    red = part.sum(0)
+    pieces = (red[1], red[0], red[2:2 + n], red[2 + n:2 + 2 * n], red[2 + 2 * n:])
+    return (dx, dw, *(g.to(p.dtype, copy=True).reshape(p.shape) for g, p in zip(pieces, statics)))
+
+
+hc_coef_bwd = _op("hc_coef_bwd", _hc_coef_bwd_body)
+
+
+@hc_coef_bwd.register_fake
+def _(d_pre, d_post, d_res, x, w, s_alpha, s_beta, b_static, am_static, ar_static, lg, rinv, tanh):
+    return tuple(_like(t) for t in (x, w, s_alpha, s_beta, b_static, am_static, ar_static))
+
+
+def _hc_coef_setup(ctx, inputs, output):
+    x, w, s_alpha, s_beta, b_static, am_static, ar_static, _, tanh = inputs
+    lg, rinv = output[3], output[4]
+    ctx.save_for_backward(x, w, s_alpha, s_beta, b_static, am_static, ar_static, lg, rinv)
+    ctx.mark_non_differentiable(lg, rinv)
+    ctx.tanh = tanh
+
+
+def _hc_coef_backward(ctx, d_pre, d_post, d_res, _dlg, _drinv):
+    x, w, s_alpha, s_beta, b_static, am_static, ar_static, lg, rinv = ctx.saved_tensors
+    n = b_static.shape[0]
+    zeros = lambda shape: torch.zeros(shape, dtype=torch.float32, device=x.device)  # noqa: E731 (unused outputs)
+    d_pre = zeros(x.shape[0]) if d_pre is None else d_pre
+    d_post = zeros(x.shape[0]) if d_post is None else d_post
+    d_res = zeros((x.shape[0] // n, n, n)) if d_res is None else d_res
+    grads = _impl(ctx, hc_coef_bwd)(d_pre, d_post, d_res, x, w, s_alpha, s_beta, b_static, am_static, ar_static, lg,
+                                    rinv, ctx.tanh)
+    return (*grads, None, None)
+
+
+hc_coef_fwd.register_autograd(_hc_coef_backward, setup_context=_hc_coef_setup)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # eager path
 # ---------------------------------------------------------------------------------------------------------------
 # A Python custom op costs tens of microseconds of host time per call (dispatcher, argument defaults, a
@@ -787,4 +888,5 @@ eager = SimpleNamespace(
     stream_post_res=_eager_fn(post_fwd, _post_setup, _post_backward),
     boundary=_eager_fn(bnd_fwd, _bnd_setup, _bnd_backward),
     rms_proj=_eager_fn(rms_proj_fwd, _rms_proj_setup, _rms_proj_backward),
+    hc_coef=_eager_fn(hc_coef_fwd, _hc_coef_setup, _hc_coef_backward),
 )
