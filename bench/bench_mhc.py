@@ -669,7 +669,7 @@ def main():
             (f"ours+compile, recompute L_r={L_R[key]}",
              lambda: torch.compile(hyper(c, heads, blocks, "triton", recompute=L_R[key]))),
             (f"ours, recompute L_r={L_R[key]}", lambda: hyper(c, heads, blocks, "triton", recompute=L_R[key])),
-            ("hc (fused projection + stream ops)",
+            ("hc (fused coefficients + stream ops)",
              lambda: hyper(c, heads, blocks, "triton", chained=False, mode="hc")),
             ("liger 0.8.5", lambda: Liger(c, heads, blocks).to(DEV, DT)),
             ("reference ops", lambda: hyper(c, heads, blocks, "torch")),

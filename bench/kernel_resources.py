@@ -9,6 +9,7 @@ registers per SM), and a stack frame (spills) turns register traffic into local-
 before a GPU run. cuobjdump (shipped with Triton) reads the cubin Triton assembled.
 """
 import argparse
+import inspect
 import json
 import os
 import re
@@ -22,11 +23,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from mhc_lightning.kernels.fused import ops
-from mhc_lightning.kernels.fused.coefficients import DOT_NATIVE, DOT_TF32, _coef_bwd_tok, _coef_bwd_x, _coef_fwd, _coef_tail
+from mhc_lightning.kernels.fused.coefficients import (DOT_NATIVE, DOT_TF32, _coef_bwd_tok, _coef_bwd_x, _coef_fwd,
+                                                     _coef_tail, _hc_tail_bwd)
 from mhc_lightning.kernels.fused.stream_post_res import _post_bwd_2d, _post_fwd
 from mhc_lightning.kernels.fused.stream_pre import _pre_bwd, _pre_fwd
 
-FLOATS = {"eps", "rms_eps", "pre_eps", "post_mult"}
+FLOATS = {"eps", "rms_eps", "pre_eps", "post_mult", "inv_c"}
 NS, M, MP = 4, 24, 32
 
 
@@ -65,6 +67,11 @@ def cases():
         ("mhc_pre fwd, fp32 phi, phi_split dots", _coef_fwd,
          dict(fwd, SPLIT=1, **_tiles(("coef_fwd", "split"), "BT", "BK", "BC")), {"x_ptr", "phi_ptr", "phil_ptr", "u_ptr"},
          ("coef_fwd", "split")),
+        ("HC coefficients (hc_coef: projection + tail)", _coef_fwd,
+         dict(fwd, NS=1, M=6, MP=16, HAS_RES=False, HAS_U=False, TAIL=False, DOT=DOT_NATIVE, BC=16, SPLIT=2,
+              HC_TAIL=1, NH=4, **_tiles("rms_proj", "BT", "BK")), {"x_ptr", "phi_ptr"}, "rms_proj"),
+        ("HC tail backward", _hc_tail_bwd, dict(M=6, NH=4, TANH=True, PW=2 + 8 + 16, BT=ops.CONFIG["hc_tail_bwd"]["BT"]),
+         set(), "hc_tail_bwd"),
         ("HC projection (rms_proj, tf32)", _coef_fwd,
          dict(fwd, NS=1, M=6, MP=16, HAS_RES=False, HAS_U=False, TAIL=False, DOT=DOT_TF32, BC=16,
               **_tiles("rms_proj", "BT", "BK")), {"x_ptr"}, "rms_proj"),
@@ -92,6 +99,9 @@ def cases():
 
 def compile_one(kernel, constexprs, bf16, launch, arch):
     names = kernel.arg_names
+    # constexprs a case leaves out keep their defaults (else the signature would make them runtime integers)
+    constexprs = {**{q.name: q.default for q in kernel.params if q.is_constexpr and q.name not in constexprs
+                     and q.default is not inspect.Parameter.empty}, **constexprs}
     sig = {n: "constexpr" if n in constexprs else ("*bf16" if n in bf16 else "*fp32") if n.endswith("_ptr")
            else "fp32" if n in FLOATS else "i32" for n in names}
     src = ASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in constexprs.items()})

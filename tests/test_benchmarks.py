@@ -24,7 +24,7 @@ def test_bench_mhc_smoke_checks_and_times_every_wiring(tmp_path):
     assert all(c["ok"] for c in data["checks"].values()), data["checks"]
     rows = {r["variant"]: r for r in data["stack"]}
     assert {"residual", "ours (fused)", "ours (per-sublayer ops)", "ours (per-sublayer, dx summed)",
-            "hc (fused projection + stream ops)"} == rows.keys()
+            "hc (fused coefficients + stream ops)"} == rows.keys()
     for r in rows.values():
         assert r["ms"] > 0 and r["host_ms"] > 0
     assert rows["ours (fused)"]["host_profile"][0]["own_ms"] > 0  # cProfile rows, largest first
@@ -36,7 +36,8 @@ def test_bench_host_times_every_wiring(tmp_path):
     _run(["bench/bench_host.py", "--sublayers", "4", "--steps", "3", "--out", str(path)], tmp_path)
     rows = json.loads(path.read_text())["rows"]
     assert set(rows) == {"chain (boundary op)", "one sublayer at a time (mhc_enter + stream_post_res)",
-                         "HC (rms_proj + tail in torch + stream ops)"}
+                         "HC (hc_coef: projection and tail in one op + stream ops)",
+                         "HC, tail in torch (the wiring before hc_coef; A/B)"}
     assert all(r["per_sublayer_ms"] > 0 for r in rows.values())
 
 

@@ -182,7 +182,8 @@ def hc_coefficients(
                                          ar_static, dynamic=dynamic, use_tanh=use_tanh, norm_eps=norm_eps)
     with torch.autocast(x.device.type, enabled=False):  # fp32 coefficient maths, as the reference
         w = reference.hc_projection_weights(norm_weight, w_beta, w_m, w_r)
-        h_pre, h_post, h_res, _, _ = ops.eager.hc_coef(x.reshape(-1, c), w, s_alpha, s_beta, b_static, am_static,
-                                                       ar_static, float(norm_eps), bool(use_tanh))
+        statics = ops.hc_statics(s_alpha, s_beta, b_static, am_static, ar_static)
+        h_pre, h_post, h_res, _, _ = ops.eager.hc_coef(x.reshape(-1, c), w, statics, n, float(norm_eps),
+                                                       bool(use_tanh))
     lead = x.shape[:-2]
     return h_pre.reshape(*lead, n), h_post.reshape(*lead, n), h_res.reshape(*lead, n, n)

@@ -158,7 +158,8 @@ def _coef_fwd(
     cmask = cols < M
     K = NS * C
     W: tl.constexpr = 2 * MP if SPLIT >= 2 else MP  # width of the dot (interleaved hi / lo pairs: twice)
-    wcols = tl.arange(0, 2 * MP if SPLIT == 2 else MP)  # columns of the phi tile as stored
+    WS: tl.constexpr = 2 * MP if SPLIT == 2 else MP  # columns of the phi tile as stored
+    wcols = tl.arange(0, WS)
     wmask = wcols < (2 * M if SPLIT == 2 else M)
     acc = tl.zeros([BT, W], dtype=tl.float32)
     ss = tl.zeros([BT], dtype=tl.float32)

@@ -51,7 +51,8 @@ CONFIG = {
     # tiles it affords: mhc_pre bwd 276-280 vs 384 us (tf32 at BT 64, BK 128, 8 warps), 322 vs 370 with an fp32
     # phi; the phi-gradient pass 57-59 vs 79-81 us (round 6 sweep, docs/kernels.md)
     "coef_bwd_x": dict(BT=64, BK=64, num_warps=4, num_stages=3, programs_per_sm=8, dl_split=True),
-    "bnd_dphi": dict(BT=64, BK=64, num_warps=4, num_stages=3, programs_per_sm=8, dl_split=True),  # without dx
+    # without dx: BK = 128 at 8 warps was the fastest in all four sweeps of round 7 (50-54 vs 56-66 us)
+    "bnd_dphi": dict(BT=64, BK=128, num_warps=8, num_stages=2, programs_per_sm=4, dl_split=True),
     "pre_fwd": dict(BT=4, BC=512, num_warps=4),
     "pre_bwd": dict(BT=4, BC=256, num_warps=4),
     "post_fwd": dict(BT=4, BC=256, num_warps=4),
@@ -755,31 +756,32 @@ bnd_fwd.register_autograd(_bnd_backward, setup_context=_bnd_setup)
 # ---------------------------------------------------------------------------------------------------------------
 # hc_coef: HC's coefficients, its projection RMSNorm(x) w and the per-token tail in one op (reference.hc_coefficients)
 # ---------------------------------------------------------------------------------------------------------------
-def _hc_statics(s_alpha: Tensor, s_beta: Tensor, b_static: Tensor, am_static: Tensor, ar_static: Tensor) -> Tensor:
-    """HC's static parameters as the kernels read them: fp32 [s_beta, s_alpha, B (n), A_m (n), A_r (n x n)]."""
+def hc_statics(s_alpha: Tensor, s_beta: Tensor, b_static: Tensor, am_static: Tensor, ar_static: Tensor) -> Tensor:
+    """HC's static parameters as `hc_coef` takes them: fp32 [s_beta, s_alpha, B (n), A_m (n), A_r (n x n)], one
+    autograd-tracked concatenation (its backward splits the op's one gradient vector back onto the parameters)."""
     return torch.cat([s_beta.reshape(1).float(), s_alpha.reshape(1).float(), b_static.float(), am_static.float(),
                       ar_static.float().flatten()])
 
 
-def _hc_coef_fwd_body(x: Tensor, w: Tensor, s_alpha: Tensor, s_beta: Tensor, b_static: Tensor, am_static: Tensor,
-                      ar_static: Tensor, eps: float, tanh: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """x [R, C] rows (token, stream i = row % n), w [C, n + 2] -> h_pre [R], h_post [R], h_res [R / n, n, n] fp32
-    (h_res[t, j, i] = A_r,ij + s_alpha act(y_i,2+j)), the raw projection [R, n + 2] and 1/r [R], in one launch."""
+def _hc_coef_fwd_body(x: Tensor, w: Tensor, statics: Tensor, n: int, eps: float,
+                      tanh: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """x [R, C] rows (token, stream i = row % n), w [C, n + 2], statics (`hc_statics`) -> h_pre [R], h_post [R],
+    h_res [R / n, n, n] fp32 (h_res[t, j, i] = A_r,ij + s_alpha act(y_i,2+j)), the raw projection [R, n + 2] and
+    1/r [R], in one launch."""
     R, C = x.shape
-    n, M = b_static.shape[0], w.shape[1]
+    M = w.shape[1]
     f32 = torch.float32
     h_pre, h_post, h_res = _new((R,), f32, x.device), _new((R,), f32, x.device), _new((R // n, n, n), f32, x.device)
     lg, rinv = _new((R, M), f32, x.device), _new((R,), f32, x.device)
     if R > 0:
         x, w = _c_contig(x), _c_contig(w)
-        st = _hc_statics(s_alpha, s_beta, b_static, am_static, ar_static)
         cfg = _cfg("rms_proj", BK=_np2(C, 16))
         w_hi, w_lo, dot, two = _projection(x, w)
         _coef_fwd[(_cdiv(R, cfg["BT"]),)](
-            x, w_hi, w_lo, st, st, lg, rinv, h_pre, h_post, h_res, lg, R, C, x.stride(0), w_hi.stride(0), 1, 0.0, eps,
-            0.0, 0.0, NS=1, M=M, MP=_np2(M, 16), HAS_RES=False, SINK=False, HAS_U=False, T_IN=False, T_OUT=False,
-            DOT=dot, BT=cfg["BT"], BK=cfg["BK"], BC=16, TAIL=False, SPLIT=two, HC_TAIL=1 if tanh else 2, NH=n,
-            **_launch(cfg))
+            x, w_hi, w_lo, statics, statics, lg, rinv, h_pre, h_post, h_res, lg, R, C, x.stride(0), w_hi.stride(0), 1,
+            0.0, eps, 0.0, 0.0, NS=1, M=M, MP=_np2(M, 16), HAS_RES=False, SINK=False, HAS_U=False, T_IN=False,
+            T_OUT=False, DOT=dot, BT=cfg["BT"], BK=cfg["BK"], BC=16, TAIL=False, SPLIT=two, HC_TAIL=1 if tanh else 2,
+            NH=n, **_launch(cfg))
     return h_pre, h_post, h_res, lg, rinv
 
 
@@ -787,64 +789,58 @@ hc_coef_fwd = _op("hc_coef", _hc_coef_fwd_body)
 
 
 @hc_coef_fwd.register_fake
-def _(x, w, s_alpha, s_beta, b_static, am_static, ar_static, eps, tanh):
-    R, n = x.shape[0], b_static.shape[0]
+def _(x, w, statics, n, eps, tanh):
+    R = x.shape[0]
     f32 = dict(dtype=torch.float32)
     return (x.new_empty((R,), **f32), x.new_empty((R,), **f32), x.new_empty((R // n, n, n), **f32),
             x.new_empty((R, w.shape[1]), **f32), x.new_empty((R,), **f32))
 
 
-def _hc_coef_bwd_body(d_pre: Tensor, d_post: Tensor, d_res: Tensor, x: Tensor, w: Tensor, s_alpha: Tensor,
-                      s_beta: Tensor, b_static: Tensor, am_static: Tensor, ar_static: Tensor, lg: Tensor, rinv: Tensor,
-                      tanh: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """dx, dw and the static parameters' gradients: the tail's backward per row (`_hc_tail_bwd`: dL and d(sum x^2)),
-    then the x pass of the coefficient kernels (`_coef_bwd_x`: dx = dL w^T + 2 x d(sum x^2), dw = x^T dL)."""
+def _hc_coef_bwd_body(d_pre: Tensor, d_post: Tensor, d_res: Tensor, x: Tensor, w: Tensor, statics: Tensor,
+                      lg: Tensor, rinv: Tensor, n: int, tanh: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """dx, dw and the statics' gradient: the tail's backward per row (`_hc_tail_bwd`: dL and d(sum x^2), partial
+    sums of the statics' gradient per row block), then the x pass of the coefficient kernels (`_coef_bwd_x`:
+    dx = dL w^T + 2 x d(sum x^2), dw = x^T dL)."""
     R, C = x.shape
-    n, M = b_static.shape[0], w.shape[1]
+    M = w.shape[1]
     dx = _new((R, C), x.dtype, x.device)
-    statics = (s_alpha, s_beta, b_static, am_static, ar_static)
     if R == 0:
-        return (dx, torch.zeros_like(w), *(torch.zeros_like(p) for p in statics))
+        return dx, torch.zeros_like(w), torch.zeros_like(statics)
     cfg = _cfg("hc_tail_bwd")
-    programs, width = _cdiv(R, cfg["BT"]), 2 + 2 * n + n * n
+    programs = _cdiv(R, cfg["BT"])
     dl, dss = _new((R, M), torch.float32, x.device), _new((R,), torch.float32, x.device)
-    part = _new((programs, width), torch.float32, x.device)
+    part = _new((programs, statics.shape[0]), torch.float32, x.device)
     _hc_tail_bwd[(programs,)](
-        lg, rinv, _hc_statics(*statics), d_pre.contiguous(), d_post.contiguous(), d_res.contiguous(), dl, dss, part,
-        R, 1.0 / C, M=M, NH=n, TANH=tanh, PW=width, BT=cfg["BT"], **_launch(cfg))
-    x = _c_contig(x)
-    dw = _sum_splits(bwd_x(x.view(R, 1, C), _c_contig(w), dl, dss, dx.view(R, 1, C))).to(w.dtype)
-    red = part.sum(0)
-    pieces = (red[1], red[0], red[2:2 + n], red[2 + n:2 + 2 * n], red[2 + 2 * n:])
-    return (dx, dw, *(g.to(p.dtype, copy=True).reshape(p.shape) for g, p in zip(pieces, statics)))
+        lg, rinv, statics, d_pre.contiguous(), d_post.contiguous(), d_res.contiguous(), dl, dss, part, R, 1.0 / C,
+        M=M, NH=n, TANH=tanh, PW=statics.shape[0], BT=cfg["BT"], **_launch(cfg))
+    dw = _sum_splits(bwd_x(_c_contig(x).view(R, 1, C), _c_contig(w), dl, dss, dx.view(R, 1, C))).to(w.dtype)
+    return dx, dw, part.sum(0)
 
 
 hc_coef_bwd = _op("hc_coef_bwd", _hc_coef_bwd_body)
 
 
 @hc_coef_bwd.register_fake
-def _(d_pre, d_post, d_res, x, w, s_alpha, s_beta, b_static, am_static, ar_static, lg, rinv, tanh):
-    return tuple(_like(t) for t in (x, w, s_alpha, s_beta, b_static, am_static, ar_static))
+def _(d_pre, d_post, d_res, x, w, statics, lg, rinv, n, tanh):
+    return _like(x), _like(w), _like(statics)
 
 
 def _hc_coef_setup(ctx, inputs, output):
-    x, w, s_alpha, s_beta, b_static, am_static, ar_static, _, tanh = inputs
-    lg, rinv = output[3], output[4]
-    ctx.save_for_backward(x, w, s_alpha, s_beta, b_static, am_static, ar_static, lg, rinv)
-    ctx.mark_non_differentiable(lg, rinv)
-    ctx.tanh = tanh
+    x, w, statics, n, _, tanh = inputs
+    ctx.save_for_backward(x, w, statics, output[3], output[4])
+    ctx.mark_non_differentiable(output[3], output[4])
+    ctx.n, ctx.tanh = n, tanh
 
 
 def _hc_coef_backward(ctx, d_pre, d_post, d_res, _dlg, _drinv):
-    x, w, s_alpha, s_beta, b_static, am_static, ar_static, lg, rinv = ctx.saved_tensors
-    n = b_static.shape[0]
+    x, w, statics, lg, rinv = ctx.saved_tensors
+    n, rows = ctx.n, x.shape[0]
     zeros = lambda shape: torch.zeros(shape, dtype=torch.float32, device=x.device)  # noqa: E731 (unused outputs)
-    d_pre = zeros(x.shape[0]) if d_pre is None else d_pre
-    d_post = zeros(x.shape[0]) if d_post is None else d_post
-    d_res = zeros((x.shape[0] // n, n, n)) if d_res is None else d_res
-    grads = _impl(ctx, hc_coef_bwd)(d_pre, d_post, d_res, x, w, s_alpha, s_beta, b_static, am_static, ar_static, lg,
-                                    rinv, ctx.tanh)
-    return (*grads, None, None)
+    d_pre = zeros(rows) if d_pre is None else d_pre
+    d_post = zeros(rows) if d_post is None else d_post
+    d_res = zeros((rows // n, n, n)) if d_res is None else d_res
+    dx, dw, dst = _impl(ctx, hc_coef_bwd)(d_pre, d_post, d_res, x, w, statics, lg, rinv, n, ctx.tanh)
+    return dx, dw, dst, None, None, None
 
 
 hc_coef_fwd.register_autograd(_hc_coef_backward, setup_context=_hc_coef_setup)
