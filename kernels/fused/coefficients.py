@@ -194,6 +194,15 @@ def _coef_fwd(
 
 
 @triton.jit
+def _row_block(N, BT: tl.constexpr, NS: tl.constexpr):
+    """This program's block of BT rows: 64-bit indices, their mask, the NS stream offsets and the [BT, NS] mask."""
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    rmask = rows < N
+    nn = tl.arange(0, NS)
+    return rows.to(tl.int64), rmask, nn, rmask[:, None] & (nn[None, :] < NS)
+
+
+@triton.jit
 def _hc_act(y, TANH: tl.constexpr):
     if TANH:
         return 2.0 * tl.sigmoid(2.0 * y) - 1.0  # tanh
@@ -240,11 +249,7 @@ def _hc_tail_bwd(lg_ptr, rinv_ptr, st_ptr, dpre_ptr, dpost_ptr, dres_ptr, dl_ptr
     turns into dx and dw), and this program's partial sums of the static parameters' gradients (part [programs, PW],
     laid out as st_ptr; summed afterwards: deterministic, no atomics)."""
     pid = tl.program_id(0)
-    rows = pid * BT + tl.arange(0, BT)
-    rmask = rows < R
-    rows64 = rows.to(tl.int64)
-    jj = tl.arange(0, NH)
-    m2 = rmask[:, None] & (jj[None, :] < NH)
+    rows64, rmask, jj, m2 = _row_block(R, BT, NH)
     i = rows64 % NH
     t = rows64 // NH
     rinv = tl.load(rinv_ptr + rows64, mask=rmask, other=0.0)
@@ -330,12 +335,8 @@ def _coef_bwd_tok(
     HAS_U: tl.constexpr, BT: tl.constexpr, PW: tl.constexpr, BC: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    rows = pid * BT + tl.arange(0, BT)
-    rmask = rows < N
-    rows64 = rows.to(tl.int64)
-    nn = tl.arange(0, NS)
-    tok = rmask[:, None] & (nn[None, :] < NS)
-    rinv = tl.load(rinv_ptr + rows, mask=rmask, other=0.0)
+    rows64, rmask, nn, tok = _row_block(N, BT, NS)
+    rinv = tl.load(rinv_ptr + rows64, mask=rmask, other=0.0)
     a_pre = tl.load(alpha_ptr).to(tl.float32)
     a_post = tl.load(alpha_ptr + 1).to(tl.float32)
     # masked rows load dh = 0, so they contribute nothing to any reduction below
@@ -379,7 +380,7 @@ def _coef_bwd_tok(
     else:
         tl.store(part_ptr + pid * PW + M + 2, 0.0)
     # rinv = (sumsq / K + rms_eps)^(-1/2)  =>  d rinv / d sumsq = -rinv^3 / (2K)
-    tl.store(dss_ptr + rows, -0.5 * drinv * rinv * rinv * rinv / K, mask=rmask)
+    tl.store(dss_ptr + rows64, -0.5 * drinv * rinv * rinv * rinv / K, mask=rmask)
 
 
 @triton.jit(do_not_specialize=["N", "tok_per_split"])
