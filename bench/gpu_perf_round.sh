@@ -5,7 +5,10 @@
 # limit and not the call; everything lands under $OUT. Carry .gpuwheels (bench/gpu_wheels.sh).
 #   run: OUT=$OUT bash bench/gpu_perf_round.sh            (about 8 minutes on an H200)
 #   PROFILE=1: --quick --sweep --profile --profile-host instead of the full table (launch-config sweep, CUDA time per
-#   kernel, host time per Python function: the eager step waits on the host on slow machines).
+#   kernel, host time per Python function: the eager step waits on the host on slow machines), and the trainer rows
+#   with `bench_ddp.py --profile 3` (kernel time against wall time per step, one more run per mode).
+#   TRAINER_ARGS: more bench_ddp.py arguments for the trainer rows, e.g.
+#   TRAINER_ARGS="--repeat 2 --kernel-config 'tf32={\"coef_fwd\":{\"phi_split\":false}}'" (an A/B in one call).
 #   NCU=1: first, Nsight Compute on the slowest kernels (occupancy, stall reasons, memory throughput; about a minute),
 #   one op body each (`bench_mhc.py --only-op`), reports under $OUT/ncu.
 set -u
@@ -51,8 +54,11 @@ timeout 120 python3 bench/bench_mhc.py --shapes 1 --iters 5 --warmup 1 --no-kern
 grep -A5 "ms/step" "$OUT/compile/bench_mhc.log"
 
 echo "== trainer (bench_ddp --gpus 1): residual, mHC and HC, then the chained mHC"
-timeout 180 python3 bench/bench_ddp.py --gpus 1 --no-check --modes residual,mhc,hc --timeout 110 --out "$OUT/trainer" \
-  2>&1 | tail -5
+trainer_args=()
+[ "${PROFILE:-0}" = 1 ] && trainer_args+=(--profile 3)
+eval "trainer_args+=(${TRAINER_ARGS:-})"
+timeout 240 python3 bench/bench_ddp.py --gpus 1 --no-check --modes residual,mhc,hc --timeout 110 --out "$OUT/trainer" \
+  "${trainer_args[@]}" 2>&1 | grep -E "^\| |kernels|exit [^0]" | tail -12
 timeout 80 python3 bench/bench_ddp.py --gpus 1 --no-check --modes mhc --timeout 70 \
   --fit-args=--model.arch.hyper.chain_sublayers=true --out "$OUT/trainer_chain" 2>&1 | tail -3
 
