@@ -692,6 +692,15 @@ def test_fake_impls_give_the_real_outputs_strides():
                      (ops.rms_proj_fwd, (x.reshape(N * n, C), torch.randn(C, n + 2, device=DEV).t().contiguous().t(),
                                          1e-6))):
         torch.library.opcheck(op, args, test_utils=("test_faketensor",))
+    # HC's one op, forward and backward (H^res transposed in, contiguous out)
+    w, statics = torch.randn(C, n + 2, device=DEV), torch.randn(2 + 2 * n + n * n, device=DEV)
+    outs = ops.hc_coef_fwd(x.reshape(N * n, C), w, statics, n, 1e-6, True)
+    assert all(t.is_contiguous() for t in outs)
+    torch.library.opcheck(ops.hc_coef_fwd, (x.reshape(N * n, C), w, statics, n, 1e-6, True),
+                          test_utils=("test_faketensor",))
+    grads = (torch.randn(N * n, device=DEV), torch.randn(N * n, device=DEV), h_res)
+    torch.library.opcheck(ops.hc_coef_bwd, (*grads, x.reshape(N * n, C), w, statics, outs[3], outs[4], n, True),
+                          test_utils=("test_faketensor",))
 
 
 def test_eager_path_skips_the_dispatcher_and_compile_sees_the_custom_ops():
