@@ -310,6 +310,15 @@ def _headline(runs: list[dict]) -> dict:
     return head
 
 
+def bench_fit_args(args, work: Path, corpus: Path, mode: str, devices: int, steps: int, callback: str) -> list[str]:
+    """`mhc fit` arguments of one bench run: the mode's preset at the bench shape, bf16-mixed, no logger, callback."""
+    return ["-c", str(CONF / "base.yaml"), "-c", str(CONF / "model" / f"{mode}.yaml"), *machine_args(args.smoke, devices),
+            *common_args(corpus, work / "root", steps, args.d_model, args.layers, args.heads, args.seq, args.batch,
+                         args.diagnostics_every),
+            f"--trainer.precision={'32-true' if args.smoke else 'bf16-mixed'}", "--trainer.logger=false", callback,
+            *shlex.split(args.fit_args)]
+
+
 def bench_phase(args, work: Path, corpus: Path, results: dict, save, profiles: dict) -> dict:
     print(f"bench: {args.modes} on 1 and {args.gpus} devices, C={args.d_model}, {args.layers} blocks, "
           f"B={args.batch}/device, T={args.seq}, {args.warmup} warm-up + {args.steps} timed steps"
@@ -322,15 +331,9 @@ def bench_phase(args, work: Path, corpus: Path, results: dict, save, profiles: d
                 name = f"{variant}-{devices}"
                 run_name = name if args.repeat == 1 else f"{name}-r{rep}"
                 out = work / f"{run_name}.json"
-                precision = "32-true" if args.smoke else "bf16-mixed"
-                a = ["-c", str(CONF / "base.yaml"), "-c", str(CONF / "model" / f"{mode}.yaml"),
-                     *machine_args(args.smoke, devices),
-                     *common_args(corpus, work / "root", args.warmup + args.steps, args.d_model, args.layers,
-                                  args.heads, args.seq, args.batch, args.diagnostics_every),
-                     f"--trainer.precision={precision}", "--trainer.logger=false",
-                     _cb("bench_ddp.Throughput", warmup=args.warmup, out=str(out)), *shlex.split(args.fit_args)]
-                rc, dt, _ = run_fit(run_name, a, work, args.smoke, args.timeout,
-                                    args.kernel_configs.get(config_name) if config_name else None)
+                a = bench_fit_args(args, work, corpus, mode, devices, args.warmup + args.steps,
+                                   _cb("bench_ddp.Throughput", warmup=args.warmup, out=str(out)))
+                rc, dt, _ = run_fit(run_name, a, work, args.smoke, args.timeout, args.kernel_configs.get(config_name))
                 rec = json.loads(out.read_text()) if rc == 0 and out.exists() else {"exit": rc}
                 rec["seconds"] = round(dt, 1)
                 runs.setdefault(name, []).append(rec)
@@ -344,14 +347,10 @@ def bench_phase(args, work: Path, corpus: Path, results: dict, save, profiles: d
         for variant in args.modes:
             mode, _, config_name = variant.partition("@")
             out = work / f"{variant}-profile.json"
-            a = ["-c", str(CONF / "base.yaml"), "-c", str(CONF / "model" / f"{mode}.yaml"), *machine_args(args.smoke, 1),
-                 *common_args(corpus, work / "root", args.warmup + args.profile, args.d_model, args.layers,
-                              args.heads, args.seq, args.batch, args.diagnostics_every),
-                 f"--trainer.precision={'32-true' if args.smoke else 'bf16-mixed'}", "--trainer.logger=false",
-                 _cb("bench_ddp.ProfileSteps", warmup=args.warmup, steps=args.profile, out=str(out)),
-                 *shlex.split(args.fit_args)]
+            a = bench_fit_args(args, work, corpus, mode, 1, args.warmup + args.profile,
+                               _cb("bench_ddp.ProfileSteps", warmup=args.warmup, steps=args.profile, out=str(out)))
             rc, _, _ = run_fit(f"{variant}-profile", a, work, args.smoke, args.timeout,
-                               args.kernel_configs.get(config_name) if config_name else None)
+                               args.kernel_configs.get(config_name))
             rec = json.loads(out.read_text()) if rc == 0 and out.exists() else {"exit": rc}
             profiles[variant] = rec
             save()
