@@ -434,9 +434,10 @@ def kernel_table(c, tokens, copy_bw):
     return out
 
 
-# Launch configs to try (--sweep): the variants no GPU run has timed yet (round 6: the x pass on 16-bit parts of dL and
-# phi, `dl_split`, at the tiles the tf32 version could not afford). --quick tries SWEEP_QUICK at each shape (each keeps
-# its own winner).
+# Launch configs to try (--sweep): the variants still open. The x pass and the phi pass on 16-bit parts at their
+# candidate tiles (rounds 6-7: the x pass with an fp32 phi split its verdict between machines); with an fp32 phi
+# (--phi-dtype fp32), the coefficient GEMM's phi_split forms and tiles. --quick tries SWEEP_QUICK at each shape (each
+# keeps its own winner).
 _XPASS = [(64, 128, 8, 2, 4, False), (64, 128, 8, 2, 4, True), (64, 128, 8, 3, 4, True), (64, 64, 4, 3, 8, True),
           (128, 64, 8, 2, 4, True), (32, 128, 4, 3, 8, True)]
 SWEEP_QUICK = {
@@ -444,10 +445,6 @@ SWEEP_QUICK = {
            for bt, bk, w, st, pp, sp in _XPASS]
     for name in ("coef_bwd_x", "bnd_dphi")
 }
-# the chain's 2-D pass with dL phi^T on 16-bit parts (not timed yet), at its tf32 winner and tiles it may now afford
-SWEEP_QUICK["bnd_bwd"] = [dict(BT=bt, BC=bc, num_warps=w, dl_split=sp) for bt, bc, w, sp in
-                          [(16, 128, 8, False), (16, 128, 8, True), (32, 64, 8, True), (16, 64, 4, True),
-                           (32, 128, 8, True)]]
 if PHI_DT == torch.float32:  # an fp32 phi (the trainer's): tf32 dots at the tf32 tiles, or phi as two 16-bit parts
     SWEEP_QUICK["coef_fwd"] = [dict(phi_split=False), dict(phi_split="interleaved"), dict(phi_split="in_kernel"),
                                dict(phi_split="in_kernel", split=dict(BT=64, BK=128, num_warps=8)),

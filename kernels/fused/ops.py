@@ -60,7 +60,7 @@ CONFIG = {
     # afterwards (BC >= C: whole rows, written directly)
     "post_bwd": dict(BT=4, BC=256, num_warps=4),
     # post_bwd with COEF (the boundary op's dx pass); BT >= 16 for tl.dot. dl_split: dL phi^T on 16-bit parts as in
-    # coef_bwd_x (tested against float64; not yet timed on a GPU, hence off: the next sweep's SWEEP_QUICK entries)
+    # coef_bwd_x (tested against float64), off: 351 vs 346 us with a bf16 phi, 437 vs 354 with fp32 (round 7 sweeps)
     "bnd_bwd": dict(BT=16, BC=128, num_warps=8, dl_split=False),
 }
 
@@ -469,19 +469,27 @@ def _mhc_enter_backward(ctx, dx_next, *grads):
 # ---------------------------------------------------------------------------------------------------------------
 # rms_proj: HC's projection y = RMSNorm(x) w (the coefficient kernels with one stream per row and no tail)
 # ---------------------------------------------------------------------------------------------------------------
+def _row_proj_launch(x: Tensor, w: Tensor, eps: float, lg: Tensor, rinv: Tensor, hc: Optional[tuple] = None) -> None:
+    """`_coef_fwd` with one stream per row (x [R, C] rows, K = C, no mHC tail): the raw projection x w into lg and 1/r
+    into rinv; with hc = (statics, h_pre, h_post, h_res, n, tanh) also HC's coefficients (`HC_TAIL`)."""
+    R, C = x.shape
+    x, w = _c_contig(x), _c_contig(w)
+    cfg = _cfg("rms_proj", BK=_np2(C, 16))
+    w_hi, w_lo, dot, two = _projection(x, w)
+    statics, h_pre, h_post, h_res, n, tanh = hc if hc is not None else (w, lg, lg, lg, 1, False)
+    _coef_fwd[(_cdiv(R, cfg["BT"]),)](
+        x, w_hi, w_lo, statics, statics, lg, rinv, h_pre, h_post, h_res, lg, R, C, x.stride(0), w_hi.stride(0), 1,
+        0.0, eps, 0.0, 0.0, NS=1, M=w.shape[1], MP=_np2(w.shape[1], 16), HAS_RES=False, SINK=False, HAS_U=False,
+        T_IN=False, T_OUT=False, DOT=dot, BT=cfg["BT"], BK=cfg["BK"], BC=16, TAIL=False, SPLIT=two,
+        HC_TAIL=0 if hc is None else 1 if tanh else 2, NH=n, **_launch(cfg))
+
+
 def _rms_proj_fwd_body(x: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
     """x [R, C] rows, w [C, M] -> y = L / r [R, M] fp32, the raw projection L = x w and 1/r [R] (r: RMS of the row)."""
-    R, C = x.shape
-    M = w.shape[1]
-    lg, rinv = _new((R, M), torch.float32, x.device), _new((R,), torch.float32, x.device)
+    R = x.shape[0]
+    lg, rinv = _new((R, w.shape[1]), torch.float32, x.device), _new((R,), torch.float32, x.device)
     if R > 0:
-        x, w = _c_contig(x), _c_contig(w)
-        cfg = _cfg("rms_proj", BK=_np2(C, 16))
-        w_hi, w_lo, dot, two = _projection(x, w)
-        _coef_fwd[(_cdiv(R, cfg["BT"]),)](
-            x, w_hi, w_lo, w, w, lg, rinv, lg, lg, lg, lg, R, C, x.stride(0), w_hi.stride(0), 1, 0.0, eps, 0.0, 0.0,
-            NS=1, M=M, MP=_np2(M, 16), HAS_RES=False, SINK=False, HAS_U=False, T_IN=False, T_OUT=False,
-            DOT=dot, BT=cfg["BT"], BK=cfg["BK"], BC=16, TAIL=False, SPLIT=two, **_launch(cfg))
+        _row_proj_launch(x, w, eps, lg, rinv)
     return lg * rinv[:, None], lg, rinv
 
 
@@ -768,20 +776,12 @@ def _hc_coef_fwd_body(x: Tensor, w: Tensor, statics: Tensor, n: int, eps: float,
     """x [R, C] rows (token, stream i = row % n), w [C, n + 2], statics (`hc_statics`) -> h_pre [R], h_post [R],
     h_res [R / n, n, n] fp32 (h_res[t, j, i] = A_r,ij + s_alpha act(y_i,2+j)), the raw projection [R, n + 2] and
     1/r [R], in one launch."""
-    R, C = x.shape
-    M = w.shape[1]
+    R = x.shape[0]
     f32 = torch.float32
     h_pre, h_post, h_res = _new((R,), f32, x.device), _new((R,), f32, x.device), _new((R // n, n, n), f32, x.device)
-    lg, rinv = _new((R, M), f32, x.device), _new((R,), f32, x.device)
+    lg, rinv = _new((R, w.shape[1]), f32, x.device), _new((R,), f32, x.device)
     if R > 0:
-        x, w = _c_contig(x), _c_contig(w)
-        cfg = _cfg("rms_proj", BK=_np2(C, 16))
-        w_hi, w_lo, dot, two = _projection(x, w)
-        _coef_fwd[(_cdiv(R, cfg["BT"]),)](
-            x, w_hi, w_lo, statics, statics, lg, rinv, h_pre, h_post, h_res, lg, R, C, x.stride(0), w_hi.stride(0), 1,
-            0.0, eps, 0.0, 0.0, NS=1, M=M, MP=_np2(M, 16), HAS_RES=False, SINK=False, HAS_U=False, T_IN=False,
-            T_OUT=False, DOT=dot, BT=cfg["BT"], BK=cfg["BK"], BC=16, TAIL=False, SPLIT=two, HC_TAIL=1 if tanh else 2,
-            NH=n, **_launch(cfg))
+        _row_proj_launch(x, w, eps, lg, rinv, hc=(statics, h_pre, h_post, h_res, n, tanh))
     return h_pre, h_post, h_res, lg, rinv
 
 
