@@ -7,7 +7,7 @@ GPU, the GPU waits (docs/benchmarks.md, "Eager host overhead"). This measures th
 fused ops run under the Triton interpreter's dispatch path with each kernel launch replaced by a no-op, on
 tiny tensors, so what is timed is the Python wrappers, the autograd Functions, allocations and the launch
 arithmetic, forward + backward. Wirings: the chain (one boundary op per sublayer) and one sublayer at a time
-(fused pre op + write-back) for mHC, and HC's sublayer (`hc_coef`, the stream ops; and, as an A/B, its tail in torch).
+(fused pre op + write-back) for mHC, and HC's sublayer (`hc_enter` + write-back; and, as an A/B, round 7's three ops).
 Branches are identities, so the ops are all that runs.
 """
 import argparse
@@ -23,7 +23,6 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 from mhc_lightning.kernels import fused  # noqa: E402
-from mhc_lightning.kernels import reference as R  # noqa: E402
 from mhc_lightning.kernels.fused import ops  # noqa: E402
 from mhc_lightning.model import HyperConfig, HyperConnection  # noqa: E402
 from mhc_lightning.model.recompute import run_sublayers  # noqa: E402
@@ -90,19 +89,18 @@ def main():
             x = layer(x)
         return x
 
-    def hc_tail_in_torch(x):
-        # A/B: HC's sublayer as wired before `hc_coef` (round 6): the fused projection, then the tail as torch ops
+    def hc_coef_then_stream_pre(x):
+        # A/B: HC's sublayer as wired in round 7: hc_coef, then stream_pre, the write-back reading x itself
         for layer in hc_layers:
-            with torch.autocast("cpu", enabled=False):
-                w = R.hc_projection_weights(layer.norm_weight, layer.w_beta, layer.w_m, layer.w_r)
-                h_pre, h_post, h_res = R.hc_from_projection(fused.rms_proj(x, w), layer.s_alpha, layer.s_beta,
-                                                            layer.b_static, layer.am_static, layer.ar_static)
+            h_pre, h_post, h_res = fused.hc_coefficients(
+                x, layer.norm_weight, layer.w_beta, layer.w_m, layer.w_r, layer.s_alpha, layer.s_beta,
+                layer.b_static, layer.am_static, layer.ar_static)
             x = fused.stream_post_res(x, layer.run_branch(fused.stream_pre(x, h_pre)), h_post, h_res)
         return x
 
     runs = {"chain (boundary op)": chained, "one sublayer at a time (mhc_enter + stream_post_res)": one_at_a_time,
-            "HC (hc_coef: projection and tail in one op + stream ops)": hc,
-            "HC, tail in torch (the wiring before hc_coef; A/B)": hc_tail_in_torch}
+            "HC (hc_enter + stream_post_res)": hc,
+            "HC, hc_coef + stream_pre + stream_post_res (round 7's wiring; A/B)": hc_coef_then_stream_pre}
     rows = {}
     for name, ms in paired_step_ms(runs, x, params, args.steps).items():
         rows[name] = dict(step_ms=ms, per_sublayer_ms=ms / args.sublayers)

@@ -8,6 +8,7 @@ Both backends expose the same functions with the same signatures and conventions
     mhc_boundary(x, f, h_post, h_res | None, phi, bias, alpha, opts) -> (x_next, u, h_pre, h_post, h_res | None)
     hc_coefficients(x, norm_weight, w_beta, w_m, w_r, s_alpha, s_beta, b_static, am_static, ar_static, *, dynamic,
                     use_tanh, norm_eps) -> (h_pre, h_post, h_res)      (HC, unconstrained)
+    hc_enter(x, <the same ten parameters>, *, dynamic, use_tanh, norm_eps) -> (x', u, h_pre, h_post, h_res)
     rms_proj(x, w, eps) -> RMSNorm(x) w                                  (HC's projection)
     stream_pre(x, h_pre) -> u
     stream_post_res(x, f, h_post, h_res | None) -> x_next

@@ -36,8 +36,8 @@ def test_bench_host_times_every_wiring(tmp_path):
     _run(["bench/bench_host.py", "--sublayers", "4", "--steps", "3", "--out", str(path)], tmp_path)
     rows = json.loads(path.read_text())["rows"]
     assert set(rows) == {"chain (boundary op)", "one sublayer at a time (mhc_enter + stream_post_res)",
-                         "HC (hc_coef: projection and tail in one op + stream ops)",
-                         "HC, tail in torch (the wiring before hc_coef; A/B)"}
+                         "HC (hc_enter + stream_post_res)",
+                         "HC, hc_coef + stream_pre + stream_post_res (round 7's wiring; A/B)"}
     assert all(r["per_sublayer_ms"] > 0 for r in rows.values())
 
 

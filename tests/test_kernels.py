@@ -60,6 +60,14 @@ def _f64(ts):
     return [_leaf(t.double()) for t in ts]
 
 
+def _upstream(ref, out):
+    """A random upstream gradient for a fused output and its float64 reference: drawn for the reference, rounded
+    through the fused output's dtype (as autograd hands it to the fused op), so both sides differentiate against the
+    same values. Unrounded, a bf16 du alone moved dalpha (a sum over every token that can nearly cancel) by more than
+    its tolerance at n = 8 on the GPU."""
+    return None if ref is None or out is None else torch.randn_like(ref).to(out.dtype).to(ref.dtype)
+
+
 def _grads(outs, ins, gs):
     loss = sum((o * g.to(o.dtype)).sum() for o, g in zip(outs, gs) if o is not None and g is not None)
     return torch.autograd.grad(loss, ins)
@@ -110,7 +118,7 @@ def _run_coef(inputs, dtype, **kw):
     out = fused.mhc_coefficients(x, phi, bias, alpha, MHCOptions(**kw))
     ref_in = _f64(inputs)
     ref = R.mhc_coefficients(*ref_in, MHCOptions(**kw))
-    gs = [None if r is None else torch.randn_like(r) for r in ref]
+    gs = [_upstream(r, o) for r, o in zip(ref, out)]
     g_out = _grads(out, inputs, gs)
     g_ref = _grads(ref, ref_in, gs)
     t_h, t_res, t_g = TOL[dtype]
@@ -177,7 +185,7 @@ def test_stream_pre(n, dtype):
         assert out.dtype == dtype
         ref_in = _f64([x, h])
         ref = R.stream_pre(*ref_in)
-        g = torch.randn_like(ref)
+        g = _upstream(ref, out)
         tol = TOL[dtype]
         check(out, ref, tol[0], "u")
         for name, a, b in zip(("dx", "dh_pre"), _grads([out], [x, h], [g]), _grads([ref], ref_in, [g])):
@@ -222,7 +230,7 @@ def _check_stream_post_res(n, dtype, with_res):
         assert out.dtype == dtype
         ref_in = _f64(ins)
         ref = R.stream_post_res(*ref_in[:3], ref_in[3] if with_res else None)
-        g = torch.randn_like(ref)
+        g = _upstream(ref, out)
         tol = TOL[dtype]
         check(out, ref, tol[0], "x_next")
         names = ("dx", "df", "dh_post", "dh_res")
@@ -248,7 +256,7 @@ def _run_pre(inputs, dtype, used=(True, True, True, True), **kw):
     out = fused.mhc_pre(x, phi, bias, alpha, MHCOptions(**kw))
     ref_in = _f64(inputs)
     ref = R.mhc_pre(*ref_in, MHCOptions(**kw))
-    gs = [None if r is None or not k else torch.randn_like(r) for r, k in zip(ref, used)]
+    gs = [_upstream(r, o) if k else None for r, o, k in zip(ref, out, used)]
     g_out = _grads(out, inputs, gs)
     g_ref = _grads(ref, ref_in, gs)
     t_h, t_res, t_g = TOL[dtype]
@@ -391,7 +399,7 @@ def test_mhc_enter_then_write_back_matches_reference(n, dtype, mode, monkeypatch
     assert type(xt.grad_fn.next_functions[0][0]).__name__ == "mhc_pre_fwd_through_eagerBackward"
     ref_in = _f64(inputs)
     ref, _ = _enter_block(R, *ref_in, opts)
-    g = torch.randn_like(ref)
+    g = _upstream(ref, out)
     t_h, _, t_g = TOL[dtype]
     check(out, ref, t_h, "x_next")
     grads = zip(("dx", "dphi", "dbias", "dalpha", "dw"), _grads([out], inputs, [g]), _grads([ref], ref_in, [g]))
@@ -417,7 +425,7 @@ def test_rms_proj(m, dtype, split):
     assert out.dtype == torch.float32 and out.shape == (*lead, 4, m)
     ref_in = _f64([x, w])
     ref = R.rms_proj(*ref_in)
-    g = torch.randn_like(ref)
+    g = _upstream(ref, out)
     t_h, _, t_g = TOL[dtype]
     check(out, ref, t_h, "y")
     for name, a, b in zip(("dx", "dw"), _grads([out], [x, w], [g]), _grads([ref], ref_in, [g])):
@@ -450,7 +458,7 @@ def test_hc_coefficients(n, dtype, use_tanh, monkeypatch):
         assert seen == [True] and (SHAPES[0][0][0] * n) % 16 != 0
     ref_in = _f64(inputs)
     ref = R.hc_coefficients(*ref_in, use_tanh=use_tanh)
-    gs = [torch.randn_like(r) for r in ref]
+    gs = [_upstream(r, o) for r, o in zip(ref, out)]
     t_h, _, t_g = TOL[dtype]
     for name, a, b in zip(("h_pre", "h_post", "h_res"), out, ref):
         check(a, b, t_h, name)
@@ -460,6 +468,73 @@ def test_hc_coefficients(n, dtype, use_tanh, monkeypatch):
         grads = _grads(out, inputs, gs)
     for name, a, b in zip(names, grads, _grads(ref, ref_in, gs)):
         check(a, b, t_g, name)
+
+
+def _consumers(out, leaf) -> int:
+    """Autograd nodes in out's graph that take a gradient of leaf directly: with more than one, autograd sums
+    stream-sized gradients before leaf gets its own."""
+    seen, stack, count = set(), [out.grad_fn], 0
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for nxt, _ in node.next_functions:
+            if nxt is not None and getattr(nxt, "variable", None) is leaf:
+                count += 1
+            stack.append(nxt)
+    return count
+
+
+def _hc_block(ops_, x, *params, use_tanh=True):
+    """One HC sublayer as the model runs it: hc_enter, a branch on u, the write-back reading the stream it handed on."""
+    xt, u, _, h_post, h_res = ops_.hc_enter(x, *params, use_tanh=use_tanh)
+    return ops_.stream_post_res(xt, torch.tanh(u), h_post, h_res), xt
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("use_tanh", [True, False])
+def test_hc_enter_then_write_back_matches_reference(n, dtype, use_tanh, monkeypatch):
+    """HC's one op for coefficients and u (`hc_enter`) with the write-back reading the x it hands on: the stream out
+    and the gradient of x and of every parameter against float64. Its backward writes one dx: <du, x_i> in the tail
+    pass, h_pre_i du and the write-back's gradient in the x pass (checked: bwd_x gets du and dx_in, and no autograd
+    sum of stream-sized gradients runs), over several row blocks with a partial last one."""
+    torch.manual_seed(120 + n + 10 * use_tanh)
+    seen = []
+    real = ops.bwd_x
+    monkeypatch.setattr(ops, "bwd_x", lambda *a, **k: seen.append((k.get("du") is not None,
+                                                                    k.get("dx_in") is not None)) or real(*a, **k))
+    inputs = _hc_inputs(SHAPES[0][0], SHAPES[0][1], n, dtype)
+    with config_changed("hc_tail_bwd", BT=16 if not CUDA else 128, BC=16):
+        out, xt = _hc_block(fused, *inputs, use_tanh=use_tanh)
+        assert type(xt.grad_fn.next_functions[0][0]).__name__ == "hc_enter_fwd_through_eagerBackward"
+        assert (SHAPES[0][0][0] * n) % 16 != 0 and SHAPES[0][1] > 16  # a partial row block, several C tiles
+        ref_in = _f64(inputs)
+        ref, _ = _hc_block(R, *ref_in, use_tanh=use_tanh)
+        g = _upstream(ref, out)
+        t_h, _, t_g = TOL[dtype]
+        check(out, ref, t_h, "x_next")
+        assert _consumers(out, inputs[0]) == 1  # the reference wiring hands x to several ops
+        assert _consumers(ref, ref_in[0]) > 1
+        grads = _grads([out], inputs, [g])
+    names = ("dx", "dnorm_weight", "dw_beta", "dw_m", "dw_r", "ds_alpha", "ds_beta", "db_static", "dam_static",
+             "dar_static")
+    for name, a, b in zip(names, grads, _grads([ref], ref_in, [g])):
+        check(a, b, t_g, name)
+    assert seen == [(True, True)]
+
+
+def test_hc_enter_u_and_coefficients_match_the_composition():
+    """hc_enter's u and coefficients equal hc_coefficients then stream_pre on the fused ops (same kernels, one op)."""
+    torch.manual_seed(13)
+    inputs = [t.detach() for t in _hc_inputs((9,), 40, 4, torch.bfloat16)]
+    xt, u, *coefs = fused.hc_enter(*inputs)
+    assert xt.data_ptr() == inputs[0].data_ptr()
+    want = fused.hc_coefficients(*inputs)
+    for a, b in zip(coefs, want):
+        assert torch.equal(a, b)
+    assert torch.equal(u, fused.stream_pre(inputs[0], want[0]))
 
 
 def test_hc_static_and_float64_go_to_the_reference():
@@ -487,7 +562,7 @@ def _run_boundary(inputs, dtype, used=(True,) * 5, **kw):
     out = fused.mhc_boundary(*inputs, MHCOptions(**kw))
     ref_in = [None if t is None else _leaf(t.double()) for t in inputs]
     ref = R.mhc_boundary(*ref_in, MHCOptions(**kw))
-    gs = [None if r is None or not k else torch.randn_like(r) for r, k in zip(ref, used)]
+    gs = [_upstream(r, o) if k else None for r, o, k in zip(ref, out, used)]
     leaves = [t for t in inputs if t is not None]
     g_out = _grads(out, leaves, gs)
     g_ref = _grads(ref, [t for t in ref_in if t is not None], gs)
@@ -655,9 +730,18 @@ def _block_hc(x, phi, bias, alpha, w, iters=3):
     return fused.stream_post_res(x, torch.tanh(fused.stream_pre(x, h_pre) * w), h_post, h_res)
 
 
+def _block_hc_enter(x, phi, bias, alpha, w, iters=3):
+    """The same HC sublayer through hc_enter (as the model runs it)."""
+    n, c = x.shape[-2], x.shape[-1]
+    xt, u, _, h_post, h_res = fused.hc_enter(
+        x, w + 1.0, phi[:c, 0], phi[:c, 1], phi[:c, 2:2 + n], alpha[0], alpha[1], bias[:n], bias[n:2 * n],
+        bias[2 * n:2 * n + n * n].reshape(n, n))
+    return fused.stream_post_res(xt, torch.tanh(u * w), h_post, h_res)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("block", [_block, _block_pre, _block_enter, _block_chain, _block_hc],
-                         ids=["three_ops", "mhc_pre", "mhc_enter", "boundary", "hc"])
+@pytest.mark.parametrize("block", [_block, _block_pre, _block_enter, _block_chain, _block_hc, _block_hc_enter],
+                         ids=["three_ops", "mhc_pre", "mhc_enter", "boundary", "hc", "hc_enter"])
 def test_compile_fullgraph_matches_eager(block):
     torch.manual_seed(9)
     backend = "inductor" if CUDA else "aot_eager"  # the CPU check is graph capture + fake impls + autograd
@@ -701,6 +785,13 @@ def test_fake_impls_give_the_real_outputs_strides():
     grads = (torch.randn(N * n, device=DEV), torch.randn(N * n, device=DEV), h_res)
     torch.library.opcheck(ops.hc_coef_bwd, (*grads, x.reshape(N * n, C), w, statics, outs[3], outs[4], n, True),
                           test_utils=("test_faketensor",))
+    # hc_enter: u beside the same outputs; its backward with and without the write-back's dx
+    outs = ops.hc_enter_fwd(x, w, statics, 1e-6, True)
+    assert all(t.is_contiguous() for t in outs)
+    torch.library.opcheck(ops.hc_enter_fwd, (x, w, statics, 1e-6, True), test_utils=("test_faketensor",))
+    for dx_in in (None, g):
+        torch.library.opcheck(ops.hc_enter_bwd, (*grads, f, x, w, statics, outs[4], outs[5], outs[1], True),
+                              {"dx_in": dx_in}, test_utils=("test_faketensor",))
 
 
 def test_eager_path_skips_the_dispatcher_and_compile_sees_the_custom_ops():

@@ -55,7 +55,7 @@ def test_auto_block_and_residual():
 
 
 @pytest.mark.parametrize("mode,backend", [
-    ("mhc", "torch"), ("mhc", "triton"), ("hc", "torch"), ("identity", "torch"), ("identity", "triton"),
+    ("mhc", "torch"), ("mhc", "triton"), ("hc", "torch"), ("hc", "triton"), ("identity", "torch"), ("identity", "triton"),
 ])
 def test_recompute_gives_the_same_loss_and_gradients(mode, backend):
     # the Triton interpreter's time goes mostly into the Sinkhorn loops: fewer iterations, same code paths

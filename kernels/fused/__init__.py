@@ -14,7 +14,7 @@ from ..options import DEFAULT_OPTIONS, EXACT_AXES, RES_LAYOUTS, MHCOptions
 from ..reference.coefficients import mhc_logit_count
 from . import ops
 
-__all__ = ["hc_coefficients", "mhc_coefficients", "mhc_pre", "mhc_enter", "mhc_boundary", "rms_proj", "stream_pre",
+__all__ = ["hc_coefficients", "hc_enter", "mhc_coefficients", "mhc_pre", "mhc_enter", "mhc_boundary", "rms_proj", "stream_pre",
            "stream_post_res"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -166,6 +166,21 @@ def rms_proj(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tenso
     return y.reshape(*x.shape[:-1], w.shape[1])
 
 
+def _hc_fusable(x, norm_weight, w_beta, w_m, w_r, b_static, ar_static, dynamic: bool) -> bool:
+    n = x.shape[-2]
+    return (dynamic and _fusable(x) and b_static.shape == (n,) and ar_static.shape == (n, n)
+            and all(p.device == x.device and p.dtype in _DTYPES for p in (norm_weight, w_beta, w_m, w_r)))
+
+
+def _hc_weights(x, norm_weight, w_beta, w_m, w_r, s_alpha, s_beta, b_static, am_static,
+                ar_static) -> tuple[torch.Tensor, torch.Tensor]:
+    """The HC kernels' two parameter operands: the projection weights [C, n + 2] and the packed static parameters,
+    built in fp32 as the reference does its coefficient maths (autograd carries their gradients to the leaves)."""
+    with torch.autocast(x.device.type, enabled=False):
+        return (reference.hc_projection_weights(norm_weight, w_beta, w_m, w_r),
+                ops.hc_statics(s_alpha, s_beta, b_static, am_static, ar_static))
+
+
 def hc_coefficients(
     x: torch.Tensor, norm_weight: torch.Tensor, w_beta: torch.Tensor, w_m: torch.Tensor, w_r: torch.Tensor,
     s_alpha: torch.Tensor, s_beta: torch.Tensor, b_static: torch.Tensor, am_static: torch.Tensor,
@@ -176,14 +191,32 @@ def hc_coefficients(
     kernel before the x pass (backward), instead of a dozen small torch ops each way. H^res comes back contiguous
     (the reference returns a transposed view; the values are the same)."""
     n, c = x.shape[-2], x.shape[-1]
-    if not (dynamic and _fusable(x) and b_static.shape == (n,) and ar_static.shape == (n, n)
-            and all(p.device == x.device and p.dtype in _DTYPES for p in (norm_weight, w_beta, w_m, w_r))):
-        return reference.hc_coefficients(x, norm_weight, w_beta, w_m, w_r, s_alpha, s_beta, b_static, am_static,
-                                         ar_static, dynamic=dynamic, use_tanh=use_tanh, norm_eps=norm_eps)
-    with torch.autocast(x.device.type, enabled=False):  # fp32 coefficient maths, as the reference
-        w = reference.hc_projection_weights(norm_weight, w_beta, w_m, w_r)
-        statics = ops.hc_statics(s_alpha, s_beta, b_static, am_static, ar_static)
-        h_pre, h_post, h_res, _, _ = ops.eager.hc_coef(x.reshape(-1, c), w, statics, n, float(norm_eps),
-                                                       bool(use_tanh))
+    params = (norm_weight, w_beta, w_m, w_r, s_alpha, s_beta, b_static, am_static, ar_static)
+    if not _hc_fusable(x, norm_weight, w_beta, w_m, w_r, b_static, ar_static, dynamic):
+        return reference.hc_coefficients(x, *params, dynamic=dynamic, use_tanh=use_tanh, norm_eps=norm_eps)
+    w, statics = _hc_weights(x, *params)
+    h_pre, h_post, h_res, _, _ = ops.eager.hc_coef(x.reshape(-1, c), w, statics, n, float(norm_eps), bool(use_tanh))
     lead = x.shape[:-2]
     return h_pre.reshape(*lead, n), h_post.reshape(*lead, n), h_res.reshape(*lead, n, n)
+
+
+def hc_enter(
+    x: torch.Tensor, norm_weight: torch.Tensor, w_beta: torch.Tensor, w_m: torch.Tensor, w_r: torch.Tensor,
+    s_alpha: torch.Tensor, s_beta: torch.Tensor, b_static: torch.Tensor, am_static: torch.Tensor,
+    ar_static: torch.Tensor, *, dynamic: bool = True, use_tanh: bool = True, norm_eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x', u, h_pre, h_post, h_res): an HC sublayer's coefficients and input u in one op (`ops.hc_enter`), and x'
+    (an alias of x) for its write-back to read. Its backward writes one dx: <du, x_i> joins dh_pre in the tail pass,
+    h_pre_i du and the write-back's gradient of x join dx in the x pass, so autograd sums no stream-sized gradients
+    (three before: the coefficients', stream_pre's and the write-back's). Under torch.compile x' is x."""
+    n, c = x.shape[-2], x.shape[-1]
+    params = (norm_weight, w_beta, w_m, w_r, s_alpha, s_beta, b_static, am_static, ar_static)
+    if not _hc_fusable(x, norm_weight, w_beta, w_m, w_r, b_static, ar_static, dynamic):
+        h_pre, h_post, h_res = hc_coefficients(x, *params, dynamic=dynamic, use_tanh=use_tanh, norm_eps=norm_eps)
+        return x, stream_pre(x, h_pre), h_pre, h_post, h_res
+    w, statics = _hc_weights(x, *params)
+    xt, u, h_pre, h_post, h_res, _, _ = ops.eager.hc_enter(x.reshape(-1, n, c), w, statics, float(norm_eps),
+                                                           bool(use_tanh))
+    lead = x.shape[:-2]
+    return xt.view(x.shape), u.reshape(*lead, c), h_pre.reshape(*lead, n), h_post.reshape(*lead, n), \
+        h_res.reshape(*lead, n, n)

@@ -20,8 +20,8 @@ Backward, two kernels:
   it first reduces dh_pre += <du, x_j> over C (the u path of the fused pre and boundary ops).
 - `_coef_bwd_x`: one read of x per (column block, token split): the partial phi gradient x^T dL (tl.dot),
   summed over splits afterwards, and with HAS_DX dx = dL phi^T + 2 x d(sum x^2) (+ h_pre_j du with HAS_U:
-  the fused pre op's single dx; + the write-back's gradient of x with ACC, `mhc_enter`). The boundary op computes
-  its dx in `_post_bwd_2d` and uses this kernel for the phi gradient only.
+  the fused pre op's single dx; + the write-back's gradient of x with ACC, `mhc_enter`; HC's rows with U_ROWS,
+  `hc_enter`). The boundary op computes its dx in `_post_bwd_2d` and uses this kernel for the phi gradient only.
 
 Token count is a runtime argument (never specialised); strides depend on C only.
 """
@@ -243,11 +243,14 @@ def _hc_tail(lg_ptr, rinv, st_ptr, hpre_ptr, hpost_ptr, hres_ptr, rows64, rmask,
 
 
 @triton.jit(do_not_specialize=["R"])
-def _hc_tail_bwd(lg_ptr, rinv_ptr, st_ptr, dpre_ptr, dpost_ptr, dres_ptr, dl_ptr, dss_ptr, part_ptr, R, inv_c,
-                 M: tl.constexpr, NH: tl.constexpr, TANH: tl.constexpr, PW: tl.constexpr, BT: tl.constexpr):
+def _hc_tail_bwd(lg_ptr, rinv_ptr, st_ptr, dpre_ptr, dpost_ptr, dres_ptr, dl_ptr, dss_ptr, part_ptr, x_ptr, du_ptr, R,
+                 C, inv_c, M: tl.constexpr, NH: tl.constexpr, TANH: tl.constexpr, PW: tl.constexpr, BT: tl.constexpr,
+                 HAS_U: tl.constexpr = False, BC: tl.constexpr = 16):
     """Backward of `_hc_tail` and of y = L / r for a block of rows: dL = dy / r and d(sum x^2) (what `_coef_bwd_x`
     turns into dx and dw), and this program's partial sums of the static parameters' gradients (part [programs, PW],
-    laid out as st_ptr; summed afterwards: deterministic, no atomics)."""
+    laid out as st_ptr; summed afterwards: deterministic, no atomics).
+    HAS_U (`hc_enter`, where the op also computed u = sum_i h_pre_i x_i): dh_pre of row (t, i) first gains
+    <du_t, x_ti>, reading the block's rows of x (x_ptr, [R, C]) and their tokens' du (du_ptr, [R / NH, C])."""
     pid = tl.program_id(0)
     rows64, rmask, jj, m2 = _row_block(R, BT, NH)
     i = rows64 % NH
@@ -258,6 +261,13 @@ def _hc_tail_bwd(lg_ptr, rinv_ptr, st_ptr, dpre_ptr, dpost_ptr, dres_ptr, dl_ptr
     s_alpha = tl.load(st_ptr + 1)
     g0 = tl.load(dpost_ptr + rows64, mask=rmask, other=0.0)
     g1 = tl.load(dpre_ptr + rows64, mask=rmask, other=0.0)
+    if HAS_U:  # the NH rows of a token share its du row (cache hits after the first)
+        for c0 in range(0, C, BC):
+            cc = c0 + tl.arange(0, BC)
+            mc = rmask[:, None] & (cc[None, :] < C)
+            xv = tl.load(x_ptr + rows64[:, None] * C + cc[None, :], mask=mc, other=0.0).to(tl.float32)
+            dv = tl.load(du_ptr + t[:, None] * C + cc[None, :], mask=mc, other=0.0).to(tl.float32)
+            g1 += tl.sum(xv * dv, axis=1)
     gr = tl.load(dres_ptr + t[:, None] * (NH * NH) + jj[None, :] * NH + i[:, None], mask=m2, other=0.0)
     if TANH:
         d0, d1, dr = g0 * s_beta * (1.0 - a0 * a0), g1 * s_alpha * (1.0 - a1 * a1), gr * s_alpha * (1.0 - ar * ar)
@@ -389,10 +399,11 @@ def _coef_bwd_x(
     N, K, C, stride_x, stride_phi, tok_per_split,
     NS: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, DOT: tl.constexpr, HAS_U: tl.constexpr,
     HAS_DX: tl.constexpr, ALIGNED: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr = False,
-    SPLIT: tl.constexpr = False, PHI_LO: tl.constexpr = False,
+    SPLIT: tl.constexpr = False, PHI_LO: tl.constexpr = False, U_ROWS: tl.constexpr = 1,
 ):
     """ACC (with HAS_DX): dx also adds dxin [N, K], the gradient x received from its other consumer (the write-back
-    of the same sublayer, `mhc_enter`), so that autograd has no sum of two stream-sized gradients to run.
+    of the same sublayer, `mhc_enter`, `hc_enter`), so that autograd has no sum of two stream-sized gradients to run.
+    U_ROWS: rows of x per row of du (HC's rows are (token, stream) pairs, NS = 1: U_ROWS = n, h_pre one per row).
     SPLIT (bf16 x): dL (fp32) enters both dots as two bf16 parts hi + lo, phi as its bf16 part (+ its lo part with
     PHI_LO, for an fp32 phi), and x as it is stored: 16-bit operands (no fp32 copies of x tiles in shared memory),
     exact products in the fp32 accumulator, 16 mantissa bits of dL and phi (tf32: 11)."""
@@ -431,7 +442,7 @@ def _coef_bwd_x(
             if ACC:
                 dx0 += tl.load(dxin_ptr + rows64[:, None] * K + kk[None, :], mask=m2, other=0.0).to(tl.float32)
             if HAS_U:  # the u path of the fused pre op: dx_j += h_pre_j du (one dx for the whole op)
-                duv = tl.load(du_ptr + rows64[:, None] * C + cidx[None, :], mask=m2, other=0.0)
+                duv = tl.load(du_ptr + (rows64 // U_ROWS)[:, None] * C + cidx[None, :], mask=m2, other=0.0)
                 if ALIGNED:
                     hpj = tl.load(hpre_ptr + rows64 * NS + s0, mask=rmask, other=0.0)
                     dx0 += hpj[:, None] * duv.to(tl.float32)

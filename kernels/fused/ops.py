@@ -41,8 +41,8 @@ CONFIG = {
                      split=dict(BT=64, BK=64, num_warps=4)),
     # HC's projection (`_coef_fwd`, one stream per row, K = C, no tail): the tile HC was measured with (round 5)
     "rms_proj": dict(BT=64, BK=64, num_warps=4, num_stages=3),
-    # HC's tail backward (`_hc_tail_bwd`, per row, a few floats each): not swept
-    "hc_tail_bwd": dict(BT=128, num_warps=4),
+    # HC's tail backward (`_hc_tail_bwd`, per row, a few floats each; BC: C tile of hc_enter's <du, x_i>): not swept
+    "hc_tail_bwd": dict(BT=128, num_warps=4, BC=64),
     "coef_tail": dict(BT=8, num_warps=2),
     # BC: C tile of the <du, x_j> loop (fused pre and boundary ops)
     "coef_bwd_tok": dict(BT=8, num_warps=2, BC=64),
@@ -306,9 +306,10 @@ def bwd_tok(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_i
     return dl, dss, part
 
 
-def bwd_x(x, phi, dl, dss, dx=None, h_pre=None, du=None, dx_in=None):
+def bwd_x(x, phi, dl, dss, dx=None, h_pre=None, du=None, dx_in=None, u_rows=1):
     """One pass over x: returns split-partials [splits, nC, M] of dphi = x^T dL; with dx given, also writes
-    dx = dL phi^T + 2 x d(sum x^2) (+ h_pre_j du when du is given, + dx_in when given) into it."""
+    dx = dL phi^T + 2 x d(sum x^2) (+ h_pre_j du when du is given, + dx_in when given) into it. u_rows: rows of x per
+    row of du (HC's (token, stream) rows)."""
     N, n, C = x.shape
     K, M = n * C, phi.shape[1]
     cx = _cfg("coef_bwd_x" if dx is not None else "bnd_dphi", BK=_np2(K, 16))
@@ -322,7 +323,8 @@ def bwd_x(x, phi, dl, dss, dx=None, h_pre=None, du=None, dx_in=None):
         x, phi, dl, dss, dl if dx is None else dx, dphi_part, h_pre.contiguous() if with_u else dl,
         du.contiguous() if with_u else dl, dl if dx_in is None else dx_in, N, K, C, x.stride(0), phi.stride(0), tok,
         NS=n, M=M, MP=_np2(M, 16), HAS_U=with_u, HAS_DX=dx is not None, ACC=dx_in is not None,
-        ALIGNED=C % cx["BK"] == 0, BT=cx["BT"], BK=cx["BK"], **_grad_dots(x.dtype, phi.dtype, cx), **_launch(cx),
+        ALIGNED=C % cx["BK"] == 0, BT=cx["BT"], BK=cx["BK"], U_ROWS=u_rows, **_grad_dots(x.dtype, phi.dtype, cx),
+        **_launch(cx),
     )
     return dphi_part
 
@@ -796,25 +798,37 @@ def _(x, w, statics, n, eps, tanh):
             x.new_empty((R, w.shape[1]), **f32), x.new_empty((R,), **f32))
 
 
-def _hc_coef_bwd_body(d_pre: Tensor, d_post: Tensor, d_res: Tensor, x: Tensor, w: Tensor, statics: Tensor,
-                      lg: Tensor, rinv: Tensor, n: int, tanh: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _hc_bwd(d_pre: Tensor, d_post: Tensor, d_res: Tensor, x: Tensor, w: Tensor, statics: Tensor, lg: Tensor,
+            rinv: Tensor, n: int, tanh: bool, h_pre: Optional[Tensor] = None, du: Optional[Tensor] = None,
+            dx_in: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """dx, dw and the statics' gradient: the tail's backward per row (`_hc_tail_bwd`: dL and d(sum x^2), partial
     sums of the statics' gradient per row block), then the x pass of the coefficient kernels (`_coef_bwd_x`:
-    dx = dL w^T + 2 x d(sum x^2), dw = x^T dL)."""
+    dx = dL w^T + 2 x d(sum x^2), dw = x^T dL). With du (`hc_enter`: u = sum_i h_pre_i x_i was computed too): dh_pre
+    gains <du, x_i> in the tail pass and dx gains h_pre_i du (+ dx_in) in the x pass: one dx for the whole op."""
     R, C = x.shape
     M = w.shape[1]
     dx = _new((R, C), x.dtype, x.device)
     if R == 0:
         return dx, torch.zeros_like(w), torch.zeros_like(statics)
-    cfg = _cfg("hc_tail_bwd")
+    x = _c_contig(x)
+    with_u = du is not None
+    du = du.contiguous() if with_u else None
+    cfg = _cfg("hc_tail_bwd", BC=_np2(C, 16))
     programs = _cdiv(R, cfg["BT"])
     dl, dss = _new((R, M), torch.float32, x.device), _new((R,), torch.float32, x.device)
     part = _new((programs, statics.shape[0]), torch.float32, x.device)
     _hc_tail_bwd[(programs,)](
-        lg, rinv, statics, d_pre.contiguous(), d_post.contiguous(), d_res.contiguous(), dl, dss, part, R, 1.0 / C,
-        M=M, NH=n, TANH=tanh, PW=statics.shape[0], BT=cfg["BT"], **_launch(cfg))
-    dw = _sum_splits(bwd_x(_c_contig(x).view(R, 1, C), _c_contig(w), dl, dss, dx.view(R, 1, C))).to(w.dtype)
-    return dx, dw, part.sum(0)
+        lg, rinv, statics, d_pre.contiguous(), d_post.contiguous(), d_res.contiguous(), dl, dss, part, x,
+        du if with_u else x, R, C, 1.0 / C, M=M, NH=n, TANH=tanh, PW=statics.shape[0], BT=cfg["BT"], HAS_U=with_u,
+        BC=cfg["BC"], **_launch(cfg))
+    dw = bwd_x(x.view(R, 1, C), _c_contig(w), dl, dss, dx.view(R, 1, C), h_pre=h_pre if with_u else None, du=du,
+               dx_in=None if dx_in is None else _c_contig(dx_in).view(R, 1, C), u_rows=n)
+    return dx, _sum_splits(dw).to(w.dtype), part.sum(0)
+
+
+def _hc_coef_bwd_body(d_pre: Tensor, d_post: Tensor, d_res: Tensor, x: Tensor, w: Tensor, statics: Tensor,
+                      lg: Tensor, rinv: Tensor, n: int, tanh: bool) -> tuple[Tensor, Tensor, Tensor]:
+    return _hc_bwd(d_pre, d_post, d_res, x, w, statics, lg, rinv, n, tanh)
 
 
 hc_coef_bwd = _op("hc_coef_bwd", _hc_coef_bwd_body)
@@ -832,18 +846,90 @@ def _hc_coef_setup(ctx, inputs, output):
     ctx.n, ctx.tanh = n, tanh
 
 
+def _hc_dh_zeros(rows: int, n: int, device, d_pre, d_post, d_res) -> tuple[Tensor, Tensor, Tensor]:
+    """Zeros for the coefficient gradients autograd left out (outputs nothing used)."""
+    zeros = lambda shape: torch.zeros(shape, dtype=torch.float32, device=device)  # noqa: E731
+    return (zeros(rows) if d_pre is None else d_pre, zeros(rows) if d_post is None else d_post,
+            zeros((rows // n, n, n)) if d_res is None else d_res)
+
+
 def _hc_coef_backward(ctx, d_pre, d_post, d_res, _dlg, _drinv):
     x, w, statics, lg, rinv = ctx.saved_tensors
-    n, rows = ctx.n, x.shape[0]
-    zeros = lambda shape: torch.zeros(shape, dtype=torch.float32, device=x.device)  # noqa: E731 (unused outputs)
-    d_pre = zeros(rows) if d_pre is None else d_pre
-    d_post = zeros(rows) if d_post is None else d_post
-    d_res = zeros((rows // n, n, n)) if d_res is None else d_res
-    dx, dw, dst = _impl(ctx, hc_coef_bwd)(d_pre, d_post, d_res, x, w, statics, lg, rinv, n, ctx.tanh)
+    dh = _hc_dh_zeros(x.shape[0], ctx.n, x.device, d_pre, d_post, d_res)
+    dx, dw, dst = _impl(ctx, hc_coef_bwd)(*dh, x, w, statics, lg, rinv, ctx.n, ctx.tanh)
     return dx, dw, dst, None, None, None
 
 
 hc_coef_fwd.register_autograd(_hc_coef_backward, setup_context=_hc_coef_setup)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# hc_enter: HC's coefficients and u = sum_i h_pre_i x_i in one op, one dx in its backward (as mhc_enter for mHC)
+# ---------------------------------------------------------------------------------------------------------------
+def _hc_enter_fwd_body(x: Tensor, w: Tensor, statics: Tensor, eps: float,
+                       tanh: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """x [N, n, C] -> u [N, C] (x.dtype), then hc_coef's outputs on x's rows: h_pre [N n], h_post [N n],
+    h_res [N, n, n], the raw projection [N n, n + 2], 1/r [N n]. u by stream_pre's streaming kernel (x read again)."""
+    N, n, C = x.shape
+    x = _rows(x)
+    coefs = _hc_coef_fwd_body(x.view(N * n, C), w, statics, n, eps, tanh)
+    u = _new((N, C), x.dtype, x.device)
+    if N > 0:
+        _pre_launch(x, coefs[0].view(N, n), u)
+    return (u, *coefs)
+
+
+hc_enter_fwd = _op("hc_enter", _hc_enter_fwd_body)
+
+
+@hc_enter_fwd.register_fake
+def _(x, w, statics, eps, tanh):
+    N, n, C = x.shape
+    f32 = dict(dtype=torch.float32)
+    return (x.new_empty((N, C)), x.new_empty((N * n,), **f32), x.new_empty((N * n,), **f32),
+            x.new_empty((N, n, n), **f32), x.new_empty((N * n, w.shape[1]), **f32), x.new_empty((N * n,), **f32))
+
+
+def _hc_enter_bwd_body(d_pre: Tensor, d_post: Tensor, d_res: Tensor, du: Optional[Tensor], x: Tensor, w: Tensor,
+                       statics: Tensor, lg: Tensor, rinv: Tensor, h_pre: Tensor, tanh: bool,
+                       dx_in: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """dx [N, n, C] (with h_pre_i du and dx_in, the write-back's gradient of x, added in the same pass), dw, dstatics."""
+    N, n, C = x.shape
+    dx, dw, dst = _hc_bwd(d_pre, d_post, d_res, _rows(x).view(N * n, C), w, statics, lg, rinv, n, tanh,
+                          h_pre=h_pre, du=du, dx_in=None if dx_in is None else dx_in.reshape(N * n, C))
+    return dx.view(N, n, C), dw, dst
+
+
+hc_enter_bwd = _op("hc_enter_bwd", _hc_enter_bwd_body)
+
+
+@hc_enter_bwd.register_fake
+def _(d_pre, d_post, d_res, du, x, w, statics, lg, rinv, h_pre, tanh, dx_in=None):
+    return _like(x), _like(w), _like(statics)
+
+
+def _hc_enter_setup(ctx, inputs, output):
+    x, w, statics, _, tanh = inputs
+    _, h_pre, _, _, lg, rinv = output
+    ctx.save_for_backward(x, w, statics, lg, rinv, h_pre)
+    ctx.mark_non_differentiable(lg, rinv)
+    ctx.tanh = tanh
+
+
+def _hc_enter_op_backward(ctx, du, d_pre, d_post, d_res, _dlg, _drinv, dx_next=None):
+    x, w, statics, lg, rinv, h_pre = ctx.saved_tensors
+    N, n, _ = x.shape
+    dh = _hc_dh_zeros(N * n, n, x.device, d_pre, d_post, d_res)
+    dx, dw, dst = _impl(ctx, hc_enter_bwd)(*dh, du, x, w, statics, lg, rinv, h_pre, ctx.tanh, dx_in=dx_next)
+    return dx, dw, dst, None, None
+
+
+hc_enter_fwd.register_autograd(_hc_enter_op_backward, setup_context=_hc_enter_setup)
+
+
+def _hc_enter_backward(ctx, dx_next, *grads):
+    """`eager.hc_enter`: the gradient of the x handed on to the write-back joins dx in the x pass."""
+    return _hc_enter_op_backward(ctx, *grads, dx_next=dx_next)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -885,4 +971,5 @@ eager = SimpleNamespace(
     boundary=_eager_fn(bnd_fwd, _bnd_setup, _bnd_backward),
     rms_proj=_eager_fn(rms_proj_fwd, _rms_proj_setup, _rms_proj_backward),
     hc_coef=_eager_fn(hc_coef_fwd, _hc_coef_setup, _hc_coef_backward),
+    hc_enter=_eager_fn(hc_enter_fwd, _hc_enter_setup, _hc_enter_backward, through=True),
 )

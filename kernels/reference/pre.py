@@ -1,14 +1,14 @@
 """Fused "pre" op semantics: coefficients and the layer input u = sum_j h_pre_j x_j together (docs/design.md §2, §8).
 
-No new math: a thin composition of the reference `mhc_coefficients` and `stream_pre`. The fused kernel computes
-the same thing from one read of x and returns a single dx in its backward.
+No new math: a thin composition of the reference `mhc_coefficients` (HC: `hc_coefficients`) and `stream_pre`. The
+fused kernels compute the same thing and return a single dx in their backward.
 """
 from typing import Optional
 
 import torch
 
 from ..options import DEFAULT_OPTIONS, MHCOptions
-from .coefficients import mhc_coefficients
+from .coefficients import hc_coefficients, mhc_coefficients
 from .streams import stream_pre
 
 
@@ -26,3 +26,12 @@ def mhc_enter(
     """(x, u, h_pre, h_post, h_res | None): mhc_pre, and the stream the sublayer's write-back is to read. Here x itself;
     the fused op hands on an alias, so that the write-back's gradient of x joins its own backward."""
     return (x, *mhc_pre(x, phi, bias, alpha, opts))
+
+
+def hc_enter(
+    x: torch.Tensor, *params: torch.Tensor, dynamic: bool = True, use_tanh: bool = True, norm_eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x, u, h_pre, h_post, h_res) of an HC sublayer: `hc_coefficients(x, *params)` (its ten parameters, norm_weight
+    ... ar_static) and u = stream_pre(x, h_pre), with x handed on for the write-back as in `mhc_enter`."""
+    h_pre, h_post, h_res = hc_coefficients(x, *params, dynamic=dynamic, use_tanh=use_tanh, norm_eps=norm_eps)
+    return x, stream_pre(x, h_pre), h_pre, h_post, h_res

@@ -138,11 +138,12 @@ class HyperConnection(nn.Module):
             return self.chain(self.enter(x), None)
         ops = get_ops(self.cfg.kernel_backend, x.device)
         c = self.cfg
-        h_pre, h_post, h_res = ops.hc_coefficients(
+        # x' (the stream the write-back reads) comes out of the same op, so x's gradients meet in its x pass
+        xt, u, h_pre, h_post, h_res = ops.hc_enter(
             x, self.norm_weight, self.w_beta, self.w_m, self.w_r, self.s_alpha, self.s_beta,
             self.b_static, self.am_static, self.ar_static, dynamic=c.hc_dynamic, use_tanh=c.hc_tanh,
         )
-        out = ops.stream_post_res(x, self.run_branch(ops.stream_pre(x, h_pre)), h_post, h_res)
+        out = ops.stream_post_res(xt, self.run_branch(u), h_post, h_res)
         self.remember(h_pre, h_post, h_res, out)
         return out
 
