@@ -666,7 +666,7 @@ def main():
             (f"ours+compile, recompute L_r={L_R[key]}",
              lambda: torch.compile(hyper(c, heads, blocks, "triton", recompute=L_R[key]))),
             (f"ours, recompute L_r={L_R[key]}", lambda: hyper(c, heads, blocks, "triton", recompute=L_R[key])),
-            ("hc (fused coefficients + stream ops)",
+            ("hc (hc_enter + write-back)",
              lambda: hyper(c, heads, blocks, "triton", chained=False, mode="hc")),
             ("liger 0.8.5", lambda: Liger(c, heads, blocks).to(DEV, DT)),
             ("reference ops", lambda: hyper(c, heads, blocks, "torch")),

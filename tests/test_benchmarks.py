@@ -24,7 +24,7 @@ def test_bench_mhc_smoke_checks_and_times_every_wiring(tmp_path):
     assert all(c["ok"] for c in data["checks"].values()), data["checks"]
     rows = {r["variant"]: r for r in data["stack"]}
     assert {"residual", "ours (fused)", "ours (per-sublayer ops)", "ours (per-sublayer, dx summed)",
-            "hc (fused coefficients + stream ops)"} == rows.keys()
+            "hc (hc_enter + write-back)"} == rows.keys()
     for r in rows.values():
         assert r["ms"] > 0 and r["host_ms"] > 0
     assert rows["ours (fused)"]["host_profile"][0]["own_ms"] > 0  # cProfile rows, largest first
