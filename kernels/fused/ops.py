@@ -66,9 +66,10 @@ CONFIG = {
 
 # CONFIG coef_fwd phi_split -> _coef_fwd's SPLIT (true: "dots", as before "interleaved" existed)
 PHI_SPLITS = {False: 0, True: 1, "dots": 1, "interleaved": 2, "in_kernel": 3}
-# The interleaved splits up to this padded width M (n <= 4: M = 24, a 64-wide pair tile). At n = 8 (M = 80, a
-# 256-wide pair tile) the mhc_enter test failed its float64 check on the H200 (round 7; the interpreter passes it):
-# tf32 there until that is understood.
+# The host-interleaved pairs up to this padded width M (n <= 4: M = 24, a 64-wide pair tile). At n = 8 (M = 80, a
+# 256-wide pair tile) they fail the float64 checks on the H200 (mhc_enter's x_next, mhc_pre's u; round 8, the
+# interpreter passes), while the same tile with the pairs made in the kernel passes them all: wider tiles take
+# "in_kernel" (round 7 took tf32 there).
 SPLIT_MAX_MP = 32
 
 
@@ -162,8 +163,8 @@ def _projection(x: Tensor, phi: Tensor) -> tuple[Tensor, Tensor, int, int]:
     if phi.dtype == x.dtype:
         return phi, phi, native, 0
     split = PHI_SPLITS[CONFIG["coef_fwd"].get("phi_split", False)]
-    if split >= 2 and _np2(phi.shape[1], 16) > SPLIT_MAX_MP:
-        split = 0  # wider pair tiles: tf32 (see SPLIT_MAX_MP)
+    if split == 2 and _np2(phi.shape[1], 16) > SPLIT_MAX_MP:
+        split = 3  # wider pair tiles: the pairs made in the kernel (see SPLIT_MAX_MP)
     if phi.dtype == torch.float32 and split:
         # fp32 phi (the trainer's parameters under bf16-mixed) as hi + lo in x's dtype, native dots: at least the
         # paper's tf32 precision
