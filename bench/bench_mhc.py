@@ -372,8 +372,12 @@ def _kernel_inputs(c, tokens, seed):
     h_pre, h_post, h_res, lg, rinv = K.coef_fwd.plain(x, phi, bias, alpha, *OPS_ARGS)
     dh = [torch.randn_like(h) for h in (h_pre, h_post, h_res)]
     dl, dss, _ = K.bwd_tok(x, phi, bias, alpha, lg, rinv, *dh, *BWD_ARGS, du=du)
+    # HC's operands (hc_enter): projection weights [C, n + 2], the packed static parameters, the forward's outputs
+    w, st = torch.randn(c, n + 2, device=DEV) / c ** 0.5, torch.randn(2 + 2 * n + n * n, device=DEV)
+    hc = K.hc_enter_fwd.plain(x, w, st, 1e-6, True)  # u, h_pre, h_post, h_res, logits, 1/r
     return SimpleNamespace(x=x, xn=xn, g=g, phi=phi, bias=bias, alpha=alpha, f=f, du=du, h_pre=h_pre, h_post=h_post,
-                           h_res=h_res, lg=lg, rinv=rinv, dh=dh, dl=dl, dss=dss)
+                           h_res=h_res, lg=lg, rinv=rinv, dh=dh, dl=dl, dss=dss, w=w, st=st, hc=hc,
+                           hc_dh=[torch.randn_like(h) for h in hc[1:4]])
 
 
 OPS_ARGS = (20, 1e-6, True, False, 1e-6, 1e-6, 2.0)  # iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult
@@ -400,6 +404,9 @@ def _calls(k):
             k.g, k.x, k.f, k.h_post, k.h_res, coef=(k.xn, k.du, k.dl, k.dss, k.h_pre, k.phi)),
         "stream_post_res fwd (stack exit)": lambda: K.post_fwd.plain(k.x, k.f, k.h_post, k.h_res),
         "stream_post_res bwd (stack exit)": lambda: K.post_bwd.plain(k.g, k.x, k.f, k.h_post, k.h_res),
+        "hc_enter fwd (HC: coef + u)": lambda: K.hc_enter_fwd.plain(k.x, k.w, k.st, 1e-6, True),
+        "hc_enter bwd + dx_in (HC)": lambda: K.hc_enter_bwd.plain(
+            *k.hc_dh, k.du, k.x, k.w, k.st, k.hc[4], k.hc[5], k.hc[1], True, dx_in=k.g),
     }
 
 
@@ -424,6 +431,9 @@ def kernel_table(c, tokens, copy_bw):
         "  2-D pass (G, dx, df, dH, dh_post)": 3 * S + 2 * U + saved + small + phi + S + U + small,
         "stream_post_res fwd (stack exit)": 2 * S + U + small - N * n * f32,
         "stream_post_res bwd (stack exit)": 3 * S + 2 * U + 2 * (small - N * n * f32),
+        # HC: per (token, stream) row n + 2 logits and 1/r kept, h_pre / h_post per row, H^res per token
+        "hc_enter fwd (HC: coef + u)": S + U + small + N * n * (n + 3) * f32,
+        "hc_enter bwd + dx_in (HC)": 2 * S + U + small + N * n * (n + 3) * f32 + S,
     }
     out = []
     for name, fn in _calls(k).items():
@@ -445,6 +455,10 @@ SWEEP_QUICK = {
            for bt, bk, w, st, pp, sp in _XPASS]
     for name in ("coef_bwd_x", "bnd_dphi")
 }
+# HC's tail backward with hc_enter's <du, x> loop: the default tile spills 1480 B on sm_90 under Triton 3.9
+# (bench/kernel_resources.py); untimed on the GPU (round 8)
+SWEEP_QUICK["hc_tail_bwd"] = [dict(BT=bt, BC=bc, num_warps=w) for bt, bc, w in
+                              [(128, 64, 4), (128, 16, 4), (64, 32, 4), (32, 64, 4), (128, 64, 8)]]
 if PHI_DT == torch.float32:  # an fp32 phi (the trainer's): tf32 dots at the tf32 tiles, or phi as two 16-bit parts
     SWEEP_QUICK["coef_fwd"] = [dict(phi_split=False), dict(phi_split="interleaved"), dict(phi_split="in_kernel"),
                                dict(phi_split="in_kernel", split=dict(BT=64, BK=128, num_warps=8)),
@@ -473,6 +487,7 @@ def sweep(c, tokens, table=None):
         "bnd_bwd": "  2-D pass (G, dx, df, dH, dh_post)", "bnd_dphi": "  dphi pass (x_next^T dL)",
         "coef_bwd_tok": "  per token (<du,x_next> + Sinkhorn)", "coef_bwd_x": "mhc_pre bwd (stack entry)",
         "post_fwd": "stream_post_res fwd (stack exit)", "post_bwd": "stream_post_res bwd (stack exit)",
+        "hc_tail_bwd": "hc_enter bwd + dx_in (HC)",
     }
     log = {}
     for name, cfgs in (table or SWEEP).items():
