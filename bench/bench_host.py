@@ -7,7 +7,8 @@ GPU, the GPU waits (docs/benchmarks.md, "Eager host overhead"). This measures th
 fused ops run under the Triton interpreter's dispatch path with each kernel launch replaced by a no-op, on
 tiny tensors, so what is timed is the Python wrappers, the autograd Functions, allocations and the launch
 arithmetic, forward + backward. Wirings: the chain (one boundary op per sublayer) and one sublayer at a time
-(fused pre op + write-back) for mHC, and HC's sublayer (`hc_enter` + write-back; and, as an A/B, round 7's three ops).
+(fused pre op + write-back) for mHC, and HC's sublayer (`hc_enter` + write-back; as A/Bs, round 7's three ops, and
+`hc_enter` with its parameter operands built outside the step).
 Branches are identities, so the ops are all that runs.
 """
 import argparse
@@ -98,9 +99,27 @@ def main():
             x = fused.stream_post_res(x, layer.run_branch(fused.stream_pre(x, h_pre)), h_post, h_res)
         return x
 
+    # HC's two parameter operands (projection weights, packed statics) built once, outside the step: what folding
+    # their construction (a dozen small torch ops and autograd nodes each way) into the op could save at most
+    operands = []
+    for layer in hc_layers:
+        w, st = fused._hc_weights(x, layer.norm_weight, layer.w_beta, layer.w_m, layer.w_r, layer.s_alpha,
+                                  layer.s_beta, layer.b_static, layer.am_static, layer.ar_static)
+        operands.append((w.detach().requires_grad_(), st.detach().requires_grad_()))
+    params += [t for pair in operands for t in pair]
+
+    def hc_operands_prebuilt(x):
+        lead = x.shape[:-2]
+        for layer, (w, st) in zip(hc_layers, operands):
+            xt, u, h_pre, h_post, h_res, _, _ = ops.eager.hc_enter(x.reshape(-1, n, c), w, st, 1e-6, True)
+            x = fused.stream_post_res(xt.view(x.shape), layer.run_branch(u.reshape(*lead, c)),
+                                      h_post.reshape(*lead, n), h_res.reshape(*lead, n, n))
+        return x
+
     runs = {"chain (boundary op)": chained, "one sublayer at a time (mhc_enter + stream_post_res)": one_at_a_time,
             "HC (hc_enter + stream_post_res)": hc,
-            "HC, hc_coef + stream_pre + stream_post_res (round 7's wiring; A/B)": hc_coef_then_stream_pre}
+            "HC, hc_coef + stream_pre + stream_post_res (round 7's wiring; A/B)": hc_coef_then_stream_pre,
+            "HC, parameter operands built outside the step (bound for folding them into the op)": hc_operands_prebuilt}
     rows = {}
     for name, ms in paired_step_ms(runs, x, params, args.steps).items():
         rows[name] = dict(step_ms=ms, per_sublayer_ms=ms / args.sublayers)

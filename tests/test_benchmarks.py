@@ -37,7 +37,8 @@ def test_bench_host_times_every_wiring(tmp_path):
     rows = json.loads(path.read_text())["rows"]
     assert set(rows) == {"chain (boundary op)", "one sublayer at a time (mhc_enter + stream_post_res)",
                          "HC (hc_enter + stream_post_res)",
-                         "HC, hc_coef + stream_pre + stream_post_res (round 7's wiring; A/B)"}
+                         "HC, hc_coef + stream_pre + stream_post_res (round 7's wiring; A/B)",
+                         "HC, parameter operands built outside the step (bound for folding them into the op)"}
     assert all(r["per_sublayer_ms"] > 0 for r in rows.values())
 
 
