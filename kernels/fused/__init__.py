@@ -14,8 +14,8 @@ from ..options import DEFAULT_OPTIONS, EXACT_AXES, RES_LAYOUTS, MHCOptions
 from ..reference.coefficients import mhc_logit_count
 from . import ops
 
-__all__ = ["hc_coefficients", "hc_enter", "mhc_coefficients", "mhc_pre", "mhc_enter", "mhc_boundary", "rms_proj", "stream_pre",
-           "stream_post_res"]
+__all__ = ["hc_coefficients", "hc_enter", "mhc_coefficients", "mhc_pre", "mhc_enter", "mhc_boundary", "rms_proj",
+           "stream_pre", "stream_post_res"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
