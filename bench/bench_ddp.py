@@ -35,7 +35,7 @@ import lightning as L
 import torch
 
 from mhc_lightning.data.synthetic import english_like_text
-from profiling import print_rows
+from profiling import print_rows, time_per_name
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
@@ -120,8 +120,6 @@ class ProfileSteps(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.prof is None or trainer.global_step != self.warmup + self.steps:
             return
-        from profiling import time_per_name
-
         cuda = pl_module.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize()
