@@ -35,7 +35,7 @@ import lightning as L
 import torch
 
 from mhc_lightning.data.synthetic import english_like_text
-from profiling import print_rows, time_per_name
+from profiling import idle_gaps, print_rows, time_per_name
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
@@ -44,10 +44,18 @@ def make_corpus(path: Path, n_bytes: int, seed: int = 0) -> None:
 
 
 # ---- callbacks loaded inside the `mhc fit` processes (bench/ is on their PYTHONPATH) -------------------------
+# The points of a step where Throughput marks host and device time; a phase runs from one mark to the next.
+PHASE_MARKS = ("batch_start", "before_backward", "after_backward", "batch_end")
+PHASES = ("forward", "backward", "optimizer", "between_steps")
+
+
 class Throughput(L.Callback):
     """Step times after `warmup` optimizer steps; rank 0 writes them (and tokens/s of the global batch) to `out`.
 
     On CUDA: one event recorded at every step end, read after training, so the timed window has no host sync.
+    Also per phase (forward + loss, backward, clipping + optimizer, Lightning's loop between steps): the host's time
+    to issue it (perf_counter between hooks) beside the device's time for it (events at the same hooks). Where the
+    host needs longer than the device, the device waits (unless it still has earlier work queued).
     """
 
     def __init__(self, warmup: int, out: str):
@@ -55,11 +63,51 @@ class Throughput(L.Callback):
         self.events: list = []
         self.walls: list[float] = []
         self.tokens_per_step = 0
+        self.marks: list[dict] = []  # per timed step: mark -> (perf_counter, event | None)
+
+    def _mark(self, trainer, pl_module, name: str) -> None:
+        if trainer.global_step < self.warmup:
+            return
+        if name == "batch_start":
+            self.marks.append({})
+        if not self.marks:
+            return
+        ev = None
+        if pl_module.device.type == "cuda":
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+        self.marks[-1][name] = (time.perf_counter(), ev)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._mark(trainer, pl_module, "batch_start")
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        self._mark(trainer, pl_module, "before_backward")
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        self._mark(trainer, pl_module, "after_backward")
+
+    def phase_ms(self) -> dict:
+        """Median host ms and device ms per phase over the timed steps (after the events have completed)."""
+        host: dict = {k: [] for k in PHASES}
+        dev: dict = {k: [] for k in PHASES}
+        for m, nxt in zip(self.marks, self.marks[1:]):
+            if not all(k in m for k in PHASE_MARKS) or "batch_start" not in nxt:
+                continue
+            points = [m[k] for k in PHASE_MARKS] + [nxt["batch_start"]]
+            for name, (a, b) in zip(PHASES, zip(points, points[1:])):
+                host[name].append(1e3 * (b[0] - a[0]))
+                if a[1] is not None:
+                    dev[name].append(a[1].elapsed_time(b[1]))
+        med = lambda v: statistics.median(v) if v else None  # noqa: E731
+        return {name: {"host_ms": med(host[name]), "device_ms": med(dev[name])} for name in PHASES}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step  # optimizer steps done, this one included
         if step < self.warmup:
             return
+        if self.marks and "batch_start" in self.marks[-1]:
+            self._mark(trainer, pl_module, "batch_end")
         if step == self.warmup:
             self.tokens_per_step = batch[0].numel() * trainer.world_size
         if pl_module.device.type == "cuda":
@@ -91,6 +139,7 @@ class Throughput(L.Callback):
             "tokens_per_s": self.tokens_per_step / (mean / 1e3),
             "tokens_per_s_median_step": self.tokens_per_step / (med / 1e3),
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+            "phases": self.phase_ms(),
             "step_ms": times,
         }
         Path(self.out).write_text(json.dumps(record, indent=1))
@@ -128,6 +177,11 @@ class ProfileSteps(L.Callback):
         total, rows = time_per_name(self.prof, self.steps, device=cuda)
         record = {"steps": self.steps, "wall_us_per_step": wall_us, "busy_us_per_step": total,
                   "device_time": cuda, "top": rows[:40]}
+        if cuda:
+            trace = Path(self.out).with_suffix(".trace.json")
+            self.prof.export_chrome_trace(str(trace))
+            record["idle"] = idle_gaps(json.loads(trace.read_text()), self.steps)
+            trace.unlink()
         Path(self.out).write_text(json.dumps(record, indent=1))
         self.prof = None
 
@@ -340,6 +394,9 @@ def bench_phase(args, work: Path, corpus: Path, results: dict, save, profiles: d
                 if "tokens_per_s" in rec:
                     print(f"    {rec['tokens_per_s']:,.0f} tok/s, step {rec['step_ms_mean']:.1f} ms mean / "
                           f"{rec['step_ms_median']:.1f} median, peak {rec['peak_mem_gib'] or 0:.1f} GiB", flush=True)
+                    print("    host / device ms: " + ", ".join(
+                        f"{k} {v['host_ms'] or 0:.1f} / {v['device_ms'] or 0:.1f}" for k, v in rec["phases"].items()),
+                        flush=True)
     if args.profile:
         print(f"profile: {args.profile} steps after {args.warmup} warm-up steps, one more run per variant", flush=True)
         for variant in args.modes:
@@ -357,6 +414,15 @@ def bench_phase(args, work: Path, corpus: Path, results: dict, save, profiles: d
                 print(f"  {variant}: {wall / 1e3:.1f} ms per profiled step, kernels {busy / 1e3:.1f} ms "
                       f"({100 * busy / wall:.0f} %)", flush=True)
                 print_rows(rec["top"], busy, top=15)
+                if "idle" in rec:
+                    idle = rec["idle"]
+                    print(f"  idle: {idle['host_us_per_step'] / 1e3:.1f} ms per step waiting on the host "
+                          f"({idle['gaps_per_step']:.0f} gaps), {idle['queued_us_per_step'] / 1e3:.1f} ms on queued "
+                          "work; by the host ops that launched the next work:", flush=True)
+                    for r in idle["by_outer_ops"][:12]:
+                        print(f"    {r['us_per_step']:9.0f} us  {r['name']}", flush=True)
+                    for r in idle["by_inner_op"][:8]:
+                        print(f"    {r['us_per_step']:9.0f} us  (innermost) {r['name']}", flush=True)
     return results
 
 

@@ -55,6 +55,9 @@ def test_bench_ddp_repeats_alternate_runs_kernel_config_variants_and_profiles(tm
     means = [r["step_ms_mean"] for r in head["repeats"]]
     assert len(means) == 2 and head["step_ms_mean"] == min(means)
     assert data["summary"]["x_residual"]["residual"]["1"] == 1.0
+    # host time per phase of the step (device time only on CUDA)
+    assert set(head["phases"]) == {"forward", "backward", "optimizer", "between_steps"}
+    assert all(p["host_ms"] > 0 and p["device_ms"] is None for p in head["phases"].values())
     assert data["environment"]["mhc_kernel_config"] == override == head["kernel_config"]
     assert {p.name for p in (tmp_path / "work").glob("residual-1-r*.log")} == {"residual-1-r0.log", "residual-1-r1.log"}
 
@@ -73,3 +76,40 @@ def test_bench_ddp_repeats_alternate_runs_kernel_config_variants_and_profiles(tm
         assert rec["steps"] == 2 and rec["device_time"] is False and rec["top"]
         assert 0 < rec["busy_us_per_step"] and 0 < rec["wall_us_per_step"]
         assert rec["top"][0]["us_per_step"] >= rec["top"][-1]["us_per_step"]
+
+
+def test_idle_gaps_charges_each_gap_to_the_host_ops_that_launched_the_work_after_it():
+    """A hand-made Kineto trace: two kernels launched late from inside an autograd node (host-bound gaps of 30 and
+    50 us), one launched before its gap opened (a queued wait, not the host's), and overlapping work on two streams
+    (no gap)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from profiling import idle_gaps
+
+    def x(cat, name, ts, dur, tid=1, corr=None):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid,
+                "args": {} if corr is None else {"correlation": corr}}
+
+    events = [
+        x("user_annotation", "Optimizer.step#AdamW.step", 0, 20),
+        x("cuda_runtime", "cudaLaunchKernel", 5, 2, corr=1),
+        x("kernel", "adam", 10, 10, tid=7, corr=1),
+        x("cpu_op", "autograd::engine::evaluate_function: MulBackward0", 40, 100, tid=2),
+        x("cpu_op", "aten::mul", 45, 10, tid=2),
+        x("cuda_runtime", "cudaLaunchKernel", 48, 2, tid=2, corr=2),
+        x("kernel", "mul", 50, 40, tid=7, corr=2),            # gap 20 -> 50: 30 us, host (launched at 48)
+        x("cuda_runtime", "cudaLaunchKernel", 60, 2, tid=2, corr=3),
+        x("kernel", "other_stream", 70, 30, tid=8, corr=3),   # overlaps: busy until 100
+        x("cpu_op", "aten::add", 140, 20, tid=2),
+        x("cuda_runtime", "cudaLaunchKernel", 148, 2, tid=2, corr=4),
+        x("kernel", "add", 150, 10, tid=7, corr=4),           # gap 100 -> 150: 50 us, host
+        x("cuda_runtime", "cudaLaunchKernel", 152, 2, tid=2, corr=5),
+        x("kernel", "late_queued", 200, 10, tid=7, corr=5),   # gap 160 -> 200, launched at 152: queued
+    ]
+    got = idle_gaps({"traceEvents": events}, steps=2)
+    assert got["gaps_per_step"] == 1.5
+    assert got["host_us_per_step"] == 40.0 and got["queued_us_per_step"] == 20.0
+    inner = {r["name"]: r["us_per_step"] for r in got["by_inner_op"]}
+    assert inner == {"aten::mul": 15.0, "aten::add": 25.0}
+    outer = {r["name"]: r["us_per_step"] for r in got["by_outer_ops"]}
+    assert outer == {"autograd::engine::evaluate_function: MulBackward0 > aten::mul": 15.0, "aten::add": 25.0}
+    assert got["by_inner_op"][0]["name"] == "aten::add"  # largest first
