@@ -162,7 +162,8 @@ class ProfileSteps(L.Callback):
             cuda = pl_module.device.type == "cuda"
             if cuda:
                 torch.cuda.synchronize()
-            self.prof = profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
+            # host ops too on CUDA: the idle analysis charges each wait to the host op that launched the work after it
+            self.prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
             self.prof.__enter__()
             self.t0 = time.perf_counter()
 
@@ -178,6 +179,8 @@ class ProfileSteps(L.Callback):
         record = {"steps": self.steps, "wall_us_per_step": wall_us, "busy_us_per_step": total,
                   "device_time": cuda, "top": rows[:40]}
         if cuda:
+            _, host = time_per_name(self.prof, self.steps, device=False)
+            record["host_top"] = host[:30]
             trace = Path(self.out).with_suffix(".trace.json")
             self.prof.export_chrome_trace(str(trace))
             record["idle"] = idle_gaps(json.loads(trace.read_text()), self.steps)
@@ -423,6 +426,8 @@ def bench_phase(args, work: Path, corpus: Path, results: dict, save, profiles: d
                         print(f"    {r['us_per_step']:9.0f} us  {r['name']}", flush=True)
                     for r in idle["by_inner_op"][:8]:
                         print(f"    {r['us_per_step']:9.0f} us  (innermost) {r['name']}", flush=True)
+                    print("  host time per step by op (own time; the profiler's own cost included):", flush=True)
+                    print_rows(rec["host_top"], sum(r["us_per_step"] for r in rec["host_top"]), top=15)
     return results
 
 

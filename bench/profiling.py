@@ -9,6 +9,8 @@ def time_per_name(prof, steps: int, device: bool = True, width: int = 90) -> tup
     none of their own, so the device table lists kernels (and copies) only."""
     per: dict[str, list] = {}
     for ev in prof.key_averages():
+        if device and getattr(getattr(ev, "device_type", None), "name", "CUDA") == "CPU":
+            continue  # a host op's kernels are the device events' own time too (with host and device activities)
         if device:
             us = getattr(ev, "self_device_time_total", None)
             us = ev.self_cuda_time_total if us is None else us

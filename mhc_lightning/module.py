@@ -17,6 +17,13 @@ from .model import GPT, GPTConfig
 from .model.compiled import compile_model
 
 
+def host_scalar(value: float) -> torch.Tensor:
+    """A Python number as a CPU tensor for `self.log`. Lightning turns a plain number into a tensor on the module's
+    device, a blocking host-to-device copy: on a GPU every such log waits for the queued step to finish, and the
+    next step then starts on an idle GPU (docs/benchmarks.md, round 9). A CPU tensor is logged as it is."""
+    return torch.tensor(float(value), dtype=torch.float32)
+
+
 @dataclass
 class OptimConfig:
     """AdamW with linear warmup then cosine decay to min_lr_ratio * lr (per optimizer step)."""
@@ -130,7 +137,7 @@ class LitLM(L.LightningModule):
         self._grad_norms = None
         if self.skip_batch:  # a callback skips this batch (data window after a rollback): no update
             self.skip_batch, self.last_loss = False, None
-            self.log("train/skipped_batch", 1.0, on_step=True, on_epoch=False)
+            self.log("train/skipped_batch", host_scalar(1.0), on_step=True, on_epoch=False)
             if self.trainer.world_size == 1:
                 return None  # no backward at all
             # DDP rejects a None loss: every rank must run backward so its gradient hooks all-reduce. A zero
@@ -169,9 +176,11 @@ class LitLM(L.LightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         now = time.perf_counter()
         if self._t_last is not None:
-            self.log("train/tokens_per_sec", batch[0].numel() / (now - self._t_last), on_step=True, on_epoch=False)
+            tokens_per_sec = batch[0].numel() / (now - self._t_last)
+            self.log("train/tokens_per_sec", host_scalar(tokens_per_sec), on_step=True, on_epoch=False)
         self._t_last = now
-        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
+        lr = self.trainer.optimizers[0].param_groups[0]["lr"]
+        self.log("train/lr", host_scalar(lr), on_step=True, on_epoch=False)
 
     def grad_norms(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(global grad norm, per-sublayer grad norms [L]) of the current gradients, computed once per step.
@@ -223,7 +232,7 @@ class LitLM(L.LightningModule):
             # AdamW leaves parameters and moments untouched; the step counter and LR schedule still advance.
             self.skip_optimizer_step = False
             optimizer.zero_grad(set_to_none=True)
-            self.log("train/skipped_step", 1.0, on_step=True, on_epoch=False)
+            self.log("train/skipped_step", host_scalar(1.0), on_step=True, on_epoch=False)
 
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
         scale = self.lr_scale
