@@ -28,6 +28,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -145,6 +147,32 @@ class Throughput(L.Callback):
         Path(self.out).write_text(json.dumps(record, indent=1))
 
 
+class SyncFinder:
+    """While on: every synchronizing CUDA call (torch.cuda.set_sync_debug_mode) counted by the Python stack that made
+    it. A sync inside a step makes the host wait for the GPU; the next work then starts on an idle GPU."""
+
+    def __init__(self):
+        self.stacks: dict[str, int] = {}
+        self._warnings = None
+
+    def _show(self, message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            stack = "".join(traceback.format_stack(limit=14)[:-2])
+            self.stacks[stack] = self.stacks.get(stack, 0) + 1
+
+    def start(self) -> None:
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()
+        warnings.simplefilter("always")
+        warnings.showwarning = self._show
+        torch.cuda.set_sync_debug_mode("warn")
+
+    def stop(self, steps: int) -> list[dict]:
+        torch.cuda.set_sync_debug_mode(0)
+        self._warnings.__exit__(None, None, None)
+        return [{"per_step": c / steps, "stack": s} for s, c in sorted(self.stacks.items(), key=lambda kv: -kv[1])]
+
+
 class ProfileSteps(L.Callback):
     """torch.profiler over `steps` optimizer steps after `warmup` (rank 0): device time per kernel, and the steps'
     wall time beside the sum of their kernels — the gap is time the GPU waited on the host. Its own run: a profiled
@@ -153,6 +181,7 @@ class ProfileSteps(L.Callback):
     def __init__(self, warmup: int, steps: int, out: str):
         self.warmup, self.steps, self.out = warmup, steps, out
         self.prof = None
+        self.syncs: Optional[SyncFinder] = None
         self.t0 = 0.0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -165,12 +194,16 @@ class ProfileSteps(L.Callback):
             # host ops too on CUDA: the idle analysis charges each wait to the host op that launched the work after it
             self.prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
             self.prof.__enter__()
+            self.syncs = SyncFinder() if cuda else None
+            if self.syncs:
+                self.syncs.start()
             self.t0 = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.prof is None or trainer.global_step != self.warmup + self.steps:
             return
         cuda = pl_module.device.type == "cuda"
+        syncs = self.syncs.stop(self.steps) if self.syncs else None
         if cuda:
             torch.cuda.synchronize()
         wall_us = 1e6 * (time.perf_counter() - self.t0) / self.steps
@@ -179,6 +212,7 @@ class ProfileSteps(L.Callback):
         record = {"steps": self.steps, "wall_us_per_step": wall_us, "busy_us_per_step": total,
                   "device_time": cuda, "top": rows[:40]}
         if cuda:
+            record["syncs"] = syncs
             _, host = time_per_name(self.prof, self.steps, device=False)
             record["host_top"] = host[:30]
             trace = Path(self.out).with_suffix(".trace.json")
@@ -426,6 +460,8 @@ def bench_phase(args, work: Path, corpus: Path, results: dict, save, profiles: d
                         print(f"    {r['us_per_step']:9.0f} us  {r['name']}", flush=True)
                     for r in idle["by_inner_op"][:8]:
                         print(f"    {r['us_per_step']:9.0f} us  (innermost) {r['name']}", flush=True)
+                    for r in rec["syncs"][:4]:
+                        print(f"  synchronizing call, {r['per_step']:.1f} per step, from:\n{r['stack']}", flush=True)
                     print("  host time per step by op (own time; the profiler's own cost included):", flush=True)
                     print_rows(rec["host_top"], sum(r["us_per_step"] for r in rec["host_top"]), top=15)
     return results
