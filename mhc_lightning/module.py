@@ -159,7 +159,9 @@ class LitLM(L.LightningModule):
             logits = self(x)
         loss = self.lm_loss(logits, y)
         self.last_loss = loss.detach()
-        self.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=True)
+        # Not prog_bar=True: Lightning reads every progress-bar value back to the host after every step (even with no
+        # bar), which on a GPU makes each step wait for the last. The bar's loss comes from on_train_batch_end.
+        self.log("train/loss", loss, on_step=True, on_epoch=False)
         return loss
 
     def _log_diagnostics(self, scalars: dict[str, float]) -> None:
@@ -181,6 +183,11 @@ class LitLM(L.LightningModule):
         self._t_last = now
         lr = self.trainer.optimizers[0].param_groups[0]["lr"]
         self.log("train/lr", host_scalar(lr), on_step=True, on_epoch=False)
+        # The progress bar's loss: read back every log_every_n_steps steps (one wait for the GPU there, at the cadence
+        # the loggers read their values anyway) and shown as a host number in between.
+        bar = self.trainer.progress_bar_callback is not None
+        if bar and self.last_loss is not None and (self.global_step - 1) % max(1, self.trainer.log_every_n_steps) == 0:
+            self.log("loss", host_scalar(self.last_loss), on_step=True, on_epoch=False, prog_bar=True, logger=False)
 
     def grad_norms(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(global grad norm, per-sublayer grad norms [L]) of the current gradients, computed once per step.
@@ -265,7 +272,7 @@ class LitLM(L.LightningModule):
     def _eval_epoch_end(self, stage: str) -> None:
         loss = self.val_loss.compute()
         # byte-level tokens: bits per byte = nats per token / ln 2
-        self.log(f"{stage}/loss", loss, prog_bar=True)  # next to train/loss in the progress bar
+        self.log(f"{stage}/loss", loss, prog_bar=True)  # next to the training loss in the progress bar
         self.log_dict({f"{stage}/bpb": loss / math.log(2), f"{stage}/ppl": self.val_ppl.compute()})
         self.val_loss.reset()
         self.val_ppl.reset()

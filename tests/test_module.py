@@ -14,9 +14,10 @@ SYNCS = ("item", "tolist", "__float__", "__int__", "__bool__")
 
 
 class CountHostReads(L.Callback):
-    """Counts tensor-to-host reads (item, tolist, float(), int(), bool()) from the start of each batch to its end,
-    the first step left out (lazy setup). Not counted: the optimizer's step counters, which torch keeps on the CPU
-    beside CUDA parameters (no sync there; on this CPU-only test every tensor is a CPU tensor)."""
+    """Counts tensor-to-host reads (item, tolist, float(), int(), bool()) from the start of the second batch to the
+    end of training (the first step left out: lazy setup), Lightning's own work between steps included (it reads
+    every progress-bar value back after each step). Not counted: the optimizer's step counters, which torch keeps on
+    the CPU beside CUDA parameters (no sync there; on this CPU-only test every tensor is a CPU tensor)."""
 
     def __init__(self, monkeypatch):
         self.on = False
@@ -32,9 +33,9 @@ class CountHostReads(L.Callback):
             monkeypatch.setattr(torch.Tensor, name, wrapped)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.on = trainer.global_step >= 1
+        self.on = self.on or trainer.global_step >= 1
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+    def on_train_end(self, trainer, pl_module) -> None:
         self.on = False
 
 
@@ -78,3 +79,34 @@ def test_last_grad_norm_is_the_pre_clip_norm(tiny_corpus):
     _, module = tiny_fit(tiny_corpus, [Probe()], steps=2, gradient_clip_val=1e-3)
     assert seen["norm"] > 1e-3  # clipping engaged, and the module kept the norm from before it
     assert module.last_grad_norm == pytest.approx(seen["norm"], rel=1e-5)
+
+
+def test_progress_bar_reads_the_loss_back_every_log_interval(tiny_corpus, monkeypatch):
+    """With a progress bar, the loss it shows is read back to the host at the first step and then every
+    log_every_n_steps steps, and shown as a host number in between; train/loss itself is no progress-bar value
+    (Lightning would read it back after every step)."""
+    from test_callbacks_common import tiny_module
+
+    import mhc_lightning.module as module_file
+
+    reads: list[int] = []
+    scalar = module_file.host_scalar
+
+    def counted(value):
+        if isinstance(value, torch.Tensor):
+            reads.append(trainer_box[0].global_step)
+        return scalar(value)
+
+    trainer_box: list = []
+
+    class Box(L.Callback):
+        def setup(self, trainer, pl_module, stage):
+            trainer_box.append(trainer)
+
+    monkeypatch.setattr(module_file, "host_scalar", counted)
+    trainer, module = tiny_fit(tiny_corpus, [Box()], steps=7, module=tiny_module("mhc", diagnostics_every=0),
+                               enable_progress_bar=True, log_every_n_steps=3)
+    assert reads == [1, 4, 7]  # global_step after the step: steps 1, 4 and 7
+    bar = trainer.progress_bar_metrics
+    assert "train/loss" not in bar
+    assert bar["loss"] == pytest.approx(float(module.last_loss))
