@@ -8,9 +8,13 @@ def time_per_name(prof, steps: int, device: bool = True, width: int = 90) -> tup
     host time, per step: mean over the `steps` the profiler saw. A kernel's self device time is its own; CPU ops have
     none of their own, so the device table lists kernels (and copies) only."""
     per: dict[str, list] = {}
-    for ev in prof.key_averages():
-        if device and getattr(getattr(ev, "device_type", None), "name", "CUDA") == "CPU":
-            continue  # a host op's kernels are the device events' own time too (with host and device activities)
+    events = prof.key_averages()
+    ranges = {ev.key for ev in events if getattr(ev, "is_user_annotation", False)}
+    for ev in events:
+        if device and (getattr(getattr(ev, "device_type", None), "name", "CUDA") == "CPU" or ev.key in ranges):
+            # with host and device activities, a host op's kernels are also the device events' own time, and a
+            # record_function range (Lightning's optimizer step around the whole closure) gets a device-side copy
+            continue
         if device:
             us = getattr(ev, "self_device_time_total", None)
             us = ev.self_cuda_time_total if us is None else us
