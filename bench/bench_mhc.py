@@ -464,9 +464,9 @@ if PHI_DT == torch.float32:  # an fp32 phi (the trainer's): tf32 dots at the tf3
                                dict(phi_split="in_kernel", split=dict(BT=64, BK=128, num_warps=8)),
                                dict(phi_split="in_kernel", split=dict(BT=32, BK=64, num_warps=4)),
                                dict(phi_split="interleaved", split=dict(BT=32, BK=64, num_warps=4)),
-                               # u by stream_pre's kernel after the GEMM (round 8 trainer profile: 2.14 vs 3.46 ms of
-                               # kernels per step, wall time undecided)
-                               dict(phi_split="interleaved", split=dict(BT=64, BK=64, num_warps=4, u_inside_max_c=0))]
+                               # u in the GEMM kernel's own loop (the default until round 9: u after it, by stream_pre's
+                               # kernel, took the trainer step from 82.5 to 81.3 ms)
+                               dict(phi_split="interleaved", split=dict(BT=64, BK=64, num_warps=4, u_inside_max_c=4096))]
 
 SWEEP = dict(SWEEP_QUICK, **{  # full run, at C=1024: also the kernels every path shares
     "coef_fwd": [dict(BT=bt, BK=bk, num_warps=w, num_stages=st, BC=bc, split_tail=True) for bt, bk, w, st, bc in

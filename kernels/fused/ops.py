@@ -34,11 +34,12 @@ CONFIG = {
     # whole mhc_pre forward, round 7: 185 us interleaved, 217 tf32, 220 dots; trainer kernels per step 79.3 vs 80.7 ms.
     # u_inside_max_c: up to this C, u is summed in the GEMM kernel's own loop (re-reading its token block); above it,
     # stream_pre's streaming kernel computes u after the GEMM (round 6: 161 vs 186 us at C = 1024, 212 vs 184 at
-    # C = 2048; with an fp32 phi 280 vs 208 at C = 1024).
+    # C = 2048; with an fp32 phi 280 vs 208 at C = 1024). With phi as 16-bit parts (`split`, the trainer's) u comes
+    # after the GEMM too: trainer step 81.2 / 81.4 vs 82.5 / 82.4 ms, alternating runs (round 9, docs/benchmarks.md).
     # tf32: the tiles with an fp32 phi (the trainer's), where BK = 128 at 8 warps spills (kernel_resources.py)
     "coef_fwd": dict(BT=64, BK=128, num_warps=8, num_stages=3, BC=16, split_tail=True, phi_split="interleaved",
                      u_inside_max_c=1024, tf32=dict(BT=128, BK=64, num_warps=4, u_inside_max_c=0),
-                     split=dict(BT=64, BK=64, num_warps=4)),
+                     split=dict(BT=64, BK=64, num_warps=4, u_inside_max_c=0)),
     # HC's projection (`_coef_fwd`, one stream per row, K = C, no tail): the tile HC was measured with (round 5)
     "rms_proj": dict(BT=64, BK=64, num_warps=4, num_stages=3),
     # HC's tail backward (`_hc_tail_bwd`, per row, a few floats each; BC: C tile of hc_enter's <du, x_i>): not swept
