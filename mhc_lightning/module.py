@@ -169,8 +169,8 @@ class LitLM(L.LightningModule):
         log_every_n_steps flush, under that step and overwritten by any later diagnostics step before it (at k = 7
         and a flush every 10 steps, the values of steps 0 and 21 were lost and step 7's was logged as step 9). So the
         loggers get them directly (rank 0; the values are the same on every rank), and self.log(logger=False) keeps
-        them in callback_metrics, where sweep objectives and the progress bar read them."""
-        self.log_dict(scalars, on_step=True, on_epoch=False, logger=False)
+        them in callback_metrics, where sweep objectives read them (as host tensors: `host_scalar`)."""
+        self.log_dict({k: host_scalar(v) for k, v in scalars.items()}, on_step=True, on_epoch=False, logger=False)
         if self.trainer.is_global_zero:
             for lg in self.trainer.loggers:
                 lg.log_metrics(scalars, step=self.global_step)
