@@ -156,8 +156,8 @@ class SyncFinder:
         self._warnings = None
 
     def _show(self, message, category, filename, lineno, file=None, line=None):
-        if "synchroniz" in str(message):
-            stack = "".join(traceback.format_stack(limit=14)[:-2])
+        stack = "".join(traceback.format_stack(limit=14)[:-2])
+        if "synchroniz" in str(message) and "set_sync_debug_mode" not in stack:  # not the switch itself
             self.stacks[stack] = self.stacks.get(stack, 0) + 1
 
     def start(self) -> None:
