@@ -108,8 +108,7 @@ class Throughput(L.Callback):
         step = trainer.global_step  # optimizer steps done, this one included
         if step < self.warmup:
             return
-        if self.marks and "batch_start" in self.marks[-1]:
-            self._mark(trainer, pl_module, "batch_end")
+        self._mark(trainer, pl_module, "batch_end")
         if step == self.warmup:
             self.tokens_per_step = batch[0].numel() * trainer.world_size
         if pl_module.device.type == "cuda":
@@ -156,8 +155,10 @@ class SyncFinder:
         self._warnings = None
 
     def _show(self, message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return
         stack = "".join(traceback.format_stack(limit=14)[:-2])
-        if "synchroniz" in str(message) and "set_sync_debug_mode" not in stack:  # not the switch itself
+        if "set_sync_debug_mode" not in stack:  # not the switch itself
             self.stacks[stack] = self.stacks.get(stack, 0) + 1
 
     def start(self) -> None:

@@ -91,21 +91,15 @@ def test_progress_bar_reads_the_loss_back_every_log_interval(tiny_corpus, monkey
 
     reads: list[int] = []
     scalar = module_file.host_scalar
+    module = tiny_module("mhc", diagnostics_every=0)
 
     def counted(value):
         if isinstance(value, torch.Tensor):
-            reads.append(trainer_box[0].global_step)
+            reads.append(module.global_step)
         return scalar(value)
 
-    trainer_box: list = []
-
-    class Box(L.Callback):
-        def setup(self, trainer, pl_module, stage):
-            trainer_box.append(trainer)
-
     monkeypatch.setattr(module_file, "host_scalar", counted)
-    trainer, module = tiny_fit(tiny_corpus, [Box()], steps=7, module=tiny_module("mhc", diagnostics_every=0),
-                               enable_progress_bar=True, log_every_n_steps=3)
+    trainer, module = tiny_fit(tiny_corpus, [], steps=7, module=module, enable_progress_bar=True, log_every_n_steps=3)
     assert reads == [1, 4, 7]  # global_step after the step: steps 1, 4 and 7
     bar = trainer.progress_bar_metrics
     assert "train/loss" not in bar
