@@ -366,7 +366,8 @@ def test_x_pass_on_16_bit_parts(n, phi_dtype):
     h_pre, du = torch.rand(N, n, device=DEV), torch.randn(N, c, device=DEV).to(x.dtype)
     with config_changed("coef_bwd_x", dl_split=True), config_changed("bnd_dphi", dl_split=True):
         dx = torch.empty(x.shape, device=DEV)  # an fp32 dx buffer: the kernel stores in its dtype, no bf16 rounding
-        dphi = ops._sum_splits(ops.bwd_x(x, phi, dl, dss, dx, h_pre=h_pre, du=du))
+        dphi = torch.empty(phi.shape, device=DEV)  # fp32: no rounding to a bf16 phi's dtype
+        ops._sum_partials(ops.bwd_x(x, phi, dl, dss, dx, h_pre=h_pre, du=du), dphi)
         xd, dld = x.double().reshape(N, -1), dl.double()
         check(dphi, xd.t() @ dld, 1e-4, "dphi")
         ref_dx = (dld @ phi.double().t()).reshape(N, n, c) + 2 * x.double() * dss.double()[:, None, None] \
@@ -375,6 +376,70 @@ def test_x_pass_on_16_bit_parts(n, phi_dtype):
         _run_pre(_coef_inputs(lead, c, n, torch.bfloat16, phi_dtype=phi_dtype), torch.bfloat16, sinkhorn_iters=ITERS)
         _run_boundary(_boundary_inputs(lead, c, n, torch.bfloat16, phi_dtype=phi_dtype), torch.bfloat16,
                       sinkhorn_iters=ITERS)
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_x_pass_with_dx_on_one_tf32_dot(n):
+    """CONFIG coef_bwd_x dx_tf32 (with dl_split): dx = dL phi^T in one tf32 dot on the fp32 tiles, the phi gradient
+    still on 16-bit parts (1e-4 of float64); dx within tf32's rounding of dL and phi (11 bits), then the pre op
+    against the float64 composition."""
+    torch.manual_seed(83 + n)
+    lead, c = SHAPES[1]
+    x, phi, _, _ = _coef_inputs(lead, c, n, torch.bfloat16, phi_dtype=torch.float32)
+    x, phi = x.detach().reshape(-1, n, c), phi.detach()
+    N = x.shape[0]
+    dl, dss = torch.randn(N, phi.shape[1], device=DEV), torch.randn(N, device=DEV)
+    h_pre, du = torch.rand(N, n, device=DEV), torch.randn(N, c, device=DEV).to(x.dtype)
+    with config_changed("coef_bwd_x", dl_split=True, dx_tf32=True):
+        dx = torch.empty(x.shape, device=DEV)
+        dphi_sum = torch.empty(phi.shape, device=DEV)
+        ops._sum_partials(ops.bwd_x(x, phi, dl, dss, dx, h_pre=h_pre, du=du), dphi_sum)
+        xd, dld = x.double().reshape(N, -1), dl.double()
+        check(dphi_sum, xd.t() @ dld, 1e-4, "dphi")
+        ref_dx = (dld @ phi.double().t()).reshape(N, n, c) + 2 * x.double() * dss.double()[:, None, None] \
+            + h_pre.double()[:, :, None] * du.double()[:, None, :]
+        check(dx, ref_dx, 2e-3, "dx")
+        _run_pre(_coef_inputs(lead, c, n, torch.bfloat16, phi_dtype=torch.float32), torch.bfloat16,
+                 sinkhorn_iters=ITERS)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_phi_pairs_are_the_interleaved_hi_and_lo_parts(dtype):
+    """`_phi_pairs` (one launch): columns 2j, 2j + 1 hold phi in dtype (hi) and the rest phi - hi (lo); hi + lo keeps
+    phi to ~16 bits where hi alone keeps 8-11. On the GPU bit for bit the torch composition (the interpreter's bf16
+    cast truncates instead of rounding). An element count that is no multiple of the block, a transposed phi."""
+    torch.manual_seed(5)
+    for phi in (torch.randn(133, 24, device=DEV), torch.randn(24, 133, device=DEV).t()):
+        pairs = ops._phi_pairs_of(phi, dtype)
+        assert pairs.shape == (133, 48) and pairs.dtype == dtype
+        hi, lo = pairs[:, 0::2], pairs[:, 1::2]
+        assert torch.equal(lo, (phi - hi.float()).to(dtype)) or not CUDA and dtype == torch.bfloat16
+        if CUDA or dtype == torch.float16:
+            assert torch.equal(hi, phi.to(dtype))
+        p = phi.double()
+        assert ((hi.double() + lo.double() - p).abs() <= 2.0 ** -13 * p.abs() + 2.0 ** -22).all()  # fp16 subnormals
+        assert ((hi.double() - p).abs() > 2.0 ** -13 * p.abs()).any()  # the lo part carries bits hi lacks
+
+
+@pytest.mark.parametrize("splits,rows", [(1, 1), (16, 130)])
+def test_parameter_gradient_partials_summed_in_one_launch(splits, rows):
+    """`_param_grad_sum`: the weight's split partials and the vectors' per-block rows summed in one launch, each
+    gradient written in its own dtype into its own tensor; also the weight alone, and one vector (HC's statics)."""
+    torch.manual_seed(splits + rows)
+    wpart, vpart = torch.randn(splits, 97, 24, device=DEV), torch.randn(rows, 27, device=DEV)
+    w_ref, v_ref = wpart.double().sum(0), vpart.double().sum(0)
+    dw, da, db = (ops._new(shape, dt, DEV) for shape, dt in (((97, 24), torch.float32), ((24,), torch.float32),
+                                                             ((3,), torch.bfloat16)))
+    ops._sum_partials(wpart, dw, vpart, da, db)
+    check(dw, w_ref, 1e-6, "dw")
+    check(da, v_ref[:24], 1e-6, "da")
+    check(db, v_ref[24:], 1e-2, "db (bf16)")
+    dw16 = ops._new((97, 24), torch.bfloat16, DEV)
+    ops._sum_partials(wpart, dw16)
+    check(dw16, w_ref, 1e-2, "dw alone (bf16)")
+    dv = ops._new((27,), torch.float32, DEV)
+    ops._sum_partials(wpart, dw, vpart, dv)
+    check(dv, v_ref, 1e-6, "one vector")
 
 
 def _enter_block(ops_, x, phi, bias, alpha, w, opts):

@@ -16,6 +16,7 @@ import torch
 
 from .coefficients import (DOT_IEEE, DOT_NATIVE, DOT_TF32, _coef_bwd_tok, _coef_bwd_x, _coef_fwd, _coef_tail,
                            _hc_tail_bwd)
+from .parameters import _param_grad_sum, _phi_pairs
 from .stream_post_res import _post_bwd_2d, _post_fwd
 from .stream_pre import _pre_bwd, _pre_fwd
 
@@ -51,7 +52,8 @@ CONFIG = {
     # copies (round 6 ncu of the tf32 version: 176 registers, 49 KB of shared memory, one CTA per SM). The smaller
     # tiles it affords: mhc_pre bwd 276-280 vs 384 us (tf32 at BT 64, BK 128, 8 warps), 322 vs 370 with an fp32
     # phi; the phi-gradient pass 57-59 vs 79-81 us (round 6 sweep, docs/kernels.md)
-    "coef_bwd_x": dict(BT=64, BK=64, num_warps=4, num_stages=3, programs_per_sm=8, dl_split=True),
+    # dx_tf32 (with dl_split): dx = dL phi^T in one tf32 dot on the fp32 tiles, the phi gradient still on parts
+    "coef_bwd_x": dict(BT=64, BK=64, num_warps=4, num_stages=3, programs_per_sm=8, dl_split=True, dx_tf32=False),
     # without dx: BK = 128 at 8 warps was the fastest in all four sweeps of round 7 (50-54 vs 56-66 us)
     "bnd_dphi": dict(BT=64, BK=128, num_warps=8, num_stages=2, programs_per_sm=4, dl_split=True),
     "pre_fwd": dict(BT=4, BC=512, num_warps=4),
@@ -63,6 +65,9 @@ CONFIG = {
     # post_bwd with COEF (the boundary op's dx pass); BT >= 16 for tl.dot. dl_split: dL phi^T on 16-bit parts as in
     # coef_bwd_x (tested against float64), off: 351 vs 346 us with a bf16 phi, 437 vs 354 with fp32 (round 7 sweeps)
     "bnd_bwd": dict(BT=16, BC=128, num_warps=8, dl_split=False),
+    # the per-sublayer parameter passes (kernels/fused/parameters.py): BL elements per program, BP partial rows per
+    # step of the vectors' program; not swept (a few microseconds each)
+    "param_sum": dict(BL=1024, BP=64, num_warps=4),
 }
 
 # CONFIG coef_fwd phi_split -> _coef_fwd's SPLIT (true: "dots", as before "interleaved" existed)
@@ -171,13 +176,39 @@ def _projection(x: Tensor, phi: Tensor) -> tuple[Tensor, Tensor, int, int]:
         # paper's tf32 precision
         if split == 3:
             return phi, phi, native, 3  # the kernel makes the pairs from the fp32 tiles it loads
-        hi = phi.to(x.dtype)
-        lo = (phi - hi).to(x.dtype)
         if split == 2:
-            pairs = torch.stack((hi, lo), 2).flatten(1)
+            pairs = _phi_pairs_of(phi, x.dtype)
             return pairs, pairs, native, 2
-        return hi, lo, native, 1
+        hi = phi.to(x.dtype)
+        return hi, (phi - hi).to(x.dtype), native, 1
     return phi, phi, DOT_TF32, 0  # bf16 x is exact in tf32; phi goes in as tf32 (the paper's precision)
+
+
+def _phi_pairs_of(phi: Tensor, dtype: torch.dtype) -> Tensor:
+    """phi [K, M] fp32 -> [K, 2M] in dtype, hi and lo = phi - hi of column j at columns 2j, 2j + 1 (one launch)."""
+    phi = phi.contiguous()
+    pairs = _new((phi.shape[0], 2 * phi.shape[1]), dtype, phi.device)
+    cfg = CONFIG["param_sum"]
+    _phi_pairs[(_cdiv(phi.numel(), cfg["BL"]),)](phi, pairs, phi.numel(), BL=cfg["BL"], **_launch(cfg))
+    return pairs
+
+
+def _sum_partials(wpart: Tensor, dw: Tensor, vpart: Optional[Tensor] = None, da: Optional[Tensor] = None,
+                  db: Optional[Tensor] = None) -> None:
+    """One launch (`_param_grad_sum`): dw = wpart [S, *dw.shape] summed over S; with vpart [P, PW] also its column
+    sums, the first da.numel() into da and the rest into db (when given)."""
+    cfg = CONFIG["param_sum"]
+    km = dw.numel()
+    programs = _cdiv(km, cfg["BL"])
+    if vpart is None:
+        vpart, da, db, a, pw = wpart, dw, dw, 0, 1  # no vector program is launched
+    else:
+        programs += 1
+        a, pw = da.numel(), vpart.shape[1]
+        db = da if db is None else db
+    _param_grad_sum[(programs,)](
+        wpart, vpart, dw, da, db, wpart.shape[0], vpart.shape[0], km, A=a, PW=pw, PWP=_np2(pw), BL=cfg["BL"],
+        BP=cfg["BP"], **_launch(cfg))
 
 
 def _grad_dots(x_dtype: torch.dtype, phi_dtype: torch.dtype, cfg: dict) -> dict:
@@ -326,22 +357,16 @@ def bwd_x(x, phi, dl, dss, dx=None, h_pre=None, du=None, dx_in=None, u_rows=1):
         du.contiguous() if with_u else dl, dl if dx_in is None else dx_in, N, K, C, x.stride(0), phi.stride(0), tok,
         NS=n, M=M, MP=_np2(M, 16), HAS_U=with_u, HAS_DX=dx is not None, ACC=dx_in is not None,
         ALIGNED=C % cx["BK"] == 0, BT=cx["BT"], BK=cx["BK"], U_ROWS=u_rows, **_grad_dots(x.dtype, phi.dtype, cx),
-        **_launch(cx),
+        DX_TF32=bool(cx.get("dx_tf32")), **_launch(cx),
     )
     return dphi_part
 
 
-def _sum_splits(part: Tensor) -> Tensor:
-    return part[0] if part.shape[0] == 1 else part.sum(0)
-
-
 def _param_grads(phi, bias, alpha, dphi_part, part):
-    """dphi, dbias, dalpha from the kernels' partial sums, in the parameters' dtypes (separate storages: custom-op
-    outputs may not alias each other)."""
-    M = phi.shape[1]
-    red = part.sum(0)
-    return (_sum_splits(dphi_part).to(phi.dtype), red[:M].to(bias.dtype, copy=True),
-            red[M:].to(alpha.dtype, copy=True).reshape(alpha.shape))
+    """dphi, dbias, dalpha from the kernels' partial sums, in the parameters' dtypes, in one launch."""
+    dphi, dbias, dalpha = (_new(t.shape, t.dtype, t.device) for t in (phi, bias, alpha))
+    _sum_partials(dphi_part, dphi, part, dbias, dalpha)
+    return dphi, dbias, dalpha
 
 
 def _bwd(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult, h_pre=None, du=None,
@@ -516,7 +541,9 @@ def _rms_proj_bwd_body(dy: Tensor, x: Tensor, w: Tensor, lg: Tensor, rinv: Tenso
     dl = (dy * rinv[:, None]).contiguous()
     dss = (-0.5 / C) * (dy * lg).sum(1) * rinv.pow(3)  # 1/r = (sum x^2 / C + eps)^(-1/2)
     part = bwd_x(_c_contig(x).view(R, 1, C), _c_contig(w), dl, dss.contiguous(), dx.view(R, 1, C))
-    return dx, _sum_splits(part).to(w.dtype)
+    dw = _new(w.shape, w.dtype, w.device)
+    _sum_partials(part, dw)
+    return dx, dw
 
 
 rms_proj_bwd = _op("rms_proj_bwd", _rms_proj_bwd_body)
@@ -825,7 +852,9 @@ def _hc_bwd(d_pre: Tensor, d_post: Tensor, d_res: Tensor, x: Tensor, w: Tensor, 
         BC=cfg["BC"], **_launch(cfg))
     dw = bwd_x(x.view(R, 1, C), _c_contig(w), dl, dss, dx.view(R, 1, C), h_pre=h_pre if with_u else None, du=du,
                dx_in=None if dx_in is None else _c_contig(dx_in).view(R, 1, C), u_rows=n)
-    return dx, _sum_splits(dw).to(w.dtype), part.sum(0)
+    dw_sum, dstatics = _new(w.shape, w.dtype, w.device), _new((part.shape[1],), torch.float32, x.device)
+    _sum_partials(dw, dw_sum, part, dstatics)
+    return dx, dw_sum, dstatics
 
 
 def _hc_coef_bwd_body(d_pre: Tensor, d_post: Tensor, d_res: Tensor, x: Tensor, w: Tensor, statics: Tensor,
