@@ -307,7 +307,7 @@ def test_mhc_pre_u_in_or_after_the_coefficient_kernel(u_inside_max_c, n, dtype, 
     subs = {k: dict(ops.CONFIG["coef_fwd"][k], u_inside_max_c=u_inside_max_c) for k in ("tf32", "split")}
     with config_changed("coef_fwd", u_inside_max_c=u_inside_max_c, phi_split=phi_split, **subs):
         assert ops._projection(_coef_inputs((2,), 8, n, dtype, phi_dtype=phi_dtype)[0],
-                               torch.zeros(1, 1, dtype=phi_dtype))[2] == (
+                               torch.zeros(1, 1, dtype=phi_dtype, device=DEV))[2] == (
             ops.DOT_IEEE if dtype == torch.float32 else ops.DOT_TF32 if phi_dtype == torch.float32 and not phi_split
             else ops._native())
         lead, c = SHAPES[1]
@@ -378,31 +378,6 @@ def test_x_pass_on_16_bit_parts(n, phi_dtype):
                       sinkhorn_iters=ITERS)
 
 
-@pytest.mark.parametrize("n", [4, 8])
-def test_x_pass_with_dx_on_one_tf32_dot(n):
-    """CONFIG coef_bwd_x dx_tf32 (with dl_split): dx = dL phi^T in one tf32 dot on the fp32 tiles, the phi gradient
-    still on 16-bit parts (1e-4 of float64); dx within tf32's rounding of dL and phi (11 bits), then the pre op
-    against the float64 composition."""
-    torch.manual_seed(83 + n)
-    lead, c = SHAPES[1]
-    x, phi, _, _ = _coef_inputs(lead, c, n, torch.bfloat16, phi_dtype=torch.float32)
-    x, phi = x.detach().reshape(-1, n, c), phi.detach()
-    N = x.shape[0]
-    dl, dss = torch.randn(N, phi.shape[1], device=DEV), torch.randn(N, device=DEV)
-    h_pre, du = torch.rand(N, n, device=DEV), torch.randn(N, c, device=DEV).to(x.dtype)
-    with config_changed("coef_bwd_x", dl_split=True, dx_tf32=True):
-        dx = torch.empty(x.shape, device=DEV)
-        dphi_sum = torch.empty(phi.shape, device=DEV)
-        ops._sum_partials(ops.bwd_x(x, phi, dl, dss, dx, h_pre=h_pre, du=du), dphi_sum)
-        xd, dld = x.double().reshape(N, -1), dl.double()
-        check(dphi_sum, xd.t() @ dld, 1e-4, "dphi")
-        ref_dx = (dld @ phi.double().t()).reshape(N, n, c) + 2 * x.double() * dss.double()[:, None, None] \
-            + h_pre.double()[:, :, None] * du.double()[:, None, :]
-        check(dx, ref_dx, 2e-3, "dx")
-        _run_pre(_coef_inputs(lead, c, n, torch.bfloat16, phi_dtype=torch.float32), torch.bfloat16,
-                 sinkhorn_iters=ITERS)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_phi_pairs_are_the_interleaved_hi_and_lo_parts(dtype):
     """`_phi_pairs` (one launch): columns 2j, 2j + 1 hold phi in dtype (hi) and the rest phi - hi (lo); hi + lo keeps
@@ -424,7 +399,8 @@ def test_phi_pairs_are_the_interleaved_hi_and_lo_parts(dtype):
 @pytest.mark.parametrize("splits,rows", [(1, 1), (16, 130)])
 def test_parameter_gradient_partials_summed_in_one_launch(splits, rows):
     """`_param_grad_sum`: the weight's split partials and the vectors' per-block rows summed in one launch, each
-    gradient written in its own dtype into its own tensor; also the weight alone, and one vector (HC's statics)."""
+    gradient written in its own dtype into its own tensor; also the weight alone, one vector (HC's statics), and two
+    weights (the write-back backward's dh_post and dH partials)."""
     torch.manual_seed(splits + rows)
     wpart, vpart = torch.randn(splits, 97, 24, device=DEV), torch.randn(rows, 27, device=DEV)
     w_ref, v_ref = wpart.double().sum(0), vpart.double().sum(0)
@@ -440,6 +416,11 @@ def test_parameter_gradient_partials_summed_in_one_launch(splits, rows):
     dv = ops._new((27,), torch.float32, DEV)
     ops._sum_partials(wpart, dw, vpart, dv)
     check(dv, v_ref, 1e-6, "one vector")
+    wpart2 = torch.randn(splits + 3, 5, 7, device=DEV)  # a second weight with its own split count (dh_post, dH)
+    dw2 = ops._new((5, 7), torch.float32, DEV)
+    ops._sum_partials(wpart, dw, wpart2=wpart2, dw2=dw2)
+    check(dw, w_ref, 1e-6, "dw beside dw2")
+    check(dw2, wpart2.double().sum(0), 1e-6, "dw2")
 
 
 def _enter_block(ops_, x, phi, bias, alpha, w, opts):

@@ -399,15 +399,14 @@ def _coef_bwd_x(
     N, K, C, stride_x, stride_phi, tok_per_split,
     NS: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, DOT: tl.constexpr, HAS_U: tl.constexpr,
     HAS_DX: tl.constexpr, ALIGNED: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr = False,
-    SPLIT: tl.constexpr = False, PHI_LO: tl.constexpr = False, U_ROWS: tl.constexpr = 1, DX_TF32: tl.constexpr = False,
+    SPLIT: tl.constexpr = False, PHI_LO: tl.constexpr = False, U_ROWS: tl.constexpr = 1,
 ):
     """ACC (with HAS_DX): dx also adds dxin [N, K], the gradient x received from its other consumer (the write-back
     of the same sublayer, `mhc_enter`, `hc_enter`), so that autograd has no sum of two stream-sized gradients to run.
     U_ROWS: rows of x per row of du (HC's rows are (token, stream) pairs, NS = 1: U_ROWS = n, h_pre one per row).
     SPLIT (bf16 x): dL (fp32) enters both dots as two bf16 parts hi + lo, phi as its bf16 part (+ its lo part with
     PHI_LO, for an fp32 phi), and x as it is stored: 16-bit operands (no fp32 copies of x tiles in shared memory),
-    exact products in the fp32 accumulator, 16 mantissa bits of dL and phi (tf32: 11). DX_TF32 (with SPLIT): dx's
-    dot dL phi^T in one tf32 dot on the fp32 tiles instead of two or three on parts (dx is stored in 16 bits)."""
+    exact products in the fp32 accumulator, 16 mantissa bits of dL and phi (tf32: 11)."""
     pid_k = tl.program_id(0)
     pid_s = tl.program_id(1)
     kk = pid_k * BK + tl.arange(0, BK)
@@ -450,9 +449,7 @@ def _coef_bwd_x(
                 else:
                     hpj = tl.load(hpre_ptr + rows64[:, None] * NS + sidx[None, :], mask=m2, other=0.0)
                     dx0 += hpj * duv.to(tl.float32)
-            if SPLIT and DX_TF32:
-                dx = _dot(dlt, tl.trans(phi_t), dx0, 1)
-            elif SPLIT:
+            if SPLIT:
                 dl_hi = dlt.to(tl.bfloat16)
                 dl_lo = (dlt - dl_hi.to(tl.float32)).to(tl.bfloat16)
                 dx = _dot(dl_hi, tl.trans(phi_hi), dx0, DOT)

@@ -52,8 +52,7 @@ CONFIG = {
     # copies (round 6 ncu of the tf32 version: 176 registers, 49 KB of shared memory, one CTA per SM). The smaller
     # tiles it affords: mhc_pre bwd 276-280 vs 384 us (tf32 at BT 64, BK 128, 8 warps), 322 vs 370 with an fp32
     # phi; the phi-gradient pass 57-59 vs 79-81 us (round 6 sweep, docs/kernels.md)
-    # dx_tf32 (with dl_split): dx = dL phi^T in one tf32 dot on the fp32 tiles, the phi gradient still on parts
-    "coef_bwd_x": dict(BT=64, BK=64, num_warps=4, num_stages=3, programs_per_sm=8, dl_split=True, dx_tf32=False),
+    "coef_bwd_x": dict(BT=64, BK=64, num_warps=4, num_stages=3, programs_per_sm=8, dl_split=True),
     # without dx: BK = 128 at 8 warps was the fastest in all four sweeps of round 7 (50-54 vs 56-66 us)
     "bnd_dphi": dict(BT=64, BK=128, num_warps=8, num_stages=2, programs_per_sm=4, dl_split=True),
     "pre_fwd": dict(BT=4, BC=512, num_warps=4),
@@ -67,7 +66,7 @@ CONFIG = {
     "bnd_bwd": dict(BT=16, BC=128, num_warps=8, dl_split=False),
     # the per-sublayer parameter passes (kernels/fused/parameters.py): BL elements per program, BP partial rows per
     # step of the vectors' program; not swept (a few microseconds each)
-    "param_sum": dict(BL=1024, BP=64, num_warps=4),
+    "param_sum": dict(BL=256, BP=256, num_warps=4),
 }
 
 # CONFIG coef_fwd phi_split -> _coef_fwd's SPLIT (true: "dots", as before "interleaved" existed)
@@ -194,21 +193,24 @@ def _phi_pairs_of(phi: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def _sum_partials(wpart: Tensor, dw: Tensor, vpart: Optional[Tensor] = None, da: Optional[Tensor] = None,
-                  db: Optional[Tensor] = None) -> None:
-    """One launch (`_param_grad_sum`): dw = wpart [S, *dw.shape] summed over S; with vpart [P, PW] also its column
-    sums, the first da.numel() into da and the rest into db (when given)."""
+                  db: Optional[Tensor] = None, wpart2: Optional[Tensor] = None, dw2: Optional[Tensor] = None) -> None:
+    """One launch (`_param_grad_sum`): dw = wpart [S, *dw.shape] summed over S (and dw2 from wpart2 likewise); with
+    vpart [P, PW] also its column sums, the first da.numel() into da and the rest into db (when given)."""
     cfg = CONFIG["param_sum"]
-    km = dw.numel()
-    programs = _cdiv(km, cfg["BL"])
-    if vpart is None:
+    l1, l2 = dw.numel(), 0 if dw2 is None else dw2.numel()
+    programs = _cdiv(l1, cfg["BL"]) + _cdiv(l2, cfg["BL"])
+    has_v = vpart is not None
+    if not has_v:
         vpart, da, db, a, pw = wpart, dw, dw, 0, 1  # no vector program is launched
     else:
         programs += 1
         a, pw = da.numel(), vpart.shape[1]
         db = da if db is None else db
+    s2 = 1 if wpart2 is None else wpart2.shape[0]
     _param_grad_sum[(programs,)](
-        wpart, vpart, dw, da, db, wpart.shape[0], vpart.shape[0], km, A=a, PW=pw, PWP=_np2(pw), BL=cfg["BL"],
-        BP=cfg["BP"], **_launch(cfg))
+        wpart, dw, wpart.shape[0], l1, wpart if wpart2 is None else wpart2, dw if dw2 is None else dw2, s2, l2,
+        vpart, da, db, vpart.shape[0], HAS_W2=dw2 is not None, HAS_V=has_v, A=a, PW=pw, PWP=_np2(pw), BL=cfg["BL"],
+        BS=min(16, _np2(max(wpart.shape[0], s2))), BP=cfg["BP"], **_launch(cfg))
 
 
 def _grad_dots(x_dtype: torch.dtype, phi_dtype: torch.dtype, cfg: dict) -> dict:
@@ -357,7 +359,7 @@ def bwd_x(x, phi, dl, dss, dx=None, h_pre=None, du=None, dx_in=None, u_rows=1):
         du.contiguous() if with_u else dl, dl if dx_in is None else dx_in, N, K, C, x.stride(0), phi.stride(0), tok,
         NS=n, M=M, MP=_np2(M, 16), HAS_U=with_u, HAS_DX=dx is not None, ACC=dx_in is not None,
         ALIGNED=C % cx["BK"] == 0, BT=cx["BT"], BK=cx["BK"], U_ROWS=u_rows, **_grad_dots(x.dtype, phi.dtype, cx),
-        DX_TF32=bool(cx.get("dx_tf32")), **_launch(cx),
+        **_launch(cx),
     )
     return dphi_part
 
@@ -691,9 +693,8 @@ def _post_bwd_run(g, x, f, h_post, h_res, coef=None):
         N, C, x.stride(0), x.stride(1), f.stride(0), phi.stride(0),
         NS=n, HAS_RES=has_res, COEF=coef is not None, M=M, MP=_np2(M, 16), BT=cfg["BT"], BC=cfg["BC"], **dots,
         **_launch(cfg))
-    if n_cblk > 1:
-        dhp = php.sum(0)
-        dhr = phr.sum(0) if has_res else dhr
+    if n_cblk > 1:  # the per-C-block partials summed in one launch
+        _sum_partials(php, dhp, wpart2=phr if has_res else None, dw2=dhr if has_res else None)
     return dx, df, dhp, dhr
 
 
