@@ -396,7 +396,7 @@ def test_phi_pairs_are_the_interleaved_hi_and_lo_parts(dtype):
         assert ((hi.double() - p).abs() > 2.0 ** -13 * p.abs()).any()  # the lo part carries bits hi lacks
 
 
-@pytest.mark.parametrize("splits,rows", [(1, 1), (16, 130)])
+@pytest.mark.parametrize("splits,rows", [(1, 1), (16, 130), (5, 1100)])
 def test_parameter_gradient_partials_summed_in_one_launch(splits, rows):
     """`_param_grad_sum`: the weight's split partials and the vectors' per-block rows summed in one launch, each
     gradient written in its own dtype into its own tensor; also the weight alone, one vector (HC's statics), and two
