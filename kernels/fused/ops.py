@@ -46,9 +46,10 @@ CONFIG = {
     # HC's tail backward (`_hc_tail_bwd`, per row, a few floats each; BC: C tile of hc_enter's <du, x_i>): not swept
     "hc_tail_bwd": dict(BT=128, num_warps=4, BC=64),
     "coef_tail": dict(BT=8, num_warps=2),
-    # BC: C tile of the <du, x_j> loop (fused pre and boundary ops). BT 4 at one warp: trainer step 80.26 / 80.31 vs
-    # 80.66 / 80.73 ms at BT 8, two warps (BT 16, four warps: 86.8 / 89.8), alternating runs (round 10)
-    "coef_bwd_tok": dict(BT=4, num_warps=1, BC=64),
+    # BC: C tile of the <du, x_j> loop (fused pre and boundary ops). BT 4 at one warp: the kernel 1.69 vs 1.95 ms per
+    # trainer step, but twice the partial rows for param_sum (0.47 vs 0.36 ms): a tie, and not through the GPU tests;
+    # BT 16 at four warps: step 86.8 / 89.8 vs 80.7 ms (round 10, docs/benchmarks.md)
+    "coef_bwd_tok": dict(BT=8, num_warps=2, BC=64),
     # dl_split: with bf16 x, the two dots on 16-bit parts of dL and phi (_coef_bwd_x SPLIT) instead of tf32 on fp32
     # copies (round 6 ncu of the tf32 version: 176 registers, 49 KB of shared memory, one CTA per SM). The smaller
     # tiles it affords: mhc_pre bwd 276-280 vs 384 us (tf32 at BT 64, BK 128, 8 warps), 322 vs 370 with an fp32
@@ -67,7 +68,7 @@ CONFIG = {
     "bnd_bwd": dict(BT=16, BC=128, num_warps=8, dl_split=False),
     # the per-sublayer parameter passes (kernels/fused/parameters.py): BL elements per program, BP partial rows per
     # step of the vectors' program; not swept (a few microseconds each)
-    "param_sum": dict(BL=256, BP=512, num_warps=8),
+    "param_sum": dict(BL=256, BP=256, num_warps=4),
 }
 
 # CONFIG coef_fwd phi_split -> _coef_fwd's SPLIT (true: "dots", as before "interleaved" existed)
