@@ -47,8 +47,8 @@ CONFIG = {
     "hc_tail_bwd": dict(BT=128, num_warps=4, BC=64),
     "coef_tail": dict(BT=8, num_warps=2),
     # BC: C tile of the <du, x_j> loop (fused pre and boundary ops). BT 4 at one warp: the kernel 1.69 vs 1.95 ms per
-    # trainer step, but twice the partial rows for param_sum (0.47 vs 0.36 ms): a tie, and not through the GPU tests;
-    # BT 16 at four warps: step 86.8 / 89.8 vs 80.7 ms (round 10, docs/benchmarks.md)
+    # trainer step, but twice the partial rows for param_sum (0.47 vs 0.36 ms): a tie, and not through the GPU tests
+    # (round 10, docs/benchmarks.md)
     "coef_bwd_tok": dict(BT=8, num_warps=2, BC=64),
     # dl_split: with bf16 x, the two dots on 16-bit parts of dL and phi (_coef_bwd_x SPLIT) instead of tf32 on fp32
     # copies (round 6 ncu of the tf32 version: 176 registers, 49 KB of shared memory, one CTA per SM). The smaller
