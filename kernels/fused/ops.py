@@ -411,15 +411,16 @@ def _coef_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(lg, rinv)
 
 
+def _or_zeros(device, *grads_and_shapes) -> tuple[Tensor, ...]:
+    """Each coefficient gradient, or fp32 zeros of its shape where autograd left it out (an output nothing used)."""
+    return tuple(torch.zeros(shape, dtype=torch.float32, device=device) if g is None else g
+                 for g, shape in grads_and_shapes)
+
+
 def _dh_zeros(x, phi, d_pre, d_post, d_res):
     N, n = x.shape[0], x.shape[1]
-    has_res = phi.shape[1] == n * n + 2 * n
-    z = dict(dtype=torch.float32, device=x.device)
-    d_pre = torch.zeros((N, n), **z) if d_pre is None else d_pre
-    d_post = torch.zeros((N, n), **z) if d_post is None else d_post
-    if d_res is None:
-        d_res = torch.zeros((N, n, n) if has_res else (N, 0, 0), **z)
-    return d_pre, d_post, d_res
+    res = (N, n, n) if phi.shape[1] == n * n + 2 * n else (N, 0, 0)
+    return _or_zeros(x.device, (d_pre, (N, n)), (d_post, (N, n)), (d_res, res))
 
 
 def _coef_backward(ctx, d_pre, d_post, d_res, _dlg, _drinv):
@@ -880,11 +881,8 @@ def _hc_coef_setup(ctx, inputs, output):
     ctx.n, ctx.tanh = n, tanh
 
 
-def _hc_dh_zeros(rows: int, n: int, device, d_pre, d_post, d_res) -> tuple[Tensor, Tensor, Tensor]:
-    """Zeros for the coefficient gradients autograd left out (outputs nothing used)."""
-    zeros = lambda shape: torch.zeros(shape, dtype=torch.float32, device=device)  # noqa: E731
-    return (zeros(rows) if d_pre is None else d_pre, zeros(rows) if d_post is None else d_post,
-            zeros((rows // n, n, n)) if d_res is None else d_res)
+def _hc_dh_zeros(rows: int, n: int, device, d_pre, d_post, d_res) -> tuple[Tensor, ...]:
+    return _or_zeros(device, (d_pre, (rows,)), (d_post, (rows,)), (d_res, (rows // n, n, n)))
 
 
 def _hc_coef_backward(ctx, d_pre, d_post, d_res, _dlg, _drinv):
