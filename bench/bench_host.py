@@ -1,6 +1,7 @@
 """Host time per sublayer of the fused mHC ops in an eager step, with every Triton launch stubbed out.
 
     python bench/bench_host.py [--sublayers 24] [--steps 30] [--out bench_host.json]
+    python bench/bench_host.py --real [...]     # on a GPU: the real launches, timed apart (where the host time goes)
 
 An eager training step issues its kernel launches from Python; when the host needs longer per sublayer than the
 GPU, the GPU waits (docs/benchmarks.md, "Eager host overhead"). This measures that host cost on any machine: the
@@ -10,6 +11,8 @@ arithmetic, forward + backward. Wirings: the chain (one boundary op per sublayer
 (fused pre op + write-back) for mHC, and HC's sublayer (`hc_enter` + write-back; as A/Bs, round 7's three ops, and
 `hc_enter` with its parameter operands built outside the step).
 Branches are identities, so the ops are all that runs.
+--real (CUDA): nothing stubbed, the same tiny tensors on the GPU (its work is a few microseconds per kernel, so a step's
+wall time is the host's), each Triton launch timed on its own: the step's host time and the part spent in launches.
 """
 import argparse
 import json
@@ -18,10 +21,14 @@ import statistics
 import sys
 import time
 
-os.environ["TRITON_INTERPRET"] = "1"  # the fused wrappers take their kernel path on CPU tensors
+REAL = "--real" in sys.argv  # read before torch is imported: the interpreter must be off for real launches
+if not REAL:
+    os.environ["TRITON_INTERPRET"] = "1"  # the fused wrappers take their kernel path on CPU tensors
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
 
 from mhc_lightning.kernels import fused  # noqa: E402
 from mhc_lightning.kernels.fused import ops  # noqa: E402
@@ -36,11 +43,38 @@ class _NoLaunch:
         return lambda *args, **kwargs: None
 
 
+class _TimedLaunch:
+    """A kernel's launch as the ops module calls it, with the host time of each launch added to `spent`."""
+
+    def __init__(self, fn: JITFunction, spent: dict, name: str):
+        self.fn, self.spent, self.name = fn, spent, name
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            t = time.perf_counter()
+            self.fn[grid](*args, **kwargs)
+            sec, calls = self.spent.get(self.name, (0.0, 0))
+            self.spent[self.name] = (sec + time.perf_counter() - t, calls + 1)
+        return launch
+
+
+def kernel_names() -> list[str]:
+    """Every Triton kernel the ops module launches (kernels/fused/*.py, imported into ops)."""
+    return sorted(k for k, v in vars(ops).items() if isinstance(v, (JITFunction, InterpretedFunction)))
+
+
 def stub_launches() -> list[str]:
     """Replace every fused kernel, as the ops module calls it, by a no-op launcher (the kernel modules keep theirs)."""
-    names = [k for k in vars(ops) if k.startswith(("_coef_", "_pre_", "_post_", "_hc_")) and hasattr(getattr(ops, k), "run")]
+    names = kernel_names()
     for k in names:
         setattr(ops, k, _NoLaunch())
+    return names
+
+
+def time_launches(spent: dict) -> list[str]:
+    names = kernel_names()
+    for k in names:
+        setattr(ops, k, _TimedLaunch(getattr(ops, k), spent, k))
     return names
 
 
@@ -48,15 +82,29 @@ def paired_step_ms(runs: dict, x, params, steps) -> dict:
     """Median ms of forward + backward per wiring, the wirings alternating step by step (a shared host's load
     then weighs on all of them alike)."""
     times = {name: [] for name in runs}
+    launch = {name: [] for name in runs}
+    per_kernel = {name: {} for name in runs}  # kernel -> [host seconds, launches] over the timed steps
     for i in range(steps + 3):
         for name, run in runs.items():
             for p in params:
                 p.grad = None
+            SPENT.clear()
             t = time.perf_counter()
             run(x).sum().backward()
+            if REAL:
+                torch.cuda.synchronize()
             if i >= 3:
                 times[name].append(1e3 * (time.perf_counter() - t))
-    return {name: statistics.median(ts) for name, ts in times.items()}
+                launch[name].append(1e3 * sum(sec for sec, _ in SPENT.values()))
+                for k, (sec, calls) in SPENT.items():
+                    acc = per_kernel[name].setdefault(k, [0.0, 0])
+                    acc[0], acc[1] = acc[0] + sec, acc[1] + calls
+    return {name: (statistics.median(ts), statistics.median(launch[name]) if REAL else 0.0,
+                   {k: round(1e6 * sec / calls, 1) for k, (sec, calls) in per_kernel[name].items()})
+            for name, ts in times.items()}
+
+
+SPENT: dict = {}  # kernel -> (host seconds in its launches, launches), this step (--real)
 
 
 def main():
@@ -64,16 +112,22 @@ def main():
     p.add_argument("--sublayers", type=int, default=24)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--out", default=None)
+    p.add_argument("--real", action="store_true", help="CUDA, real launches, each timed (read before import)")
     args = p.parse_args()
-    stubbed = stub_launches()
+    if REAL and not torch.cuda.is_available():
+        raise SystemExit("--real needs a CUDA device")
+    stubbed = time_launches(SPENT) if REAL else stub_launches()
+    dev = "cuda" if REAL else "cpu"
     torch.manual_seed(0)
     c, n = 64, 4
     cfg = HyperConfig(residual_mode="mhc", n_streams=n, kernel_backend="triton", phi_init="normal", bias_init="a6")
     layers = nn.ModuleList(HyperConnection(nn.Identity(), c, i, cfg) for i in range(args.sublayers))
     hc_cfg = HyperConfig(residual_mode="hc", n_streams=n, kernel_backend="triton", bias_init="hc_identity")
     hc_layers = nn.ModuleList(HyperConnection(nn.Identity(), c, i, hc_cfg) for i in range(args.sublayers))
+    layers.to(dev), hc_layers.to(dev)
     params = list(layers.parameters()) + list(hc_layers.parameters())
-    x = torch.randn(2, 16, n, c, requires_grad=True)
+    # --real: the trainer's dtypes (bf16 streams, fp32 parameters: phi as 16-bit pairs, one more launch)
+    x = torch.randn(2, 16, n, c, device=dev, dtype=torch.bfloat16 if REAL else torch.float32, requires_grad=True)
 
     def chained(x):
         cfg.chain_sublayers = True  # the layers share cfg: run_sublayers takes the chain only when it says so
@@ -121,11 +175,19 @@ def main():
             "HC, hc_coef + stream_pre + stream_post_res (round 7's wiring; A/B)": hc_coef_then_stream_pre,
             "HC, parameter operands built outside the step (bound for folding them into the op)": hc_operands_prebuilt}
     rows = {}
-    for name, ms in paired_step_ms(runs, x, params, args.steps).items():
+    for name, (ms, launch_ms, us_per_launch) in paired_step_ms(runs, x, params, args.steps).items():
         rows[name] = dict(step_ms=ms, per_sublayer_ms=ms / args.sublayers)
-        print(f"{name:<52} {ms:8.2f} ms per step, {1e3 * ms / args.sublayers:7.0f} us per sublayer", flush=True)
+        line = f"{name:<52} {ms:8.2f} ms per step, {1e3 * ms / args.sublayers:7.0f} us per sublayer"
+        if REAL:
+            rows[name].update(launch_ms=launch_ms, us_per_launch=us_per_launch)
+            line += f", of which {1e3 * launch_ms / args.sublayers:5.0f} us in Triton launches"
+        print(line, flush=True)
     info = dict(torch=torch.__version__, python=sys.version.split()[0], threads=torch.get_num_threads(),
-                sublayers=args.sublayers, steps=args.steps, stubbed_kernels=stubbed, command=" ".join(sys.argv))
+                sublayers=args.sublayers, steps=args.steps, command=" ".join(sys.argv),
+                **{"timed_kernels" if REAL else "stubbed_kernels": stubbed})
+    if REAL:
+        import triton
+        info.update(triton=triton.__version__, gpu=torch.cuda.get_device_name())
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(dict(info=info, rows=rows), fh, indent=1)

@@ -11,6 +11,9 @@
 #   TRAINER_ARGS="--repeat 2 --kernel-config 'tf32={\"coef_fwd\":{\"phi_split\":false}}'" (an A/B in one call).
 #   NCU=1: first, Nsight Compute on the slowest kernels (occupancy, stall reasons, memory throughput; about a minute),
 #   one op body each (`bench_mhc.py --only-op`), reports under $OUT/ncu.
+#   STACK_VARIANTS: the stack table's variants (bench_mhc.py --variants; default ours,cudagraph,hc,liger).
+#   TESTS=0: skip the kernel tests (code the GPU tests already passed). CHAIN=0: skip the chained trainer row.
+#   TRAINER_COMPILE=1: also the trainer rows with `model.compile: true` (residual and mHC; about two minutes).
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT/trainer" "$OUT/trainer_chain" "$OUT/compile" "$OUT/phi_fp32"
@@ -28,15 +31,17 @@ if [ "${NCU:-0}" = 1 ]; then
   done
 fi
 
-echo "== kernel tests"
-timeout 200 python3 -m pytest -q -x tests/test_kernels.py tests/test_recompute.py -n 8 -p no:cacheprovider 2>&1 \
-  | tail -3 | tee "$OUT/tests.log"
+if [ "${TESTS:-1}" = 1 ]; then
+  echo "== kernel tests"
+  timeout 200 python3 -m pytest -q -x tests/test_kernels.py tests/test_recompute.py -n 8 -p no:cacheprovider 2>&1 \
+    | tail -3 | tee "$OUT/tests.log"
+fi
 
 echo "== stack benchmark"
 if [ "${PROFILE:-0}" = 1 ]; then
   bench_args=(--quick --sweep --profile --profile-host)
 else
-  bench_args=(--no-kernels --variants "ours,cudagraph,hc,liger" --skip "compile,recompute")
+  bench_args=(--no-kernels --variants "${STACK_VARIANTS:-ours,cudagraph,hc,liger}" --skip "compile,recompute")
 fi
 timeout 230 python3 bench/bench_mhc.py --shapes 1,2 --iters 10 --warmup 2 --budget-s 200 "${bench_args[@]}" \
   --out "$OUT" > "$OUT/bench_mhc.log" 2>&1
@@ -59,10 +64,18 @@ trainer_args=()
 eval "trainer_args+=(${TRAINER_ARGS:-})"
 timeout 240 python3 bench/bench_ddp.py --gpus 1 --no-check --modes residual,mhc,hc --timeout 110 --out "$OUT/trainer" \
   "${trainer_args[@]}" 2>&1 | grep -E "^\| |kernels|exit [^0]" | tail -12
-timeout 80 python3 bench/bench_ddp.py --gpus 1 --no-check --modes mhc --timeout 70 \
-  --fit-args=--model.arch.hyper.chain_sublayers=true --out "$OUT/trainer_chain" 2>&1 | tail -3
+if [ "${CHAIN:-1}" = 1 ]; then
+  timeout 80 python3 bench/bench_ddp.py --gpus 1 --no-check --modes mhc --timeout 70 \
+    --fit-args=--model.arch.hyper.chain_sublayers=true --out "$OUT/trainer_chain" 2>&1 | tail -3
+fi
+if [ "${TRAINER_COMPILE:-0}" = 1 ]; then
+  echo "== trainer, compiled (model.compile: true)"
+  mkdir -p "$OUT/trainer_compile"
+  timeout 300 python3 bench/bench_ddp.py --gpus 1 --no-check --modes residual,mhc --timeout 140 \
+    --fit-args=--model.compile=true --out "$OUT/trainer_compile" 2>&1 | grep -E "^\| |exit [^0]" | tail -6
+fi
 
 # The device returns at most 8 files: the sub-runs' JSON and logs travel as one archive (tar xzf round.tgz)
-tar czf "$OUT/round.tgz" -C "$OUT" trainer trainer_chain compile phi_fp32 $([ -d "$OUT/ncu" ] && echo ncu) \
-  && rm -r "$OUT/trainer" "$OUT/trainer_chain" "$OUT/compile" "$OUT/phi_fp32" "$OUT/ncu" 2>/dev/null
+subdirs=$(cd "$OUT" && ls -d trainer trainer_chain trainer_compile compile phi_fp32 ncu 2>/dev/null)
+tar czf "$OUT/round.tgz" -C "$OUT" $subdirs && (cd "$OUT" && rm -r $subdirs)
 ls "$OUT"
