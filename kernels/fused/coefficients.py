@@ -406,35 +406,23 @@ def _coef_bwd_x(
     MIX (with ACC): dxin is the gradient that reached the write-back's output, G [N, n, C], not yet mixed back onto
     the streams it read: dx_j gains sum_i H^res_ij G_i (hres_ptr [N, n, n], row i = output stream), the term the
     write-back's backward would otherwise write as its own dx (docs/kernels.md, "The write-back's dx, deferred").
-    A program's BK columns are then the n streams of one block of BK / n channels (ALIGNED off), so that each G tile
-    is read by one program: with one stream per program every G tile was read n times (kernel +39 %, round 11).
     U_ROWS: rows of x per row of du (HC's rows are (token, stream) pairs, NS = 1: U_ROWS = n, h_pre one per row).
     SPLIT (bf16 x): dL (fp32) enters both dots as two bf16 parts hi + lo, phi as its bf16 part (+ its lo part with
     PHI_LO, for an fp32 phi), and x as it is stored: 16-bit operands (no fp32 copies of x tiles in shared memory),
     exact products in the fp32 accumulator, 16 mantissa bits of dL and phi (tf32: 11)."""
     pid_k = tl.program_id(0)
     pid_s = tl.program_id(1)
+    kk = pid_k * BK + tl.arange(0, BK)
+    kmask = kk < K
     cols = tl.arange(0, MP)
     cmask = cols < M
-    if MIX:  # column q of the block: stream q // BCM, channel pid_k * BCM + q % BCM
-        BCM: tl.constexpr = BK // NS
-        q = tl.arange(0, BK)
-        sidx = q // BCM
-        cidx = pid_k * BCM + q % BCM
-        kk = sidx * C + cidx
-        kmask = cidx < C
-        cm = pid_k * BCM + tl.arange(0, BCM)
-        jj = tl.arange(0, NS)
-    else:
-        kk = pid_k * BK + tl.arange(0, BK)
-        kmask = kk < K
-        if HAS_U:  # flat column k of x is stream k // C, channel k % C
-            if ALIGNED:  # BK divides C: one stream per program, a [BT] gate and contiguous du columns
-                s0 = (pid_k * BK) // C
-                cidx = kk - s0 * C
-            else:
-                sidx = kk // C
-                cidx = kk - sidx * C
+    if HAS_U or MIX:  # flat column k of x is stream k // C, channel k % C
+        if ALIGNED:  # BK divides C: one stream per program, a [BT] gate and contiguous du columns
+            s0 = (pid_k * BK) // C
+            cidx = kk - s0 * C
+        else:
+            sidx = kk // C
+            cidx = kk - sidx * C
     phi_t = tl.load(phi_ptr + kk[:, None] * stride_phi + cols[None, :], mask=kmask[:, None] & cmask[None, :], other=0.0)
     phi_t = phi_t.to(tl.float32)
     if SPLIT:
@@ -454,15 +442,16 @@ def _coef_bwd_x(
         if HAS_DX:
             dss = tl.load(dss_ptr + rows, mask=rmask, other=0.0)
             dx0 = 2.0 * xf * dss[:, None]
-            if MIX:  # [BT, n (j), BCM]: sum_i H_ij G_i, each G_i tile read once, then laid out as the columns
-                mc = rmask[:, None] & (cm < C)[None, :]
-                mix = tl.zeros([BT, NS, BCM], dtype=tl.float32)
+            if MIX:  # column block of stream j: G_i at the same channels, weighted by H_ij, for every i
                 for i in tl.static_range(NS):
-                    gi = tl.load(dxin_ptr + rows64[:, None] * K + i * C + cm[None, :], mask=mc, other=0.0)
-                    hi = tl.load(hres_ptr + rows64[:, None] * (NS * NS) + i * NS + jj[None, :],
-                                 mask=rmask[:, None] & (jj[None, :] < NS), other=0.0)
-                    mix += hi[:, :, None] * gi.to(tl.float32)[:, None, :]
-                dx0 += tl.reshape(mix, [BT, BK])
+                    gi = tl.load(dxin_ptr + rows64[:, None] * K + i * C + cidx[None, :], mask=m2, other=0.0)
+                    if ALIGNED:
+                        hij = tl.load(hres_ptr + rows64 * (NS * NS) + i * NS + s0, mask=rmask, other=0.0)
+                        dx0 += hij[:, None] * gi.to(tl.float32)
+                    else:
+                        hij = tl.load(hres_ptr + rows64[:, None] * (NS * NS) + i * NS + sidx[None, :], mask=m2,
+                                      other=0.0)
+                        dx0 += hij * gi.to(tl.float32)
             elif ACC:
                 dx0 += tl.load(dxin_ptr + rows64[:, None] * K + kk[None, :], mask=m2, other=0.0).to(tl.float32)
             if HAS_U:  # the u path of the fused pre op: dx_j += h_pre_j du (one dx for the whole op)

@@ -353,22 +353,19 @@ def bwd_x(x, phi, dl, dss, dx=None, h_pre=None, du=None, dx_in=None, u_rows=1, h
     N, n, C = x.shape
     K, M = n * C, phi.shape[1]
     cx = _cfg("coef_bwd_x" if dx is not None else "bnd_dphi", BK=_np2(K, 16))
-    mix = h_res_in is not None and h_res_in.shape[-1] != 0  # H^res = I ([N, 0, 0]): G is added as it is
-    if mix:  # columns: the n streams of a block of BK / n channels (>= 16 of them, <= the padded C)
-        cx["BK"] = n * min(max(cx["BK"] // n, 16), _np2(C, 16))
-    kblocks = _cdiv(C, cx["BK"] // n) if mix else _cdiv(K, cx["BK"])
+    kblocks = _cdiv(K, cx["BK"])
     want = max(1, cx["programs_per_sm"] * _num_sms(x.device) // kblocks)
     tok = max(cx["BT"], _cdiv(_cdiv(N, want), cx["BT"]) * cx["BT"])
     splits = _cdiv(N, tok)
     dphi_part = _new((splits, K, M), torch.float32, x.device)
     with_u = du is not None
+    mix = h_res_in is not None and h_res_in.shape[-1] != 0  # H^res = I ([N, 0, 0]): G is added as it is
     _coef_bwd_x[(kblocks, splits)](
         x, phi, dl, dss, dl if dx is None else dx, dphi_part, h_pre.contiguous() if with_u else dl,
         du.contiguous() if with_u else dl, dl if dx_in is None else dx_in, h_res_in.contiguous() if mix else dl,
         N, K, C, x.stride(0), phi.stride(0), tok,
         NS=n, M=M, MP=_np2(M, 16), HAS_U=with_u, HAS_DX=dx is not None, ACC=dx_in is not None, MIX=mix,
-        ALIGNED=C % cx["BK"] == 0 and not mix, BT=cx["BT"], BK=cx["BK"], U_ROWS=u_rows,
-        **_grad_dots(x.dtype, phi.dtype, cx),
+        ALIGNED=C % cx["BK"] == 0, BT=cx["BT"], BK=cx["BK"], U_ROWS=u_rows, **_grad_dots(x.dtype, phi.dtype, cx),
         **_launch(cx),
     )
     return dphi_part
