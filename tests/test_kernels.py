@@ -351,26 +351,6 @@ def test_bwd_x_adds_the_other_consumers_gradient():
     check(summed, plain.double() + dx_in.double(), TOL[torch.bfloat16][2], "dx + dx_in")
 
 
-@pytest.mark.parametrize("n,c", [(4, SHAPES[1][1]), (4, 64), (2, 64), (8, 32)])
-def test_bwd_x_mixes_the_write_backs_gradient(n, c):
-    """bwd_x with dx_in = G and h_res_in = H (the write-back's dx deferred): dx_j = (its own dx)_j + sum_i H_ij G_i, in
-    the same pass; a C that each column block divides (one stream per program) and one that it does not."""
-    torch.manual_seed(80 + n + c)
-    lead = SHAPES[1][0]
-    x, phi, _, _ = _coef_inputs(lead, c, n, torch.bfloat16)
-    x = x.detach().reshape(-1, n, c)
-    N = x.shape[0]
-    dl, dss = torch.randn(N, phi.shape[1], device=DEV), torch.randn(N, device=DEV)
-    h_pre, du = torch.rand(N, n, device=DEV), torch.randn(N, c, device=DEV).to(x.dtype)
-    g, h = torch.randn_like(x), torch.rand(N, n, n, device=DEV)
-    plain, mixed = torch.empty_like(x), torch.empty_like(x)
-    ops.bwd_x(x, phi.detach(), dl, dss, plain, h_pre=h_pre, du=du)
-    ops.bwd_x(x, phi.detach(), dl, dss, mixed, h_pre=h_pre, du=du, dx_in=g, h_res_in=h)
-    ref = plain.double() + torch.einsum("tij,tic->tjc", h.double(), g.double())
-    check(mixed, ref, TOL[torch.bfloat16][2], "dx + H^T G")
-    assert (ref - plain.double()).abs().mean() > 0.1  # the mixed term is no rounding-level change
-
-
 @pytest.mark.parametrize("n,phi_dtype", [(4, torch.float32), (4, torch.bfloat16), (1, torch.float32),
                                          (2, torch.bfloat16), (8, torch.float32)])
 def test_x_pass_on_16_bit_parts(n, phi_dtype):
@@ -449,28 +429,20 @@ def _enter_block(ops_, x, phi, bias, alpha, w, opts):
     return ops_.stream_post_res(xt, torch.tanh(u * w.to(u.dtype)).to(u.dtype), h_post, h_res), xt
 
 
-@pytest.mark.parametrize("n,dtype,mode,defer", [(4, torch.bfloat16, "rows", True), (4, torch.bfloat16, "rows", False),
-                                                (2, torch.float32, "cols", True), (4, torch.float32, "identity", True),
-                                                (8, torch.bfloat16, "rows", True)])
-def test_mhc_enter_then_write_back_matches_reference(n, dtype, mode, defer, monkeypatch):
+@pytest.mark.parametrize("n,dtype,mode", [(4, torch.bfloat16, "rows"), (2, torch.float32, "cols"),
+                                          (4, torch.float32, "identity"), (8, torch.bfloat16, "rows")])
+def test_mhc_enter_then_write_back_matches_reference(n, dtype, mode, monkeypatch):
     """x has two consumers (the coefficients and u; the write-back): through mhc_enter the write-back's gradient of x
-    enters the pre op's backward and is added in its x pass (checked: bwd_x receives it), matching float64. With
-    CONFIG post_bwd defer_dx (the default) the write-back writes no dx and hands its incoming gradient on unmixed;
-    the x pass applies H^T (checked: the deferred backward ran and bwd_x received H^res; for identity-HC, [N, 0, 0]:
-    G is added as it is)."""
+    enters the pre op's backward and is added in its x pass (checked: bwd_x receives it), matching float64."""
     torch.manual_seed(78 + n)
     seen = []
     real = ops.bwd_x
-    monkeypatch.setattr(ops, "bwd_x", lambda *a, **k: seen.append((k.get("dx_in") is not None,
-                                                                    k.get("h_res_in") is not None)) or real(*a, **k))
+    monkeypatch.setattr(ops, "bwd_x", lambda *a, **k: seen.append(k.get("dx_in") is not None) or real(*a, **k))
     lead, c = SHAPES[1]
     opts = MHCOptions(sinkhorn_iters=ITERS, exact_axis="cols" if mode == "cols" else "rows")
     inputs = _coef_inputs(lead, c, n, dtype, with_res=mode != "identity") + [_leaf(torch.randn(c, device=DEV))]
-    with config_changed("post_bwd", defer_dx=defer):
-        out, xt = _enter_block(fused, *inputs, opts)
+    out, xt = _enter_block(fused, *inputs, opts)
     assert type(xt.grad_fn.next_functions[0][0]).__name__ == "mhc_pre_fwd_through_eagerBackward"
-    post = "post_fwd_deferred" if defer else "post_fwd"
-    assert type(out.grad_fn.next_functions[0][0]).__name__ == f"{post}_eagerBackward"
     ref_in = _f64(inputs)
     ref, _ = _enter_block(R, *ref_in, opts)
     g = _upstream(ref, out)
@@ -479,36 +451,7 @@ def test_mhc_enter_then_write_back_matches_reference(n, dtype, mode, defer, monk
     grads = zip(("dx", "dphi", "dbias", "dalpha", "dw"), _grads([out], inputs, [g]), _grads([ref], ref_in, [g]))
     for name, a, b in grads:
         check(a, b, t_g, name)
-    assert seen == [(True, defer)]
-
-
-def test_deferred_write_back_guards_its_h_res():
-    """The write-back defers its dx only with the entry op's own H^res: two write-backs of one x' with it are summed
-    correctly (G_1 + G_2, mixed once), a write-back with another h_res keeps the plain backward (correct too), and a
-    mix of the two, which the entry op's backward could not get right, is refused before anything runs."""
-    torch.manual_seed(90)
-    lead, c = SHAPES[1]
-    opts = MHCOptions(sinkhorn_iters=ITERS)
-    x, phi, bias, alpha = _coef_inputs(lead, c, 4, torch.float32)
-    f = torch.randn(*lead, c, device=DEV)
-
-    def two_write_backs(ops_, tensors, other_first):
-        x_, phi_, bias_, alpha_ = tensors
-        xt, u, _, h_post, h_res = ops_.mhc_enter(x_, phi_, bias_, alpha_, opts)
-        other = h_res.flip(-1).contiguous()  # another doubly stochastic matrix, another tensor
-        first = ops_.stream_post_res(xt, f.to(xt.dtype) * u, h_post, other if other_first else h_res)
-        return first + ops_.stream_post_res(xt, f.to(xt.dtype), h_post, other if other_first else h_res)
-
-    inputs, ref_in = [x, phi, bias, alpha], _f64([x, phi, bias, alpha])
-    for other_first in (False, True):
-        out, ref = two_write_backs(fused, inputs, other_first), two_write_backs(R, ref_in, other_first)
-        g = _upstream(ref, out)
-        for name, a, b in zip(("dx", "dphi", "dbias", "dalpha"), _grads([out], inputs, [g]), _grads([ref], ref_in, [g])):
-            check(a, b, TOL[torch.float32][2], f"{name}, other h_res first: {other_first}")
-    xt, u, _, h_post, h_res = fused.mhc_enter(x, phi, bias, alpha, opts)
-    fused.stream_post_res(xt, f, h_post, h_res)
-    with pytest.raises(ValueError, match="another h_res"):
-        fused.stream_post_res(xt, f, h_post, h_res.flip(-1).contiguous())
+    assert seen == [True]
 
 
 @pytest.mark.parametrize("m", [3, 6, 10, 20])  # n + 2 for n = 1, 4, 8; and wider

@@ -92,18 +92,13 @@ def mhc_enter(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """(x', u, h_pre, h_post, h_res | None): mhc_pre, and x' (an alias of x) for the sublayer's write-back to read.
     The gradient reaching x' enters this op's backward, whose x pass adds it into the one dx it writes: autograd then
-    has no sum of the two stream-sized gradients of x to run (docs/kernels.md). Under torch.compile x' is x.
-    x' is the write-back's input only: in eager mode, `stream_post_res(x', f, h_post, h_res)` with this op's h_res hands
-    its incoming gradient to this op's backward unmixed (docs/kernels.md, "The write-back's dx, deferred"), so another
-    consumer of x' would have its gradient mixed by H^res too. Use x for anything else."""
+    has no sum of the two stream-sized gradients of x to run (docs/kernels.md). Under torch.compile x' is x."""
     args = _coef_args(x, phi, bias, alpha, opts)
     if args is None:
         return (x, *mhc_pre(x, phi, bias, alpha, opts))
     n, c = x.shape[-2], x.shape[-1]
     xt, u, h_pre, h_post, h_res, _, _ = ops.eager.mhc_enter(x.reshape(-1, n, c), phi, bias, alpha.reshape(3), *args)
-    x_view = xt.view(x.shape)
-    ops.offer_deferred_write_back(x_view, xt, h_res)
-    return (x_view, u.reshape(*x.shape[:-2], c), *_coefs_out(phi, x.shape[:-2], n, h_pre, h_post, h_res))
+    return (xt.view(x.shape), u.reshape(*x.shape[:-2], c), *_coefs_out(phi, x.shape[:-2], n, h_pre, h_post, h_res))
 
 
 def _post_res_fusable(x, f, h_post, h_res) -> bool:
@@ -157,9 +152,7 @@ def stream_post_res(
         return reference.stream_post_res(x, f, h_post, h_res)
     n, c = x.shape[-2], x.shape[-1]
     x3 = x.reshape(-1, n, c)
-    # after mhc_enter (eager), its backward applies H^T to this op's incoming gradient (ops.defer_write_back)
-    run = ops.eager.stream_post_res_deferred if ops.defer_write_back(x, h_res) else ops.eager.stream_post_res
-    out = run(x3, f.reshape(-1, c), h_post.reshape(-1, n), _res3(x3, h_res))
+    out = ops.eager.stream_post_res(x3, f.reshape(-1, c), h_post.reshape(-1, n), _res3(x3, h_res))
     return out.reshape(x.shape)
 
 

@@ -395,17 +395,14 @@ def _coef_bwd_tok(
 
 @triton.jit(do_not_specialize=["N", "tok_per_split"])
 def _coef_bwd_x(
-    x_ptr, phi_ptr, dl_ptr, dss_ptr, dx_ptr, dphi_ptr, hpre_ptr, du_ptr, dxin_ptr, hres_ptr,
+    x_ptr, phi_ptr, dl_ptr, dss_ptr, dx_ptr, dphi_ptr, hpre_ptr, du_ptr, dxin_ptr,
     N, K, C, stride_x, stride_phi, tok_per_split,
     NS: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, DOT: tl.constexpr, HAS_U: tl.constexpr,
     HAS_DX: tl.constexpr, ALIGNED: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr = False,
-    SPLIT: tl.constexpr = False, PHI_LO: tl.constexpr = False, U_ROWS: tl.constexpr = 1, MIX: tl.constexpr = False,
+    SPLIT: tl.constexpr = False, PHI_LO: tl.constexpr = False, U_ROWS: tl.constexpr = 1,
 ):
     """ACC (with HAS_DX): dx also adds dxin [N, K], the gradient x received from its other consumer (the write-back
     of the same sublayer, `mhc_enter`, `hc_enter`), so that autograd has no sum of two stream-sized gradients to run.
-    MIX (with ACC): dxin is the gradient that reached the write-back's output, G [N, n, C], not yet mixed back onto
-    the streams it read: dx_j gains sum_i H^res_ij G_i (hres_ptr [N, n, n], row i = output stream), the term the
-    write-back's backward would otherwise write as its own dx (docs/kernels.md, "The write-back's dx, deferred").
     U_ROWS: rows of x per row of du (HC's rows are (token, stream) pairs, NS = 1: U_ROWS = n, h_pre one per row).
     SPLIT (bf16 x): dL (fp32) enters both dots as two bf16 parts hi + lo, phi as its bf16 part (+ its lo part with
     PHI_LO, for an fp32 phi), and x as it is stored: 16-bit operands (no fp32 copies of x tiles in shared memory),
@@ -416,7 +413,7 @@ def _coef_bwd_x(
     kmask = kk < K
     cols = tl.arange(0, MP)
     cmask = cols < M
-    if HAS_U or MIX:  # flat column k of x is stream k // C, channel k % C
+    if HAS_U:  # flat column k of x is stream k // C, channel k % C
         if ALIGNED:  # BK divides C: one stream per program, a [BT] gate and contiguous du columns
             s0 = (pid_k * BK) // C
             cidx = kk - s0 * C
@@ -442,17 +439,7 @@ def _coef_bwd_x(
         if HAS_DX:
             dss = tl.load(dss_ptr + rows, mask=rmask, other=0.0)
             dx0 = 2.0 * xf * dss[:, None]
-            if MIX:  # column block of stream j: G_i at the same channels, weighted by H_ij, for every i
-                for i in tl.static_range(NS):
-                    gi = tl.load(dxin_ptr + rows64[:, None] * K + i * C + cidx[None, :], mask=m2, other=0.0)
-                    if ALIGNED:
-                        hij = tl.load(hres_ptr + rows64 * (NS * NS) + i * NS + s0, mask=rmask, other=0.0)
-                        dx0 += hij[:, None] * gi.to(tl.float32)
-                    else:
-                        hij = tl.load(hres_ptr + rows64[:, None] * (NS * NS) + i * NS + sidx[None, :], mask=m2,
-                                      other=0.0)
-                        dx0 += hij * gi.to(tl.float32)
-            elif ACC:
+            if ACC:
                 dx0 += tl.load(dxin_ptr + rows64[:, None] * K + kk[None, :], mask=m2, other=0.0).to(tl.float32)
             if HAS_U:  # the u path of the fused pre op: dx_j += h_pre_j du (one dx for the whole op)
                 duv = tl.load(du_ptr + (rows64 // U_ROWS)[:, None] * C + cidx[None, :], mask=m2, other=0.0)

@@ -61,10 +61,8 @@ CONFIG = {
     "pre_bwd": dict(BT=4, BC=256, num_warps=4),
     "post_fwd": dict(BT=4, BC=256, num_warps=4),
     # the forward's grid (token block x C block), no C loop; per-C-block partials of dH / dh_post summed
-    # afterwards (BC >= C: whole rows, written directly). defer_dx: after `mhc_enter` (eager), the write-back writes no
-    # dx; the entry op's x pass mixes the write-back's incoming gradient back onto the streams itself (docs/kernels.md,
-    # "The write-back's dx, deferred")
-    "post_bwd": dict(BT=4, BC=256, num_warps=4, defer_dx=True),
+    # afterwards (BC >= C: whole rows, written directly)
+    "post_bwd": dict(BT=4, BC=256, num_warps=4),
     # post_bwd with COEF (the boundary op's dx pass); BT >= 16 for tl.dot. dl_split: dL phi^T on 16-bit parts as in
     # coef_bwd_x (tested against float64), off: 351 vs 346 us with a bf16 phi, 437 vs 354 with fp32 (round 7 sweeps)
     "bnd_bwd": dict(BT=16, BC=128, num_warps=8, dl_split=False),
@@ -345,11 +343,10 @@ def bwd_tok(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_i
     return dl, dss, part
 
 
-def bwd_x(x, phi, dl, dss, dx=None, h_pre=None, du=None, dx_in=None, u_rows=1, h_res_in=None):
+def bwd_x(x, phi, dl, dss, dx=None, h_pre=None, du=None, dx_in=None, u_rows=1):
     """One pass over x: returns split-partials [splits, nC, M] of dphi = x^T dL; with dx given, also writes
     dx = dL phi^T + 2 x d(sum x^2) (+ h_pre_j du when du is given, + dx_in when given) into it. u_rows: rows of x per
-    row of du (HC's (token, stream) rows). h_res_in [N, n, n]: dx_in is the write-back's incoming gradient G, and
-    dx_j gains sum_i H_ij G_i instead (the write-back's own dx, deferred to this pass)."""
+    row of du (HC's (token, stream) rows)."""
     N, n, C = x.shape
     K, M = n * C, phi.shape[1]
     cx = _cfg("coef_bwd_x" if dx is not None else "bnd_dphi", BK=_np2(K, 16))
@@ -359,12 +356,10 @@ def bwd_x(x, phi, dl, dss, dx=None, h_pre=None, du=None, dx_in=None, u_rows=1, h
     splits = _cdiv(N, tok)
     dphi_part = _new((splits, K, M), torch.float32, x.device)
     with_u = du is not None
-    mix = h_res_in is not None and h_res_in.shape[-1] != 0  # H^res = I ([N, 0, 0]): G is added as it is
     _coef_bwd_x[(kblocks, splits)](
         x, phi, dl, dss, dl if dx is None else dx, dphi_part, h_pre.contiguous() if with_u else dl,
-        du.contiguous() if with_u else dl, dl if dx_in is None else dx_in, h_res_in.contiguous() if mix else dl,
-        N, K, C, x.stride(0), phi.stride(0), tok,
-        NS=n, M=M, MP=_np2(M, 16), HAS_U=with_u, HAS_DX=dx is not None, ACC=dx_in is not None, MIX=mix,
+        du.contiguous() if with_u else dl, dl if dx_in is None else dx_in, N, K, C, x.stride(0), phi.stride(0), tok,
+        NS=n, M=M, MP=_np2(M, 16), HAS_U=with_u, HAS_DX=dx is not None, ACC=dx_in is not None,
         ALIGNED=C % cx["BK"] == 0, BT=cx["BT"], BK=cx["BK"], U_ROWS=u_rows, **_grad_dots(x.dtype, phi.dtype, cx),
         **_launch(cx),
     )
@@ -379,7 +374,7 @@ def _param_grads(phi, bias, alpha, dphi_part, part):
 
 
 def _bwd(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult, h_pre=None, du=None,
-         dx_in=None, h_res_in=None):
+         dx_in=None):
     N, n, C = x.shape
     dx = _new((N, n, C), x.dtype, x.device)
     if N == 0:
@@ -388,7 +383,7 @@ def _bwd(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, 
     phi = _c_contig(phi)
     dl, dss, part = bwd_tok(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult,
                             du=du)
-    dphi_part = bwd_x(x, phi, dl, dss, dx, h_pre=h_pre, du=du, dx_in=dx_in, h_res_in=h_res_in)
+    dphi_part = bwd_x(x, phi, dl, dss, dx, h_pre=h_pre, du=du, dx_in=dx_in)
     return (dx, *_param_grads(phi, bias, alpha, dphi_part, part))
 
 
@@ -460,47 +455,39 @@ def _(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult)
 def _mhc_pre_bwd_body(
     x: Tensor, phi: Tensor, bias: Tensor, alpha: Tensor, lg: Tensor, rinv: Tensor, h_pre: Tensor, du: Tensor,
     d_pre: Tensor, d_post: Tensor, d_res: Tensor, iters: int, eps: float, t_in: bool, t_out: bool,
-    post_mult: float, dx_in: Optional[Tensor] = None, h_res_in: Optional[Tensor] = None,
+    post_mult: float, dx_in: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """dx_in: the gradient x received from its other consumer (`mhc_enter`), added into dx by the same kernel; with
-    h_res_in, the write-back's incoming gradient, mixed back onto the streams here (`bwd_x`)."""
+    """dx_in: the gradient x received from its other consumer (`mhc_enter`), added into dx by the same kernel."""
     return _bwd(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult,
-                h_pre=h_pre, du=du, dx_in=dx_in, h_res_in=h_res_in)
+                h_pre=h_pre, du=du, dx_in=dx_in)
 
 
 mhc_pre_bwd = _op("mhc_pre_bwd", _mhc_pre_bwd_body)
 
 
 @mhc_pre_bwd.register_fake
-def _(x, phi, bias, alpha, lg, rinv, h_pre, du, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult, dx_in=None,
-      h_res_in=None):
+def _(x, phi, bias, alpha, lg, rinv, h_pre, du, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult, dx_in=None):
     return _like(x), _like(phi), _like(bias), _like(alpha)
 
 
 def _mhc_pre_setup(ctx, inputs, output):
     x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult = inputs
-    _, h_pre, _, h_res, lg, rinv = output
-    # h_res: for a deferred write-back's gradient (`defer_write_back`); the write-back keeps it alive anyway
-    ctx.save_for_backward(x, phi, bias, alpha, lg, rinv, h_pre, h_res)
+    _, h_pre, _, _, lg, rinv = output
+    ctx.save_for_backward(x, phi, bias, alpha, lg, rinv, h_pre)
     ctx.opts = (iters, eps, t_in, t_out, post_mult)
     ctx.mark_non_differentiable(lg, rinv)
 
 
 def _mhc_pre_backward(ctx, du, d_pre, d_post, d_res, _dlg, _drinv, dx_next=None):
-    """dx_next (`mhc_enter`): the gradient of the x handed on to the write-back, added in the x pass; when the
-    write-back deferred its dx (ctx.defer_mix), the gradient that reached the write-back's output, mixed here."""
-    x, phi, bias, alpha, lg, rinv, h_pre, h_res = ctx.saved_tensors
+    """dx_next (`mhc_enter`): the gradient of the x handed on to the write-back, added in the x pass."""
+    x, phi, bias, alpha, lg, rinv, h_pre = ctx.saved_tensors
     dh = _dh_zeros(x, phi, d_pre, d_post, d_res)
-    deferred = getattr(ctx, "defer_mix", False) and dx_next is not None
-    if du is None and deferred:
-        du = torch.zeros((x.shape[0], x.shape[2]), dtype=x.dtype, device=x.device)  # the mix is in the fused pass
     if du is None:
         grads = _impl(ctx, coef_bwd)(x, phi, bias, alpha, lg, rinv, *dh, *ctx.opts)
         if dx_next is not None:
             grads = (grads[0] + dx_next, *grads[1:])
     else:
-        grads = _impl(ctx, mhc_pre_bwd)(x, phi, bias, alpha, lg, rinv, h_pre, du, *dh, *ctx.opts, dx_in=dx_next,
-                                        h_res_in=h_res if deferred else None)
+        grads = _impl(ctx, mhc_pre_bwd)(x, phi, bias, alpha, lg, rinv, h_pre, du, *dh, *ctx.opts, dx_in=dx_next)
     return (*grads, None, None, None, None, None, None, None)
 
 
@@ -675,15 +662,13 @@ def _(x, f, h_post, h_res):
     return _like(x)
 
 
-def _post_bwd_run(g, x, f, h_post, h_res, coef=None, with_dx=True):
+def _post_bwd_run(g, x, f, h_post, h_res, coef=None):
     """Launch `_post_bwd_2d`: (dx, df, dh_post, dh_res). coef = (x_next, du, dL, d(sum x^2), h_pre_next, phi): the
-    boundary op's backward, whose dx also carries what x_next received through the next coefficients and u.
-    with_dx = False: no dx (None; the deferred write-back, see `_post_deferred_backward`)."""
+    boundary op's backward, whose dx also carries what x_next received through the next coefficients and u."""
     N, n, C = x.shape
     has_res = h_res.shape[-1] != 0
     dev = x.device
-    dx = _new((N, n, C), x.dtype, dev) if with_dx else None
-    df = _new((N, C), f.dtype, dev)
+    dx, df = _new((N, n, C), x.dtype, dev), _new((N, C), f.dtype, dev)
     dhp = _new((N, n), torch.float32, dev)
     dhr = _new((N, n, n) if has_res else (N, 0, 0), torch.float32, dev)
     if N == 0:
@@ -707,10 +692,10 @@ def _post_bwd_run(g, x, f, h_post, h_res, coef=None, with_dx=True):
         xn, du, hpre, phi = _rows(xn), du.contiguous(), hpre.contiguous(), _c_contig(phi)
         M, dots = phi.shape[1], _grad_dots(x.dtype, phi.dtype, cfg)
     _post_bwd_2d[(_cdiv(N, cfg["BT"]), n_cblk)](
-        x, f, h_post.contiguous(), h_res.contiguous(), g, g if dx is None else dx, df, php, phr, xn, du, dl, dss, hpre,
-        phi, N, C, x.stride(0), x.stride(1), f.stride(0), phi.stride(0),
-        NS=n, HAS_RES=has_res, COEF=coef is not None, M=M, MP=_np2(M, 16), BT=cfg["BT"], BC=cfg["BC"], DX=with_dx,
-        **dots, **_launch(cfg))
+        x, f, h_post.contiguous(), h_res.contiguous(), g, dx, df, php, phr, xn, du, dl, dss, hpre, phi,
+        N, C, x.stride(0), x.stride(1), f.stride(0), phi.stride(0),
+        NS=n, HAS_RES=has_res, COEF=coef is not None, M=M, MP=_np2(M, 16), BT=cfg["BT"], BC=cfg["BC"], **dots,
+        **_launch(cfg))
     if n_cblk > 1:  # the per-C-block partials summed in one launch
         _sum_partials(php, dhp, wpart2=phr if has_res else None, dw2=dhr if has_res else None)
     return dx, df, dhp, dhr
@@ -739,17 +724,6 @@ def _post_backward(ctx, g):
 
 
 post_fwd.register_autograd(_post_backward, setup_context=_post_setup)
-
-
-def _post_deferred_backward(ctx, g):
-    """The write-back after `mhc_enter` (eager; `defer_write_back`): df, dh_post and dH as `_post_backward`, but no dx.
-    x's gradient is handed on as G itself, the gradient of the write-back's output; the entry op's backward, which
-    holds the same H^res, computes sum_i H_ij G_i in its x pass (docs/kernels.md, "The write-back's dx, deferred")."""
-    if g is None:
-        return None, None, None, None
-    x, f, h_post, h_res = ctx.saved_tensors
-    _, df, dhp, dhr = _post_bwd_run(g.contiguous(), x, f, h_post, h_res, with_dx=False)
-    return g, df, dhp.to(h_post.dtype), dhr.to(h_res.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -998,10 +972,9 @@ def _hc_enter_backward(ctx, dx_next, *grads):
 # slow host the GPU then waits for launches. Outside torch.compile the same bodies run under one plain
 # autograd.Function with the same setup / backward functions; under compile (or on fake / traced tensors) the
 # registered custom ops are used, so graphs still see opaque ops with fake implementations.
-def _eager_fn(op, setup, backward, through=False, variant=""):
+def _eager_fn(op, setup, backward, through=False):
     """through: the Function also returns its first input, as its first output (an alias autograd tracks), and
-    backward receives that output's gradient first; under compile the input itself is returned beside the op's.
-    variant: a word in the Function's name, for a second Function around the same op."""
+    backward receives that output's gradient first; under compile the input itself is returned beside the op's."""
     def forward(ctx, *args):
         out = op.plain(*args)
         ctx.eager = True
@@ -1010,7 +983,7 @@ def _eager_fn(op, setup, backward, through=False, variant=""):
         return (args[0], *out) if through else out
 
     # named at creation: autograd names the backward node after the class (e.g. post_fwd_eagerBackward)
-    name = op.plain.__name__.replace("_body", "").strip("_") + ("_through" if through else "") + variant + "_eager"
+    name = op.plain.__name__.replace("_body", "").strip("_") + ("_through" if through else "") + "_eager"
     Fn = type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward)})
 
     def call(*args):
@@ -1018,7 +991,6 @@ def _eager_fn(op, setup, backward, through=False, variant=""):
             return (args[0], *op(*args)) if through else op(*args)
         return Fn.apply(*args)
 
-    call.node_type = Fn._backward_cls  # the type of the autograd node its outputs carry
     return call
 
 
@@ -1028,50 +1000,8 @@ eager = SimpleNamespace(
     mhc_enter=_eager_fn(mhc_pre_fwd, _mhc_pre_setup, _mhc_enter_backward, through=True),
     stream_pre=_eager_fn(pre_fwd, _pre_setup, _pre_backward),
     stream_post_res=_eager_fn(post_fwd, _post_setup, _post_backward),
-    stream_post_res_deferred=_eager_fn(post_fwd, _post_setup, _post_deferred_backward, variant="_deferred"),
     boundary=_eager_fn(bnd_fwd, _bnd_setup, _bnd_backward),
     rms_proj=_eager_fn(rms_proj_fwd, _rms_proj_setup, _rms_proj_backward),
     hc_coef=_eager_fn(hc_coef_fwd, _hc_coef_setup, _hc_coef_backward),
     hc_enter=_eager_fn(hc_enter_fwd, _hc_enter_setup, _hc_enter_backward, through=True),
 )
-
-
-# The write-back's dx, deferred (docs/kernels.md). After `mhc_enter`, the write-back's backward would write
-# dx_j = sum_i H_ij G_i (one stream-sized tensor) for the entry op's x pass to read back; instead the write-back hands
-# G on unchanged and that pass, which reads a stream-sized gradient anyway, applies H^T itself. Sound only because x'
-# (the entry op's through output) goes to this one write-back and H^res is the entry op's own output: both are checked
-# here, and x' is documented as the write-back's (kernels/fused/__init__.py, `mhc_enter`).
-_ENTER_NODE = "_mhc_enter_node"
-
-
-def offer_deferred_write_back(x_view: Tensor, through: Tensor, h_res: Tensor) -> None:
-    """Tag x' (x_view, the entry op's through output as the caller sees it) with the eager entry op's autograd node
-    and the H^res it produced, for `defer_write_back`."""
-    if torch.compiler.is_compiling() or not CONFIG["post_bwd"].get("defer_dx"):
-        return  # compiled: x' is x, and the graph sums x's gradients itself
-    node = through.grad_fn
-    if type(node) is eager.mhc_enter.node_type:
-        setattr(x_view, _ENTER_NODE, (node, h_res))
-
-
-def defer_write_back(x: Tensor, h_res: Optional[Tensor]) -> bool:
-    """True when the write-back of x (x' of an eager `mhc_enter`) with this h_res (the entry's own, or None for its
-    [N, 0, 0]) may hand its incoming gradient on unmixed; marks the entry op's backward to mix it."""
-    if torch.compiler.is_compiling():
-        return False
-    tag = getattr(x, _ENTER_NODE, None)
-    if tag is None:
-        return False
-    node, own = tag
-    if own.shape[-1] == 0:
-        same = h_res is None
-    else:
-        same = h_res is not None and h_res.data_ptr() == own.data_ptr() and h_res.numel() == own.numel() \
-            and h_res.is_contiguous() and h_res.dtype == own.dtype
-    decided = getattr(node, "defer_mix", None)
-    if decided is None:
-        node.defer_mix = same
-    elif decided and not same:  # the entry op's backward mixes all of x''s gradient with its own H^res
-        raise ValueError("mhc_enter's x' feeds a second write-back with another h_res; pass the entry op's own h_res "
-                         "to each, or write back from x itself")
-    return bool(decided if decided is not None else same)
