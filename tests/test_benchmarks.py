@@ -40,6 +40,17 @@ def test_bench_host_times_every_wiring(tmp_path):
                          "HC, hc_coef + stream_pre + stream_post_res (round 7's wiring; A/B)",
                          "HC, parameter operands built outside the step (bound for folding them into the op)"}
     assert all(r["per_sublayer_ms"] > 0 for r in rows.values())
+    # every kernel the ops launch is stubbed, the parameter passes too (they ran under the interpreter before round 11)
+    stubbed = json.loads(path.read_text())["info"]["stubbed_kernels"]
+    assert {"_coef_fwd", "_coef_bwd_x", "_post_bwd_2d", "_phi_pairs", "_param_grad_sum"} <= set(stubbed)
+
+
+def test_bench_host_real_needs_a_gpu(tmp_path):
+    if __import__("torch").cuda.is_available():
+        pytest.skip("a GPU is present: --real would run")
+    proc = subprocess.run([sys.executable, "bench/bench_host.py", "--real"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1] == "--real needs a CUDA device"
 
 
 def test_bench_ddp_repeats_alternate_runs_kernel_config_variants_and_profiles(tmp_path):
