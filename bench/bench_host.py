@@ -113,21 +113,25 @@ def main():
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--out", default=None)
     p.add_argument("--real", action="store_true", help="CUDA, real launches, each timed (read before import)")
+    p.add_argument("--c", type=int, default=64, help="channels: 1024 takes the trainer's launch configs (C blocks)")
+    p.add_argument("--bf16", action="store_true", help="bf16 streams, as the trainer's (always with --real): phi then "
+                   "enters as 16-bit parts, with that path's launches")
     args = p.parse_args()
     if REAL and not torch.cuda.is_available():
         raise SystemExit("--real needs a CUDA device")
     stubbed = time_launches(SPENT) if REAL else stub_launches()
     dev = "cuda" if REAL else "cpu"
     torch.manual_seed(0)
-    c, n = 64, 4
+    c, n = args.c, 4
     cfg = HyperConfig(residual_mode="mhc", n_streams=n, kernel_backend="triton", phi_init="normal", bias_init="a6")
     layers = nn.ModuleList(HyperConnection(nn.Identity(), c, i, cfg) for i in range(args.sublayers))
     hc_cfg = HyperConfig(residual_mode="hc", n_streams=n, kernel_backend="triton", bias_init="hc_identity")
     hc_layers = nn.ModuleList(HyperConnection(nn.Identity(), c, i, hc_cfg) for i in range(args.sublayers))
     layers.to(dev), hc_layers.to(dev)
     params = list(layers.parameters()) + list(hc_layers.parameters())
-    # --real: the trainer's dtypes (bf16 streams, fp32 parameters: phi as 16-bit pairs, one more launch)
-    x = torch.randn(2, 16, n, c, device=dev, dtype=torch.bfloat16 if REAL else torch.float32, requires_grad=True)
+    # --real / --bf16: the trainer's dtypes (bf16 streams, fp32 parameters: phi as 16-bit pairs, one more launch)
+    bf16 = REAL or args.bf16
+    x = torch.randn(2, 16, n, c, device=dev, dtype=torch.bfloat16 if bf16 else torch.float32, requires_grad=True)
 
     def chained(x):
         cfg.chain_sublayers = True  # the layers share cfg: run_sublayers takes the chain only when it says so
@@ -183,7 +187,8 @@ def main():
             line += f", of which {1e3 * launch_ms / args.sublayers:5.0f} us in Triton launches"
         print(line, flush=True)
     info = dict(torch=torch.__version__, python=sys.version.split()[0], threads=torch.get_num_threads(),
-                sublayers=args.sublayers, steps=args.steps, command=" ".join(sys.argv),
+                sublayers=args.sublayers, steps=args.steps, c=args.c, streams="bf16" if bf16 else "fp32",
+                command=" ".join(sys.argv),
                 **{"timed_kernels" if REAL else "stubbed_kernels": stubbed})
     if REAL:
         import triton

@@ -477,7 +477,9 @@ SWEEP = dict(SWEEP_QUICK, **{  # full run, at C=1024: also the kernels every pat
     "coef_bwd_tok": [dict(BT=bt, num_warps=w, BC=bc) for bt, w, bc in [(8, 2, 64), (16, 4, 64), (8, 4, 128), (4, 2, 64)]],
     "coef_tail": [dict(BT=bt, num_warps=w) for bt, w in [(8, 2), (4, 1), (16, 2)]],
     "post_fwd": [dict(BT=bt, BC=bc, num_warps=w) for bt, bc, w in [(4, 256, 4), (8, 256, 8), (2, 512, 4)]],
-    "post_bwd": [dict(BT=bt, BC=bc, num_warps=w) for bt, bc, w in [(4, 256, 4), (8, 128, 4), (2, 512, 4), (4, 512, 8)]],
+    # rows_max_c = 0: the top-level tiles at every C; the last entry is the whole-row variant (ops.CONFIG "rows")
+    "post_bwd": [dict(BT=bt, BC=bc, num_warps=w, rows_max_c=0) for bt, bc, w in
+                 [(4, 256, 4), (8, 128, 4), (2, 512, 4), (4, 512, 8)]] + [dict(rows_max_c=1 << 30)],
 })
 
 

@@ -205,7 +205,7 @@ def config_changed(name, **changes):
 
 # The stream_post_res backward with several C blocks per row (partials summed afterwards) and with one C block per
 # row (direct writes). C=1024 on CUDA: 4 blocks of 256; on CPU (C = 24, 40) 2-3 blocks of 16.
-POST_BWD_TILES = {"partials": dict(BT=8, BC=256 if CUDA else 16), "rows": dict(BT=4, BC=4096)}
+POST_BWD_TILES = {"partials": dict(BT=8, BC=256 if CUDA else 16, rows_max_c=0), "rows": dict(BT=4, BC=4096, rows_max_c=0)}
 
 
 @pytest.mark.parametrize("n,dtype,tiles", [
@@ -281,10 +281,16 @@ def test_mhc_pre_fp32(n, mode):
 
 
 @pytest.mark.parametrize("split_tail", [False, True])
-def test_mhc_pre_bf16_partial_grads_split_tail(split_tail):
-    """bf16 (both phi dtypes), only some outputs used, Sinkhorn in the GEMM kernel or in its own launch."""
+def test_mhc_pre_bf16_partial_grads_split_tail(split_tail, monkeypatch):
+    """bf16 (both phi dtypes), only some outputs used, Sinkhorn in the GEMM kernel or in its own launch (for every
+    tile set: the fp32 phi's 16-bit-part tiles carry their own split_tail). Without a gradient of its own for h_pre
+    the per-token kernel starts dh_pre at zero (`HAS_DPRE` off; checked that both ways ran)."""
     torch.manual_seed(70 + split_tail)
-    with config_changed("coef_fwd", split_tail=split_tail):
+    seen = set()
+    real = ops.bwd_tok
+    monkeypatch.setattr(ops, "bwd_tok", lambda *a, **k: seen.add(a[6] is None) or real(*a, **k))
+    subs = {k: dict(ops.CONFIG["coef_fwd"][k], split_tail=split_tail) for k in ("tf32", "split")}
+    with config_changed("coef_fwd", split_tail=split_tail, **subs):
         lead, c = SHAPES[1]
         for phi_dtype, used in ((torch.float32, (True, False, True, True)), (torch.bfloat16, (False, True, True, True)),
                                 (torch.float32, (True, True, False, False))):
@@ -293,6 +299,7 @@ def test_mhc_pre_bf16_partial_grads_split_tail(split_tail):
         # 20 iterations on saturated logits (near-permutation H^res): the O(iters) Sinkhorn walk-back
         inputs = _coef_inputs(SHAPES[0][0], SHAPES[0][1], 4, torch.float32, gate=10.0)
         _run_pre(inputs, torch.float32, sinkhorn_iters=20)
+    assert seen == {True, False}
 
 
 @pytest.mark.parametrize("u_inside_max_c", [0, 4096])
@@ -452,6 +459,31 @@ def test_mhc_enter_then_write_back_matches_reference(n, dtype, mode, monkeypatch
     for name, a, b in grads:
         check(a, b, t_g, name)
     assert seen == [True]
+
+
+def test_the_trainers_sublayer_takes_no_avoidable_launch(monkeypatch):
+    """With the trainer's dtypes (bf16 streams, fp32 phi as 16-bit parts) and C <= 1024: Sinkhorn runs in the GEMM
+    kernel (no `_coef_tail`), the write-back's backward writes whole rows (no partials to sum: one `_param_grad_sum`,
+    the coefficients'), and no zero dh_pre is made (h_pre reaches the loss only through u). With a bf16 phi the tail
+    keeps its own launch; above rows_max_c the write-back sums its per-C-block partials."""
+    calls = []
+    for name in ("_coef_tail", "_param_grad_sum"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, type("Counted", (), {"__getitem__": lambda self, grid, n=name, r=real: (
+            calls.append(n) or r[grid])})())
+    zeros = torch.zeros
+    monkeypatch.setattr(torch, "zeros", lambda *a, **k: calls.append("zeros") or zeros(*a, **k))
+    torch.manual_seed(91)
+    lead, c = SHAPES[1]
+    for phi_dtype, rows_max_c, want in ((torch.float32, 1024, ["_param_grad_sum"]),
+                                        (torch.bfloat16, 1024, ["_coef_tail", "_param_grad_sum"]),
+                                        (torch.float32, 0, ["_param_grad_sum", "_param_grad_sum"])):
+        inputs = _coef_inputs(lead, c, 4, torch.bfloat16, phi_dtype=phi_dtype) + [_leaf(torch.randn(c, device=DEV))]
+        calls.clear()
+        with config_changed("post_bwd", rows_max_c=rows_max_c, BC=16):
+            out, _ = _enter_block(fused, *inputs, MHCOptions(sinkhorn_iters=ITERS))
+            out.float().sum().backward()
+        assert sorted(calls) == sorted(want), (phi_dtype, rows_max_c, calls)
 
 
 @pytest.mark.parametrize("m", [3, 6, 10, 20])  # n + 2 for n = 1, 4, 8; and wider

@@ -245,12 +245,13 @@ def _hc_tail(lg_ptr, rinv, st_ptr, hpre_ptr, hpost_ptr, hres_ptr, rows64, rmask,
 @triton.jit(do_not_specialize=["R"])
 def _hc_tail_bwd(lg_ptr, rinv_ptr, st_ptr, dpre_ptr, dpost_ptr, dres_ptr, dl_ptr, dss_ptr, part_ptr, x_ptr, du_ptr, R,
                  C, inv_c, M: tl.constexpr, NH: tl.constexpr, TANH: tl.constexpr, PW: tl.constexpr, BT: tl.constexpr,
-                 HAS_U: tl.constexpr = False, BC: tl.constexpr = 16):
+                 HAS_U: tl.constexpr = False, BC: tl.constexpr = 16, HAS_DPRE: tl.constexpr = True):
     """Backward of `_hc_tail` and of y = L / r for a block of rows: dL = dy / r and d(sum x^2) (what `_coef_bwd_x`
     turns into dx and dw), and this program's partial sums of the static parameters' gradients (part [programs, PW],
     laid out as st_ptr; summed afterwards: deterministic, no atomics).
     HAS_U (`hc_enter`, where the op also computed u = sum_i h_pre_i x_i): dh_pre of row (t, i) first gains
-    <du_t, x_ti>, reading the block's rows of x (x_ptr, [R, C]) and their tokens' du (du_ptr, [R / NH, C])."""
+    <du_t, x_ti>, reading the block's rows of x (x_ptr, [R, C]) and their tokens' du (du_ptr, [R / NH, C]).
+    HAS_DPRE = False: h_pre had no gradient of its own (only through u): dh_pre starts at zero, nothing is read."""
     pid = tl.program_id(0)
     rows64, rmask, jj, m2 = _row_block(R, BT, NH)
     i = rows64 % NH
@@ -260,7 +261,10 @@ def _hc_tail_bwd(lg_ptr, rinv_ptr, st_ptr, dpre_ptr, dpost_ptr, dres_ptr, dl_ptr
     s_beta = tl.load(st_ptr)
     s_alpha = tl.load(st_ptr + 1)
     g0 = tl.load(dpost_ptr + rows64, mask=rmask, other=0.0)
-    g1 = tl.load(dpre_ptr + rows64, mask=rmask, other=0.0)
+    if HAS_DPRE:
+        g1 = tl.load(dpre_ptr + rows64, mask=rmask, other=0.0)
+    else:
+        g1 = tl.zeros([BT], dtype=tl.float32)
     if HAS_U:  # the NH rows of a token share its du row (cache hits after the first)
         for c0 in range(0, C, BC):
             cc = c0 + tl.arange(0, BC)
@@ -342,8 +346,10 @@ def _coef_bwd_tok(
     lg_ptr, rinv_ptr, bias_ptr, alpha_ptr, dpre_ptr, dpost_ptr, dres_ptr, dl_ptr, dss_ptr, part_ptr, sc_ptr,
     x_ptr, du_ptr, N, K, C, stride_x, iters, eps, post_mult,
     NS: tl.constexpr, M: tl.constexpr, HAS_RES: tl.constexpr, T_IN: tl.constexpr, T_OUT: tl.constexpr,
-    HAS_U: tl.constexpr, BT: tl.constexpr, PW: tl.constexpr, BC: tl.constexpr,
+    HAS_U: tl.constexpr, BT: tl.constexpr, PW: tl.constexpr, BC: tl.constexpr, HAS_DPRE: tl.constexpr = True,
 ):
+    """HAS_DPRE = False: h_pre had no gradient of its own (the model reads it only through u): dh_pre starts at zero
+    (no zero tensor is made and filled for it)."""
     pid = tl.program_id(0)
     rows64, rmask, nn, tok = _row_block(N, BT, NS)
     rinv = tl.load(rinv_ptr + rows64, mask=rmask, other=0.0)
@@ -352,7 +358,10 @@ def _coef_bwd_tok(
     # masked rows load dh = 0, so they contribute nothing to any reduction below
     l_pre = tl.load(lg_ptr + rows64[:, None] * M + nn[None, :], mask=tok, other=0.0)
     s = tl.sigmoid(a_pre * rinv[:, None] * l_pre + tl.load(bias_ptr + nn).to(tl.float32)[None, :])
-    dh_pre = tl.load(dpre_ptr + rows64[:, None] * NS + nn[None, :], mask=tok, other=0.0)
+    if HAS_DPRE:
+        dh_pre = tl.load(dpre_ptr + rows64[:, None] * NS + nn[None, :], mask=tok, other=0.0)
+    else:
+        dh_pre = tl.zeros([BT, NS], dtype=tl.float32)
     if HAS_U:
         # fused pre op: u = sum_j h_pre_j x_j adds <du, x_j> to dh_pre_j (one read of du and x here)
         for c0 in range(0, C, BC):

@@ -37,10 +37,13 @@ CONFIG = {
     # stream_pre's streaming kernel computes u after the GEMM (round 6: 161 vs 186 us at C = 1024, 212 vs 184 at
     # C = 2048; with an fp32 phi 280 vs 208 at C = 1024). With phi as 16-bit parts (`split`, the trainer's) u comes
     # after the GEMM too: trainer step 81.2 / 81.4 vs 82.5 / 82.4 ms, alternating runs (round 9, docs/benchmarks.md).
-    # tf32: the tiles with an fp32 phi (the trainer's), where BK = 128 at 8 warps spills (kernel_resources.py)
+    # tf32: the tiles with an fp32 phi (the trainer's), where BK = 128 at 8 warps spills (kernel_resources.py).
+    # split (phi as 16-bit parts, the trainer's): Sinkhorn in the GEMM kernel; its own launch tied on GPU time in the
+    # trainer (78.05 vs 78.29 and 79.24 vs 79.11 ms of kernels per step, round 10) and costs a launch per sublayer of
+    # host time (19-35 us each on the H200's host, round 11, docs/benchmarks.md)
     "coef_fwd": dict(BT=64, BK=128, num_warps=8, num_stages=3, BC=16, split_tail=True, phi_split="interleaved",
                      u_inside_max_c=1024, tf32=dict(BT=128, BK=64, num_warps=4, u_inside_max_c=0),
-                     split=dict(BT=64, BK=64, num_warps=4, u_inside_max_c=0)),
+                     split=dict(BT=64, BK=64, num_warps=4, u_inside_max_c=0, split_tail=False)),
     # HC's projection (`_coef_fwd`, one stream per row, K = C, no tail): the tile HC was measured with (round 5)
     "rms_proj": dict(BT=64, BK=64, num_warps=4, num_stages=3),
     # HC's tail backward (`_hc_tail_bwd`, per row, a few floats each; BC: C tile of hc_enter's <du, x_i>): not swept
@@ -61,8 +64,10 @@ CONFIG = {
     "pre_bwd": dict(BT=4, BC=256, num_warps=4),
     "post_fwd": dict(BT=4, BC=256, num_warps=4),
     # the forward's grid (token block x C block), no C loop; per-C-block partials of dH / dh_post summed
-    # afterwards (BC >= C: whole rows, written directly)
-    "post_bwd": dict(BT=4, BC=256, num_warps=4),
+    # afterwards (BC >= C: whole rows, written directly). rows: the tiles up to C = rows_max_c, whole rows (no
+    # partials, no summing launch): trainer kernels 78.01 vs 78.05 ms per step (round 10), one launch and two
+    # allocations less per sublayer of host time (round 11)
+    "post_bwd": dict(BT=4, BC=256, num_warps=4, rows_max_c=1024, rows=dict(BT=2, BC=1024, num_warps=8)),
     # post_bwd with COEF (the boundary op's dx pass); BT >= 16 for tl.dot. dl_split: dL phi^T on 16-bit parts as in
     # coef_bwd_x (tested against float64), off: 351 vs 346 us with a bf16 phi, 437 vs 354 with fp32 (round 7 sweeps)
     "bnd_bwd": dict(BT=16, BC=128, num_warps=8, dl_split=False),
@@ -321,7 +326,7 @@ def _(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult)
 
 def bwd_tok(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult, du=None):
     """Per token: dh_* (+ <du, x_j> into dh_pre when du is given) -> dL [N, M], d(sum x^2) [N], and per-program
-    bias / alpha partials [programs, M + 3]."""
+    bias / alpha partials [programs, M + 3]. d_pre None: zero (read by no one)."""
     N, n, C = x.shape
     M = phi.shape[1]
     has_res = M == n * n + 2 * n
@@ -335,9 +340,10 @@ def bwd_tok(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_i
     sc = torch.empty(((2 * iters - 1) * N * n) if has_res else 1, dtype=torch.float32, device=dev)
     with_u = du is not None
     _coef_bwd_tok[(n_prog,)](
-        lg, rinv, bias.contiguous(), alpha.contiguous(), d_pre.contiguous(), d_post.contiguous(), d_res.contiguous(),
-        dl, dss, part, sc, x, du.contiguous() if with_u else x, N, n * C, C, x.stride(0), iters, eps, post_mult,
-        NS=n, M=M, HAS_RES=has_res, T_IN=t_in, T_OUT=t_out, HAS_U=with_u, BT=ct["BT"], PW=pw,
+        lg, rinv, bias.contiguous(), alpha.contiguous(), lg if d_pre is None else d_pre.contiguous(), d_post.contiguous(),
+        d_res.contiguous(), dl, dss, part, sc, x, du.contiguous() if with_u else x, N, n * C, C, x.stride(0), iters, eps,
+        post_mult, NS=n, M=M, HAS_RES=has_res, T_IN=t_in, T_OUT=t_out, HAS_U=with_u, HAS_DPRE=d_pre is not None,
+        BT=ct["BT"], PW=pw,
         BC=min(ct.get("BC", 16), _np2(C, 16)), **_launch(ct),
     )
     return dl, dss, part
@@ -389,7 +395,7 @@ def _bwd(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, 
 
 def _coef_bwd_body(
     x: Tensor, phi: Tensor, bias: Tensor, alpha: Tensor, lg: Tensor, rinv: Tensor,
-    d_pre: Tensor, d_post: Tensor, d_res: Tensor, iters: int, eps: float, t_in: bool, t_out: bool,
+    d_pre: Optional[Tensor], d_post: Tensor, d_res: Tensor, iters: int, eps: float, t_in: bool, t_out: bool,
     post_mult: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return _bwd(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult)
@@ -411,16 +417,18 @@ def _coef_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(lg, rinv)
 
 
-def _or_zeros(device, *grads_and_shapes) -> tuple[Tensor, ...]:
-    """Each coefficient gradient, or fp32 zeros of its shape where autograd left it out (an output nothing used)."""
-    return tuple(torch.zeros(shape, dtype=torch.float32, device=device) if g is None else g
-                 for g, shape in grads_and_shapes)
+def _or_zeros(device, d_pre, *grads_and_shapes) -> tuple[Optional[Tensor], ...]:
+    """The coefficient gradients: d_pre as autograd gave it (None when h_pre was read only through u, as the model
+    does; the kernels then take it as zero without a tensor, `HAS_DPRE`), the others or fp32 zeros of their shapes
+    where autograd left them out (an output nothing used)."""
+    return (d_pre, *(torch.zeros(shape, dtype=torch.float32, device=device) if g is None else g
+                     for g, shape in grads_and_shapes))
 
 
 def _dh_zeros(x, phi, d_pre, d_post, d_res):
     N, n = x.shape[0], x.shape[1]
     res = (N, n, n) if phi.shape[1] == n * n + 2 * n else (N, 0, 0)
-    return _or_zeros(x.device, (d_pre, (N, n)), (d_post, (N, n)), (d_res, res))
+    return _or_zeros(x.device, d_pre, (d_post, (N, n)), (d_res, res))
 
 
 def _coef_backward(ctx, d_pre, d_post, d_res, _dlg, _drinv):
@@ -454,7 +462,7 @@ def _(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult)
 
 def _mhc_pre_bwd_body(
     x: Tensor, phi: Tensor, bias: Tensor, alpha: Tensor, lg: Tensor, rinv: Tensor, h_pre: Tensor, du: Tensor,
-    d_pre: Tensor, d_post: Tensor, d_res: Tensor, iters: int, eps: float, t_in: bool, t_out: bool,
+    d_pre: Optional[Tensor], d_post: Tensor, d_res: Tensor, iters: int, eps: float, t_in: bool, t_out: bool,
     post_mult: float, dx_in: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """dx_in: the gradient x received from its other consumer (`mhc_enter`), added into dx by the same kernel."""
@@ -675,7 +683,7 @@ def _post_bwd_run(g, x, f, h_post, h_res, coef=None):
         return dx, df, dhp, dhr
     x, f, g = _c_contig(x), _c_contig(f), g.contiguous()
     if coef is None:
-        cfg = _cfg("post_bwd", BC=_np2(C, 16))
+        cfg = _cfg("post_bwd", "rows" if C <= CONFIG["post_bwd"]["rows_max_c"] else None, BC=_np2(C, 16))
     else:
         cfg = _cfg("bnd_bwd", BC=min(_np2(C, 16), _phi_rows_cap(n, coef[5].shape[1])))
     n_cblk = _cdiv(C, cfg["BC"])
@@ -750,7 +758,8 @@ def _(x, f, h_post, h_res, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, p
 
 def _bnd_bwd_body(
     x: Tensor, f: Tensor, h_post: Tensor, h_res: Tensor, phi: Tensor, bias: Tensor, alpha: Tensor, x_next: Tensor,
-    lg: Tensor, rinv: Tensor, h_pre2: Tensor, g: Tensor, du: Tensor, d_pre: Tensor, d_post: Tensor, d_res: Tensor,
+    lg: Tensor, rinv: Tensor, h_pre2: Tensor, g: Tensor, du: Tensor, d_pre: Optional[Tensor], d_post: Tensor,
+    d_res: Tensor,
     iters: int, eps: float, t_in: bool, t_out: bool, post_mult: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dx, df, dh_post, dh_res, dphi, dbias, dalpha): one dx, from the per-token coefficient backward (dL, d(sum x^2))
@@ -831,7 +840,7 @@ def _(x, w, statics, n, eps, tanh):
             x.new_empty((R, w.shape[1]), **f32), x.new_empty((R,), **f32))
 
 
-def _hc_bwd(d_pre: Tensor, d_post: Tensor, d_res: Tensor, x: Tensor, w: Tensor, statics: Tensor, lg: Tensor,
+def _hc_bwd(d_pre: Optional[Tensor], d_post: Tensor, d_res: Tensor, x: Tensor, w: Tensor, statics: Tensor, lg: Tensor,
             rinv: Tensor, n: int, tanh: bool, h_pre: Optional[Tensor] = None, du: Optional[Tensor] = None,
             dx_in: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """dx, dw and the statics' gradient: the tail's backward per row (`_hc_tail_bwd`: dL and d(sum x^2), partial
@@ -851,9 +860,9 @@ def _hc_bwd(d_pre: Tensor, d_post: Tensor, d_res: Tensor, x: Tensor, w: Tensor, 
     dl, dss = _new((R, M), torch.float32, x.device), _new((R,), torch.float32, x.device)
     part = _new((programs, statics.shape[0]), torch.float32, x.device)
     _hc_tail_bwd[(programs,)](
-        lg, rinv, statics, d_pre.contiguous(), d_post.contiguous(), d_res.contiguous(), dl, dss, part, x,
-        du if with_u else x, R, C, 1.0 / C, M=M, NH=n, TANH=tanh, PW=statics.shape[0], BT=cfg["BT"], HAS_U=with_u,
-        BC=cfg["BC"], **_launch(cfg))
+        lg, rinv, statics, lg if d_pre is None else d_pre.contiguous(), d_post.contiguous(), d_res.contiguous(), dl, dss,
+        part, x, du if with_u else x, R, C, 1.0 / C, M=M, NH=n, TANH=tanh, PW=statics.shape[0], BT=cfg["BT"],
+        HAS_U=with_u, BC=cfg["BC"], HAS_DPRE=d_pre is not None, **_launch(cfg))
     dw = bwd_x(x.view(R, 1, C), _c_contig(w), dl, dss, dx.view(R, 1, C), h_pre=h_pre if with_u else None, du=du,
                dx_in=None if dx_in is None else _c_contig(dx_in).view(R, 1, C), u_rows=n)
     dw_sum, dstatics = _new(w.shape, w.dtype, w.device), _new((part.shape[1],), torch.float32, x.device)
@@ -861,7 +870,7 @@ def _hc_bwd(d_pre: Tensor, d_post: Tensor, d_res: Tensor, x: Tensor, w: Tensor, 
     return dx, dw_sum, dstatics
 
 
-def _hc_coef_bwd_body(d_pre: Tensor, d_post: Tensor, d_res: Tensor, x: Tensor, w: Tensor, statics: Tensor,
+def _hc_coef_bwd_body(d_pre: Optional[Tensor], d_post: Tensor, d_res: Tensor, x: Tensor, w: Tensor, statics: Tensor,
                       lg: Tensor, rinv: Tensor, n: int, tanh: bool) -> tuple[Tensor, Tensor, Tensor]:
     return _hc_bwd(d_pre, d_post, d_res, x, w, statics, lg, rinv, n, tanh)
 
@@ -881,8 +890,8 @@ def _hc_coef_setup(ctx, inputs, output):
     ctx.n, ctx.tanh = n, tanh
 
 
-def _hc_dh_zeros(rows: int, n: int, device, d_pre, d_post, d_res) -> tuple[Tensor, ...]:
-    return _or_zeros(device, (d_pre, (rows,)), (d_post, (rows,)), (d_res, (rows // n, n, n)))
+def _hc_dh_zeros(rows: int, n: int, device, d_pre, d_post, d_res) -> tuple[Optional[Tensor], ...]:
+    return _or_zeros(device, d_pre, (d_post, (rows,)), (d_res, (rows // n, n, n)))
 
 
 def _hc_coef_backward(ctx, d_pre, d_post, d_res, _dlg, _drinv):
@@ -922,7 +931,7 @@ def _(x, w, statics, eps, tanh):
             x.new_empty((N, n, n), **f32), x.new_empty((N * n, w.shape[1]), **f32), x.new_empty((N * n,), **f32))
 
 
-def _hc_enter_bwd_body(d_pre: Tensor, d_post: Tensor, d_res: Tensor, du: Optional[Tensor], x: Tensor, w: Tensor,
+def _hc_enter_bwd_body(d_pre: Optional[Tensor], d_post: Tensor, d_res: Tensor, du: Optional[Tensor], x: Tensor, w: Tensor,
                        statics: Tensor, lg: Tensor, rinv: Tensor, h_pre: Tensor, tanh: bool,
                        dx_in: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """dx [N, n, C] (with h_pre_i du and dx_in, the write-back's gradient of x, added in the same pass), dw, dstatics."""
