@@ -455,8 +455,8 @@ SWEEP_QUICK = {
            for bt, bk, w, st, pp, sp in _XPASS]
     for name in ("coef_bwd_x", "bnd_dphi")
 }
-# HC's tail backward with hc_enter's <du, x> loop: the default tile spills 1480 B on sm_90 under Triton 3.9
-# (bench/kernel_resources.py); untimed on the GPU (round 8)
+# HC's tail backward with hc_enter's <du, x> loop: untimed on the GPU (round 8's reason, a spill, came from a
+# kernel_resources.py compile without the launch's divisibility attributes; with them: 164 registers, no spill)
 SWEEP_QUICK["hc_tail_bwd"] = [dict(BT=bt, BC=bc, num_warps=w) for bt, bc, w in
                               [(128, 64, 4), (128, 16, 4), (64, 32, 4), (32, 64, 4), (128, 64, 8)]]
 if PHI_DT == torch.float32:  # an fp32 phi (the trainer's): tf32 dots at the tf32 tiles, or phi as two 16-bit parts

@@ -6,7 +6,10 @@ Each kernel is compiled ahead of time by Triton for the target (sm_90 = H100 / H
 pass on the model's path (bf16 stream, n = 4, ops.CONFIG's tiles at C = 1024), and the PTX is assembled with
 the ptxas that ships with Triton. Too many registers per thread cap the CTAs an SM can hold (65536
 registers per SM), and a stack frame (spills) turns register traffic into local-memory traffic: both are read
-before a GPU run. cuobjdump (shipped with Triton) reads the cubin Triton assembled.
+before a GPU run. cuobjdump (shipped with Triton) reads the cubin Triton assembled. Pointers and the integers a launch
+specialises carry the 16-divisibility a real launch gives them (`divisible_args`). Use the GPU machine's Triton
+(3.6: `pip install --target DIR triton==3.6.0` and PYTHONPATH=DIR): so run, it matched ncu's register counts on the
+H200 (round 11, docs/kernels.md); another Triton version compiles another program.
 """
 import argparse
 import inspect
@@ -85,6 +88,9 @@ def cases():
          dict(res, HAS_U=True, PW=M + 3, **_tiles("coef_bwd_tok", "BT", "BC")), {"x_ptr", "du_ptr"}, "coef_bwd_tok"),
         ("coef bwd x pass (dx + dphi, mhc_enter)", _coef_bwd_x,
          dict(xpass("coef_bwd_x"), HAS_U=True, HAS_DX=True, ACC=True), {"x_ptr", "phi_ptr", "dx_ptr", "du_ptr", "dxin_ptr"}, "coef_bwd_x"),
+        ("coef bwd x pass, fp32 phi (the trainer's)", _coef_bwd_x,
+         dict(xpass("coef_bwd_x"), HAS_U=True, HAS_DX=True, ACC=True, PHI_LO=True),
+         {"x_ptr", "dx_ptr", "du_ptr", "dxin_ptr"}, "coef_bwd_x"),
         ("boundary bwd dphi pass", _coef_bwd_x, dict(xpass("bnd_dphi"), HAS_U=False, HAS_DX=False),
          {"x_ptr", "phi_ptr", "dx_ptr", "du_ptr"}, "bnd_dphi"),
         ("boundary bwd 2-D pass", _post_bwd_2d,
@@ -101,6 +107,22 @@ def cases():
     ]
 
 
+def divisible_args(kernel, constexprs) -> list[str]:
+    """The arguments a real launch specialises as divisible by 16 (Triton's "tt.divisibility" attribute, which lets it
+    vectorise loads and stores): every pointer (torch allocations are aligned) and every integer the kernel does not
+    mark do_not_specialize (C, K, strides at the model's shapes) except phi's row stride, M = n^2 + 2n (24 at n = 4;
+    48, divisible, for the interleaved pairs of SPLIT = 2). Without these the compiled code is another program:
+    scalar accesses and far more registers than the GPU's (round 11: 255 + spills for the x pass vs ncu's 187)."""
+    out = []
+    for q in kernel.params:
+        if q.is_constexpr or q.name in constexprs or q.name in FLOATS or q.do_not_specialize:
+            continue
+        if q.name == "stride_phi" and constexprs.get("SPLIT") != 2:
+            continue
+        out.append(q.name)
+    return out
+
+
 def compile_one(kernel, constexprs, bf16, launch, arch):
     names = kernel.arg_names
     # constexprs a case leaves out keep their defaults (else the signature would make them runtime integers)
@@ -108,7 +130,8 @@ def compile_one(kernel, constexprs, bf16, launch, arch):
                      and q.default is not inspect.Parameter.empty}, **constexprs}
     sig = {n: "constexpr" if n in constexprs else ("*bf16" if n in bf16 else "*fp32") if n.endswith("_ptr")
            else "fp32" if n in FLOATS else "i32" for n in names}
-    src = ASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible_args(kernel, constexprs)}
+    src = ASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
     opts = {k: v for k, v in launch.items() if k in ("num_warps", "num_stages")}
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
     # the cubin Triton assembled (with the ptxas it picks for the target); cuobjdump reads its resource usage

@@ -124,3 +124,26 @@ def test_idle_gaps_charges_each_gap_to_the_host_ops_that_launched_the_work_after
     outer = {r["name"]: r["us_per_step"] for r in got["by_outer_ops"]}
     assert outer == {"autograd::engine::evaluate_function: MulBackward0 > aten::mul": 15.0, "aten::add": 25.0}
     assert got["by_inner_op"][0]["name"] == "aten::add"  # largest first
+
+
+def test_kernel_resources_compiles_with_the_launchs_divisibility():
+    """bench/kernel_resources.py gives the AOT compile what a launch gives it: 16-divisible pointers and specialised
+    integers (not do_not_specialize ones, not phi's row stride M = 24). Without them it compiled scalar code whose
+    registers matched nothing on the GPU (round 11). In its own process: the compiler, not the interpreter."""
+    script = """
+import sys
+sys.path.insert(0, "bench")
+import kernel_resources as kr
+from mhc_lightning.kernels.fused.coefficients import _coef_bwd_x
+from mhc_lightning.kernels.fused.stream_pre import _pre_fwd
+args = kr.divisible_args(_pre_fwd, dict(NS=4, BT=4, BC=512))
+assert set(args) == {"x_ptr", "h_ptr", "u_ptr", "C", "stride_xt", "stride_xn"}, args  # N: do_not_specialize
+xpass = kr.divisible_args(_coef_bwd_x, kr.xpass("coef_bwd_x"))
+assert "stride_phi" not in xpass and "N" not in xpass and "tok_per_split" not in xpass and "K" in xpass, xpass
+r = kr.compile_one(_pre_fwd, dict(NS=4, BT=4, BC=512), {"x_ptr", "u_ptr"}, dict(num_warps=4), 90)
+assert 0 < r["registers"] <= 255 and r["stack_bytes"] == 0 and r["ctas_per_sm_by_registers"] >= 1, r
+print("ok", r["registers"])
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stdout[-2000:] + proc.stderr[-2000:]

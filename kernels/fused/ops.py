@@ -37,7 +37,8 @@ CONFIG = {
     # stream_pre's streaming kernel computes u after the GEMM (round 6: 161 vs 186 us at C = 1024, 212 vs 184 at
     # C = 2048; with an fp32 phi 280 vs 208 at C = 1024). With phi as 16-bit parts (`split`, the trainer's) u comes
     # after the GEMM too: trainer step 81.2 / 81.4 vs 82.5 / 82.4 ms, alternating runs (round 9, docs/benchmarks.md).
-    # tf32: the tiles with an fp32 phi (the trainer's), where BK = 128 at 8 warps spills (kernel_resources.py).
+    # tf32: the tiles with an fp32 phi as tf32 (phi_split false); BK = 128 at 8 warps needs 80 KiB of shared memory
+    # (kernel_resources.py under Triton 3.6, round 11).
     # split (phi as 16-bit parts, the trainer's): Sinkhorn in the GEMM kernel; its own launch tied on GPU time in the
     # trainer (78.05 vs 78.29 and 79.24 vs 79.11 ms of kernels per step, round 10) and costs a launch per sublayer of
     # host time (19-35 us each on the H200's host, round 11, docs/benchmarks.md)
