@@ -363,6 +363,7 @@ def bwd_x(x, phi, dl, dss, dx=None, h_pre=None, du=None, dx_in=None, u_rows=1):
 
 
 def _x_pass(x, phi, dl, dss, dx=None, h_pre=None, du=None, dx_in=None, u_rows=1, dphi=True):
+    """One `_coef_bwd_x` launch (see bwd_x); dphi = False: dx only, returns None."""
     N, n, C = x.shape
     K, M = n * C, phi.shape[1]
     cx = _cfg("coef_bwd_x" if dx is not None else "bnd_dphi", BK=_np2(K, 16))
