@@ -27,6 +27,7 @@ if not REAL:
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
+import triton  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
@@ -63,18 +64,12 @@ def kernel_names() -> list[str]:
     return sorted(k for k, v in vars(ops).items() if isinstance(v, (JITFunction, InterpretedFunction)))
 
 
-def stub_launches() -> list[str]:
-    """Replace every fused kernel, as the ops module calls it, by a no-op launcher (the kernel modules keep theirs)."""
+def replace_launches(wrap) -> list[str]:
+    """Replace every fused kernel, as the ops module calls it, by wrap(kernel, name) (the kernel modules keep theirs):
+    a no-op launcher (stubbed) or a timed one (--real)."""
     names = kernel_names()
     for k in names:
-        setattr(ops, k, _NoLaunch())
-    return names
-
-
-def time_launches(spent: dict) -> list[str]:
-    names = kernel_names()
-    for k in names:
-        setattr(ops, k, _TimedLaunch(getattr(ops, k), spent, k))
+        setattr(ops, k, wrap(getattr(ops, k), k))
     return names
 
 
@@ -119,7 +114,7 @@ def main():
     args = p.parse_args()
     if REAL and not torch.cuda.is_available():
         raise SystemExit("--real needs a CUDA device")
-    stubbed = time_launches(SPENT) if REAL else stub_launches()
+    stubbed = replace_launches((lambda fn, k: _TimedLaunch(fn, SPENT, k)) if REAL else (lambda fn, k: _NoLaunch()))
     dev = "cuda" if REAL else "cpu"
     torch.manual_seed(0)
     c, n = args.c, 4
@@ -191,7 +186,6 @@ def main():
                 command=" ".join(sys.argv),
                 **{"timed_kernels" if REAL else "stubbed_kernels": stubbed})
     if REAL:
-        import triton
         info.update(triton=triton.__version__, gpu=torch.cuda.get_device_name())
     if args.out:
         with open(args.out, "w") as fh:
