@@ -455,7 +455,6 @@ SWEEP_QUICK = {
            for bt, bk, w, st, pp, sp in _XPASS]
     for name in ("coef_bwd_x", "bnd_dphi")
 }
-SWEEP_QUICK["coef_bwd_x"].append(dict(split_dphi=True))  # dx and dphi in two launches (round 11: 128 + 47 registers)
 # HC's tail backward with hc_enter's <du, x> loop: untimed on the GPU (round 8's reason, a spill, came from a
 # kernel_resources.py compile without the launch's divisibility attributes; with them: 164 registers, no spill)
 SWEEP_QUICK["hc_tail_bwd"] = [dict(BT=bt, BC=bc, num_warps=w) for bt, bc, w in

@@ -363,8 +363,7 @@ def test_bwd_x_adds_the_other_consumers_gradient():
 def test_x_pass_on_16_bit_parts(n, phi_dtype):
     """`_coef_bwd_x` SPLIT (CONFIG dl_split): dL and phi enter the dots as bf16 hi + lo parts. The phi gradient
     x^T dL and dx (into an fp32 buffer) keep 16 mantissa bits of dL and phi (checked at 1e-4 against float64, tighter
-    than tf32's 11 bits allow), in one pass or in two (split_dphi); then the whole pre op and the boundary op with it
-    against the float64 composition (two passes at n = 4)."""
+    than tf32's 11 bits allow); then the whole pre op and the boundary op with it against the float64 composition."""
     torch.manual_seed(79 + n)
     lead, c = SHAPES[1]
     x, phi, _, _ = _coef_inputs(lead, c, n, torch.bfloat16, phi_dtype=phi_dtype)
@@ -372,18 +371,15 @@ def test_x_pass_on_16_bit_parts(n, phi_dtype):
     N = x.shape[0]
     dl, dss = torch.randn(N, phi.shape[1], device=DEV), torch.randn(N, device=DEV)
     h_pre, du = torch.rand(N, n, device=DEV), torch.randn(N, c, device=DEV).to(x.dtype)
-    xd, dld = x.double().reshape(N, -1), dl.double()
-    ref_dx = (dld @ phi.double().t()).reshape(N, n, c) + 2 * x.double() * dss.double()[:, None, None] \
-        + h_pre.double()[:, :, None] * du.double()[:, None, :]
-    for split_dphi in (False, True):  # dx and dphi in one pass, or in two (CONFIG coef_bwd_x split_dphi)
-        with config_changed("coef_bwd_x", dl_split=True, split_dphi=split_dphi), \
-                config_changed("bnd_dphi", dl_split=True):
-            dx = torch.empty(x.shape, device=DEV)  # an fp32 dx buffer: the kernel stores in its dtype, no bf16 rounding
-            dphi = torch.empty(phi.shape, device=DEV)  # fp32: no rounding to a bf16 phi's dtype
-            ops._sum_partials(ops.bwd_x(x, phi, dl, dss, dx, h_pre=h_pre, du=du), dphi)
-            check(dphi, xd.t() @ dld, 1e-4, f"dphi, split_dphi {split_dphi}")
-            check(dx, ref_dx, 1e-4, f"dx, split_dphi {split_dphi}")
-    with config_changed("coef_bwd_x", dl_split=True, split_dphi=n == 4), config_changed("bnd_dphi", dl_split=True):
+    with config_changed("coef_bwd_x", dl_split=True), config_changed("bnd_dphi", dl_split=True):
+        dx = torch.empty(x.shape, device=DEV)  # an fp32 dx buffer: the kernel stores in its dtype, no bf16 rounding
+        dphi = torch.empty(phi.shape, device=DEV)  # fp32: no rounding to a bf16 phi's dtype
+        ops._sum_partials(ops.bwd_x(x, phi, dl, dss, dx, h_pre=h_pre, du=du), dphi)
+        xd, dld = x.double().reshape(N, -1), dl.double()
+        check(dphi, xd.t() @ dld, 1e-4, "dphi")
+        ref_dx = (dld @ phi.double().t()).reshape(N, n, c) + 2 * x.double() * dss.double()[:, None, None] \
+            + h_pre.double()[:, :, None] * du.double()[:, None, :]
+        check(dx, ref_dx, 1e-4, "dx")
         _run_pre(_coef_inputs(lead, c, n, torch.bfloat16, phi_dtype=phi_dtype), torch.bfloat16, sinkhorn_iters=ITERS)
         _run_boundary(_boundary_inputs(lead, c, n, torch.bfloat16, phi_dtype=phi_dtype), torch.bfloat16,
                       sinkhorn_iters=ITERS)

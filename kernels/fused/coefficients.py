@@ -408,11 +408,9 @@ def _coef_bwd_x(
     N, K, C, stride_x, stride_phi, tok_per_split,
     NS: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, DOT: tl.constexpr, HAS_U: tl.constexpr,
     HAS_DX: tl.constexpr, ALIGNED: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr = False,
-    SPLIT: tl.constexpr = False, PHI_LO: tl.constexpr = False, U_ROWS: tl.constexpr = 1, DPHI: tl.constexpr = True,
+    SPLIT: tl.constexpr = False, PHI_LO: tl.constexpr = False, U_ROWS: tl.constexpr = 1,
 ):
-    """DPHI = False (with HAS_DX): dx only, no phi gradient (CONFIG coef_bwd_x split_dphi: a second launch without
-    HAS_DX computes it; the dx half alone needs 128 registers instead of 187, bench/kernel_resources.py).
-    ACC (with HAS_DX): dx also adds dxin [N, K], the gradient x received from its other consumer (the write-back
+    """ACC (with HAS_DX): dx also adds dxin [N, K], the gradient x received from its other consumer (the write-back
     of the same sublayer, `mhc_enter`, `hc_enter`), so that autograd has no sum of two stream-sized gradients to run.
     U_ROWS: rows of x per row of du (HC's rows are (token, stream) pairs, NS = 1: U_ROWS = n, h_pre one per row).
     SPLIT (bf16 x): dL (fp32) enters both dots as two bf16 parts hi + lo, phi as its bf16 part (+ its lo part with
@@ -470,13 +468,10 @@ def _coef_bwd_x(
             else:
                 dx = _dot(dlt, tl.trans(phi_t), dx0, DOT)
             tl.store(dx_ptr + rows64[:, None] * K + kk[None, :], dx.to(dx_ptr.dtype.element_ty), mask=m2)
-        if DPHI:
-            if SPLIT:
-                dh = dlt.to(tl.bfloat16)
-                acc = _dot(tl.trans(xt), dh, acc, DOT)
-                acc = _dot(tl.trans(xt), (dlt - dh.to(tl.float32)).to(tl.bfloat16), acc, DOT)
-            else:
-                acc = _dot(tl.trans(xf), dlt, acc, DOT)
-    if DPHI:
-        tl.store(dphi_ptr + (pid_s * K + kk[:, None]).to(tl.int64) * M + cols[None, :], acc,
-                 mask=kmask[:, None] & cmask[None, :])
+        if SPLIT:
+            dh = dlt.to(tl.bfloat16)
+            acc = _dot(tl.trans(xt), dh, acc, DOT)
+            acc = _dot(tl.trans(xt), (dlt - dh.to(tl.float32)).to(tl.bfloat16), acc, DOT)
+        else:
+            acc = _dot(tl.trans(xf), dlt, acc, DOT)
+    tl.store(dphi_ptr + (pid_s * K + kk[:, None]).to(tl.int64) * M + cols[None, :], acc, mask=kmask[:, None] & cmask[None, :])

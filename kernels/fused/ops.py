@@ -58,9 +58,7 @@ CONFIG = {
     # copies (round 6 ncu of the tf32 version: 176 registers, 49 KB of shared memory, one CTA per SM). The smaller
     # tiles it affords: mhc_pre bwd 276-280 vs 384 us (tf32 at BT 64, BK 128, 8 warps), 322 vs 370 with an fp32
     # phi; the phi-gradient pass 57-59 vs 79-81 us (round 6 sweep, docs/kernels.md)
-    # split_dphi: dx and the phi gradient in two launches (the second at bnd_dphi's tiles): 128 + 47 registers instead
-    # of 187 (two CTAs per SM, ncu: 12.5 % occupancy), for one more read of x. Not yet timed (round 11).
-    "coef_bwd_x": dict(BT=64, BK=64, num_warps=4, num_stages=3, programs_per_sm=8, dl_split=True, split_dphi=False),
+    "coef_bwd_x": dict(BT=64, BK=64, num_warps=4, num_stages=3, programs_per_sm=8, dl_split=True),
     # without dx: BK = 128 at 8 warps was the fastest in all four sweeps of round 7 (50-54 vs 56-66 us)
     "bnd_dphi": dict(BT=64, BK=128, num_warps=8, num_stages=2, programs_per_sm=4, dl_split=True),
     "pre_fwd": dict(BT=4, BC=512, num_warps=4),
@@ -355,15 +353,7 @@ def bwd_tok(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_i
 def bwd_x(x, phi, dl, dss, dx=None, h_pre=None, du=None, dx_in=None, u_rows=1):
     """One pass over x: returns split-partials [splits, nC, M] of dphi = x^T dL; with dx given, also writes
     dx = dL phi^T + 2 x d(sum x^2) (+ h_pre_j du when du is given, + dx_in when given) into it. u_rows: rows of x per
-    row of du (HC's (token, stream) rows). CONFIG coef_bwd_x split_dphi: dx and dphi in two passes over x instead."""
-    if dx is not None and CONFIG["coef_bwd_x"].get("split_dphi"):
-        _x_pass(x, phi, dl, dss, dx, h_pre, du, dx_in, u_rows, dphi=False)
-        return _x_pass(x, phi, dl, dss)
-    return _x_pass(x, phi, dl, dss, dx, h_pre, du, dx_in, u_rows)
-
-
-def _x_pass(x, phi, dl, dss, dx=None, h_pre=None, du=None, dx_in=None, u_rows=1, dphi=True):
-    """One `_coef_bwd_x` launch (see bwd_x); dphi = False: dx only, returns None."""
+    row of du (HC's (token, stream) rows)."""
     N, n, C = x.shape
     K, M = n * C, phi.shape[1]
     cx = _cfg("coef_bwd_x" if dx is not None else "bnd_dphi", BK=_np2(K, 16))
@@ -371,15 +361,14 @@ def _x_pass(x, phi, dl, dss, dx=None, h_pre=None, du=None, dx_in=None, u_rows=1,
     want = max(1, cx["programs_per_sm"] * _num_sms(x.device) // kblocks)
     tok = max(cx["BT"], _cdiv(_cdiv(N, want), cx["BT"]) * cx["BT"])
     splits = _cdiv(N, tok)
-    dphi_part = _new((splits, K, M), torch.float32, x.device) if dphi else None
+    dphi_part = _new((splits, K, M), torch.float32, x.device)
     with_u = du is not None
     _coef_bwd_x[(kblocks, splits)](
-        x, phi, dl, dss, dl if dx is None else dx, dl if dphi_part is None else dphi_part,
-        h_pre.contiguous() if with_u else dl,
+        x, phi, dl, dss, dl if dx is None else dx, dphi_part, h_pre.contiguous() if with_u else dl,
         du.contiguous() if with_u else dl, dl if dx_in is None else dx_in, N, K, C, x.stride(0), phi.stride(0), tok,
         NS=n, M=M, MP=_np2(M, 16), HAS_U=with_u, HAS_DX=dx is not None, ACC=dx_in is not None,
-        ALIGNED=C % cx["BK"] == 0, BT=cx["BT"], BK=cx["BK"], U_ROWS=u_rows, DPHI=dphi,
-        **_grad_dots(x.dtype, phi.dtype, cx), **_launch(cx),
+        ALIGNED=C % cx["BK"] == 0, BT=cx["BT"], BK=cx["BK"], U_ROWS=u_rows, **_grad_dots(x.dtype, phi.dtype, cx),
+        **_launch(cx),
     )
     return dphi_part
 
