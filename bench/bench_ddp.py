@@ -562,7 +562,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         except json.JSONDecodeError as exc:
             p.error(f"--kernel-config {name}: not JSON ({exc.msg}); e.g. {name}='{{\"coef_fwd\": {{\"phi_split\": true}}}}'")
         args.kernel_configs[name] = text
-    args.modes += [f"{m}@{name}" for name in args.kernel_configs for m in list(args.modes) if m != "residual"]
+    for mode in args.modes:  # a variant named in --modes must name a --kernel-config (else it would run the default)
+        if "@" in mode and mode.partition("@")[2] not in args.kernel_configs:
+            p.error(f"--modes {mode}: {mode.partition('@')[2]!r} is no --kernel-config NAME; allowed: "
+                    f"{', '.join(args.kernel_configs) or 'none given'} (each config adds MODE@NAME by itself)")
+    args.modes += [f"{m}@{name}" for name in args.kernel_configs for m in list(args.modes)
+                   if m != "residual" and "@" not in m and f"{m}@{name}" not in args.modes]
     if args.smoke:
         args.d_model, args.layers, args.heads, args.seq, args.batch = 64, 2, 2, 64, 4
         args.warmup, args.steps, args.timeout = 3, 5, min(args.timeout, 300)

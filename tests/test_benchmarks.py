@@ -89,6 +89,16 @@ def test_bench_ddp_repeats_alternate_runs_kernel_config_variants_and_profiles(tm
         assert rec["top"][0]["us_per_step"] >= rec["top"][-1]["us_per_step"]
 
 
+def test_bench_ddp_refuses_a_variant_without_its_kernel_config(tmp_path):
+    """MODE@NAME in --modes whose NAME no --kernel-config defines would run the default config under the variant's
+    name (round 12: `--modes mhc@old` beside `--kernel-config old=...` also ran mhc@old@old): one line, nothing run."""
+    proc = subprocess.run([sys.executable, "bench/bench_ddp.py", "--smoke", "--gpus", "1", "--no-check",
+                           "--modes", "residual,mhc@nope", "--kernel-config", 'old={"coef_fwd": {"BC": 16}}',
+                           "--out", str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and not (tmp_path / "out").exists()
+    assert "--modes mhc@nope: 'nope' is no --kernel-config NAME; allowed: old" in proc.stderr.strip().splitlines()[-1]
+
+
 def test_idle_gaps_charges_each_gap_to_the_host_ops_that_launched_the_work_after_it():
     """A hand-made Kineto trace: two kernels launched late from inside an autograd node (host-bound gaps of 30 and
     50 us), one launched before its gap opened (a queued wait, not the host's), and overlapping work on two streams
