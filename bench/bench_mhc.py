@@ -37,6 +37,9 @@ p.add_argument("--ref-compile", action="store_true", help="also compile the refe
 p.add_argument("--budget-s", type=float, default=420.0, help="skip remaining stack variants past this wall time")
 p.add_argument("--no-kernels", action="store_true", help="skip the per-kernel bandwidth table")
 p.add_argument("--sweep", action="store_true", help="try launch configs per kernel at the first shape, keep the best")
+p.add_argument("--sweep-only", default=None, metavar="KERNELS",
+               help="comma-separated CONFIG names: --sweep tries only these kernels' entries of the full table, then "
+                    "exits (e.g. coef_bwd_tok,post_bwd)")
 p.add_argument("--smoke", action="store_true", help="CPU + Triton interpreter at tiny shapes")
 p.add_argument("--variants", default=None,
                help="comma-separated substrings: run only the stack variants whose name contains one (residual is kept)")
@@ -471,15 +474,23 @@ if PHI_DT == torch.float32:  # an fp32 phi (the trainer's): tf32 dots at the tf3
 SWEEP = dict(SWEEP_QUICK, **{  # full run, at C=1024: also the kernels every path shares
     "coef_fwd": [dict(BT=bt, BK=bk, num_warps=w, num_stages=st, BC=bc, split_tail=True) for bt, bk, w, st, bc in
                  [(64, 64, 4, 3, 16), (32, 64, 4, 3, 32), (64, 128, 8, 3, 16), (16, 128, 4, 3, 64),
-                  (32, 128, 4, 4, 32), (128, 32, 8, 3, 8)]],
+                  (32, 128, 4, 4, 32), (128, 32, 8, 3, 8)]]
+    if PHI_DT != torch.float32 else  # the trainer's fp32 phi as 16-bit parts: the `split` tiles, Sinkhorn inside
+    [dict(split=dict(BT=bt, BK=bk, num_warps=w, num_stages=st, u_inside_max_c=0, split_tail=False))
+     for bt, bk, w, st in [(64, 64, 4, 3), (32, 64, 4, 3), (64, 64, 4, 4), (64, 128, 8, 3), (128, 64, 8, 3),
+                           (32, 128, 4, 3), (64, 32, 4, 4)]],
     "bnd_bwd": [dict(BT=bt, BC=bc, num_warps=w) for bt, bc, w in
                 [(16, 128, 8), (32, 64, 8), (32, 32, 4), (64, 64, 8), (32, 128, 8), (64, 32, 8), (16, 64, 8)]],
-    "coef_bwd_tok": [dict(BT=bt, num_warps=w, BC=bc) for bt, w, bc in [(8, 2, 64), (16, 4, 64), (8, 4, 128), (4, 2, 64)]],
+    "coef_bwd_tok": [dict(BT=bt, num_warps=w, BC=bc) for bt, w, bc in
+                     [(8, 2, 64), (16, 4, 64), (8, 4, 128), (4, 2, 64), (4, 1, 64), (8, 2, 128), (8, 2, 256),
+                      (4, 1, 128), (4, 2, 256), (16, 2, 64), (16, 4, 128), (2, 1, 256)]],
     "coef_tail": [dict(BT=bt, num_warps=w) for bt, w in [(8, 2), (4, 1), (16, 2)]],
     "post_fwd": [dict(BT=bt, BC=bc, num_warps=w) for bt, bc, w in [(4, 256, 4), (8, 256, 8), (2, 512, 4)]],
     # rows_max_c = 0: the top-level tiles at every C; the last entry is the whole-row variant (ops.CONFIG "rows")
     "post_bwd": [dict(BT=bt, BC=bc, num_warps=w, rows_max_c=0) for bt, bc, w in
-                 [(4, 256, 4), (8, 128, 4), (2, 512, 4), (4, 512, 8)]] + [dict(rows_max_c=1 << 30)],
+                 [(4, 256, 4), (8, 128, 4), (2, 512, 4), (4, 512, 8)]]
+                + [dict(rows_max_c=1 << 30, rows=dict(BT=bt, BC=1024, num_warps=w)) for bt, w in
+                   [(2, 8), (1, 4), (2, 4), (4, 8), (1, 8), (4, 4)]],
 })
 
 
@@ -653,7 +664,14 @@ def main():
     STATE.update(info=info, checks=checks, stack=rows, kernels=kernels)
     STATE["sweep"] = {}
     if args.sweep and not args.quick:
-        STATE["sweep"] = sweep(*KERNEL_SHAPE)
+        only = args.sweep_only and args.sweep_only.split(",")
+        if only and not set(only) <= set(SWEEP):
+            sys.exit(f"--sweep-only: {', '.join(sorted(set(only) - set(SWEEP)))} not in the sweep table; "
+                     f"allowed: {', '.join(SWEEP)}")
+        STATE["sweep"] = sweep(*KERNEL_SHAPE, {k: SWEEP[k] for k in only} if only else None)
+        if only:
+            print("wrote", dump())
+            return
     for key in args.shapes.split(","):
         c, heads, blocks, b, t = shapes[key]
         print(f"== C={c} sublayers={2 * blocks} B={b} T={t}", flush=True)
