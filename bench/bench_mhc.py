@@ -500,9 +500,10 @@ SWEEP = dict(SWEEP_QUICK, **{  # full run, at C=1024: also the kernels every pat
                            (32, 128, 4, 3), (64, 32, 4, 4)]],
     "bnd_bwd": [dict(BT=bt, BC=bc, num_warps=w) for bt, bc, w in
                 [(16, 128, 8), (32, 64, 8), (32, 32, 4), (64, 64, 8), (32, 128, 8), (64, 32, 8), (16, 64, 8)]],
+    # round 12 (device time): BT 8 at one warp 64 us, BT 4 at one warp 69, BT 8 at two warps (the old default) 81
     "coef_bwd_tok": [dict(BT=bt, num_warps=w, BC=bc) for bt, w, bc in
-                     [(8, 2, 64), (16, 4, 64), (8, 4, 128), (4, 2, 64), (4, 1, 64), (8, 2, 128), (8, 2, 256),
-                      (4, 1, 128), (4, 2, 256), (16, 2, 64), (16, 4, 128), (2, 1, 256)]],
+                     [(8, 1, 64), (8, 2, 64), (4, 1, 64), (16, 1, 64), (16, 4, 64), (8, 4, 128), (4, 2, 64),
+                      (8, 2, 128), (4, 1, 128), (2, 1, 256)]],
     "coef_tail": [dict(BT=bt, num_warps=w) for bt, w in [(8, 2), (4, 1), (16, 2)]],
     "post_fwd": [dict(BT=bt, BC=bc, num_warps=w) for bt, bc, w in [(4, 256, 4), (8, 256, 8), (2, 512, 4)]],
     # rows_max_c = 0: the top-level tiles at every C; the last entry is the whole-row variant (ops.CONFIG "rows")

@@ -41,19 +41,21 @@ CONFIG = {
     # (kernel_resources.py under Triton 3.6, round 11).
     # split (phi as 16-bit parts, the trainer's): Sinkhorn in the GEMM kernel; its own launch tied on GPU time in the
     # trainer (78.05 vs 78.29 and 79.24 vs 79.11 ms of kernels per step, round 10) and costs a launch per sublayer of
-    # host time (19-35 us each on the H200's host, round 11, docs/benchmarks.md)
+    # host time (19-35 us each on the H200's host, round 11, docs/benchmarks.md); 4 stages: 1.27 vs 1.40 ms of kernel
+    # per trainer step (round 12)
     "coef_fwd": dict(BT=64, BK=128, num_warps=8, num_stages=3, BC=16, split_tail=True, phi_split="interleaved",
                      u_inside_max_c=1024, tf32=dict(BT=128, BK=64, num_warps=4, u_inside_max_c=0),
-                     split=dict(BT=64, BK=64, num_warps=4, u_inside_max_c=0, split_tail=False)),
+                     split=dict(BT=64, BK=64, num_warps=4, num_stages=4, u_inside_max_c=0, split_tail=False)),
     # HC's projection (`_coef_fwd`, one stream per row, K = C, no tail): the tile HC was measured with (round 5)
     "rms_proj": dict(BT=64, BK=64, num_warps=4, num_stages=3),
     # HC's tail backward (`_hc_tail_bwd`, per row, a few floats each; BC: C tile of hc_enter's <du, x_i>): not swept
     "hc_tail_bwd": dict(BT=128, num_warps=4, BC=64),
     "coef_tail": dict(BT=8, num_warps=2),
-    # BC: C tile of the <du, x_j> loop (fused pre and boundary ops). BT 4 at one warp: the kernel 1.69 vs 1.95 ms per
-    # trainer step, but twice the partial rows for param_sum (0.47 vs 0.36 ms): a tie, and not through the GPU tests
-    # (round 10, docs/benchmarks.md)
-    "coef_bwd_tok": dict(BT=8, num_warps=2, BC=64),
+    # BC: C tile of the <du, x_j> loop (fused pre and boundary ops). One warp: the Sinkhorn tiles' reductions stay in
+    # shuffles. Round 12 (device time, fp32 phi, C = 1024): BT 8 at one warp 64 us, BT 4 69, the old BT 8 at two warps
+    # 81; BT 4 doubles the partial rows param_sum sums in one program (0.26 -> 0.48 ms per trainer step), and a loop
+    # over token blocks per program to keep them (75-107 us) lost more than it saved (docs/benchmarks.md)
+    "coef_bwd_tok": dict(BT=8, num_warps=1, BC=64),
     # dl_split: with bf16 x, the two dots on 16-bit parts of dL and phi (_coef_bwd_x SPLIT) instead of tf32 on fp32
     # copies (round 6 ncu of the tf32 version: 176 registers, 49 KB of shared memory, one CTA per SM). The smaller
     # tiles it affords: mhc_pre bwd 276-280 vs 384 us (tf32 at BT 64, BK 128, 8 warps), 322 vs 370 with an fp32
@@ -67,8 +69,9 @@ CONFIG = {
     # the forward's grid (token block x C block), no C loop; per-C-block partials of dH / dh_post summed
     # afterwards (BC >= C: whole rows, written directly). rows: the tiles up to C = rows_max_c, whole rows (no
     # partials, no summing launch): trainer kernels 78.01 vs 78.05 ms per step (round 10), one launch and two
-    # allocations less per sublayer of host time (round 11)
-    "post_bwd": dict(BT=4, BC=256, num_warps=4, rows_max_c=1024, rows=dict(BT=2, BC=1024, num_warps=8)),
+    # allocations less per sublayer of host time (round 11); one row per program at 4 warps: 3.21 vs 3.38 ms per step
+    # (BT 2 at 8 warps; round 12)
+    "post_bwd": dict(BT=4, BC=256, num_warps=4, rows_max_c=1024, rows=dict(BT=1, BC=1024, num_warps=4)),
     # post_bwd with COEF (the boundary op's dx pass); BT >= 16 for tl.dot. dl_split: dL phi^T on 16-bit parts as in
     # coef_bwd_x (tested against float64), off: 351 vs 346 us with a bf16 phi, 437 vs 354 with fp32 (round 7 sweeps)
     "bnd_bwd": dict(BT=16, BC=128, num_warps=8, dl_split=False),
@@ -344,8 +347,7 @@ def bwd_tok(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_i
         lg, rinv, bias.contiguous(), alpha.contiguous(), lg if d_pre is None else d_pre.contiguous(), d_post.contiguous(),
         d_res.contiguous(), dl, dss, part, sc, x, du.contiguous() if with_u else x, N, n * C, C, x.stride(0), iters, eps,
         post_mult, NS=n, M=M, HAS_RES=has_res, T_IN=t_in, T_OUT=t_out, HAS_U=with_u, HAS_DPRE=d_pre is not None,
-        BT=ct["BT"], PW=pw,
-        BC=min(ct.get("BC", 16), _np2(C, 16)), **_launch(ct),
+        BT=ct["BT"], PW=pw, BC=min(ct.get("BC", 16), _np2(C, 16)), **_launch(ct),
     )
     return dl, dss, part
 
