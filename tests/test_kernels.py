@@ -889,9 +889,41 @@ def test_eager_path_skips_the_dispatcher_and_compile_sees_the_custom_ops():
     assert type(_block_chain(x, phi, bias, alpha, w).grad_fn.next_functions[0][0]).__name__ == "post_fwd_eagerBackward"
     torch._dynamo.reset()
     torch.compile(_block_chain, fullgraph=True, backend=capture)(x, phi, bias, alpha, w)
-    for op in ("mhc_pre", "mhc_boundary", "stream_post_res"):
+    for op in ("mhc_enter", "mhc_boundary", "stream_post_res"):
         assert f"mhc_lightning.{op}" in graphs[0]
     assert "eager" not in graphs[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block,x_pass", [(_block_enter, "bwd_x"), (_block_hc_enter, "_hc_bwd")],
+                         ids=["mhc_enter", "hc_enter"])
+def test_compiled_write_back_hands_its_gradient_of_x_to_the_enter_op(block, x_pass, monkeypatch):
+    """Under torch.compile an enter op cannot return x's alias: x' is `ops.Routed` (x, a storage-less route), the
+    write-back returns its gradient of x as the route's, and the enter op's x pass adds it (dx_in) into the one dx
+    it writes, as eager's alias does, so the graph has no sum of the two gradients of x. Checked: the x pass got
+    dx_in, the route has no storage of its own, and the gradients match eager's."""
+    torch.manual_seed(14)
+    backend = "inductor" if CUDA else "aot_eager"
+    x, phi, bias, alpha = _coef_inputs((2, 13), 24, 4, torch.float32)
+    w = _leaf(torch.randn(24, device=DEV))
+    ins = [x, phi, bias, alpha, w]
+    eager = block(*ins)
+    g = torch.randn_like(eager)
+    g_eager = torch.autograd.grad((eager * g).sum(), ins)
+    seen, routes = [], []
+    real_pass = getattr(ops, x_pass)
+    monkeypatch.setattr(ops, x_pass, lambda *a, **k: seen.append(k.get("dx_in") is not None) or real_pass(*a, **k))
+    real_route = ops._route_of
+    monkeypatch.setattr(ops, "_route_of", lambda t: routes.append(real_route(t)) or routes[-1])
+    torch._dynamo.reset()
+    out = torch.compile(block, fullgraph=True, backend=backend)(*ins)
+    g_comp = torch.autograd.grad((out * g).sum(), ins)
+    assert seen == [True]
+    real = [r for r in routes if not isinstance(r, torch._subclasses.FakeTensor)]
+    assert real and all(r.stride() == (0, 0, 0) and r.untyped_storage().nbytes() == r.element_size() for r in real)
+    torch.testing.assert_close(out, eager, atol=1e-5, rtol=1e-5)
+    for a, b in zip(g_comp, g_eager):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.slow

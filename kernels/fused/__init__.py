@@ -92,13 +92,25 @@ def mhc_enter(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """(x', u, h_pre, h_post, h_res | None): mhc_pre, and x' (an alias of x) for the sublayer's write-back to read.
     The gradient reaching x' enters this op's backward, whose x pass adds it into the one dx it writes: autograd then
-    has no sum of the two stream-sized gradients of x to run (docs/kernels.md). Under torch.compile x' is x."""
+    has no sum of the two stream-sized gradients of x to run (docs/kernels.md). Under torch.compile x' is
+    `ops.Routed` (x and the route its write-back gradient takes), which only `stream_post_res` / `mhc_boundary`
+    read."""
     args = _coef_args(x, phi, bias, alpha, opts)
     if args is None:
         return (x, *mhc_pre(x, phi, bias, alpha, opts))
     n, c = x.shape[-2], x.shape[-1]
     xt, u, h_pre, h_post, h_res, _, _ = ops.eager.mhc_enter(x.reshape(-1, n, c), phi, bias, alpha.reshape(3), *args)
-    return (xt.view(x.shape), u.reshape(*x.shape[:-2], c), *_coefs_out(phi, x.shape[:-2], n, h_pre, h_post, h_res))
+    return (_handed_on(xt, x), u.reshape(*x.shape[:-2], c), *_coefs_out(phi, x.shape[:-2], n, h_pre, h_post, h_res))
+
+
+def _handed_on(xt, x: torch.Tensor):
+    """x' in x's shape: the alias (eager), or the `Routed` pair with x itself (its route stays [N, n, C])."""
+    return ops.Routed(x, xt.route) if isinstance(xt, ops.Routed) else xt.view(x.shape)
+
+
+def _unrouted(x) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(x, route | None) of a stream handed on by an enter op."""
+    return (x.x, x.route) if isinstance(x, ops.Routed) else (x, None)
 
 
 def _post_res_fusable(x, f, h_post, h_res) -> bool:
@@ -125,6 +137,7 @@ def mhc_boundary(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """(x_next, u, h_pre, h_post, h_res | None): sublayer l's write-back and sublayer l+1's coefficients and input in
     one op (kernels/reference/boundary.py); x_next is written once, and its backward writes dx once."""
+    x, _ = _unrouted(x)  # x's gradient then reaches the enter op through x itself (its route gets none)
     args = _coef_args(x, phi, bias, alpha, opts)
     if args is None or not _post_res_fusable(x, f, h_post, h_res):
         x_next = stream_post_res(x, f, h_post, h_res)
@@ -148,11 +161,14 @@ def stream_pre(x: torch.Tensor, h_pre: torch.Tensor) -> torch.Tensor:
 def stream_post_res(
     x: torch.Tensor, f: torch.Tensor, h_post: torch.Tensor, h_res: Optional[torch.Tensor]
 ) -> torch.Tensor:
+    """x may be the `ops.Routed` x' of an enter op (under torch.compile): its gradient of x then leaves by the route."""
+    x, route = _unrouted(x)
     if not _post_res_fusable(x, f, h_post, h_res):
         return reference.stream_post_res(x, f, h_post, h_res)
     n, c = x.shape[-2], x.shape[-1]
     x3 = x.reshape(-1, n, c)
-    out = ops.eager.stream_post_res(x3, f.reshape(-1, c), h_post.reshape(-1, n), _res3(x3, h_res))
+    out = ops.eager.stream_post_res(x3, f.reshape(-1, c), h_post.reshape(-1, n), _res3(x3, h_res),
+                                    *(() if route is None else (route,)))
     return out.reshape(x.shape)
 
 
@@ -208,7 +224,8 @@ def hc_enter(
     """(x', u, h_pre, h_post, h_res): an HC sublayer's coefficients and input u in one op (`ops.hc_enter`), and x'
     (an alias of x) for its write-back to read. Its backward writes one dx: <du, x_i> joins dh_pre in the tail pass,
     h_pre_i du and the write-back's gradient of x join dx in the x pass, so autograd sums no stream-sized gradients
-    (three before: the coefficients', stream_pre's and the write-back's). Under torch.compile x' is x."""
+    (three before: the coefficients', stream_pre's and the write-back's). Under torch.compile x' is `ops.Routed`,
+    as in `mhc_enter`."""
     n, c = x.shape[-2], x.shape[-1]
     params = (norm_weight, w_beta, w_m, w_r, s_alpha, s_beta, b_static, am_static, ar_static)
     if not _hc_fusable(x, norm_weight, w_beta, w_m, w_r, b_static, ar_static, dynamic):
@@ -218,5 +235,5 @@ def hc_enter(
     xt, u, h_pre, h_post, h_res, _, _ = ops.eager.hc_enter(x.reshape(-1, n, c), w, statics, float(norm_eps),
                                                            bool(use_tanh))
     lead = x.shape[:-2]
-    return xt.view(x.shape), u.reshape(*lead, c), h_pre.reshape(*lead, n), h_post.reshape(*lead, n), \
+    return _handed_on(xt, x), u.reshape(*lead, c), h_pre.reshape(*lead, n), h_post.reshape(*lead, n), \
         h_res.reshape(*lead, n, n)

@@ -10,7 +10,7 @@ import functools
 import json
 import os
 from types import SimpleNamespace
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -265,6 +265,26 @@ def _impl(ctx, op):
     return op.plain if getattr(ctx, "eager", False) else op
 
 
+class Routed(NamedTuple):
+    """x as `mhc_enter` / `hc_enter` hand it to the sublayer's write-back under torch.compile, where an op may not
+    return an alias of its input: x itself, and `route`, an output of the enter op with x's shape and no storage
+    (one broadcast element). The write-back reads x and returns its gradient of x as route's, so that it reaches
+    the enter op's backward, whose x pass adds it into the one dx it writes (`ACC`, as eager's alias does) instead
+    of inductor summing two stream-sized gradients (docs/kernels.md, "How the model calls them")."""
+    x: Tensor
+    route: Tensor
+
+
+def _route_of(x: Tensor) -> Tensor:
+    return x.new_empty((1, 1, 1)).expand(x.shape)
+
+
+def _routed_grad(d_route: Optional[Tensor]) -> Optional[Tensor]:
+    """The write-back's gradient of x as it reaches the enter op: contiguous for the x pass (a zero gradient
+    materialised for the storage-less route would not be)."""
+    return None if d_route is None else d_route.contiguous()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # coefficients
 # ---------------------------------------------------------------------------------------------------------------
@@ -511,6 +531,34 @@ def _mhc_enter_backward(ctx, dx_next, *grads):
     return _mhc_pre_backward(ctx, *grads, dx_next=dx_next)
 
 
+def _mhc_enter_fwd_body(
+    x: Tensor, phi: Tensor, bias: Tensor, alpha: Tensor, iters: int, eps: float, t_in: bool, t_out: bool,
+    rms_eps: float, pre_eps: float, post_mult: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """mhc_pre's outputs and x's route to the write-back (`Routed`): `mhc_enter` as torch.compile sees it."""
+    return (*_mhc_pre_fwd_body(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult),
+            _route_of(x))
+
+
+mhc_enter_fwd = _op("mhc_enter", _mhc_enter_fwd_body)
+
+
+@mhc_enter_fwd.register_fake
+def _(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult):
+    return (x.new_empty((x.shape[0], x.shape[2])),) + _coef_fake(x, phi) + (_route_of(x),)
+
+
+def _mhc_enter_op_setup(ctx, inputs, output):
+    _mhc_pre_setup(ctx, inputs, output[:6])
+
+
+def _mhc_enter_op_backward(ctx, du, d_pre, d_post, d_res, _dlg, _drinv, d_route):
+    return _mhc_pre_backward(ctx, du, d_pre, d_post, d_res, _dlg, _drinv, dx_next=_routed_grad(d_route))
+
+
+mhc_enter_fwd.register_autograd(_mhc_enter_op_backward, setup_context=_mhc_enter_op_setup)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # rms_proj: HC's projection y = RMSNorm(x) w (the coefficient kernels with one stream per row and no tail)
 # ---------------------------------------------------------------------------------------------------------------
@@ -649,8 +697,9 @@ pre_fwd.register_autograd(_pre_backward, setup_context=_pre_setup)
 # ---------------------------------------------------------------------------------------------------------------
 # stream_post_res
 # ---------------------------------------------------------------------------------------------------------------
-def _post_fwd_body(x: Tensor, f: Tensor, h_post: Tensor, h_res: Tensor) -> Tensor:
-    """h_res [N, n, n], or [N, 0, 0] for H^res = I."""
+def _post_fwd_body(x: Tensor, f: Tensor, h_post: Tensor, h_res: Tensor, route: Optional[Tensor] = None) -> Tensor:
+    """h_res [N, n, n], or [N, 0, 0] for H^res = I. route (`Routed`, under torch.compile): not read; the backward
+    returns x's gradient as route's."""
     N, n, C = x.shape
     out = _new((N, n, C), x.dtype, x.device)
     if N == 0:
@@ -669,7 +718,7 @@ post_fwd = _op("stream_post_res", _post_fwd_body)
 
 
 @post_fwd.register_fake
-def _(x, f, h_post, h_res):
+def _(x, f, h_post, h_res, route=None):
     return _like(x)
 
 
@@ -726,12 +775,14 @@ def _(g, x, f, h_post, h_res):
 
 
 def _post_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
+    ctx.save_for_backward(*inputs[:4])
+    ctx.inputs, ctx.routed = len(inputs), len(inputs) > 4 and inputs[4] is not None
 
 
 def _post_backward(ctx, g):
     x, f, h_post, h_res = ctx.saved_tensors
-    return _impl(ctx, post_bwd)(g, x, f, h_post, h_res)
+    dx, df, dhp, dhr = _impl(ctx, post_bwd)(g, x, f, h_post, h_res)
+    return ((None, df, dhp, dhr, dx) if ctx.routed else (dx, df, dhp, dhr, None))[:ctx.inputs]
 
 
 post_fwd.register_autograd(_post_backward, setup_context=_post_setup)
@@ -927,7 +978,7 @@ hc_enter_fwd = _op("hc_enter", _hc_enter_fwd_body)
 
 
 @hc_enter_fwd.register_fake
-def _(x, w, statics, eps, tanh):
+def _hc_enter_fake(x, w, statics, eps, tanh):
     N, n, C = x.shape
     f32 = dict(dtype=torch.float32)
     return (x.new_empty((N, C)), x.new_empty((N * n,), **f32), x.new_empty((N * n,), **f32),
@@ -971,6 +1022,31 @@ def _hc_enter_op_backward(ctx, du, d_pre, d_post, d_res, _dlg, _drinv, dx_next=N
 hc_enter_fwd.register_autograd(_hc_enter_op_backward, setup_context=_hc_enter_setup)
 
 
+def _hc_enter_routed_body(x: Tensor, w: Tensor, statics: Tensor, eps: float,
+                          tanh: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """hc_enter's outputs and x's route to the write-back (`Routed`): `hc_enter` as torch.compile sees it."""
+    return (*_hc_enter_fwd_body(x, w, statics, eps, tanh), _route_of(x))
+
+
+hc_enter_routed = _op("hc_enter_routed", _hc_enter_routed_body)
+
+
+@hc_enter_routed.register_fake
+def _(x, w, statics, eps, tanh):
+    return (*_hc_enter_fake(x, w, statics, eps, tanh), _route_of(x))
+
+
+def _hc_enter_routed_setup(ctx, inputs, output):
+    _hc_enter_setup(ctx, inputs, output[:6])
+
+
+def _hc_enter_routed_backward(ctx, du, d_pre, d_post, d_res, _dlg, _drinv, d_route):
+    return _hc_enter_op_backward(ctx, du, d_pre, d_post, d_res, _dlg, _drinv, dx_next=_routed_grad(d_route))
+
+
+hc_enter_routed.register_autograd(_hc_enter_routed_backward, setup_context=_hc_enter_routed_setup)
+
+
 def _hc_enter_backward(ctx, dx_next, *grads):
     """`eager.hc_enter`: the gradient of the x handed on to the write-back joins dx in the x pass."""
     return _hc_enter_op_backward(ctx, *grads, dx_next=dx_next)
@@ -984,9 +1060,12 @@ def _hc_enter_backward(ctx, dx_next, *grads):
 # slow host the GPU then waits for launches. Outside torch.compile the same bodies run under one plain
 # autograd.Function with the same setup / backward functions; under compile (or on fake / traced tensors) the
 # registered custom ops are used, so graphs still see opaque ops with fake implementations.
-def _eager_fn(op, setup, backward, through=False):
-    """through: the Function also returns its first input, as its first output (an alias autograd tracks), and
-    backward receives that output's gradient first; under compile the input itself is returned beside the op's."""
+def _eager_fn(op, setup, backward, routed=None):
+    """routed (the enter ops): the Function also returns its first input x, as its first output (an alias autograd
+    tracks), and backward receives that output's gradient first; under compile the op `routed` (op's outputs and a
+    route) runs instead, and the first output is the `Routed` pair of x and its route."""
+    through = routed is not None
+
     def forward(ctx, *args):
         out = op.plain(*args)
         ctx.eager = True
@@ -1000,7 +1079,10 @@ def _eager_fn(op, setup, backward, through=False):
 
     def call(*args):
         if torch.compiler.is_compiling() or type(args[0]) is not Tensor:
-            return (args[0], *op(*args)) if through else op(*args)
+            if not through:
+                return op(*args)
+            *out, route = routed(*args)
+            return (Routed(args[0], route), *out)
         return Fn.apply(*args)
 
     return call
@@ -1009,11 +1091,11 @@ def _eager_fn(op, setup, backward, through=False):
 eager = SimpleNamespace(
     coef=_eager_fn(coef_fwd, _coef_setup, _coef_backward),
     mhc_pre=_eager_fn(mhc_pre_fwd, _mhc_pre_setup, _mhc_pre_backward),
-    mhc_enter=_eager_fn(mhc_pre_fwd, _mhc_pre_setup, _mhc_enter_backward, through=True),
+    mhc_enter=_eager_fn(mhc_pre_fwd, _mhc_pre_setup, _mhc_enter_backward, routed=mhc_enter_fwd),
     stream_pre=_eager_fn(pre_fwd, _pre_setup, _pre_backward),
     stream_post_res=_eager_fn(post_fwd, _post_setup, _post_backward),
     boundary=_eager_fn(bnd_fwd, _bnd_setup, _bnd_backward),
     rms_proj=_eager_fn(rms_proj_fwd, _rms_proj_setup, _rms_proj_backward),
     hc_coef=_eager_fn(hc_coef_fwd, _hc_coef_setup, _hc_coef_backward),
-    hc_enter=_eager_fn(hc_enter_fwd, _hc_enter_setup, _hc_enter_backward, through=True),
+    hc_enter=_eager_fn(hc_enter_fwd, _hc_enter_setup, _hc_enter_backward, routed=hc_enter_routed),
 )

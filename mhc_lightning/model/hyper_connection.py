@@ -19,8 +19,10 @@ from ..kernels import MHCOptions, get_ops
 from ..kernels.reference import mhc_logit_count
 from .config import BIAS_INITS, HyperConfig
 
-# Between two chained sublayers: (stream x, the sublayer's input u, its h_pre, h_post, h_res | None).
-Carry = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]
+# Between two chained sublayers: (stream x, the sublayer's input u, its h_pre, h_post, h_res | None). After `enter`
+# under torch.compile, x is the fused ops' Routed pair (x and its gradient's route to the enter op; read only by the
+# ops' write-backs, kernels/fused/ops.py), so the sublayer takes its device from u.
+Carry = tuple[object, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]
 
 
 def mhc_bias_init(scheme: str, n: int, home: int, with_res: bool, res_gap: float = 6.0,
@@ -121,7 +123,7 @@ class HyperConnection(nn.Module):
         same op computes that sublayer's coefficients and input (the Carry for `nxt.chain`); without one, returns
         the stream."""
         x, u, h_pre, h_post, h_res = carry
-        ops = get_ops(self.cfg.kernel_backend, x.device)
+        ops = get_ops(self.cfg.kernel_backend, u.device)
         f = self.run_branch(u)
         if nxt is None:
             out = ops.stream_post_res(x, f, h_post, h_res)
