@@ -821,7 +821,13 @@ def _block_hc_enter(x, phi, bias, alpha, w, iters=3):
 @pytest.mark.parametrize("block", [_block, _block_pre, _block_enter, _block_chain, _block_hc, _block_hc_enter],
                          ids=["three_ops", "mhc_pre", "mhc_enter", "boundary", "hc", "hc_enter"])
 def test_compile_fullgraph_matches_eager(block):
-    torch.manual_seed(9)
+    _compiled_matches_eager(block, 9)
+
+
+def _compiled_matches_eager(block, seed, before_compile=lambda: None):
+    """block's output and every input gradient under torch.compile(fullgraph) against eager; before_compile runs
+    between the two (e.g. to start recording what the compiled run calls)."""
+    torch.manual_seed(seed)
     backend = "inductor" if CUDA else "aot_eager"  # the CPU check is graph capture + fake impls + autograd
     x, phi, bias, alpha = _coef_inputs((2, 13), 24, 4, torch.float32)
     w = _leaf(torch.randn(24, device=DEV))
@@ -829,9 +835,9 @@ def test_compile_fullgraph_matches_eager(block):
     eager = block(*ins)
     g = torch.randn_like(eager)
     g_eager = torch.autograd.grad((eager * g).sum(), ins)
+    before_compile()
     torch._dynamo.reset()
-    comp = torch.compile(block, fullgraph=True, backend=backend)
-    out = comp(*ins)
+    out = torch.compile(block, fullgraph=True, backend=backend)(*ins)
     g_comp = torch.autograd.grad((out * g).sum(), ins)
     torch.testing.assert_close(out, eager, atol=1e-5, rtol=1e-5)
     for a, b in zip(g_comp, g_eager):
@@ -902,28 +908,17 @@ def test_compiled_write_back_hands_its_gradient_of_x_to_the_enter_op(block, x_pa
     write-back returns its gradient of x as the route's, and the enter op's x pass adds it (dx_in) into the one dx
     it writes, as eager's alias does, so the graph has no sum of the two gradients of x. Checked: the x pass got
     dx_in, the route has no storage of its own, and the gradients match eager's."""
-    torch.manual_seed(14)
-    backend = "inductor" if CUDA else "aot_eager"
-    x, phi, bias, alpha = _coef_inputs((2, 13), 24, 4, torch.float32)
-    w = _leaf(torch.randn(24, device=DEV))
-    ins = [x, phi, bias, alpha, w]
-    eager = block(*ins)
-    g = torch.randn_like(eager)
-    g_eager = torch.autograd.grad((eager * g).sum(), ins)
     seen, routes = [], []
-    real_pass = getattr(ops, x_pass)
-    monkeypatch.setattr(ops, x_pass, lambda *a, **k: seen.append(k.get("dx_in") is not None) or real_pass(*a, **k))
-    real_route = ops._route_of
-    monkeypatch.setattr(ops, "_route_of", lambda t: routes.append(real_route(t)) or routes[-1])
-    torch._dynamo.reset()
-    out = torch.compile(block, fullgraph=True, backend=backend)(*ins)
-    g_comp = torch.autograd.grad((out * g).sum(), ins)
+    real_pass, real_route = getattr(ops, x_pass), ops._route_of
+
+    def record():
+        monkeypatch.setattr(ops, x_pass, lambda *a, **k: seen.append(k.get("dx_in") is not None) or real_pass(*a, **k))
+        monkeypatch.setattr(ops, "_route_of", lambda t: routes.append(real_route(t)) or routes[-1])
+
+    _compiled_matches_eager(block, 14, record)
     assert seen == [True]
     real = [r for r in routes if not isinstance(r, torch._subclasses.FakeTensor)]
     assert real and all(r.stride() == (0, 0, 0) and r.untyped_storage().nbytes() == r.element_size() for r in real)
-    torch.testing.assert_close(out, eager, atol=1e-5, rtol=1e-5)
-    for a, b in zip(g_comp, g_eager):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.slow
