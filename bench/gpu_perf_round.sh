@@ -10,10 +10,11 @@
 #   TRAINER_ARGS: more bench_ddp.py arguments for the trainer rows, e.g.
 #   TRAINER_ARGS="--repeat 2 --kernel-config 'tf32={\"coef_fwd\":{\"phi_split\":false}}'" (an A/B in one call).
 #   NCU=1: first, Nsight Compute on the slowest kernels (occupancy, stall reasons, memory throughput; about a minute),
-#   one op body each (`bench_mhc.py --only-op`), reports under $OUT/ncu.
+#   one op body each (`bench_mhc.py --phi-dtype fp32 --only-op`: the trainer's fp32 phi), reports under $OUT/ncu.
 #   STACK_VARIANTS: the stack table's variants (bench_mhc.py --variants; default ours,cudagraph,hc,liger).
 #   TESTS=0: skip the kernel tests (code the GPU tests already passed). CHAIN=0: skip the chained trainer row.
-#   TRAINER_COMPILE=1: also the trainer rows with `model.compile: true` (residual and mHC; about two minutes).
+#   TRAINER_COMPILE=1: also the trainer rows with `model.compile: true` (residual and mHC; about two minutes; with
+#   PROFILE=1 or TRAINER_ARGS, the same extra arguments as the eager rows).
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT/trainer" "$OUT/trainer_chain" "$OUT/compile" "$OUT/phi_fp32"
@@ -26,7 +27,7 @@ if [ "${NCU:-0}" = 1 ]; then
   for k in "_post_bwd_2d:2-D pass" "_coef_fwd:mhc_pre fwd" "_coef_bwd_x:mhc_pre bwd" "_coef_bwd_tok:per token"; do
     timeout 120 "$ncu" --kernel-name "regex:${k%%:*}" --launch-skip 5 --launch-count 1 --section SpeedOfLight \
       --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis --section LaunchStats \
-      python3 bench/bench_mhc.py --only-op "${k#*:}" > "$OUT/ncu/${k%%:*}.txt" 2>&1
+      python3 bench/bench_mhc.py --phi-dtype fp32 --only-op "${k#*:}" > "$OUT/ncu/${k%%:*}.txt" 2>&1
     grep -E "Duration|DRAM Throughput|Registers Per|Achieved Occupancy" "$OUT/ncu/${k%%:*}.txt" | sed "s/^/${k%%:*} /"
   done
 fi
@@ -72,7 +73,8 @@ if [ "${TRAINER_COMPILE:-0}" = 1 ]; then
   echo "== trainer, compiled (model.compile: true)"
   mkdir -p "$OUT/trainer_compile"
   timeout 300 python3 bench/bench_ddp.py --gpus 1 --no-check --modes residual,mhc --timeout 140 \
-    --fit-args=--model.compile=true --out "$OUT/trainer_compile" 2>&1 | grep -E "^\| |exit [^0]" | tail -6
+    --fit-args=--model.compile=true --out "$OUT/trainer_compile" "${trainer_args[@]}" 2>&1 \
+    | grep -E "^\| |kernels|exit [^0]" | tail -8
 fi
 
 # The device returns at most 8 files: the sub-runs' JSON and logs travel as one archive (tar xzf round.tgz)
