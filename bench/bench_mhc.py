@@ -58,6 +58,8 @@ p.add_argument("--only-op", default=None, metavar="NAME",
 p.add_argument("--config", default=None,
                help="a previous run's bench_mhc.json: start from the launch configs it ended with (e.g. a sweep's)")
 args = p.parse_args()
+if args.sweep_only and (not args.sweep or args.quick):
+    p.error("--sweep-only needs --sweep and no --quick (it times entries of the full table)")
 if args.smoke:
     os.environ["TRITON_INTERPRET"] = "1"
 
