@@ -907,7 +907,7 @@ def test_compiled_write_back_hands_its_gradient_of_x_to_the_enter_op(block, x_pa
     """Under torch.compile an enter op cannot return x's alias: x' is `ops.Routed` (x, a storage-less route), the
     write-back returns its gradient of x as the route's, and the enter op's x pass adds it (dx_in) into the one dx
     it writes, as eager's alias does, so the graph has no sum of the two gradients of x. Checked: the x pass got
-    dx_in, the route has no storage of its own, and the gradients match eager's."""
+    dx_in, the route has no storage of its own, and the gradients match eager's; with the route switched off too."""
     seen, routes = [], []
     real_pass, real_route = getattr(ops, x_pass), ops._route_of
 
@@ -919,6 +919,10 @@ def test_compiled_write_back_hands_its_gradient_of_x_to_the_enter_op(block, x_pa
     assert seen == [True]
     real = [r for r in routes if not isinstance(r, torch._subclasses.FakeTensor)]
     assert real and all(r.stride() == (0, 0, 0) and r.untyped_storage().nbytes() == r.element_size() for r in real)
+    # CONFIG enter route off (the A/B): x itself is handed on, the x pass gets no dx_in, the gradients still match
+    with config_changed("enter", route=False):
+        _compiled_matches_eager(block, 14, seen.clear)
+    assert seen == [False]
 
 
 @pytest.mark.slow

@@ -78,6 +78,9 @@ CONFIG = {
     # the per-sublayer parameter passes (kernels/fused/parameters.py): BL elements per program, BP partial rows per
     # step of the vectors' program; not swept (a few microseconds each)
     "param_sum": dict(BL=256, BP=256, num_warps=4),
+    # under torch.compile, route: the enter ops hand the write-back's gradient of x to their own x pass (`Routed`);
+    # false: x itself is handed on and inductor sums the two gradients (the A/B of round 12's change)
+    "enter": dict(route=True),
 }
 
 # CONFIG coef_fwd phi_split -> _coef_fwd's SPLIT (true: "dots", as before "interleaved" existed)
@@ -1081,6 +1084,8 @@ def _eager_fn(op, setup, backward, routed=None):
         if torch.compiler.is_compiling() or type(args[0]) is not Tensor:
             if not through:
                 return op(*args)
+            if not CONFIG["enter"]["route"]:
+                return (args[0], *op(*args))
             *out, route = routed(*args)
             return (Routed(args[0], route), *out)
         return Fn.apply(*args)
