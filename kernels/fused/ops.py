@@ -282,10 +282,15 @@ def _route_of(x: Tensor) -> Tensor:
     return x.new_empty((1, 1, 1)).expand(x.shape)
 
 
-def _routed_grad(d_route: Optional[Tensor]) -> Optional[Tensor]:
-    """The write-back's gradient of x as it reaches the enter op: contiguous for the x pass (a zero gradient
-    materialised for the storage-less route would not be)."""
-    return None if d_route is None else d_route.contiguous()
+def _register_routed(op, setup, backward) -> None:
+    """Autograd of a routed enter op (its outputs: the plain op's, then the route): the plain op's setup and backward,
+    the route's gradient given to the backward as the write-back's gradient of x (contiguous for the x pass; a zero
+    gradient materialised for the storage-less route would not be)."""
+    def routed_backward(ctx, *grads):
+        *grads, d_route = grads
+        return backward(ctx, *grads, dx_next=None if d_route is None else d_route.contiguous())
+
+    op.register_autograd(routed_backward, setup_context=lambda ctx, inputs, output: setup(ctx, inputs, output[:-1]))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -551,15 +556,7 @@ def _(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult)
     return (x.new_empty((x.shape[0], x.shape[2])),) + _coef_fake(x, phi) + (_route_of(x),)
 
 
-def _mhc_enter_op_setup(ctx, inputs, output):
-    _mhc_pre_setup(ctx, inputs, output[:6])
-
-
-def _mhc_enter_op_backward(ctx, du, d_pre, d_post, d_res, _dlg, _drinv, d_route):
-    return _mhc_pre_backward(ctx, du, d_pre, d_post, d_res, _dlg, _drinv, dx_next=_routed_grad(d_route))
-
-
-mhc_enter_fwd.register_autograd(_mhc_enter_op_backward, setup_context=_mhc_enter_op_setup)
+_register_routed(mhc_enter_fwd, _mhc_pre_setup, _mhc_pre_backward)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1039,15 +1036,7 @@ def _(x, w, statics, eps, tanh):
     return (*_hc_enter_fake(x, w, statics, eps, tanh), _route_of(x))
 
 
-def _hc_enter_routed_setup(ctx, inputs, output):
-    _hc_enter_setup(ctx, inputs, output[:6])
-
-
-def _hc_enter_routed_backward(ctx, du, d_pre, d_post, d_res, _dlg, _drinv, d_route):
-    return _hc_enter_op_backward(ctx, du, d_pre, d_post, d_res, _dlg, _drinv, dx_next=_routed_grad(d_route))
-
-
-hc_enter_routed.register_autograd(_hc_enter_routed_backward, setup_context=_hc_enter_routed_setup)
+_register_routed(hc_enter_routed, _hc_enter_setup, _hc_enter_op_backward)
 
 
 def _hc_enter_backward(ctx, dx_next, *grads):
