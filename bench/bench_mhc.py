@@ -506,6 +506,15 @@ SWEEP = dict(SWEEP_QUICK, **{  # full run, at C=1024: also the kernels every pat
     "coef_bwd_tok": [dict(BT=bt, num_warps=w, BC=bc) for bt, w, bc in
                      [(8, 1, 64), (8, 2, 64), (4, 1, 64), (16, 1, 64), (16, 4, 64), (8, 4, 128), (4, 2, 64),
                       (8, 2, 128), (4, 1, 128), (2, 1, 256)]],
+    # the x pass (mhc_enter's: + dx_in) by device time, around a register cap for 3-4 CTAs per SM (round 11's ncu:
+    # 187 registers at BT 64 / BK 64 / 4 warps, two CTAs per SM). Round 13, first sweep (the whole op, us): the cap
+    # 128 at 12 programs per SM and 2 stages 263, 3 stages 275, cap 168 278, no cap (the default) 288; BT 32 / BK 128
+    # 301; BT 32 330-366; 8 warps 370-473; BT 16 516
+    "coef_bwd_x": [dict(BT=bt, BK=bk, num_warps=w, num_stages=st, programs_per_sm=pp, maxnreg=r)
+                   for bt, bk, w, st, pp, r in
+                   [(64, 64, 4, 2, 12, 128), (64, 64, 4, 3, 12, 128), (64, 64, 4, 3, 8, None), (64, 64, 4, 2, 16, 128),
+                    (64, 64, 4, 2, 12, 112), (64, 64, 4, 2, 16, 112), (64, 64, 4, 2, 16, 96), (64, 64, 4, 1, 12, 128),
+                    (64, 64, 4, 2, 8, 128), (64, 64, 4, 2, 12, None), (32, 128, 4, 2, 12, 128)]],
     "coef_tail": [dict(BT=bt, num_warps=w) for bt, w in [(8, 2), (4, 1), (16, 2)]],
     "post_fwd": [dict(BT=bt, BC=bc, num_warps=w) for bt, bc, w in [(4, 256, 4), (8, 256, 8), (2, 512, 4)]],
     # rows_max_c = 0: the top-level tiles at every C; the last entry is the whole-row variant (ops.CONFIG "rows")
@@ -524,7 +533,7 @@ def sweep(c, tokens, table=None):
     by_kernel = {  # the op (part) each config entry is timed on
         "coef_fwd": "mhc_pre fwd (stack entry: coef + u)", "coef_tail": "boundary fwd (post_res + coef + u)",
         "bnd_bwd": "  2-D pass (G, dx, df, dH, dh_post)", "bnd_dphi": "  dphi pass (x_next^T dL)",
-        "coef_bwd_tok": "  per token (<du,x_next> + Sinkhorn)", "coef_bwd_x": "mhc_pre bwd (stack entry)",
+        "coef_bwd_tok": "  per token (<du,x_next> + Sinkhorn)", "coef_bwd_x": "mhc_pre bwd + dx_in (mhc_enter)",
         "post_fwd": "stream_post_res fwd (stack exit)", "post_bwd": "stream_post_res bwd (stack exit)",
         "hc_tail_bwd": "hc_enter bwd + dx_in (HC)",
     }

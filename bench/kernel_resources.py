@@ -132,7 +132,7 @@ def compile_one(kernel, constexprs, bf16, launch, arch):
            else "fp32" if n in FLOATS else "i32" for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible_args(kernel, constexprs)}
     src = ASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
-    opts = {k: v for k, v in launch.items() if k in ("num_warps", "num_stages")}
+    opts = ops._launch(launch)  # the launch options a real launch passes (warps, stages, a register cap)
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
     # the cubin Triton assembled (with the ptxas it picks for the target); cuobjdump reads its resource usage
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")

@@ -60,7 +60,10 @@ CONFIG = {
     # copies (round 6 ncu of the tf32 version: 176 registers, 49 KB of shared memory, one CTA per SM). The smaller
     # tiles it affords: mhc_pre bwd 276-280 vs 384 us (tf32 at BT 64, BK 128, 8 warps), 322 vs 370 with an fp32
     # phi; the phi-gradient pass 57-59 vs 79-81 us (round 6 sweep, docs/kernels.md)
-    "coef_bwd_x": dict(BT=64, BK=64, num_warps=4, num_stages=3, programs_per_sm=8, dl_split=True),
+    # maxnreg: a register cap. Uncapped the x pass took 187 registers, two CTAs per SM (round 11's ncu); capped at 128
+    # with 2 stages: mhc_enter bwd 258 vs 288 us (device time), trainer _coef_bwd_x 4.14 vs 4.77 ms per step, step
+    # medians 78.3 / 78.5 vs 79.4 ms (round 13, docs/benchmarks.md)
+    "coef_bwd_x": dict(BT=64, BK=64, num_warps=4, num_stages=2, programs_per_sm=8, dl_split=True, maxnreg=128),
     # without dx: BK = 128 at 8 warps was the fastest in all four sweeps of round 7 (50-54 vs 56-66 us)
     "bnd_dphi": dict(BT=64, BK=128, num_warps=8, num_stages=2, programs_per_sm=4, dl_split=True),
     "pre_fwd": dict(BT=4, BC=512, num_warps=4),
@@ -145,7 +148,8 @@ def _cfg(name: str, variant: Optional[str] = None, **limits) -> dict:
 
 
 def _launch(cfg: dict) -> dict:
-    return {k: v for k, v in cfg.items() if k in ("num_warps", "num_stages")}
+    # maxnreg: a register cap per thread (ptx .maxnreg) for an occupancy that registers would otherwise forbid
+    return {k: v for k, v in cfg.items() if k in ("num_warps", "num_stages", "maxnreg") and v is not None}
 
 
 def _cdiv(a: int, b: int) -> int:
