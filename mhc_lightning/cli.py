@@ -80,7 +80,7 @@ def validate_model_config(model_cfg) -> None:
             raise ValueError(f"{prefix}.{err}") from err
     if model_cfg.diagnostics_every < 0:
         raise ValueError(f"model.diagnostics_every must be >= 0 (0 = off), got {model_cfg.diagnostics_every}")
-    check_compile(built["model.arch"], bool(model_cfg.compile))
+    check_compile(built["model.arch"], bool(model_cfg.compile), model_cfg.compile_mode)
 
 
 class MHCLightningCLI(LightningCLI):

@@ -7,6 +7,7 @@ from typing import Any, Optional
 
 import lightning as L
 import torch
+import torch._inductor
 import torch.nn.functional as F
 from torchmetrics import MeanMetric
 from torchmetrics.text import Perplexity
@@ -63,9 +64,13 @@ def lr_lambda(warmup: int, total: int, min_ratio: float):
     return f
 
 
-def check_compile(arch: GPTConfig, compile: bool) -> None:
+def check_compile(arch: GPTConfig, compile: bool, compile_mode: str = "default") -> None:
     """Refuse what is known not to compile: the chained mHC stack under torch.compile did not finish its first step
-    within 150 s on an H200 in three runs (docs/benchmarks.md, round 4), while one sublayer at a time compiles."""
+    within 150 s on an H200 in three runs (docs/benchmarks.md, round 4), while one sublayer at a time compiles.
+    compile_mode: one of torch.compile's modes (the list is torch's own)."""
+    modes = list(torch._inductor.list_mode_options())
+    if compile_mode not in modes:
+        raise ValueError(f"model.compile_mode: {compile_mode!r} is not a torch.compile mode; allowed: {', '.join(modes)}")
     if compile and arch.hyper.chain_sublayers and arch.hyper.residual_mode in ("mhc", "identity"):
         raise ValueError("model.compile=true with model.arch.hyper.chain_sublayers=true is refused: the chained stack "
                          "does not finish compiling (docs/benchmarks.md, round 4); set one of them to false")
@@ -84,18 +89,23 @@ class LitLM(L.LightningModule):
         optim: OptimConfig = OptimConfig(),
         diagnostics_every: int = 25,
         compile: bool = False,
+        compile_mode: str = "default",
     ):
         super().__init__()
         arch, optim = copy.deepcopy(_as(GPTConfig, arch)), copy.deepcopy(_as(OptimConfig, optim))
         if diagnostics_every < 0:
             raise ValueError(f"diagnostics_every must be >= 0 (0 = off), got {diagnostics_every}")
-        check_compile(arch, compile)
+        check_compile(arch, compile, compile_mode)
         self.arch, self.optim = arch, optim
         self.diagnostics_every = diagnostics_every
         self.save_hyperparameters({"arch": asdict(arch), "optim": asdict(optim),
-                                   "diagnostics_every": diagnostics_every, "compile": compile})
+                                   "diagnostics_every": diagnostics_every, "compile": compile,
+                                   "compile_mode": compile_mode})
         self.model = GPT(arch)
-        self.forward_fn = compile_model(self.model) if compile else self.model
+        self.forward_fn = compile_model(self.model, mode=compile_mode) if compile else self.model
+        # reduce-overhead replays CUDA graphs whose outputs the next replay overwrites: each model call starts a new
+        # "step" for them (the previous call's logits are used up by then; its backward has run)
+        self._graph_steps = compile and torch._inductor.list_mode_options(compile_mode).get("triton.cudagraphs", False)
         self.val_loss = MeanMetric()
         self.val_ppl = Perplexity()
         self.last_per_layer: Optional[dict[str, list[float]]] = None
@@ -113,6 +123,8 @@ class LitLM(L.LightningModule):
         self._grad_groups: Optional[tuple[list[torch.nn.Parameter], torch.Tensor]] = None
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if self._graph_steps:
+            torch.compiler.cudagraph_mark_step_begin()
         return self.forward_fn(idx)
 
     # ---- training -------------------------------------------------------------------------

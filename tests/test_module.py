@@ -104,3 +104,24 @@ def test_progress_bar_reads_the_loss_back_every_log_interval(tiny_corpus, monkey
     bar = trainer.progress_bar_metrics
     assert "train/loss" not in bar
     assert bar["loss"] == pytest.approx(float(module.last_loss))
+
+
+@pytest.mark.parametrize("mode,graphed", [("default", False), ("reduce-overhead", True), ("max-autotune", True),
+                                          ("max-autotune-no-cudagraphs", False)])
+def test_compile_mode_reaches_torch_compile_and_graphed_modes_mark_each_call(monkeypatch, mode, graphed):
+    """model.compile_mode goes to torch.compile; with CUDA graphs each model call first starts a new graph step (the
+    previous replay's outputs may then be overwritten), without them nothing is marked."""
+    from mhc_lightning import module as module_mod
+    from mhc_lightning.model.config import GPTConfig
+
+    seen, marks = {}, []
+    monkeypatch.setattr(module_mod, "compile_model",
+                        lambda model, **kw: seen.update(kw) or (lambda idx: model(idx)))
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    lit = module_mod.LitLM(arch=GPTConfig(n_layers=1, d_model=32, n_heads=2, context=16), compile=True,
+                           compile_mode=mode)
+    assert seen == {"mode": mode} and lit.hparams.compile_mode == mode
+    idx = torch.randint(0, 256, (2, 16))
+    lit(idx)
+    lit(idx)
+    assert len(marks) == (2 if graphed else 0)
