@@ -395,7 +395,8 @@ def _headline(runs: list[dict]) -> dict:
     ok = sorted((r for r in runs if "step_ms_mean" in r), key=lambda r: r["step_ms_mean"])
     head = dict(ok[(len(ok) - 1) // 2]) if ok else dict(runs[-1])
     head.pop("step_ms", None)
-    head["repeats"] = [{k: r.get(k) for k in ("step_ms_mean", "step_ms_median", "exit", "seconds") if k in r}
+    # every run's phase times too: an outlier run (round 13: 101 ms among 78.5 ms runs) can then be attributed
+    head["repeats"] = [{k: r.get(k) for k in ("step_ms_mean", "step_ms_median", "exit", "seconds", "phases") if k in r}
                        for r in runs]
     return head
 

@@ -69,6 +69,7 @@ def test_bench_ddp_repeats_alternate_runs_kernel_config_variants_and_profiles(tm
     # host time per phase of the step (device time only on CUDA)
     assert set(head["phases"]) == {"forward", "backward", "optimizer", "between_steps"}
     assert all(p["host_ms"] > 0 and p["device_ms"] is None for p in head["phases"].values())
+    assert all(set(r["phases"]) == set(head["phases"]) for r in head["repeats"])  # every run's, not only the headline's
     assert data["environment"]["mhc_kernel_config"] == override == head["kernel_config"]
     assert {p.name for p in (tmp_path / "work").glob("residual-1-r*.log")} == {"residual-1-r0.log", "residual-1-r1.log"}
 
