@@ -509,12 +509,15 @@ SWEEP = dict(SWEEP_QUICK, **{  # full run, at C=1024: also the kernels every pat
     # the x pass (mhc_enter's: + dx_in) by device time, around a register cap for 3-4 CTAs per SM (round 11's ncu:
     # 187 registers at BT 64 / BK 64 / 4 warps, two CTAs per SM). Round 13, first sweep (the whole op, us): the cap
     # 128 at 12 programs per SM and 2 stages 263, 3 stages 275, cap 168 278, no cap (the default) 288; BT 32 / BK 128
-    # 301; BT 32 330-366; 8 warps 370-473; BT 16 516
+    # 301; BT 32 330-366; 8 warps 370-473; BT 16 516. Second sweep: the cap at 8 programs per SM, 2 stages 258 (the
+    # default since), 112 or 96 registers 269-340, 1 stage 301
     "coef_bwd_x": [dict(BT=bt, BK=bk, num_warps=w, num_stages=st, programs_per_sm=pp, maxnreg=r)
                    for bt, bk, w, st, pp, r in
                    [(64, 64, 4, 2, 12, 128), (64, 64, 4, 3, 12, 128), (64, 64, 4, 3, 8, None), (64, 64, 4, 2, 16, 128),
                     (64, 64, 4, 2, 12, 112), (64, 64, 4, 2, 16, 112), (64, 64, 4, 2, 16, 96), (64, 64, 4, 1, 12, 128),
-                    (64, 64, 4, 2, 8, 128), (64, 64, 4, 2, 12, None), (32, 128, 4, 2, 12, 128)]],
+                    (64, 64, 4, 2, 8, 128), (64, 64, 4, 2, 12, None), (32, 128, 4, 2, 12, 128),
+                    # not yet timed: 8 warps under the cap (two CTAs of 8), smaller token blocks under a lower cap
+                    (64, 64, 8, 2, 8, 128), (64, 128, 8, 2, 4, 128), (32, 64, 4, 2, 16, 96), (32, 64, 2, 2, 16, 128)]],
     "coef_tail": [dict(BT=bt, num_warps=w) for bt, w in [(8, 2), (4, 1), (16, 2)]],
     "post_fwd": [dict(BT=bt, BC=bc, num_warps=w) for bt, bc, w in [(4, 256, 4), (8, 256, 8), (2, 512, 4)]],
     # rows_max_c = 0: the top-level tiles at every C; the last entry is the whole-row variant (ops.CONFIG "rows")

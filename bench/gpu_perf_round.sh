@@ -14,7 +14,8 @@
 #   STACK_VARIANTS: the stack table's variants (bench_mhc.py --variants; default ours,cudagraph,hc,liger).
 #   TESTS=0: skip the kernel tests (code the GPU tests already passed). CHAIN=0: skip the chained trainer row.
 #   TRAINER_COMPILE=1: also the trainer rows with `model.compile: true` (residual and mHC; about two minutes; with
-#   PROFILE=1 or TRAINER_ARGS, the same extra arguments as the eager rows).
+#   PROFILE=1 or TRAINER_ARGS, the same extra arguments as the eager rows). TRAINER_COMPILE_MODE: their
+#   model.compile_mode (default "default"; "reduce-overhead": CUDA graphs, round 13).
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT/trainer" "$OUT/trainer_chain" "$OUT/compile" "$OUT/phi_fp32"
@@ -73,7 +74,8 @@ if [ "${TRAINER_COMPILE:-0}" = 1 ]; then
   echo "== trainer, compiled (model.compile: true)"
   mkdir -p "$OUT/trainer_compile"
   timeout 300 python3 bench/bench_ddp.py --gpus 1 --no-check --modes residual,mhc --timeout 140 \
-    --fit-args=--model.compile=true --out "$OUT/trainer_compile" "${trainer_args[@]}" 2>&1 \
+    --fit-args="--model.compile=true --model.compile_mode=${TRAINER_COMPILE_MODE:-default}" \
+    --out "$OUT/trainer_compile" "${trainer_args[@]}" 2>&1 \
     | grep -E "^\| |kernels|exit [^0]" | tail -8
 fi
 
