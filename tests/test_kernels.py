@@ -442,9 +442,10 @@ def test_mhc_enter_then_write_back_matches_reference(n, dtype, mode, monkeypatch
     """x has two consumers (the coefficients and u; the write-back): through mhc_enter the write-back's gradient of x
     enters the pre op's backward and is added in its x pass (checked: bwd_x receives it), matching float64."""
     torch.manual_seed(78 + n)
-    seen = []
-    real = ops.bwd_x
+    seen, entries = [], []
+    real, real_cfg = ops.bwd_x, ops._cfg
     monkeypatch.setattr(ops, "bwd_x", lambda *a, **k: seen.append(k.get("dx_in") is not None) or real(*a, **k))
+    monkeypatch.setattr(ops, "_cfg", lambda name, *a, **k: entries.append(name) or real_cfg(name, *a, **k))
     lead, c = SHAPES[1]
     opts = MHCOptions(sinkhorn_iters=ITERS, exact_axis="cols" if mode == "cols" else "rows")
     inputs = _coef_inputs(lead, c, n, dtype, with_res=mode != "identity") + [_leaf(torch.randn(c, device=DEV))]
@@ -459,6 +460,7 @@ def test_mhc_enter_then_write_back_matches_reference(n, dtype, mode, monkeypatch
     for name, a, b in grads:
         check(a, b, t_g, name)
     assert seen == [True]
+    assert "coef_bwd_x" in entries and "hc_bwd_x" not in entries  # the x pass at mHC's launch (the register cap)
 
 
 def test_the_trainers_sublayer_takes_no_avoidable_launch(monkeypatch):
@@ -579,10 +581,11 @@ def test_hc_enter_then_write_back_matches_reference(n, dtype, use_tanh, monkeypa
     pass, h_pre_i du and the write-back's gradient in the x pass (checked: bwd_x gets du and dx_in, and no autograd
     sum of stream-sized gradients runs), over several row blocks with a partial last one."""
     torch.manual_seed(120 + n + 10 * use_tanh)
-    seen = []
-    real = ops.bwd_x
+    seen, entries = [], []
+    real, real_cfg = ops.bwd_x, ops._cfg
     monkeypatch.setattr(ops, "bwd_x", lambda *a, **k: seen.append((k.get("du") is not None,
                                                                     k.get("dx_in") is not None)) or real(*a, **k))
+    monkeypatch.setattr(ops, "_cfg", lambda name, *a, **k: entries.append(name) or real_cfg(name, *a, **k))
     inputs = _hc_inputs(SHAPES[0][0], SHAPES[0][1], n, dtype)
     with config_changed("hc_tail_bwd", BT=16 if not CUDA else 128, BC=16):
         out, xt = _hc_block(fused, *inputs, use_tanh=use_tanh)
@@ -601,6 +604,7 @@ def test_hc_enter_then_write_back_matches_reference(n, dtype, use_tanh, monkeypa
     for name, a, b in zip(names, grads, _grads([ref], ref_in, [g])):
         check(a, b, t_g, name)
     assert seen == [(True, True)]
+    assert "hc_bwd_x" in entries and "coef_bwd_x" not in entries  # HC's rows at the launch HC was measured with
 
 
 def test_hc_enter_u_and_coefficients_match_the_composition():

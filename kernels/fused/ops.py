@@ -64,6 +64,9 @@ CONFIG = {
     # with 2 stages: mhc_enter bwd 258 vs 288 us (device time), trainer _coef_bwd_x 4.14 vs 4.77 ms per step, step
     # medians 78.3 / 78.5 vs 79.4 ms (round 13, docs/benchmarks.md)
     "coef_bwd_x": dict(BT=64, BK=64, num_warps=4, num_stages=2, programs_per_sm=8, dl_split=True, maxnreg=128),
+    # the same kernel on HC's one-stream rows (`hc_enter`, `rms_proj`'s backward: K = C): the launch HC was measured
+    # with (156 registers uncapped), until the cap is timed on HC's trainer row
+    "hc_bwd_x": dict(BT=64, BK=64, num_warps=4, num_stages=3, programs_per_sm=8, dl_split=True, maxnreg=None),
     # without dx: BK = 128 at 8 warps was the fastest in all four sweeps of round 7 (50-54 vs 56-66 us)
     "bnd_dphi": dict(BT=64, BK=128, num_warps=8, num_stages=2, programs_per_sm=4, dl_split=True),
     "pre_fwd": dict(BT=4, BC=512, num_warps=4),
@@ -390,7 +393,7 @@ def bwd_x(x, phi, dl, dss, dx=None, h_pre=None, du=None, dx_in=None, u_rows=1):
     row of du (HC's (token, stream) rows)."""
     N, n, C = x.shape
     K, M = n * C, phi.shape[1]
-    cx = _cfg("coef_bwd_x" if dx is not None else "bnd_dphi", BK=_np2(K, 16))
+    cx = _cfg("bnd_dphi" if dx is None else "hc_bwd_x" if n == 1 else "coef_bwd_x", BK=_np2(K, 16))
     kblocks = _cdiv(K, cx["BK"])
     want = max(1, cx["programs_per_sm"] * _num_sms(x.device) // kblocks)
     tok = max(cx["BT"], _cdiv(_cdiv(N, want), cx["BT"]) * cx["BT"])
