@@ -418,6 +418,8 @@ def _calls(k):
             k.x, k.phi, k.bias, k.alpha, k.lg, k.rinv, k.h_pre, k.du, *k.dh, *BWD_ARGS),
         "mhc_pre bwd + dx_in (mhc_enter)": lambda: K.mhc_pre_bwd.plain(
             k.x, k.phi, k.bias, k.alpha, k.lg, k.rinv, k.h_pre, k.du, *k.dh, *BWD_ARGS, dx_in=k.g),
+        "  x pass (dx + dphi + dx_in)": lambda: K.bwd_x(
+            k.x, k.phi, k.dl, k.dss, torch.empty_like(k.x), h_pre=k.h_pre, du=k.du, dx_in=k.g),
         "boundary fwd (post_res + coef + u)": lambda: K.bnd_fwd.plain(
             k.x, k.f, k.h_post, k.h_res, k.phi, k.bias, k.alpha, *OPS_ARGS),
         "boundary bwd (whole op)": lambda: K.bnd_bwd.plain(*bnd_bwd),
@@ -448,6 +450,7 @@ def kernel_table(c, tokens, copy_bw):
         "mhc_pre fwd (stack entry: coef + u)": S + phi + small + saved + U,
         "mhc_pre bwd (stack entry)": S + U + phi + small + saved + S + phi,
         "mhc_pre bwd + dx_in (mhc_enter)": 2 * S + U + phi + small + saved + S + phi,
+        "  x pass (dx + dphi + dx_in)": 2 * S + U + saved + N * n * f32 + phi + S,  # x, dx_in, du, dL, h_pre, phi; dx
         "boundary fwd (post_res + coef + u)": S + U + small + phi + S + U + small + saved,
         "boundary bwd (whole op)": 3 * S + 2 * U + 2 * small + saved + phi + S + U + 2 * small + phi,
         "  per token (<du,x_next> + Sinkhorn)": S + U + small + 2 * saved,
