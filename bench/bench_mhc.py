@@ -671,6 +671,9 @@ def run_variant(name, make, x, rows, base):
 
 
 def main():
+    unknown = sorted(set(args.sweep_only.split(",")) - set(SWEEP)) if args.sweep_only else []
+    if unknown:  # before the ceilings and checks run
+        p.error(f"--sweep-only: {', '.join(unknown)} not in the sweep table; allowed: {', '.join(SWEEP)}")
     info = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 torch=torch.__version__, python=sys.version.split()[0], command=" ".join(sys.argv))
     if args.config:
@@ -703,9 +706,6 @@ def main():
     STATE["sweep"] = {}
     if args.sweep and not args.quick:
         only = args.sweep_only and args.sweep_only.split(",")
-        if only and not set(only) <= set(SWEEP):
-            sys.exit(f"--sweep-only: {', '.join(sorted(set(only) - set(SWEEP)))} not in the sweep table; "
-                     f"allowed: {', '.join(SWEEP)}")
         STATE["sweep"] = sweep(*KERNEL_SHAPE, {k: SWEEP[k] for k in only} if only else None)
         if only:
             print("wrote", dump())

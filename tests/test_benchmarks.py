@@ -17,6 +17,17 @@ def _run(args, tmp_path, timeout=600, env=None):
     return proc.stdout
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--sweep-only", "coef_bwd_x"], "--sweep-only needs --sweep and no --quick"),
+    (["--sweep", "--sweep-only", "coef_bwd_x,nope"], "--sweep-only: nope not in the sweep table; allowed: coef_bwd_x,"),
+])
+def test_bench_mhc_refuses_a_sweep_it_cannot_run_before_any_work(tmp_path, argv, message):
+    proc = subprocess.run([sys.executable, "bench/bench_mhc.py", "--smoke", *argv, "--out", str(tmp_path / "out")],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and message in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
+
+
 def test_bench_mhc_smoke_checks_and_times_every_wiring(tmp_path):
     out = _run(["bench/bench_mhc.py", "--smoke", "--shapes", "1", "--iters", "1", "--warmup", "0", "--skip", "recompute",
                 "--no-kernels", "--variants", "ours,hc", "--profile-host", "--out", str(tmp_path)], tmp_path)
