@@ -488,6 +488,37 @@ def test_the_trainers_sublayer_takes_no_avoidable_launch(monkeypatch):
         assert sorted(calls) == sorted(want), (phi_dtype, rows_max_c, calls)
 
 
+@pytest.mark.parametrize("stages", [None, 2])
+def test_the_gradient_loops_take_their_pipelining_depth_from_config(stages, monkeypatch):
+    """CONFIG loop_stages reaches the two gradient kernels' token / channel loops (tl.range num_stages: every load of
+    the loop an async copy on the GPU; the interpreter runs the same loop), with the same float64-checked gradients
+    either way (the GPU run of this file covers the pipelined code at the defaults)."""
+    launched = {}
+
+    def seen(name, real):
+        def launch(grid):
+            def run(*a, **k):
+                launched[name] = k["LOOP_STAGES"]
+                return real[grid](*a, **k)
+            return run
+        return type("Seen", (), {"__getitem__": lambda self, grid: launch(grid)})()
+
+    for name in ("_coef_bwd_tok", "_coef_bwd_x"):
+        monkeypatch.setattr(ops, name, seen(name, getattr(ops, name)))
+    torch.manual_seed(92)
+    lead, c = SHAPES[1]
+    inputs = _coef_inputs(lead, c, 4, torch.bfloat16) + [_leaf(torch.randn(c, device=DEV))]
+    with config_changed("coef_bwd_tok", loop_stages=stages), config_changed("coef_bwd_x", loop_stages=stages):
+        out, _ = _enter_block(fused, *inputs, MHCOptions(sinkhorn_iters=ITERS))
+        ref_in = _f64(inputs)
+        ref, _ = _enter_block(R, *ref_in, MHCOptions(sinkhorn_iters=ITERS))
+        g = _upstream(ref, out)
+        grads = _grads([out], inputs, [g])
+    assert launched == {"_coef_bwd_tok": stages, "_coef_bwd_x": stages}
+    for name, a, b in zip(("dx", "dphi", "dbias", "dalpha", "dw"), grads, _grads([ref], ref_in, [g])):
+        check(a, b, TOL[torch.bfloat16][2], name)
+
+
 @pytest.mark.parametrize("m", [3, 6, 10, 20])  # n + 2 for n = 1, 4, 8; and wider
 @pytest.mark.parametrize("dtype,split", [(torch.float32, False), (torch.bfloat16, False),
                                          (torch.bfloat16, "interleaved"), (torch.bfloat16, "in_kernel")])
@@ -604,7 +635,7 @@ def test_hc_enter_then_write_back_matches_reference(n, dtype, use_tanh, monkeypa
     for name, a, b in zip(names, grads, _grads([ref], ref_in, [g])):
         check(a, b, t_g, name)
     assert seen == [(True, True)]
-    assert "hc_bwd_x" in entries and "coef_bwd_x" not in entries  # HC's rows at the launch HC was measured with
+    assert "hc_bwd_x" in entries and "coef_bwd_x" not in entries  # HC's rows at their own launch (timed on HC)
 
 
 def test_hc_enter_u_and_coefficients_match_the_composition():

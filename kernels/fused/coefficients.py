@@ -347,6 +347,7 @@ def _coef_bwd_tok(
     x_ptr, du_ptr, N, K, C, stride_x, iters, eps, post_mult,
     NS: tl.constexpr, M: tl.constexpr, HAS_RES: tl.constexpr, T_IN: tl.constexpr, T_OUT: tl.constexpr,
     HAS_U: tl.constexpr, BT: tl.constexpr, PW: tl.constexpr, BC: tl.constexpr, HAS_DPRE: tl.constexpr = True,
+    LOOP_STAGES: tl.constexpr = None,
 ):
     """HAS_DPRE = False: h_pre had no gradient of its own (the model reads it only through u): dh_pre starts at zero
     (no zero tensor is made and filled for it)."""
@@ -364,7 +365,7 @@ def _coef_bwd_tok(
         dh_pre = tl.zeros([BT, NS], dtype=tl.float32)
     if HAS_U:
         # fused pre op: u = sum_j h_pre_j x_j adds <du, x_j> to dh_pre_j (one read of du and x here)
-        for c0 in range(0, C, BC):
+        for c0 in tl.range(0, C, BC, num_stages=LOOP_STAGES):
             cc = c0 + tl.arange(0, BC)
             m2 = rmask[:, None] & (cc[None, :] < C)
             du = tl.load(du_ptr + rows64[:, None] * C + cc[None, :], mask=m2, other=0.0).to(tl.float32)
@@ -409,6 +410,7 @@ def _coef_bwd_x(
     NS: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, DOT: tl.constexpr, HAS_U: tl.constexpr,
     HAS_DX: tl.constexpr, ALIGNED: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr = False,
     SPLIT: tl.constexpr = False, PHI_LO: tl.constexpr = False, U_ROWS: tl.constexpr = 1,
+    LOOP_STAGES: tl.constexpr = None,
 ):
     """ACC (with HAS_DX): dx also adds dxin [N, K], the gradient x received from its other consumer (the write-back
     of the same sublayer, `mhc_enter`, `hc_enter`), so that autograd has no sum of two stream-sized gradients to run.
@@ -437,7 +439,7 @@ def _coef_bwd_x(
     acc = tl.zeros([BK, MP], dtype=tl.float32)
     t_lo = pid_s * tok_per_split
     t_hi = tl.minimum(N, t_lo + tok_per_split)
-    for t0 in range(t_lo, t_hi, BT):
+    for t0 in tl.range(t_lo, t_hi, BT, num_stages=LOOP_STAGES):
         rows = t0 + tl.arange(0, BT)
         rmask = rows < t_hi
         rows64 = rows.to(tl.int64)

@@ -55,7 +55,11 @@ CONFIG = {
     # shuffles. Round 12 (device time, fp32 phi, C = 1024): BT 8 at one warp 64 us, BT 4 69, the old BT 8 at two warps
     # 81; BT 4 doubles the partial rows param_sum sums in one program (0.26 -> 0.48 ms per trainer step), and a loop
     # over token blocks per program to keep them (75-107 us) lost more than it saved (docs/benchmarks.md)
-    "coef_bwd_tok": dict(BT=8, num_warps=1, BC=64),
+    # loop_stages: the software-pipelining depth of the <du, x_j> loop (tl.range num_stages: its loads become async
+    # copies into shared memory; None: Triton's default, which pipelines only loads that feed a dot, none here).
+    # Round 14: timed alone (the sweep), 2 stages at BC 128 took 64 us against 79 unpipelined; in the trainer, profiled
+    # in one process, 1.85 ms per step against 1.80: unpipelined kept (docs/benchmarks.md)
+    "coef_bwd_tok": dict(BT=8, num_warps=1, BC=64, loop_stages=None),
     # dl_split: with bf16 x, the two dots on 16-bit parts of dL and phi (_coef_bwd_x SPLIT) instead of tf32 on fp32
     # copies (round 6 ncu of the tf32 version: 176 registers, 49 KB of shared memory, one CTA per SM). The smaller
     # tiles it affords: mhc_pre bwd 276-280 vs 384 us (tf32 at BT 64, BK 128, 8 warps), 322 vs 370 with an fp32
@@ -63,12 +67,18 @@ CONFIG = {
     # maxnreg: a register cap. Uncapped the x pass took 187 registers, two CTAs per SM (round 11's ncu); capped at 128
     # with 2 stages: mhc_enter bwd 258 vs 288 us (device time), trainer _coef_bwd_x 4.14 vs 4.77 ms per step, step
     # medians 78.3 / 78.5 vs 79.4 ms (round 13, docs/benchmarks.md)
-    "coef_bwd_x": dict(BT=64, BK=64, num_warps=4, num_stages=2, programs_per_sm=8, dl_split=True, maxnreg=128),
-    # the same kernel on HC's one-stream rows (`hc_enter`, `rms_proj`'s backward: K = C): the launch HC was measured
-    # with (156 registers uncapped), until the cap is timed on HC's trainer row
-    "hc_bwd_x": dict(BT=64, BK=64, num_warps=4, num_stages=3, programs_per_sm=8, dl_split=True, maxnreg=None),
+    # loop_stages: pipeline every load of the token loop (dx_in, du, h_pre, d(sum x^2) too: without it only x and dL,
+    # the dots' operands, are async copies and the others stall each iteration). 58 KB of shared memory: 3 CTAs per
+    # SM. Round 14: 240 us at 12 programs per SM, 248 at 8, unpipelined 246 (the sweep); in the trainer, profiled in
+    # one process, 3.95-3.98 ms per step against 4.01 (docs/benchmarks.md)
+    "coef_bwd_x": dict(BT=64, BK=64, num_warps=4, num_stages=2, programs_per_sm=12, dl_split=True, maxnreg=128,
+                       loop_stages=2),
+    # the same kernel on HC's one-stream rows (`hc_enter`, `rms_proj`'s backward: K = C). The cap as mHC's, timed on
+    # HC's trainer row (round 14, one process): steps 79.7 vs 80.3 ms (medians), 80.0 vs 83.1 (means) uncapped
+    "hc_bwd_x": dict(BT=64, BK=64, num_warps=4, num_stages=2, programs_per_sm=8, dl_split=True, maxnreg=128,
+                     loop_stages=None),
     # without dx: BK = 128 at 8 warps was the fastest in all four sweeps of round 7 (50-54 vs 56-66 us)
-    "bnd_dphi": dict(BT=64, BK=128, num_warps=8, num_stages=2, programs_per_sm=4, dl_split=True),
+    "bnd_dphi": dict(BT=64, BK=128, num_warps=8, num_stages=2, programs_per_sm=4, dl_split=True, loop_stages=None),
     "pre_fwd": dict(BT=4, BC=512, num_warps=4),
     "pre_bwd": dict(BT=4, BC=256, num_warps=4),
     "post_fwd": dict(BT=4, BC=256, num_warps=4),
@@ -382,7 +392,7 @@ def bwd_tok(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_i
         lg, rinv, bias.contiguous(), alpha.contiguous(), lg if d_pre is None else d_pre.contiguous(), d_post.contiguous(),
         d_res.contiguous(), dl, dss, part, sc, x, du.contiguous() if with_u else x, N, n * C, C, x.stride(0), iters, eps,
         post_mult, NS=n, M=M, HAS_RES=has_res, T_IN=t_in, T_OUT=t_out, HAS_U=with_u, HAS_DPRE=d_pre is not None,
-        BT=ct["BT"], PW=pw, BC=min(ct.get("BC", 16), _np2(C, 16)), **_launch(ct),
+        BT=ct["BT"], PW=pw, BC=min(ct.get("BC", 16), _np2(C, 16)), LOOP_STAGES=ct.get("loop_stages"), **_launch(ct),
     )
     return dl, dss, part
 
@@ -405,7 +415,7 @@ def bwd_x(x, phi, dl, dss, dx=None, h_pre=None, du=None, dx_in=None, u_rows=1):
         du.contiguous() if with_u else dl, dl if dx_in is None else dx_in, N, K, C, x.stride(0), phi.stride(0), tok,
         NS=n, M=M, MP=_np2(M, 16), HAS_U=with_u, HAS_DX=dx is not None, ACC=dx_in is not None,
         ALIGNED=C % cx["BK"] == 0, BT=cx["BT"], BK=cx["BK"], U_ROWS=u_rows, **_grad_dots(x.dtype, phi.dtype, cx),
-        **_launch(cx),
+        LOOP_STAGES=cx.get("loop_stages"), **_launch(cx),
     )
     return dphi_part
 
