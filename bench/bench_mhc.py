@@ -505,22 +505,23 @@ SWEEP = dict(SWEEP_QUICK, **{  # full run, at C=1024: also the kernels every pat
                            (32, 128, 4, 3), (64, 32, 4, 4)]],
     "bnd_bwd": [dict(BT=bt, BC=bc, num_warps=w) for bt, bc, w in
                 [(16, 128, 8), (32, 64, 8), (32, 32, 4), (64, 64, 8), (32, 128, 8), (64, 32, 8), (16, 64, 8)]],
-    # round 12 (device time): BT 8 at one warp 64 us, BT 4 at one warp 69, BT 8 at two warps (the old default) 81
-    "coef_bwd_tok": [dict(BT=bt, num_warps=w, BC=bc) for bt, w, bc in
-                     [(8, 1, 64), (8, 2, 64), (4, 1, 64), (16, 1, 64), (16, 4, 64), (8, 4, 128), (4, 2, 64),
-                      (8, 2, 128), (4, 1, 128), (2, 1, 256)]],
-    # the x pass (mhc_enter's: + dx_in) by device time, around a register cap for 3-4 CTAs per SM (round 11's ncu:
-    # 187 registers at BT 64 / BK 64 / 4 warps, two CTAs per SM). Round 13, first sweep (the whole op, us): the cap
-    # 128 at 12 programs per SM and 2 stages 263, 3 stages 275, cap 168 278, no cap (the default) 288; BT 32 / BK 128
-    # 301; BT 32 330-366; 8 warps 370-473; BT 16 516. Second sweep: the cap at 8 programs per SM, 2 stages 258 (the
-    # default since), 112 or 96 registers 269-340, 1 stage 301
-    "coef_bwd_x": [dict(BT=bt, BK=bk, num_warps=w, num_stages=st, programs_per_sm=pp, maxnreg=r)
-                   for bt, bk, w, st, pp, r in
-                   [(64, 64, 4, 2, 12, 128), (64, 64, 4, 3, 12, 128), (64, 64, 4, 3, 8, None), (64, 64, 4, 2, 16, 128),
-                    (64, 64, 4, 2, 12, 112), (64, 64, 4, 2, 16, 112), (64, 64, 4, 2, 16, 96), (64, 64, 4, 1, 12, 128),
-                    (64, 64, 4, 2, 8, 128), (64, 64, 4, 2, 12, None), (32, 128, 4, 2, 12, 128),
-                    # not yet timed: 8 warps under the cap (two CTAs of 8), smaller token blocks under a lower cap
-                    (64, 64, 8, 2, 8, 128), (64, 128, 8, 2, 4, 128), (32, 64, 4, 2, 16, 96), (32, 64, 2, 2, 16, 128)]],
+    # round 12 (device time): BT 8 at one warp 64 us, BT 4 at one warp 69, BT 8 at two warps (the old default) 81.
+    # Round 14's probe (the kernel alone): 73 us, of which the Sinkhorn backward alone 18 and the <du, x_j> loop alone
+    # 51 (3.3 TB/s); loop_stages pipelines that loop's loads: 64 us here at BC 128, slower in the trainer (1.85 vs 1.80
+    # ms per step, profiled in one process), so this table's ranking of it does not carry over
+    "coef_bwd_tok": [dict(BT=bt, num_warps=w, BC=bc, loop_stages=ls) for bt, w, bc, ls in
+                     [(8, 1, 64, None), (8, 1, 64, 2), (8, 1, 64, 3), (8, 1, 64, 4), (8, 1, 128, 2), (8, 1, 128, 3),
+                      (8, 2, 128, 2), (8, 2, 128, 3), (4, 1, 128, 3), (16, 2, 64, 3)]],
+    # the x pass (mhc_enter's: + dx_in) by device time. Round 13: the register cap 128 at 2 stages and 8 programs per
+    # SM (the default) 258 us for the whole op; uncapped 288; 12-16 programs 262-263; caps 112 / 96 269-340; 1 stage
+    # 301; BT 32 301-366; 8 warps 370-473; BT 16 516. Round 14: every load of the token loop pipelined (loop_stages;
+    # without it dx_in, du, h_pre and d(sum x^2) are plain loads that stall each iteration): 3 CTAs per SM at BT 64
+    # (58 KB of shared memory), 4 at BT 32 (kernel_resources.py, Triton 3.6)
+    "coef_bwd_x": [dict(BT=bt, BK=bk, num_warps=w, num_stages=st, programs_per_sm=pp, maxnreg=r, loop_stages=ls)
+                   for bt, bk, w, st, pp, r, ls in
+                   [(64, 64, 4, 2, 8, 128, None), (64, 64, 4, 2, 8, 128, 2), (64, 64, 4, 2, 12, 128, 2),
+                    (64, 64, 4, 2, 8, 168, 2), (64, 64, 4, 2, 8, None, 2), (32, 64, 4, 2, 16, 128, 2),
+                    (32, 64, 4, 2, 12, 128, 2), (32, 64, 4, 2, 16, 128, 3), (32, 64, 4, 2, 16, 128, None)]],
     "coef_tail": [dict(BT=bt, num_warps=w) for bt, w in [(8, 2), (4, 1), (16, 2)]],
     "post_fwd": [dict(BT=bt, BC=bc, num_warps=w) for bt, bc, w in [(4, 256, 4), (8, 256, 8), (2, 512, 4)]],
     # rows_max_c = 0: the top-level tiles at every C; the last entry is the whole-row variant (ops.CONFIG "rows")

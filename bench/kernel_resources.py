@@ -32,6 +32,9 @@ from mhc_lightning.kernels.fused.stream_post_res import _post_bwd_2d, _post_fwd
 from mhc_lightning.kernels.fused.stream_pre import _pre_bwd, _pre_fwd
 
 FLOATS = {"eps", "rms_eps", "pre_eps", "post_mult", "inv_c"}
+# sm_90's shared memory per SM (228 KiB) and what the driver reserves per CTA (1 KiB; ncu's "Driver Shared Memory Per
+# Block"): a pipelined loop's async-copy buffers can cap the CTAs per SM below the registers' limit
+SHARED_PER_SM, SHARED_RESERVED_PER_CTA = 228 * 1024, 1024
 NS, M, MP = 4, 24, 32
 
 
@@ -51,7 +54,8 @@ def grad_dots(entry):
 
 def xpass(entry):
     """`_coef_bwd_x`'s constexprs at a CONFIG entry (bf16 x and phi)."""
-    return dict(NS=NS, M=M, MP=MP, ALIGNED=True, **grad_dots(entry), **_tiles(entry, "BT", "BK"))
+    return dict(NS=NS, M=M, MP=MP, ALIGNED=True, LOOP_STAGES=ops.CONFIG[entry].get("loop_stages"), **grad_dots(entry),
+                **_tiles(entry, "BT", "BK"))
 
 
 def cases():
@@ -85,7 +89,8 @@ def cases():
         ("Sinkhorn tail", _coef_tail, dict(NS=NS, M=M, T_IN=True, T_OUT=False, BT=ops.CONFIG["coef_tail"]["BT"]),
          set(), "coef_tail"),
         ("coef bwd per token (+ <du, x>)", _coef_bwd_tok,
-         dict(res, HAS_U=True, PW=M + 3, **_tiles("coef_bwd_tok", "BT", "BC")), {"x_ptr", "du_ptr"}, "coef_bwd_tok"),
+         dict(res, HAS_U=True, PW=M + 3, LOOP_STAGES=ops.CONFIG["coef_bwd_tok"]["loop_stages"],
+              **_tiles("coef_bwd_tok", "BT", "BC")), {"x_ptr", "du_ptr"}, "coef_bwd_tok"),
         ("coef bwd x pass (dx + dphi, mhc_enter)", _coef_bwd_x,
          dict(xpass("coef_bwd_x"), HAS_U=True, HAS_DX=True, ACC=True), {"x_ptr", "phi_ptr", "dx_ptr", "du_ptr", "dxin_ptr"}, "coef_bwd_x"),
         ("coef bwd x pass, fp32 phi (the trainer's)", _coef_bwd_x,
@@ -145,8 +150,10 @@ def compile_one(kernel, constexprs, bf16, launch, arch):
     stack = int(re.search(r"STACK:(\d+)", out).group(1))
     local = int(re.search(r"LOCAL:(\d+)", out).group(1))
     warps = compiled.metadata.num_warps
-    return dict(registers=regs, stack_bytes=stack, local_bytes=local, shared_bytes=compiled.metadata.shared,
-                num_warps=warps, ctas_per_sm_by_registers=65536 // (regs * 32 * warps))
+    shared = compiled.metadata.shared
+    return dict(registers=regs, stack_bytes=stack, local_bytes=local, shared_bytes=shared, num_warps=warps,
+                ctas_per_sm_by_registers=65536 // (regs * 32 * warps),
+                ctas_per_sm_by_shared=SHARED_PER_SM // (shared + SHARED_RESERVED_PER_CTA))
 
 
 def main():
@@ -160,7 +167,8 @@ def main():
         r = dict(kernel=label, config=launch, **compile_one(kernel, constexprs, bf16, launch, args.arch))
         rows.append(r)
         print(f"{label:<34} regs {r['registers']:>3}  stack {r['stack_bytes']:>4}  local {r['local_bytes']:>4} "
-              f"smem {r['shared_bytes']:>6}  warps {r['num_warps']}  CTAs/SM (regs) {r['ctas_per_sm_by_registers']}",
+              f"smem {r['shared_bytes']:>6}  warps {r['num_warps']}  CTAs/SM: regs {r['ctas_per_sm_by_registers']}, "
+              f"smem {r['ctas_per_sm_by_shared']}",
               flush=True)
     if args.out:
         with open(args.out, "w") as fh:

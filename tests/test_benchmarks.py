@@ -164,6 +164,7 @@ xpass = kr.divisible_args(_coef_bwd_x, kr.xpass("coef_bwd_x"))
 assert "stride_phi" not in xpass and "N" not in xpass and "tok_per_split" not in xpass and "K" in xpass, xpass
 r = kr.compile_one(_pre_fwd, dict(NS=4, BT=4, BC=512), {"x_ptr", "u_ptr"}, dict(num_warps=4), 90)
 assert 0 < r["registers"] <= 255 and r["stack_bytes"] == 0 and r["ctas_per_sm_by_registers"] >= 1, r
+assert r["shared_bytes"] == 0 and r["ctas_per_sm_by_shared"] == 228, r  # no shared memory: the 1 KiB reserved per CTA
 print("ok", r["registers"])
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
