@@ -521,6 +521,15 @@ def environment() -> dict:
     return env
 
 
+def with_config_variants(modes: list[str], configs: dict) -> list[str]:
+    """modes plus MODE@NAME for each --kernel-config NAME and each mode but residual, unless --modes already names a
+    variant of NAME: then those are NAME's only runs (a config of mHC's kernels need not run HC twice; round 14's
+    `hc@r13` ran the default HC launch under another name)."""
+    named = {m.partition("@")[2] for m in modes if "@" in m}
+    return modes + [f"{m}@{name}" for name in configs if name not in named for m in modes
+                    if m != "residual" and "@" not in m]
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny shapes (checks the script, not speed)")
@@ -542,7 +551,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "the median mean step (A/Bs on hosts whose speed varies between processes)")
     p.add_argument("--kernel-config", action="append", default=[], metavar="NAME=JSON",
                    help="one more variant of every mode but residual, named MODE@NAME, run with MHC_KERNEL_CONFIG=JSON "
-                        "(launch-config overrides, docs/kernels.md); with --repeat, an A/B inside one call")
+                        "(launch-config overrides, docs/kernels.md); with --repeat, an A/B inside one call. Naming "
+                        "MODE@NAME in --modes runs only the variants named there")
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="after the timed runs, one more run per variant with torch.profiler over STEPS steps: device "
                         "time per kernel, and kernels against wall time (the GPU waiting on the host)")
@@ -567,8 +577,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if "@" in mode and mode.partition("@")[2] not in args.kernel_configs:
             p.error(f"--modes {mode}: {mode.partition('@')[2]!r} is no --kernel-config NAME; allowed: "
                     f"{', '.join(args.kernel_configs) or 'none given'} (each config adds MODE@NAME by itself)")
-    args.modes += [f"{m}@{name}" for name in args.kernel_configs for m in list(args.modes)
-                   if m != "residual" and "@" not in m and f"{m}@{name}" not in args.modes]
+    args.modes = with_config_variants(args.modes, args.kernel_configs)
     if args.smoke:
         args.d_model, args.layers, args.heads, args.seq, args.batch = 64, 2, 2, 64, 4
         args.warmup, args.steps, args.timeout = 3, 5, min(args.timeout, 300)

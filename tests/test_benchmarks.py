@@ -111,6 +111,20 @@ def test_bench_ddp_refuses_a_variant_without_its_kernel_config(tmp_path):
     assert "--modes mhc@nope: 'nope' is no --kernel-config NAME; allowed: old" in proc.stderr.strip().splitlines()[-1]
 
 
+def test_bench_ddp_kernel_config_variants_default_to_every_mode_or_to_those_named():
+    """A --kernel-config adds MODE@NAME for every mode but residual, unless --modes names a variant of it: then only
+    those run (round 14 ran HC's default launch a second time as hc@r13, for a config of mHC's kernels only)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from bench_ddp import with_config_variants
+
+    configs = {"r13": "{}", "cap": "{}"}
+    assert with_config_variants(["residual", "mhc", "hc"], configs) == [
+        "residual", "mhc", "hc", "mhc@r13", "hc@r13", "mhc@cap", "hc@cap"]
+    assert with_config_variants(["residual", "mhc", "hc", "mhc@r13"], configs) == [
+        "residual", "mhc", "hc", "mhc@r13", "mhc@cap", "hc@cap"]
+    assert with_config_variants(["residual"], configs) == ["residual"]
+
+
 def test_idle_gaps_charges_each_gap_to_the_host_ops_that_launched_the_work_after_it():
     """A hand-made Kineto trace: two kernels launched late from inside an autograd node (host-bound gaps of 30 and
     50 us), one launched before its gap opened (a queued wait, not the host's), and overlapping work on two streams
