@@ -6,7 +6,8 @@
 #   run: OUT=$OUT bash bench/gpu_perf_round.sh            (about 8 minutes on an H200)
 #   PROFILE=1: --quick --sweep --profile --profile-host instead of the full table (launch-config sweep, CUDA time per
 #   kernel, host time per Python function: the eager step waits on the host on slow machines), and the trainer rows
-#   with `bench_ddp.py --profile 3` (kernel time against wall time per step, one more run per mode).
+#   with `bench_ddp.py --profile 3` (kernel time against wall time per step, one more run per mode), and
+#   bench/trainer_traffic.py's table of each fused kernel's share of copy bandwidth in that step.
 #   TRAINER_ARGS: more bench_ddp.py arguments for the trainer rows, e.g.
 #   TRAINER_ARGS="--repeat 2 --kernel-config 'tf32={\"coef_fwd\":{\"phi_split\":false}}'" (an A/B in one call).
 #   NCU=1: first, Nsight Compute on the slowest kernels (occupancy, stall reasons, memory throughput; about a minute),
@@ -66,6 +67,10 @@ trainer_args=()
 eval "trainer_args+=(${TRAINER_ARGS:-})"
 timeout 240 python3 bench/bench_ddp.py --gpus 1 --no-check --modes residual,mhc,hc --timeout 110 --out "$OUT/trainer" \
   "${trainer_args[@]}" 2>&1 | grep -E "^\| |kernels|exit [^0]" | tail -12
+if [ "${PROFILE:-0}" = 1 ]; then  # each fused kernel's share of copy bandwidth in the profiled trainer step
+  bw=$(python3 -c "import json; print(json.load(open('$OUT/bench_mhc.json'))['info']['copy_tb_s'])")
+  python3 bench/trainer_traffic.py "$OUT/trainer/bench_ddp.json" --copy-tbps "$bw" --out "$OUT/trainer/traffic.json"
+fi
 if [ "${CHAIN:-1}" = 1 ]; then
   timeout 80 python3 bench/bench_ddp.py --gpus 1 --no-check --modes mhc --timeout 70 \
     --fit-args=--model.arch.hyper.chain_sublayers=true --out "$OUT/trainer_chain" 2>&1 | tail -3

@@ -125,6 +125,42 @@ def test_bench_ddp_kernel_config_variants_default_to_every_mode_or_to_those_name
     assert with_config_variants(["residual"], configs) == ["residual"]
 
 
+PROFILED_AB = REPO / "docs" / "benchmarks" / "2026-12-01-h200-bench_ddp-round14-profiled-ab.json"
+
+
+def test_trainer_traffic_tabulates_a_profiled_trainer_run_against_its_bytes(tmp_path):
+    """bench/trainer_traffic.py on round 14's committed H200 profile: each fused kernel's bytes at the run's shape, its
+    floor at the given copy bandwidth, its measured time per call and share of copy; variants without the kernels
+    (residual) are left out."""
+    out = tmp_path / "traffic.json"
+    proc = subprocess.run([sys.executable, "bench/trainer_traffic.py", str(PROFILED_AB), "--copy-tbps", "4.17", "--out",
+                           str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())["variants"]
+    assert set(data) == {"mhc", "mhc@tok0", "mhc@r13"}
+    rows = {r["kernel"]: r for r in data["mhc@tok0"]["rows"]}
+    assert set(rows) == {"_post_fwd", "_coef_fwd", "_pre_fwd", "_post_bwd_2d", "_coef_bwd_tok", "_coef_bwd_x"}
+    # x [4C] and f [C] read, x_next [4C] written (bf16), h_post and H^res (fp32): 18512 bytes per token
+    assert rows["_post_fwd"]["mb_per_call"] == 18512 * 16384 / 1e6
+    assert abs(rows["_post_fwd"]["floor_us"] - 18512 * 16384 / 4.17e6) < 1e-9
+    assert abs(rows["_post_fwd"]["us"] - 1818.3 / 24) < 0.1 and 95 < rows["_post_fwd"]["pct_copy"] < 97
+    assert all(r["calls_per_step"] == 24 for r in rows.values())  # one call per sublayer, 24 sublayers
+    total = data["mhc@tok0"]
+    assert abs(total["floor_ms_per_step"] - sum(r["floor_ms_per_step"] for r in rows.values())) < 1e-12
+    assert 9.8 < total["floor_ms_per_step"] < 9.9 and 12.9 < total["ms_per_step"] < 13.1
+    assert "mhc@tok0: 16384 tokens, C = 1024, n = 4" in proc.stdout
+
+
+@pytest.mark.parametrize("extra,line", [
+    (["--copy-tbps", "0"], "--copy-tbps: 0.0; allowed: a bandwidth above 0 (TB/s)"),
+    (["--copy-tbps", "4", "--variant", "hc"], "--variant: hc not profiled; allowed: residual, mhc, mhc@tok0, mhc@r13"),
+])
+def test_trainer_traffic_refuses_bad_input_with_one_line(extra, line):
+    proc = subprocess.run([sys.executable, "bench/trainer_traffic.py", str(PROFILED_AB), *extra], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].endswith(line), proc.stderr
+
+
 def test_idle_gaps_charges_each_gap_to_the_host_ops_that_launched_the_work_after_it():
     """A hand-made Kineto trace: two kernels launched late from inside an autograd node (host-bound gaps of 30 and
     50 us), one launched before its gap opened (a queued wait, not the host's), and overlapping work on two streams
