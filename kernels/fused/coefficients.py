@@ -350,7 +350,8 @@ def _coef_bwd_tok(
     LOOP_STAGES: tl.constexpr = None,
 ):
     """HAS_DPRE = False: h_pre had no gradient of its own (the model reads it only through u): dh_pre starts at zero
-    (no zero tensor is made and filled for it)."""
+    (no zero tensor is made and filled for it). LOOP_STAGES: the <du, x_j> loop's pipelining depth (CONFIG
+    loop_stages; None: Triton's default, which pipelines only a dot's operands, so none of this loop's loads)."""
     pid = tl.program_id(0)
     rows64, rmask, nn, tok = _row_block(N, BT, NS)
     rinv = tl.load(rinv_ptr + rows64, mask=rmask, other=0.0)
@@ -417,7 +418,9 @@ def _coef_bwd_x(
     U_ROWS: rows of x per row of du (HC's rows are (token, stream) pairs, NS = 1: U_ROWS = n, h_pre one per row).
     SPLIT (bf16 x): dL (fp32) enters both dots as two bf16 parts hi + lo, phi as its bf16 part (+ its lo part with
     PHI_LO, for an fp32 phi), and x as it is stored: 16-bit operands (no fp32 copies of x tiles in shared memory),
-    exact products in the fp32 accumulator, 16 mantissa bits of dL and phi (tf32: 11)."""
+    exact products in the fp32 accumulator, 16 mantissa bits of dL and phi (tf32: 11).
+    LOOP_STAGES: the token loop's pipelining depth (CONFIG loop_stages): every load of the loop an async copy into
+    shared memory; None, Triton's default, pipelines only the dots' operands (x, dL), not dx_in, du, h_pre, dss."""
     pid_k = tl.program_id(0)
     pid_s = tl.program_id(1)
     kk = pid_k * BK + tl.arange(0, BK)
