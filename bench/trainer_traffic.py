@@ -62,7 +62,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.copy_tbps <= 0:
         p.error(f"--copy-tbps: {args.copy_tbps}; allowed: a bandwidth above 0 (TB/s)")
-    data = json.load(open(args.bench_ddp_json))
+    with open(args.bench_ddp_json) as fh:
+        data = json.load(fh)
     profiles = data.get("profile") or {}
     if not profiles:
         p.error(f"{args.bench_ddp_json}: no profile; allowed: the JSON of `bench_ddp.py --profile N`")

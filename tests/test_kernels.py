@@ -463,16 +463,27 @@ def test_mhc_enter_then_write_back_matches_reference(n, dtype, mode, monkeypatch
     assert "coef_bwd_x" in entries and "hc_bwd_x" not in entries  # the x pass at mHC's launch (the register cap)
 
 
+def _on_launch(monkeypatch, names, record):
+    """Each kernel in names, as ops launches it (`ops.name[grid](*args, **kwargs)`), calls record(name, kwargs) and
+    then launches for real."""
+    for name in names:
+        real = getattr(ops, name)
+
+        def launch(grid, name=name, real=real):
+            def run(*args, **kwargs):
+                record(name, kwargs)
+                return real[grid](*args, **kwargs)
+            return run
+        monkeypatch.setattr(ops, name, type("Watched", (), {"__getitem__": lambda self, grid, f=launch: f(grid)})())
+
+
 def test_the_trainers_sublayer_takes_no_avoidable_launch(monkeypatch):
     """With the trainer's dtypes (bf16 streams, fp32 phi as 16-bit parts) and C <= 1024: Sinkhorn runs in the GEMM
     kernel (no `_coef_tail`), the write-back's backward writes whole rows (no partials to sum: one `_param_grad_sum`,
     the coefficients'), and no zero dh_pre is made (h_pre reaches the loss only through u). With a bf16 phi the tail
     keeps its own launch; above rows_max_c the write-back sums its per-C-block partials."""
     calls = []
-    for name in ("_coef_tail", "_param_grad_sum"):
-        real = getattr(ops, name)
-        monkeypatch.setattr(ops, name, type("Counted", (), {"__getitem__": lambda self, grid, n=name, r=real: (
-            calls.append(n) or r[grid])})())
+    _on_launch(monkeypatch, ("_coef_tail", "_param_grad_sum"), lambda name, kwargs: calls.append(name))
     zeros = torch.zeros
     monkeypatch.setattr(torch, "zeros", lambda *a, **k: calls.append("zeros") or zeros(*a, **k))
     torch.manual_seed(91)
@@ -494,17 +505,8 @@ def test_the_gradient_loops_take_their_pipelining_depth_from_config(stages, monk
     the loop an async copy on the GPU; the interpreter runs the same loop), with the same float64-checked gradients
     either way (the GPU run of this file covers the pipelined code at the defaults)."""
     launched = {}
-
-    def seen(name, real):
-        def launch(grid):
-            def run(*a, **k):
-                launched[name] = k["LOOP_STAGES"]
-                return real[grid](*a, **k)
-            return run
-        return type("Seen", (), {"__getitem__": lambda self, grid: launch(grid)})()
-
-    for name in ("_coef_bwd_tok", "_coef_bwd_x"):
-        monkeypatch.setattr(ops, name, seen(name, getattr(ops, name)))
+    _on_launch(monkeypatch, ("_coef_bwd_tok", "_coef_bwd_x"),
+               lambda name, kwargs: launched.__setitem__(name, kwargs["LOOP_STAGES"]))
     torch.manual_seed(92)
     lead, c = SHAPES[1]
     inputs = _coef_inputs(lead, c, 4, torch.bfloat16) + [_leaf(torch.randn(c, device=DEV))]
