@@ -28,11 +28,10 @@ if not REAL:
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import triton  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
 
 from mhc_lightning.kernels import fused  # noqa: E402
 from mhc_lightning.kernels.fused import ops  # noqa: E402
+from mhc_lightning.kernels.fused.launch import Launcher  # noqa: E402
 from mhc_lightning.model import HyperConfig, HyperConnection  # noqa: E402
 from mhc_lightning.model.recompute import run_sublayers  # noqa: E402
 
@@ -47,7 +46,7 @@ class _NoLaunch:
 class _TimedLaunch:
     """A kernel's launch as the ops module calls it, with the host time of each launch added to `spent`."""
 
-    def __init__(self, fn: JITFunction, spent: dict, name: str):
+    def __init__(self, fn: Launcher, spent: dict, name: str):
         self.fn, self.spent, self.name = fn, spent, name
 
     def __getitem__(self, grid):
@@ -60,8 +59,8 @@ class _TimedLaunch:
 
 
 def kernel_names() -> list[str]:
-    """Every Triton kernel the ops module launches (kernels/fused/*.py, imported into ops)."""
-    return sorted(k for k, v in vars(ops).items() if isinstance(v, (JITFunction, InterpretedFunction)))
+    """Every Triton kernel the ops module launches (kernels/fused/*.py, as ops wraps them)."""
+    return sorted(k for k, v in vars(ops).items() if isinstance(v, Launcher))
 
 
 def replace_launches(wrap) -> list[str]:

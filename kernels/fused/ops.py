@@ -14,11 +14,9 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .coefficients import (DOT_IEEE, DOT_NATIVE, DOT_TF32, _coef_bwd_tok, _coef_bwd_x, _coef_fwd, _coef_tail,
-                           _hc_tail_bwd)
-from .parameters import _param_grad_sum, _phi_pairs
-from .stream_post_res import _post_bwd_2d, _post_fwd
-from .stream_pre import _pre_bwd, _pre_fwd
+from . import coefficients, parameters, stream_post_res, stream_pre
+from .coefficients import DOT_IEEE, DOT_NATIVE, DOT_TF32
+from .launch import Launcher
 
 Tensor = torch.Tensor
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -97,7 +95,23 @@ CONFIG = {
     # under torch.compile, route: the enter ops hand the write-back's gradient of x to their own x pass (`Routed`);
     # false: x itself is handed on and inductor sums the two gradients (the A/B of round 12's change)
     "enter": dict(route=True),
+    # fast: launches skip Triton's per-call path after a kernel's first call with the same arguments' key
+    # (kernels/fused/launch.py); false: every launch takes Triton's path (the A/B; docs/kernels.md)
+    "launch": dict(fast=True),
 }
+
+
+def _launcher(fn) -> Launcher:
+    return Launcher(fn, enabled=lambda: CONFIG["launch"]["fast"])
+
+
+# Every kernel as this module launches it (`_post_fwd[grid](...)`): through `Launcher` (kernels/fused/launch.py)
+_coef_bwd_tok, _coef_bwd_x, _coef_fwd, _coef_tail, _hc_tail_bwd = map(_launcher, (
+    coefficients._coef_bwd_tok, coefficients._coef_bwd_x, coefficients._coef_fwd, coefficients._coef_tail,
+    coefficients._hc_tail_bwd))
+_param_grad_sum, _phi_pairs = map(_launcher, (parameters._param_grad_sum, parameters._phi_pairs))
+_post_bwd_2d, _post_fwd = map(_launcher, (stream_post_res._post_bwd_2d, stream_post_res._post_fwd))
+_pre_bwd, _pre_fwd = map(_launcher, (stream_pre._pre_bwd, stream_pre._pre_fwd))
 
 # CONFIG coef_fwd phi_split -> _coef_fwd's SPLIT (true: "dots", as before "interleaved" existed)
 PHI_SPLITS = {False: 0, True: 1, "dots": 1, "interleaved": 2, "in_kernel": 3}

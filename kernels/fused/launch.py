@@ -1,0 +1,93 @@
+"""Kernel launches with less host time than Triton's `kernel[grid](...)` (docs/kernels.md, "Host time per launch").
+
+An eager training step issues ten Triton launches per mHC sublayer, and on the H200's host each took 25-48 us
+(bench/bench_host.py --real): the eager forward is host-bound there. Most of that time is Triton's generic path
+run again on every call: binding the arguments and specialising each, a cache key that formats the launch options
+as a string, environment reads, launch metadata and the (empty) launch hooks. `Launcher` does that path once per
+distinct call and keeps the compiled kernel; later calls with the same key go straight to the compiled kernel's
+launcher.
+
+The key is a superset of what Triton specialises on: every non-tensor argument by value (ints, floats, flags,
+constexprs, launch options) and, per tensor, its dtype and whether its address is 16-byte aligned (Triton's
+pointer specialisation), plus the current device. A new value of a runtime-only argument (the token count, the
+Sinkhorn count) therefore misses here and takes Triton's path once, which finds its own compiled kernel (no
+recompile) and hands it back to be kept under the new key.
+"""
+from typing import Callable
+
+import torch
+
+try:
+    from triton import knobs
+    from triton.runtime.jit import JITFunction
+except ImportError:  # pragma: no cover - triton ships with torch's CUDA wheels and is a test dependency
+    knobs, JITFunction = None, ()
+
+Tensor = torch.Tensor
+MAX_KEYS = 256  # distinct calls kept per kernel (token counts, Sinkhorn counts); past it, the oldest half goes
+
+
+class Launcher:
+    """`launcher[grid](*args, **constexprs_and_options)`, as for the Triton kernel it wraps.
+
+    Runtime arguments go positionally and constexprs / launch options by keyword, as everywhere in ops.py. Every call
+    takes Triton's own path under the interpreter, while a launch hook is installed (Triton's profiler), and while
+    enabled() is false (ops.CONFIG["launch"]["fast"]: the A/B of bench_ddp --kernel-config).
+    """
+
+    def __init__(self, fn, enabled: Callable[[], bool] = lambda: True):
+        self.fn, self.enabled = fn, enabled
+        self.fast = isinstance(fn, JITFunction)
+        self.kept: dict[tuple, tuple] = {}
+        if self.fast:
+            # a parameter's default, for the launcher's argument list (it takes every parameter, constexprs too)
+            self.params = [(p.name, p.default) for p in fn.signature.parameters.values()]
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+
+    def __repr__(self) -> str:
+        return f"Launcher({getattr(self.fn, '__name__', self.fn)})"
+
+    def launch(self, grid, args: tuple, kwargs: dict):
+        if not self.fast or _hooked() or not self.enabled():
+            return self.fn[grid](*args, **kwargs)
+        device = torch.cuda.current_device()
+        key = call_key(device, args, kwargs)
+        kept = self.kept.get(key)
+        if kept is None:
+            return self._first(key, grid, args, kwargs)
+        kernel, tail = kept
+        g = grid if len(grid) == 3 else (*grid, 1, 1)
+        kernel.run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(device), kernel.function,
+                   kernel.packed_metadata, None, None, None, *args, *tail)
+        return kernel
+
+    def _first(self, key: tuple, grid, args: tuple, kwargs: dict):
+        """Triton's own launch; its compiled kernel kept under key with the values of the parameters not passed
+        positionally (constexprs and defaults: part of the key, so fixed for it)."""
+        kernel = self.fn[grid](*args, **kwargs)
+        if kernel is None or not hasattr(kernel, "packed_metadata"):  # compiled asynchronously or another Triton
+            return kernel
+        if any(isinstance(v, Tensor) for v in kwargs.values()):  # a tensor by keyword would be fixed in the tail
+            return kernel
+        tail = tuple(kwargs[name] if name in kwargs else default for name, default in self.params[len(args):])
+        if len(self.kept) >= MAX_KEYS:
+            for k in list(self.kept)[:MAX_KEYS // 2]:
+                del self.kept[k]
+        self.kept[key] = (kernel, tail)
+        return kernel
+
+
+def call_key(device: int, args: tuple, kwargs: dict) -> tuple:
+    """What a launch is kept under (module docstring): the device, keyword arguments by name and value, and the
+    positional ones by value, tensors by dtype and 16-byte alignment."""
+    return (device, *kwargs.items(), *[(a.dtype, (a.data_ptr() & 15) == 0) if isinstance(a, Tensor) else a
+                                       for a in args])
+
+
+def _hooked() -> bool:
+    """A launch hook is installed (Triton 3.6 keeps them as chains of callables; older ones as one or None)."""
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    return any(getattr(h, "calls", h) for h in hooks)
+

@@ -1,0 +1,120 @@
+"""kernels/fused/launch.py: launches that skip Triton's per-call path once a call's key is kept.
+
+The key is checked on the CPU; the launches themselves need compiled kernels (CUDA): there the fast path must give
+bit-identical outputs to Triton's own, keep one kernel per key, hand a misaligned tensor its own key, and step
+aside while a launch hook is installed.
+"""
+import importlib
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from mhc_lightning.kernels.fused import ops  # noqa: E402
+from mhc_lightning.kernels.fused.launch import Launcher, call_key  # noqa: E402
+
+DEV = "cuda" if CUDA else "cpu"
+MODULES = ("coefficients", "parameters", "stream_post_res", "stream_pre")
+
+
+def test_every_kernel_ops_launches_is_wrapped_once():
+    """ops holds each Triton kernel of kernels/fused/ only through one Launcher (bench_host.py times and stubs them
+    by that type), each wrapping the kernel of its name; no bare kernel is left to launch around it."""
+    mods = {m: importlib.import_module(f"mhc_lightning.kernels.fused.{m}") for m in MODULES}
+    wrapped = {name: v for name, v in vars(ops).items() if isinstance(v, Launcher)}
+    assert set(wrapped) == {"_coef_bwd_tok", "_coef_bwd_x", "_coef_fwd", "_coef_tail", "_hc_tail_bwd",
+                            "_param_grad_sum", "_phi_pairs", "_post_bwd_2d", "_post_fwd", "_pre_bwd", "_pre_fwd"}
+    for name, launcher in wrapped.items():
+        assert any(getattr(mod, name, None) is launcher.fn for mod in mods.values()), name
+    assert not [name for name, v in vars(ops).items() if hasattr(v, "arg_names")]  # a bare Triton function
+    assert all(w.fast is CUDA for w in wrapped.values())  # the interpreter always takes Triton's path
+
+
+def test_call_key_tells_apart_what_triton_specialises_on():
+    x = torch.randn(8, 64, device=DEV, dtype=torch.bfloat16)
+    base = call_key(0, (x, 7, 1024, 1e-6, None), dict(BT=4, num_warps=4))
+    assert call_key(0, (torch.randn_like(x), 7, 1024, 1e-6, None), dict(BT=4, num_warps=4)) == base  # another tensor
+    others = [
+        call_key(1, (x, 7, 1024, 1e-6, None), dict(BT=4, num_warps=4)),  # device
+        call_key(0, (x.float(), 7, 1024, 1e-6, None), dict(BT=4, num_warps=4)),  # dtype
+        call_key(0, (x.view(-1)[2:], 7, 1024, 1e-6, None), dict(BT=4, num_warps=4)),  # 4-byte offset: not 16-aligned
+        call_key(0, (x, 8, 1024, 1e-6, None), dict(BT=4, num_warps=4)),  # an int (the token count) by value
+        call_key(0, (x, 7, 1024, 1e-5, None), dict(BT=4, num_warps=4)),  # a float by value
+        call_key(0, (x, 7, 1024, 1e-6, x), dict(BT=4, num_warps=4)),  # None against a tensor
+        call_key(0, (x, 7, 1024, 1e-6, None), dict(BT=8, num_warps=4)),  # a constexpr
+        call_key(0, (x, 7, 1024, 1e-6, None), dict(num_warps=4, BT=4)),  # keywords by name, not by place
+        call_key(0, (x, 7, 1024, 1e-6, None), dict(BT=4, num_warps=4, num_stages=2)),  # a launch option
+    ]
+    assert all(k != base for k in others) and len(set(others)) == len(others)
+    assert (x.view(-1)[8:].data_ptr() & 15) == 0 and call_key(0, (x.view(-1)[8:],), {}) == call_key(0, (x,), {})
+
+
+needs_cuda = pytest.mark.skipif(not CUDA, reason="compiled kernels (CUDA): the interpreter has no launcher to call")
+
+
+def _post_fwd_inputs(tokens: int, c: int = 1024, n: int = 4, offset: int = 0):
+    x = torch.randn(tokens * n * c + offset, device=DEV, dtype=torch.bfloat16)[offset:].view(tokens, n, c)
+    f = torch.randn(tokens, c, device=DEV, dtype=torch.bfloat16)
+    return x, f, torch.rand(tokens, n, device=DEV), torch.rand(tokens, n, n, device=DEV)
+
+
+def _both_paths(fn, *args):
+    """fn(*args) through Triton's path, then through the launcher's (twice: the first keeps, the second hits)."""
+    ops.CONFIG["launch"]["fast"] = False
+    try:
+        ref = fn(*args)
+    finally:
+        ops.CONFIG["launch"]["fast"] = True
+    fn(*args)
+    return ref, fn(*args)
+
+
+@needs_cuda
+def test_fast_launches_equal_tritons_and_keep_one_kernel_per_key():
+    launcher = ops._post_fwd
+    launcher.kept.clear()
+    compiled = lambda: len(launcher.fn.device_caches[torch.cuda.current_device()][0])  # noqa: E731
+    first = None
+    for tokens in (1000, 1000, 1031, 4096):
+        ref, out = _both_paths(ops._post_fwd_body, *_post_fwd_inputs(tokens))
+        assert torch.equal(ref, out)
+        first = compiled() if first is None else first
+    assert len(launcher.kept) == 3  # one per token count: the repeated call hit
+    assert compiled() == first  # N is a runtime argument: Triton compiled nothing more
+    # a stream at a 2-element offset (not 16-byte aligned) gets its own key, and Triton its own specialisation
+    ref, out = _both_paths(ops._post_fwd_body, *_post_fwd_inputs(1000, offset=2))
+    assert torch.equal(ref, out) and len(launcher.kept) == 4
+
+
+@needs_cuda
+def test_the_coefficient_op_through_the_launcher_equals_tritons_path():
+    """The launch with the most arguments (phi pairs, the GEMM + Sinkhorn kernel, u's streaming pass)."""
+    x = torch.randn(777, 4, 1024, device=DEV, dtype=torch.bfloat16)
+    phi = torch.randn(4 * 1024, 24, device=DEV) * 0.02
+    bias, alpha = torch.randn(24, device=DEV), torch.full((3,), 0.5, device=DEV)
+    ref, out = _both_paths(ops._fwd, x, phi, bias, alpha, 20, 1e-6, False, False, 1e-6, 0.0, 2.0, True)
+    assert all(torch.equal(a, b) for a, b in zip(ref, out))
+    assert len(ops._coef_fwd.kept) >= 1 and len(ops._phi_pairs.kept) >= 1
+
+
+@needs_cuda
+def test_a_launch_hook_sends_every_launch_through_triton():
+    """Triton's profiler hooks launches; with a hook installed the launcher must not bypass it."""
+    from triton import knobs
+
+    seen = []
+    hook = seen.append
+    inputs = _post_fwd_inputs(64)
+    ops._post_fwd_body(*inputs)  # kept
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        ops._post_fwd_body(*inputs)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert len(seen) == 1
+    ops._post_fwd_body(*inputs)
+    assert len(seen) == 1
