@@ -13,6 +13,7 @@ Both backends expose the same functions with the same signatures and conventions
     rms_proj(x, w, eps) -> RMSNorm(x) w                                  (HC's projection)
     stream_pre(x, h_pre) -> u
     stream_post_res(x, f, h_post, h_res | None) -> x_next
+    rope_qkv(qkv, cos, sin, n_heads) -> (q, k, v)                      (the attention's RoPE, any residual mode)
 """
 from types import ModuleType
 

@@ -1009,9 +1009,10 @@ def test_token_or_sinkhorn_count_change_does_not_rejit():
     assert n_compiled() == first
 
 
-@pytest.mark.parametrize("mode", ["mhc", "identity", "hc"])
+@pytest.mark.parametrize("mode", ["mhc", "identity", "hc", "residual"])
 def test_model_training_step_kernels_equal_reference(mode):
-    """One training step of the GPT with the fused kernels equals the same step on the reference ops."""
+    """One training step of the GPT with the fused kernels equals the same step on the reference ops (the residual
+    GPT's fused op: RoPE)."""
     import torch.nn.functional as F
 
     from mhc_lightning.model import GPT, GPTConfig, HyperConfig
@@ -1036,7 +1037,7 @@ def test_model_training_step_kernels_equal_reference(mode):
         check(grads_k[name], grads_r[name].double(), 2e-3, name)
 
 
-@pytest.mark.parametrize("mode", ["mhc", "identity", "hc"])
+@pytest.mark.parametrize("mode", ["mhc", "identity", "hc", "residual"])
 def test_model_step_under_bf16_autocast_matches_float64(mode):
     """A training step as the trainer runs it under bf16-mixed (autocast, bf16 stream) on the fused kernels, against
     the same step in float64 on the reference ops: the loss, and all gradients together (single parameters with a

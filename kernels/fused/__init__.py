@@ -15,7 +15,7 @@ from ..reference.coefficients import mhc_logit_count
 from . import ops
 
 __all__ = ["hc_coefficients", "hc_enter", "mhc_coefficients", "mhc_pre", "mhc_enter", "mhc_boundary", "rms_proj",
-           "stream_pre", "stream_post_res"]
+           "rope_qkv", "stream_pre", "stream_post_res"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -237,3 +237,22 @@ def hc_enter(
     lead = x.shape[:-2]
     return _handed_on(xt, x), u.reshape(*lead, c), h_pre.reshape(*lead, n), h_post.reshape(*lead, n), \
         h_res.reshape(*lead, n, n)
+
+
+def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int):
+    """As reference.rope_qkv, in one kernel each way in eager mode (kernels/fused/rope.py). Under torch.compile the
+    reference's torch ops run instead: inductor fuses them with their neighbours, which an opaque op would prevent."""
+    ok = (
+        not torch.compiler.is_compiling()
+        and ops.CONFIG["rope"]["fused"]
+        and qkv.dim() == 3
+        and qkv.dtype in _DTYPES
+        and (qkv.is_cuda or ops.INTERPRET)
+        and qkv.shape[-1] % (6 * n_heads) == 0
+        and cos.device == qkv.device
+        and cos.shape[0] >= qkv.shape[1]
+    )
+    if not ok:
+        return reference.rope_qkv(qkv, cos, sin, n_heads)
+    t = qkv.shape[1]
+    return ops.RopeQKV.apply(qkv, cos[:t].contiguous(), sin[:t].contiguous(), n_heads)

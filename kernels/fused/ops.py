@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import coefficients, parameters, stream_post_res, stream_pre
+from . import coefficients, parameters, rope, stream_post_res, stream_pre
 from .coefficients import DOT_IEEE, DOT_NATIVE, DOT_TF32
 from .launch import Launcher
 
@@ -92,6 +92,9 @@ CONFIG = {
     # the per-sublayer parameter passes (kernels/fused/parameters.py): BL elements per program, BP partial rows per
     # step of the vectors' program; not swept (a few microseconds each)
     "param_sum": dict(BL=256, BP=256, num_warps=4),
+    # RoPE on the qkv projection (kernels/fused/rope.py): BR rows (tokens) per program, one head of q, k (or v) each;
+    # not swept (memory-bound elementwise passes). fused false: the reference's torch ops in eager mode too (the A/B)
+    "rope": dict(BR=64, num_warps=4, fused=True),
     # under torch.compile, route: the enter ops hand the write-back's gradient of x to their own x pass (`Routed`);
     # false: x itself is handed on and inductor sums the two gradients (the A/B of round 12's change)
     "enter": dict(route=True),
@@ -112,6 +115,7 @@ _coef_bwd_tok, _coef_bwd_x, _coef_fwd, _coef_tail, _hc_tail_bwd = map(_launcher,
 _param_grad_sum, _phi_pairs = map(_launcher, (parameters._param_grad_sum, parameters._phi_pairs))
 _post_bwd_2d, _post_fwd = map(_launcher, (stream_post_res._post_bwd_2d, stream_post_res._post_fwd))
 _pre_bwd, _pre_fwd = map(_launcher, (stream_pre._pre_bwd, stream_pre._pre_fwd))
+_rope_bwd, _rope_fwd = map(_launcher, (rope._rope_bwd, rope._rope_fwd))
 
 # CONFIG coef_fwd phi_split -> _coef_fwd's SPLIT (true: "dots", as before "interleaved" existed)
 PHI_SPLITS = {False: 0, True: 1, "dots": 1, "interleaved": 2, "in_kernel": 3}
@@ -1073,6 +1077,49 @@ _register_routed(hc_enter_routed, _hc_enter_setup, _hc_enter_op_backward)
 def _hc_enter_backward(ctx, dx_next, *grads):
     """`eager.hc_enter`: the gradient of the x handed on to the write-back joins dx in the x pass."""
     return _hc_enter_op_backward(ctx, *grads, dx_next=dx_next)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# RoPE on the qkv projection: eager only (under torch.compile the reference's torch ops are fused by inductor)
+# ---------------------------------------------------------------------------------------------------------------
+class RopeQKV(torch.autograd.Function):
+    """qkv [B, T, 3C] -> q, k rotated ([B, H, T, D], contiguous) and v (a view of qkv); the backward writes d(qkv)
+    once, in qkv's layout. cos, sin: fp32 tables [T, D / 2], contiguous."""
+
+    @staticmethod
+    def forward(ctx, qkv: Tensor, cos: Tensor, sin: Tensor, n_heads: int):
+        B, T, C3 = qkv.shape
+        C, H = C3 // 3, n_heads
+        half = C // (2 * H)
+        rows = qkv.reshape(B * T, C3)
+        qk = _new((2, B, H, T, 2 * half), qkv.dtype, qkv.device)
+        cfg = CONFIG["rope"]
+        if B * T:
+            _rope_fwd[(_cdiv(B * T, cfg["BR"]), 2 * H)](
+                rows, cos, sin, qk, B * T, T, H, C, rows.stride(0), HALF=half, BH=_np2(half), BR=cfg["BR"],
+                **_launch(cfg))
+        ctx.save_for_backward(cos, sin)
+        ctx.shape, ctx.dtype, ctx.n_heads = (B, T, C3), qkv.dtype, H
+        ctx.set_materialize_grads(False)
+        v = qkv.view(B, T, 3, H, 2 * half).permute(2, 0, 3, 1, 4)[2]
+        return qk[0], qk[1], v
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        cos, sin = ctx.saved_tensors
+        (B, T, C3), H = ctx.shape, ctx.n_heads
+        C = C3 // 3
+        half = C // (2 * H)
+        dqkv = _new((B, T, C3), ctx.dtype, cos.device)
+        grads = [torch.zeros((B, H, T, 2 * half), dtype=ctx.dtype, device=cos.device) if g is None else _c_contig(g)
+                 for g in (dq, dk, dv)]
+        cfg = CONFIG["rope"]
+        if B * T:
+            strides = [st for g in grads for st in g.stride()[:3]]
+            _rope_bwd[(_cdiv(B * T, cfg["BR"]), 3 * H)](
+                *grads, cos, sin, dqkv, B * T, T, H, C, *strides, HALF=half, BH=_np2(half), BR=cfg["BR"],
+                **_launch(cfg))
+        return dqkv, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------------------------

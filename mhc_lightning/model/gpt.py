@@ -35,7 +35,7 @@ class GPT(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, C)
         branches = []
         for _ in range(cfg.n_layers):
-            branches.append(Attention(C, cfg.n_heads, cfg.context, cfg.rope_base, cfg.norm_eps))
+            branches.append(Attention(C, cfg.n_heads, cfg.context, cfg.rope_base, cfg.norm_eps, h.kernel_backend))
             branches.append(SwiGLU(C, cfg.mlp_ratio, cfg.norm_eps))
         self.sublayers = nn.ModuleList(HyperConnection(b, C, k, h) for k, b in enumerate(branches))
         # sublayers per selective-recompute block (0 = off); a plain residual has no mHC ops to recompute

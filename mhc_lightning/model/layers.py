@@ -3,6 +3,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..kernels import get_ops
+from ..kernels.reference import rope_tables
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
@@ -14,23 +17,13 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-def rope_tables(context: int, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    inv = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    ang = torch.outer(torch.arange(context, dtype=torch.float64), inv)
-    return ang.cos().float(), ang.sin().float()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate channel pairs (first half, second half) of x [B, H, T, D]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-
-
 class Attention(nn.Module):
-    def __init__(self, d_model: int, n_heads: int, context: int, rope_base: float, norm_eps: float):
+    """Causal self-attention with RoPE (docs/design.md §13); kernel_backend picks RoPE's op as for the mHC ops."""
+
+    def __init__(self, d_model: int, n_heads: int, context: int, rope_base: float, norm_eps: float,
+                 kernel_backend: str = "auto"):
         super().__init__()
-        self.n_heads = n_heads
+        self.n_heads, self.kernel_backend = n_heads, kernel_backend
         self.norm = RMSNorm(d_model, norm_eps)
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.out = nn.Linear(d_model, d_model, bias=False)
@@ -40,9 +33,9 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.qkv(self.norm(x)).view(B, T, 3, self.n_heads, C // self.n_heads).permute(2, 0, 3, 1, 4)
-        cos, sin = self.cos[:T], self.sin[:T]
-        y = F.scaled_dot_product_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, is_causal=True)
+        q, k, v = get_ops(self.kernel_backend, x.device).rope_qkv(self.qkv(self.norm(x)), self.cos, self.sin,
+                                                                   self.n_heads)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.out(y.transpose(1, 2).reshape(B, T, C))
 
 

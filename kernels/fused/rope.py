@@ -1,0 +1,78 @@
+"""RoPE on the attention's qkv projection in one pass each way (docs/design.md §13, docs/kernels.md "RoPE").
+
+Forward (`_rope_fwd`): reads q and k straight out of the projection's output qkv [B*T, 3C] and writes them rotated,
+as the [B, H, T, D] tensors attention takes; v stays a view of qkv. Backward (`_rope_bwd`): rotates dq and dk back
+(the inverse rotation: sin negated) and writes them, with dv, into one d(qkv) [B*T, 3C] in the projection's layout.
+In torch the same step is eight strided elementwise kernels and two concatenations each way plus the gradient's
+stack and copy (docs/benchmarks.md, round 15: about 0.9 ms per attention sublayer fwd + bwd at C = 1024, T = 2048,
+B = 8 on an H200). Products in fp32 (the tables as stored, usually fp32), one rounding to the output dtype.
+"""
+import torch
+import triton
+import triton.language as tl
+
+Tensor = torch.Tensor
+
+
+@triton.jit(do_not_specialize=["R"])
+def _rope_fwd(qkv_ptr, cos_ptr, sin_ptr, out_ptr, R, T, H, C, stride_row,
+              HALF: tl.constexpr, BH: tl.constexpr, BR: tl.constexpr):
+    """Program (row block, head of q or k): out [2, B, H, T, D] at (which, b, h, t), rows r = b * T + t."""
+    pid_h = tl.program_id(1)
+    which = pid_h // H
+    h = pid_h - which * H
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    rmask = rows < R
+    rows64 = rows.to(tl.int64)
+    t = rows64 % T
+    b = rows64 // T
+    j = tl.arange(0, BH)
+    m = rmask[:, None] & (j[None, :] < HALF)
+    src = qkv_ptr + rows64[:, None] * stride_row + which * C + h * (2 * HALF) + j[None, :]
+    x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + t[:, None] * HALF + j[None, :], mask=m, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + t[:, None] * HALF + j[None, :], mask=m, other=0.0).to(tl.float32)
+    B = R // T
+    dst = out_ptr + (((which * B + b) * H + h) * T + t)[:, None] * (2 * HALF) + j[None, :]
+    tl.store(dst, (x1 * c - x2 * s).to(out_ptr.dtype.element_ty), mask=m)
+    tl.store(dst + HALF, (x1 * s + x2 * c).to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _grad_tile(g_ptr, b, h, t, sb, sh, st, j, m, HALF: tl.constexpr):
+    base = g_ptr + b[:, None] * sb + h * sh + t[:, None] * st + j[None, :]
+    return tl.load(base, mask=m, other=0.0).to(tl.float32), tl.load(base + HALF, mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["R"])
+def _rope_bwd(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, dqkv_ptr, R, T, H, C,
+              sqb, sqh, sqt, skb, skh, skt, svb, svh, svt,
+              HALF: tl.constexpr, BH: tl.constexpr, BR: tl.constexpr):
+    """Program (row block, head of q, k or v): d(qkv) [R, 3C] at rows r, columns which * C + h * D + channel. dq, dk,
+    dv [B, H, T, D] with any (b, h, t) strides and contiguous channels."""
+    pid_h = tl.program_id(1)
+    which = pid_h // H
+    h = pid_h - which * H
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    rmask = rows < R
+    rows64 = rows.to(tl.int64)
+    t = rows64 % T
+    b = rows64 // T
+    j = tl.arange(0, BH)
+    m = rmask[:, None] & (j[None, :] < HALF)
+    dst = dqkv_ptr + rows64[:, None] * (3 * C) + which * C + h * (2 * HALF) + j[None, :]
+    if which == 2:
+        g1, g2 = _grad_tile(dv_ptr, b, h, t, svb, svh, svt, j, m, HALF)
+        o1, o2 = g1, g2
+    else:
+        if which == 0:
+            g1, g2 = _grad_tile(dq_ptr, b, h, t, sqb, sqh, sqt, j, m, HALF)
+        else:
+            g1, g2 = _grad_tile(dk_ptr, b, h, t, skb, skh, skt, j, m, HALF)
+        c = tl.load(cos_ptr + t[:, None] * HALF + j[None, :], mask=m, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + t[:, None] * HALF + j[None, :], mask=m, other=0.0).to(tl.float32)
+        o1 = g1 * c + g2 * s  # the transpose of the rotation: the angle negated
+        o2 = g2 * c - g1 * s
+    tl.store(dst, o1.to(dqkv_ptr.dtype.element_ty), mask=m)
+    tl.store(dst + HALF, o2.to(dqkv_ptr.dtype.element_ty), mask=m)
