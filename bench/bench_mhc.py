@@ -650,7 +650,10 @@ def run_variant(name, make, x, rows, base):
         step()  # first call: compile / JIT, outside both the timing and the peak
         peak_reset()
         ms = timed(step, args.iters, args.warmup)
-        r = dict(base, variant=name, ms=ms, peak_gib=peak_gib(), host_ms=host_ms(step), wall_s=time.time() - t)
+        # --smoke: one step each for the host time and its profile (a step takes seconds under the interpreter)
+        steps = 1 if args.smoke else None
+        r = dict(base, variant=name, ms=ms, peak_gib=peak_gib(), host_ms=host_ms(step, steps or 5),
+                 wall_s=time.time() - t)
         if args.profile and DEV == "cuda" and "compile" not in name and not name.startswith(("liger", "lucid", "ref")):
             try:
                 r["profile"] = profile_step(step)
@@ -658,7 +661,7 @@ def run_variant(name, make, x, rows, base):
                 r["profile"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         if args.profile_host and "compile" not in name and "cudagraph" not in name:
             try:
-                r["host_profile"] = profile_host(step)
+                r["host_profile"] = profile_host(step, steps or 3)
             except Exception as exc:
                 r["host_profile"] = f"{type(exc).__name__}: {str(exc)[:200]}"
     except Exception as exc:  # a missing peer or a failed compile is reported, not fatal
