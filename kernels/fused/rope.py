@@ -14,20 +14,23 @@ import triton.language as tl
 Tensor = torch.Tensor
 
 
+@triton.jit
+def _program_tile(R, T, H, HALF: tl.constexpr, BH: tl.constexpr, BR: tl.constexpr):
+    """This program's part (q = 0, k = 1, v = 2), head, rows r = b * T + t of its token block, b, t, the half-head
+    channel offsets j and the [BR, BH] mask."""
+    which = tl.program_id(1) // H
+    h = tl.program_id(1) - which * H
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    rows64 = rows.to(tl.int64)
+    j = tl.arange(0, BH)
+    return which, h, rows64, rows64 // T, rows64 % T, j, (rows < R)[:, None] & (j[None, :] < HALF)
+
+
 @triton.jit(do_not_specialize=["R"])
 def _rope_fwd(qkv_ptr, cos_ptr, sin_ptr, out_ptr, R, T, H, C, stride_row,
               HALF: tl.constexpr, BH: tl.constexpr, BR: tl.constexpr):
     """Program (row block, head of q or k): out [2, B, H, T, D] at (which, b, h, t), rows r = b * T + t."""
-    pid_h = tl.program_id(1)
-    which = pid_h // H
-    h = pid_h - which * H
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    rmask = rows < R
-    rows64 = rows.to(tl.int64)
-    t = rows64 % T
-    b = rows64 // T
-    j = tl.arange(0, BH)
-    m = rmask[:, None] & (j[None, :] < HALF)
+    which, h, rows64, b, t, j, m = _program_tile(R, T, H, HALF, BH, BR)
     src = qkv_ptr + rows64[:, None] * stride_row + which * C + h * (2 * HALF) + j[None, :]
     x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
@@ -51,16 +54,7 @@ def _rope_bwd(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, dqkv_ptr, R, T, H, C,
               HALF: tl.constexpr, BH: tl.constexpr, BR: tl.constexpr):
     """Program (row block, head of q, k or v): d(qkv) [R, 3C] at rows r, columns which * C + h * D + channel. dq, dk,
     dv [B, H, T, D] with any (b, h, t) strides and contiguous channels."""
-    pid_h = tl.program_id(1)
-    which = pid_h // H
-    h = pid_h - which * H
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    rmask = rows < R
-    rows64 = rows.to(tl.int64)
-    t = rows64 % T
-    b = rows64 // T
-    j = tl.arange(0, BH)
-    m = rmask[:, None] & (j[None, :] < HALF)
+    which, h, rows64, b, t, j, m = _program_tile(R, T, H, HALF, BH, BR)
     dst = dqkv_ptr + rows64[:, None] * (3 * C) + which * C + h * (2 * HALF) + j[None, :]
     if which == 2:
         g1, g2 = _grad_tile(dv_ptr, b, h, t, svb, svh, svt, j, m, HALF)
