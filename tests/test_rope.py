@@ -76,3 +76,23 @@ def test_rope_qkv_takes_the_reference_for_float64():
     qkv = torch.randn(1, 8, 3 * 2 * 16, device=DEV, dtype=torch.float64)
     for a, b in zip(fused.rope_qkv(qkv, cos, sin, 2), reference.rope_qkv(qkv, cos, sin, 2)):
         assert torch.equal(a, b)
+
+
+def test_rope_qkv_under_torch_compile_traces_the_reference():
+    """Under torch.compile (fullgraph: no break) the fused wrapper hands inductor the reference's torch ops, which it
+    fuses; the compiled result equals the reference's, gradient included."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    B, T, H, D = 2, 12, 2, 16
+    cos, sin = (t.to(DEV) for t in reference.rope_tables(T, D, 10000.0))
+    qkv = torch.randn(B, T, 3 * H * D, device=DEV, requires_grad=True)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(lambda t: fused.rope_qkv(t, cos, sin, H), fullgraph=True, backend=counter)
+    out = compiled(qkv)
+    ref = reference.rope_qkv(qkv, cos, sin, H)
+    assert counter.frame_count == 1 and all(o.grad_fn is not None for o in out)
+    assert all(type(o.grad_fn).__name__ != "RopeQKVBackward" for o in out)  # the kernel's Function is not traced
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b)
+    g = torch.autograd.grad(sum(o.square().sum() for o in out), qkv)[0]
+    torch.testing.assert_close(g, torch.autograd.grad(sum(o.square().sum() for o in ref), qkv)[0])
