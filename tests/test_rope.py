@@ -56,6 +56,17 @@ def test_rope_qkv_matches_float64_forward_and_gradient(shape, dtype):
     _close(leaf.grad, leaf64.grad, TOL[dtype], "d(qkv)")
 
 
+def test_rope_qkv_of_a_projection_with_strided_channels():
+    """A qkv whose channels are not contiguous (every other element of a wider tensor: its rows still flatten to a
+    view, with channel stride 2) is read correctly too."""
+    B, T, H, D = 2, 9, 2, 16
+    cos, sin = (t.to(DEV) for t in reference.rope_tables(T, D, 10000.0))
+    qkv = torch.randn(B, T, 2 * 3 * H * D, device=DEV)[..., ::2]
+    assert qkv.reshape(B * T, -1).stride(-1) == 2
+    for name, a, b in zip("qkv", fused.rope_qkv(qkv, cos, sin, H), reference.rope_qkv(qkv.double(), cos, sin, H)):
+        _close(a, b, TOL[torch.float32], name)
+
+
 def test_rope_qkv_gradient_with_unused_outputs_and_strided_gradients():
     """Only q feeds the loss (dk, dv arrive as None: zeros), and dq arrives as a transposed (strided) tensor."""
     B, T, H, D = 2, 21, 2, 16

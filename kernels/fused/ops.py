@@ -1091,7 +1091,7 @@ class RopeQKV(torch.autograd.Function):
         B, T, C3 = qkv.shape
         C, H = C3 // 3, n_heads
         half = C // (2 * H)
-        rows = qkv.reshape(B * T, C3)
+        rows = _c_contig(qkv.reshape(B * T, C3))  # the kernel reads channels contiguously
         qk = _new((2, B, H, T, 2 * half), qkv.dtype, qkv.device)
         cfg = CONFIG["rope"]
         if B * T:
