@@ -8,8 +8,9 @@ GPU, the GPU waits (docs/benchmarks.md, "Eager host overhead"). This measures th
 fused ops run under the Triton interpreter's dispatch path with each kernel launch replaced by a no-op, on
 tiny tensors, so what is timed is the Python wrappers, the autograd Functions, allocations and the launch
 arithmetic, forward + backward. Wirings: the chain (one boundary op per sublayer) and one sublayer at a time
-(fused pre op + write-back) for mHC, and HC's sublayer (`hc_enter` + write-back; as A/Bs, round 7's three ops, and
-`hc_enter` with its parameter operands built outside the step).
+(fused pre op + write-back) for mHC, and HC's sublayer (`hc_enter` + write-back, its operands made inside the op; as
+A/Bs, the operands by torch ops outside it, round 7's three ops, and `hc_enter` with its operands built outside the
+step).
 Branches are identities, so the ops are all that runs.
 --real (CUDA): nothing stubbed, the same tiny tensors on the GPU (its work is a few microseconds per kernel, so a step's
 wall time is the host's), each Triton launch timed on its own: the step's host time and the part spent in launches.
@@ -142,6 +143,14 @@ def main():
             x = layer(x)
         return x
 
+    def hc_operands_by_torch(x):
+        # A/B: HC's operands built by the torch composition outside the op (before they were made inside it)
+        ops.CONFIG["hc_operands"]["fold"] = False
+        try:
+            return hc(x)
+        finally:
+            ops.CONFIG["hc_operands"]["fold"] = True
+
     def hc_coef_then_stream_pre(x):
         # A/B: HC's sublayer as wired in round 7: hc_coef, then stream_pre, the write-back reading x itself
         for layer in hc_layers:
@@ -170,6 +179,7 @@ def main():
 
     runs = {"chain (boundary op)": chained, "one sublayer at a time (mhc_enter + stream_post_res)": one_at_a_time,
             "HC (hc_enter + stream_post_res)": hc,
+            "HC, operands by torch ops outside the op (hc_operands fold false; A/B)": hc_operands_by_torch,
             "HC, hc_coef + stream_pre + stream_post_res (round 7's wiring; A/B)": hc_coef_then_stream_pre,
             "HC, parameter operands built outside the step (bound for folding them into the op)": hc_operands_prebuilt}
     rows = {}

@@ -608,21 +608,26 @@ def _hc_block(ops_, x, *params, use_tanh=True):
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("use_tanh", [True, False])
-def test_hc_enter_then_write_back_matches_reference(n, dtype, use_tanh, monkeypatch):
+@pytest.mark.parametrize("fold", [True, False], ids=["operands_in_op", "operands_by_torch"])
+def test_hc_enter_then_write_back_matches_reference(n, dtype, use_tanh, fold, monkeypatch):
     """HC's one op for coefficients and u (`hc_enter`) with the write-back reading the x it hands on: the stream out
     and the gradient of x and of every parameter against float64. Its backward writes one dx: <du, x_i> in the tail
     pass, h_pre_i du and the write-back's gradient in the x pass (checked: bwd_x gets du and dx_in, and no autograd
-    sum of stream-sized gradients runs), over several row blocks with a partial last one."""
+    sum of stream-sized gradients runs), over several row blocks with a partial last one. fold: HC's operands made
+    inside the op from the ten raw parameters (the eager default, `ops.HCEnterFolded`), or by the torch composition
+    outside it (CONFIG hc_operands fold false)."""
     torch.manual_seed(120 + n + 10 * use_tanh)
     seen, entries = [], []
     real, real_cfg = ops.bwd_x, ops._cfg
     monkeypatch.setattr(ops, "bwd_x", lambda *a, **k: seen.append((k.get("du") is not None,
                                                                     k.get("dx_in") is not None)) or real(*a, **k))
     monkeypatch.setattr(ops, "_cfg", lambda name, *a, **k: entries.append(name) or real_cfg(name, *a, **k))
+    monkeypatch.setitem(ops.CONFIG, "hc_operands", dict(ops.CONFIG["hc_operands"], fold=fold))
     inputs = _hc_inputs(SHAPES[0][0], SHAPES[0][1], n, dtype)
     with config_changed("hc_tail_bwd", BT=16 if not CUDA else 128, BC=16):
         out, xt = _hc_block(fused, *inputs, use_tanh=use_tanh)
-        assert type(xt.grad_fn.next_functions[0][0]).__name__ == "hc_enter_fwd_through_eagerBackward"
+        want = "HCEnterFoldedBackward" if fold else "hc_enter_fwd_through_eagerBackward"
+        assert type(xt.grad_fn.next_functions[0][0]).__name__ == want
         assert (SHAPES[0][0][0] * n) % 16 != 0 and SHAPES[0][1] > 16  # a partial row block, several C tiles
         ref_in = _f64(inputs)
         ref, _ = _hc_block(R, *ref_in, use_tanh=use_tanh)
@@ -638,6 +643,37 @@ def test_hc_enter_then_write_back_matches_reference(n, dtype, use_tanh, monkeypa
         check(a, b, t_g, name)
     assert seen == [(True, True)]
     assert "hc_bwd_x" in entries and "coef_bwd_x" not in entries  # HC's rows at their own launch (timed on HC)
+
+
+@pytest.mark.parametrize("n", [1, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hc_operands_equal_the_torch_composition(n, dtype):
+    """`ops.hc_operands` (one launch) gives the projection weights, their 16-bit pairs and the packed statics exactly
+    as the torch composition does (reference.hc_projection_weights, `_phi_pairs`, `hc_statics`), over several channel
+    blocks with a partial last one; `ops.hc_operand_grads` gives the gradients autograd takes through that composition
+    (float64 composition, parameters in `dtype`), each in its parameter's dtype."""
+    torch.manual_seed(140 + n)
+    c = 300  # three blocks of 128 channels, the last partial
+    params = [t.to(dtype) for t in _hc_inputs((1,), c, n, torch.float32)[1:]]
+    g, w_beta, w_m, w_r, s_alpha, s_beta, b_static, am_static, ar_static = params
+    x_dtype = torch.bfloat16
+    with config_changed("coef_fwd", phi_split="interleaved"):
+        w, statics, pairs = ops.hc_operands(x_dtype, *params)
+    assert torch.equal(w, R.hc_projection_weights(g, w_beta, w_m, w_r).float())
+    assert torch.equal(statics, ops.hc_statics(s_alpha, s_beta, b_static, am_static, ar_static))
+    assert pairs is not None and torch.equal(pairs, ops._phi_pairs_of(w, x_dtype))
+    with config_changed("coef_fwd", phi_split=False):
+        assert ops.hc_operands(x_dtype, *params)[2] is None  # tf32 dots: no pairs made
+    leaves = [_leaf(p.double()) for p in params]
+    ref_w = R.hc_projection_weights(*leaves[:4])
+    ref_st = ops.hc_statics(*leaves[4:]).double()
+    dw, dst = torch.randn_like(w), torch.randn_like(statics)
+    want = torch.autograd.grad([ref_w, ref_st], leaves, [dw.double(), dst.double()])
+    got = ops.hc_operand_grads(dw, dst, *params)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    for name, a, b, p in zip(("g", "w_beta", "w_m", "w_r", "s_alpha", "s_beta", "b", "a_m", "a_r"), got, want, params):
+        assert a.dtype == p.dtype and a.shape == p.shape, name
+        check(a, b, tol, name)
 
 
 def test_hc_enter_u_and_coefficients_match_the_composition():

@@ -197,6 +197,16 @@ def _hc_weights(x, norm_weight, w_beta, w_m, w_r, s_alpha, s_beta, b_static, am_
                 ops.hc_statics(s_alpha, s_beta, b_static, am_static, ar_static))
 
 
+def _folds_hc_operands(x: torch.Tensor, params: tuple) -> bool:
+    """hc_enter builds HC's operands inside its op (`ops.HCEnterFolded`): in eager mode on plain tensors, with
+    contiguous parameters of the kernels' shapes (CONFIG hc_operands fold)."""
+    n = x.shape[-2]
+    g, w_beta, w_m, w_r, s_alpha, s_beta = params[:6]
+    return (ops.CONFIG["hc_operands"]["fold"] and not torch.compiler.is_compiling() and type(x) is torch.Tensor
+            and g.dim() == w_beta.dim() == w_m.dim() == 1 and w_r.shape == (g.shape[0], n)
+            and s_alpha.numel() == s_beta.numel() == 1 and all(p.is_contiguous() for p in params))
+
+
 def hc_coefficients(
     x: torch.Tensor, norm_weight: torch.Tensor, w_beta: torch.Tensor, w_m: torch.Tensor, w_r: torch.Tensor,
     s_alpha: torch.Tensor, s_beta: torch.Tensor, b_static: torch.Tensor, am_static: torch.Tensor,
@@ -231,9 +241,13 @@ def hc_enter(
     if not _hc_fusable(x, norm_weight, w_beta, w_m, w_r, b_static, ar_static, dynamic):
         h_pre, h_post, h_res = hc_coefficients(x, *params, dynamic=dynamic, use_tanh=use_tanh, norm_eps=norm_eps)
         return x, stream_pre(x, h_pre), h_pre, h_post, h_res
-    w, statics = _hc_weights(x, *params)
-    xt, u, h_pre, h_post, h_res, _, _ = ops.eager.hc_enter(x.reshape(-1, n, c), w, statics, float(norm_eps),
-                                                           bool(use_tanh))
+    if _folds_hc_operands(x, params):
+        xt, u, h_pre, h_post, h_res, _, _ = ops.HCEnterFolded.apply(x.reshape(-1, n, c), *params, float(norm_eps),
+                                                                    bool(use_tanh))
+    else:
+        w, statics = _hc_weights(x, *params)
+        xt, u, h_pre, h_post, h_res, _, _ = ops.eager.hc_enter(x.reshape(-1, n, c), w, statics, float(norm_eps),
+                                                               bool(use_tanh))
     lead = x.shape[:-2]
     return _handed_on(xt, x), u.reshape(*lead, c), h_pre.reshape(*lead, n), h_post.reshape(*lead, n), \
         h_res.reshape(*lead, n, n)

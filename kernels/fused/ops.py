@@ -92,6 +92,10 @@ CONFIG = {
     # the per-sublayer parameter passes (kernels/fused/parameters.py): BL elements per program, BP partial rows per
     # step of the vectors' program; not swept (a few microseconds each)
     "param_sum": dict(BL=256, BP=256, num_warps=4),
+    # HC's ten parameters made into the kernels' operands inside the eager hc_enter (`_hc_operands`, and their
+    # gradients `_hc_operand_grads`): BR channels per program. fold false: the torch composition builds them outside
+    # the op (autograd nodes each way; the A/B). Under torch.compile the composition always runs (inductor fuses it)
+    "hc_operands": dict(BR=128, num_warps=4, fold=True),
     # RoPE on the qkv projection (kernels/fused/rope.py): BR rows (tokens) per program, one head of q, k (or v) each;
     # not swept (memory-bound elementwise passes). fused false: the reference's torch ops in eager mode too (the A/B)
     "rope": dict(BR=64, num_warps=4, fused=True),
@@ -112,7 +116,8 @@ def _launcher(fn) -> Launcher:
 _coef_bwd_tok, _coef_bwd_x, _coef_fwd, _coef_tail, _hc_tail_bwd = map(_launcher, (
     coefficients._coef_bwd_tok, coefficients._coef_bwd_x, coefficients._coef_fwd, coefficients._coef_tail,
     coefficients._hc_tail_bwd))
-_param_grad_sum, _phi_pairs = map(_launcher, (parameters._param_grad_sum, parameters._phi_pairs))
+_hc_operand_grads, _hc_operands, _param_grad_sum, _phi_pairs = map(_launcher, (
+    parameters._hc_operand_grads, parameters._hc_operands, parameters._param_grad_sum, parameters._phi_pairs))
 _post_bwd_2d, _post_fwd = map(_launcher, (stream_post_res._post_bwd_2d, stream_post_res._post_fwd))
 _pre_bwd, _pre_fwd = map(_launcher, (stream_pre._pre_bwd, stream_pre._pre_fwd))
 _rope_bwd, _rope_fwd = map(_launcher, (rope._rope_bwd, rope._rope_fwd))
@@ -208,24 +213,36 @@ def _native() -> int:
     return DOT_IEEE if INTERPRET else DOT_NATIVE
 
 
-def _projection(x: Tensor, phi: Tensor) -> tuple[Tensor, Tensor, int, int]:
+def _phi_split(phi: Tensor) -> int:
+    """`_coef_fwd`'s SPLIT for an fp32 phi beside 16-bit activations (CONFIG coef_fwd phi_split)."""
+    split = PHI_SPLITS[CONFIG["coef_fwd"].get("phi_split", False)]
+    if split == 2 and _np2(phi.shape[1], 16) > SPLIT_MAX_MP:
+        split = 3  # wider pair tiles: the pairs made in the kernel (see SPLIT_MAX_MP)
+    return split
+
+
+def _takes_pairs(x_dtype: torch.dtype, phi: Tensor) -> bool:
+    """True when `_projection` hands `_coef_fwd` phi as interleaved 16-bit pairs in x's dtype (made by `_phi_pairs`,
+    or beforehand by `_hc_operands`)."""
+    return x_dtype != torch.float32 and phi.dtype == torch.float32 and _phi_split(phi) == 2
+
+
+def _projection(x: Tensor, phi: Tensor, pairs: Optional[Tensor] = None) -> tuple[Tensor, Tensor, int, int]:
     """(phi, its hi part or the interleaved parts; its lo part; DOT; SPLIT) for `_coef_fwd`'s GEMM x phi (the
-    coefficients, HC's rms_proj)."""
+    coefficients, HC's rms_proj). pairs: phi's interleaved parts when the caller made them already."""
     if x.dtype == torch.float32:
         return phi, phi, DOT_IEEE, 0  # fp32 activations: full-precision products (the fp32 test tier)
     native = _native()
     if phi.dtype == x.dtype:
         return phi, phi, native, 0
-    split = PHI_SPLITS[CONFIG["coef_fwd"].get("phi_split", False)]
-    if split == 2 and _np2(phi.shape[1], 16) > SPLIT_MAX_MP:
-        split = 3  # wider pair tiles: the pairs made in the kernel (see SPLIT_MAX_MP)
+    split = _phi_split(phi)
     if phi.dtype == torch.float32 and split:
         # fp32 phi (the trainer's parameters under bf16-mixed) as hi + lo in x's dtype, native dots: at least the
         # paper's tf32 precision
         if split == 3:
             return phi, phi, native, 3  # the kernel makes the pairs from the fp32 tiles it loads
         if split == 2:
-            pairs = _phi_pairs_of(phi, x.dtype)
+            pairs = _phi_pairs_of(phi, x.dtype) if pairs is None else pairs
             return pairs, pairs, native, 2
         hi = phi.to(x.dtype)
         return hi, (phi - hi).to(x.dtype), native, 1
@@ -597,13 +614,15 @@ _register_routed(mhc_enter_fwd, _mhc_pre_setup, _mhc_pre_backward)
 # ---------------------------------------------------------------------------------------------------------------
 # rms_proj: HC's projection y = RMSNorm(x) w (the coefficient kernels with one stream per row and no tail)
 # ---------------------------------------------------------------------------------------------------------------
-def _row_proj_launch(x: Tensor, w: Tensor, eps: float, lg: Tensor, rinv: Tensor, hc: Optional[tuple] = None) -> None:
+def _row_proj_launch(x: Tensor, w: Tensor, eps: float, lg: Tensor, rinv: Tensor, hc: Optional[tuple] = None,
+                     pairs: Optional[Tensor] = None) -> None:
     """`_coef_fwd` with one stream per row (x [R, C] rows, K = C, no mHC tail): the raw projection x w into lg and 1/r
-    into rinv; with hc = (statics, h_pre, h_post, h_res, n, tanh) also HC's coefficients (`HC_TAIL`)."""
+    into rinv; with hc = (statics, h_pre, h_post, h_res, n, tanh) also HC's coefficients (`HC_TAIL`). pairs: w's
+    16-bit pairs, when made already (`_hc_operands`)."""
     R, C = x.shape
     x, w = _c_contig(x), _c_contig(w)
     cfg = _cfg("rms_proj", BK=_np2(C, 16))
-    w_hi, w_lo, dot, two = _projection(x, w)
+    w_hi, w_lo, dot, two = _projection(x, w, pairs)
     statics, h_pre, h_post, h_res, n, tanh = hc if hc is not None else (w, lg, lg, lg, 1, False)
     _coef_fwd[(_cdiv(R, cfg["BT"]),)](
         x, w_hi, w_lo, statics, statics, lg, rinv, h_pre, h_post, h_res, lg, R, C, x.stride(0), w_hi.stride(0), 1,
@@ -909,12 +928,17 @@ def _hc_coef_fwd_body(x: Tensor, w: Tensor, statics: Tensor, n: int, eps: float,
     """x [R, C] rows (token, stream i = row % n), w [C, n + 2], statics (`hc_statics`) -> h_pre [R], h_post [R],
     h_res [R / n, n, n] fp32 (h_res[t, j, i] = A_r,ij + s_alpha act(y_i,2+j)), the raw projection [R, n + 2] and
     1/r [R], in one launch."""
+    return _hc_coefs(x, w, statics, n, eps, tanh)
+
+
+def _hc_coefs(x: Tensor, w: Tensor, statics: Tensor, n: int, eps: float, tanh: bool,
+              pairs: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     R = x.shape[0]
     f32 = torch.float32
     h_pre, h_post, h_res = _new((R,), f32, x.device), _new((R,), f32, x.device), _new((R // n, n, n), f32, x.device)
     lg, rinv = _new((R, w.shape[1]), f32, x.device), _new((R,), f32, x.device)
     if R > 0:
-        _row_proj_launch(x, w, eps, lg, rinv, hc=(statics, h_pre, h_post, h_res, n, tanh))
+        _row_proj_launch(x, w, eps, lg, rinv, hc=(statics, h_pre, h_post, h_res, n, tanh), pairs=pairs)
     return h_pre, h_post, h_res, lg, rinv
 
 
@@ -1000,9 +1024,14 @@ def _hc_enter_fwd_body(x: Tensor, w: Tensor, statics: Tensor, eps: float,
                        tanh: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """x [N, n, C] -> u [N, C] (x.dtype), then hc_coef's outputs on x's rows: h_pre [N n], h_post [N n],
     h_res [N, n, n], the raw projection [N n, n + 2], 1/r [N n]. u by stream_pre's streaming kernel (x read again)."""
+    return _hc_enter_run(x, w, statics, eps, tanh)
+
+
+def _hc_enter_run(x: Tensor, w: Tensor, statics: Tensor, eps: float, tanh: bool,
+                  pairs: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     N, n, C = x.shape
     x = _rows(x)
-    coefs = _hc_coef_fwd_body(x.view(N * n, C), w, statics, n, eps, tanh)
+    coefs = _hc_coefs(x.view(N * n, C), w, statics, n, eps, tanh, pairs)
     u = _new((N, C), x.dtype, x.device)
     if N > 0:
         _pre_launch(x, coefs[0].view(N, n), u)
@@ -1077,6 +1106,68 @@ _register_routed(hc_enter_routed, _hc_enter_setup, _hc_enter_op_backward)
 def _hc_enter_backward(ctx, dx_next, *grads):
     """`eager.hc_enter`: the gradient of the x handed on to the write-back joins dx in the x pass."""
     return _hc_enter_op_backward(ctx, *grads, dx_next=dx_next)
+
+
+def hc_operands(x_dtype: torch.dtype, g: Tensor, w_beta: Tensor, w_m: Tensor, w_r: Tensor, s_alpha: Tensor,
+                s_beta: Tensor, b_static: Tensor, am_static: Tensor, ar_static: Tensor) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """HC's ten parameters as its kernels take them, in one launch (`_hc_operands`): W = diag(g) [w_beta | w_m | W_r]
+    [C, n + 2] fp32 (reference.hc_projection_weights), the statics (`hc_statics`' layout) and, where `_coef_fwd`
+    takes W as 16-bit pairs for activations of x_dtype, those pairs (else None)."""
+    (C, n), dev = w_r.shape, w_r.device
+    M, pw = n + 2, 2 + 2 * n + n * n
+    w = _new((C, M), torch.float32, dev)
+    statics = _new((pw,), torch.float32, dev)
+    pairs = _new((C, 2 * M), x_dtype, dev) if _takes_pairs(x_dtype, w) else None
+    cfg = CONFIG["hc_operands"]
+    _hc_operands[(max(1, _cdiv(C, cfg["BR"])),)](
+        g, w_beta, w_m, w_r, s_alpha, s_beta, b_static, am_static, ar_static, w, w if pairs is None else pairs,
+        statics, C, NH=n, M=M, MP=_np2(M), PW=pw, PWP=_np2(pw), PAIRS=pairs is not None, BR=cfg["BR"],
+        **_launch(cfg))
+    return w, statics, pairs
+
+
+def hc_operand_grads(dw: Tensor, dstatics: Tensor, g: Tensor, w_beta: Tensor, w_m: Tensor, w_r: Tensor,
+                     s_alpha: Tensor, s_beta: Tensor, b_static: Tensor, am_static: Tensor,
+                     ar_static: Tensor) -> tuple[Tensor, ...]:
+    """The ten parameters' gradients from dW and the statics' gradient, in one launch (`_hc_operand_grads`), each in
+    its parameter's dtype and shape."""
+    params = (g, w_beta, w_m, w_r, s_alpha, s_beta, b_static, am_static, ar_static)
+    grads = tuple(_new(p.shape, p.dtype, p.device) for p in params)
+    (C, n), cfg = w_r.shape, CONFIG["hc_operands"]
+    pw = dstatics.shape[0]
+    dg, dwb, dwm, dwr, dsa, dsb, db, dam, dar = grads
+    _hc_operand_grads[(max(1, _cdiv(C, cfg["BR"])),)](
+        dw, dstatics, g, w_beta, w_m, w_r, dg, dwb, dwm, dwr, dsa, dsb, db, dam, dar, C, NH=n, M=n + 2,
+        MP=_np2(n + 2), PW=pw, PWP=_np2(pw), BR=cfg["BR"], **_launch(cfg))
+    return grads
+
+
+class HCEnterFolded(torch.autograd.Function):
+    """`hc_enter` on HC's ten raw parameters (eager only; under torch.compile the wrapper builds the operands with
+    torch ops, which inductor fuses): the operands are made inside the op (`hc_operands`, one launch, also W's 16-bit
+    pairs) and the backward turns dW and the statics' gradient into the ten parameter gradients in one launch
+    (`hc_operand_grads`), instead of the torch composition's three forward launches and a dozen autograd nodes each
+    way. Outputs as `eager.hc_enter`'s: x (the alias its write-back reads), then the op's."""
+
+    @staticmethod
+    def forward(ctx, x, g, w_beta, w_m, w_r, s_alpha, s_beta, b_static, am_static, ar_static, eps, tanh):
+        params = (g, w_beta, w_m, w_r, s_alpha, s_beta, b_static, am_static, ar_static)
+        w, statics, pairs = hc_operands(x.dtype, *params)
+        out = _hc_enter_run(x, w, statics, eps, tanh, pairs)
+        ctx.set_materialize_grads(False)
+        _, h_pre, _, _, lg, rinv = out
+        ctx.save_for_backward(x, w, statics, lg, rinv, h_pre, *params)
+        ctx.mark_non_differentiable(lg, rinv)
+        ctx.tanh = tanh
+        return (x, *out)
+
+    @staticmethod
+    def backward(ctx, dx_next, du, d_pre, d_post, d_res, _dlg, _drinv):
+        x, w, statics, lg, rinv, h_pre, *params = ctx.saved_tensors
+        N, n, _ = x.shape
+        dh = _hc_dh_zeros(N * n, n, x.device, d_pre, d_post, d_res)
+        dx, dw, dst = _hc_enter_bwd_body(*dh, du, x, w, statics, lg, rinv, h_pre, ctx.tanh, dx_in=dx_next)
+        return (dx, *hc_operand_grads(dw, dst, *params), None, None)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -9,6 +9,11 @@
   own tensor (custom-op outputs may not alias). In torch: two reductions and two copies per sublayer. The same
   launch sums the write-back backward's per-C-block partials of dh_post and dH (two wide sums, no vectors).
   Each program loads whole [rows, columns] tiles: a loop of one-row loads was latency-bound (20 us a launch).
+- `_hc_operands` (forward) and `_hc_operand_grads` (backward): HC's ten parameters as the kernels take them, the
+  projection weights W = diag(g) [w_beta | w_m | W_r] [C, n + 2] (with its 16-bit pairs, as `_phi_pairs` makes them)
+  and the packed statics [s_beta, s_alpha, B, A_m, A_r]; and back, the ten parameter gradients from dW and the
+  statics' gradient. In torch these were three launches and a dozen autograd nodes per HC sublayer forward (about
+  half of its eager forward's host time, docs/kernels.md), and as many backward nodes.
 Both are exact reformulations of the torch code they replace (same values, summation in fp32); the float64 tests of
 the ops that call them cover them.
 """
@@ -66,3 +71,72 @@ def _param_grad_sum(
         v = tl.sum(acc, axis=0)
         tl.store(da_ptr + cols, v.to(da_ptr.dtype.element_ty), mask=cols < A)
         tl.store(db_ptr + (cols - A), v.to(db_ptr.dtype.element_ty), mask=(cols >= A) & (cols < PW))
+
+
+@triton.jit
+def _hc_cat_tile(g_ptr, wb_ptr, wm_ptr, wr_ptr, C, NH: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,
+                 BR: tl.constexpr):
+    """One program's rows of HC's weights: (rows, cols, mask, g [BR] and [w_beta | w_m | W_r] [BR, MP], fp32)."""
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    cols = tl.arange(0, MP)
+    rmask = rows < C
+    mask = rmask[:, None] & (cols[None, :] < M)
+    g = tl.load(g_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+    wb = tl.load(wb_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+    wm = tl.load(wm_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+    wr = tl.load(wr_ptr + rows[:, None] * NH + (cols[None, :] - 2), mask=mask & (cols[None, :] >= 2),
+                 other=0.0).to(tl.float32)
+    cat = tl.where(cols[None, :] == 0, wb[:, None], tl.where(cols[None, :] == 1, wm[:, None], wr))
+    return rows, cols, mask, g, cat
+
+
+@triton.jit
+def _hc_operands(g_ptr, wb_ptr, wm_ptr, wr_ptr, sa_ptr, sb_ptr, b_ptr, am_ptr, ar_ptr, w_ptr, pairs_ptr, st_ptr, C,
+                 NH: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, PW: tl.constexpr, PWP: tl.constexpr,
+                 PAIRS: tl.constexpr, BR: tl.constexpr):
+    """W [C, M] fp32 (M = n + 2), with PAIRS also its interleaved 16-bit parts [C, 2M] (hi at 2j, lo at 2j + 1, as
+    `_phi_pairs`); program 0 also writes the statics [s_beta, s_alpha, B (n), A_m (n), A_r (n x n, row-major)]."""
+    rows, cols, mask, g, cat = _hc_cat_tile(g_ptr, wb_ptr, wm_ptr, wr_ptr, C, NH, M, MP, BR)
+    w = g[:, None] * cat
+    tl.store(w_ptr + rows[:, None] * M + cols[None, :], w, mask=mask)
+    if PAIRS:
+        hi = w.to(pairs_ptr.dtype.element_ty)
+        lo = (w - hi.to(tl.float32)).to(pairs_ptr.dtype.element_ty)
+        pc = tl.arange(0, 2 * MP)
+        tl.store(pairs_ptr + rows[:, None] * (2 * M) + pc[None, :], tl.reshape(tl.join(hi, lo), [BR, 2 * MP]),
+                 mask=(rows[:, None] < C) & (pc[None, :] < 2 * M))
+    if tl.program_id(0) == 0:
+        k = tl.arange(0, PWP)
+        v = tl.load(b_ptr + (k - 2), mask=(k >= 2) & (k < 2 + NH), other=0.0).to(tl.float32)
+        v += tl.load(am_ptr + (k - 2 - NH), mask=(k >= 2 + NH) & (k < 2 + 2 * NH), other=0.0).to(tl.float32)
+        v += tl.load(ar_ptr + (k - 2 - 2 * NH), mask=(k >= 2 + 2 * NH) & (k < PW), other=0.0).to(tl.float32)
+        v = tl.where(k == 0, tl.load(sb_ptr).to(tl.float32), tl.where(k == 1, tl.load(sa_ptr).to(tl.float32), v))
+        tl.store(st_ptr + k, v, mask=k < PW)
+
+
+@triton.jit
+def _hc_operand_grads(dw_ptr, dst_ptr, g_ptr, wb_ptr, wm_ptr, wr_ptr, dg_ptr, dwb_ptr, dwm_ptr, dwr_ptr, dsa_ptr,
+                      dsb_ptr, db_ptr, dam_ptr, dar_ptr, C, NH: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,
+                      PW: tl.constexpr, PWP: tl.constexpr, BR: tl.constexpr):
+    """The backward of `_hc_operands`: from dW [C, M] and the statics' gradient [PW], each of HC's ten parameters'
+    gradients in its own dtype: dg = sum_k dW_k [w_beta | w_m | W_r]_k, d[w_beta | w_m | W_r] = g dW, and the statics
+    split back onto s_beta, s_alpha, B, A_m, A_r."""
+    rows, cols, mask, g, cat = _hc_cat_tile(g_ptr, wb_ptr, wm_ptr, wr_ptr, C, NH, M, MP, BR)
+    dw = tl.load(dw_ptr + rows[:, None] * M + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rmask = rows < C
+    tl.store(dg_ptr + rows, tl.sum(dw * cat, axis=1).to(dg_ptr.dtype.element_ty), mask=rmask)
+    dcat = dw * g[:, None]
+    tl.store(dwb_ptr + rows, tl.sum(tl.where(cols[None, :] == 0, dcat, 0.0), axis=1).to(dwb_ptr.dtype.element_ty),
+             mask=rmask)
+    tl.store(dwm_ptr + rows, tl.sum(tl.where(cols[None, :] == 1, dcat, 0.0), axis=1).to(dwm_ptr.dtype.element_ty),
+             mask=rmask)
+    tl.store(dwr_ptr + rows[:, None] * NH + (cols[None, :] - 2), dcat.to(dwr_ptr.dtype.element_ty),
+             mask=mask & (cols[None, :] >= 2))
+    if tl.program_id(0) == 0:
+        k = tl.arange(0, PWP)
+        d = tl.load(dst_ptr + k, mask=k < PW, other=0.0)
+        tl.store(dsb_ptr + k, d.to(dsb_ptr.dtype.element_ty), mask=k == 0)
+        tl.store(dsa_ptr + (k - 1), d.to(dsa_ptr.dtype.element_ty), mask=k == 1)
+        tl.store(db_ptr + (k - 2), d.to(db_ptr.dtype.element_ty), mask=(k >= 2) & (k < 2 + NH))
+        tl.store(dam_ptr + (k - 2 - NH), d.to(dam_ptr.dtype.element_ty), mask=(k >= 2 + NH) & (k < 2 + 2 * NH))
+        tl.store(dar_ptr + (k - 2 - 2 * NH), d.to(dar_ptr.dtype.element_ty), mask=(k >= 2 + 2 * NH) & (k < PW))
