@@ -48,12 +48,14 @@ def test_bench_host_times_every_wiring(tmp_path):
     rows = json.loads(path.read_text())["rows"]
     assert set(rows) == {"chain (boundary op)", "one sublayer at a time (mhc_enter + stream_post_res)",
                          "HC (hc_enter + stream_post_res)",
+                         "HC, operands by torch ops outside the op (hc_operands fold false; A/B)",
                          "HC, hc_coef + stream_pre + stream_post_res (round 7's wiring; A/B)",
                          "HC, parameter operands built outside the step (bound for folding them into the op)"}
     assert all(r["per_sublayer_ms"] > 0 for r in rows.values())
     # every kernel the ops launch is stubbed, the parameter passes too (they ran under the interpreter before round 11)
     stubbed = json.loads(path.read_text())["info"]["stubbed_kernels"]
-    assert {"_coef_fwd", "_coef_bwd_x", "_post_bwd_2d", "_phi_pairs", "_param_grad_sum"} <= set(stubbed)
+    assert {"_coef_fwd", "_coef_bwd_x", "_post_bwd_2d", "_phi_pairs", "_param_grad_sum", "_hc_operands",
+            "_hc_operand_grads"} <= set(stubbed)
 
 
 def test_bench_host_real_needs_a_gpu(tmp_path):
