@@ -98,8 +98,13 @@ def _hc_operands(g_ptr, wb_ptr, wm_ptr, wr_ptr, sa_ptr, sb_ptr, b_ptr, am_ptr, a
     `_phi_pairs`); program 0 also writes the statics [s_beta, s_alpha, B (n), A_m (n), A_r (n x n, row-major)]."""
     rows, cols, mask, g, cat = _hc_cat_tile(g_ptr, wb_ptr, wm_ptr, wr_ptr, C, NH, M, MP, BR)
     w = g[:, None] * cat
-    tl.store(w_ptr + rows[:, None] * M + cols[None, :], w, mask=mask)
+    offs = rows[:, None] * M + cols[None, :]
+    tl.store(w_ptr + offs, w, mask=mask)
     if PAIRS:
+        # the pairs of W as stored: on the GPU the compiler would contract g * cat - hi into one FMA (lo of the
+        # unrounded product, one ulp off `_phi_pairs` of W), so W is read back after a barrier
+        tl.debug_barrier()
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
         hi = w.to(pairs_ptr.dtype.element_ty)
         lo = (w - hi.to(tl.float32)).to(pairs_ptr.dtype.element_ty)
         pc = tl.arange(0, 2 * MP)
