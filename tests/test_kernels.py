@@ -521,6 +521,32 @@ def test_the_gradient_loops_take_their_pipelining_depth_from_config(stages, monk
         check(a, b, TOL[torch.bfloat16][2], name)
 
 
+@pytest.mark.parametrize("interleave", [False, True])
+@pytest.mark.parametrize("exact_axis", ["rows", "cols"])
+def test_the_per_token_backward_in_either_order(interleave, exact_axis, monkeypatch):
+    """CONFIG coef_bwd_tok interleave: odd programs run Sinkhorn's backward before the <du, x_j> loop, even ones after
+    it; the flag reaches the launch and the gradients match float64 either way, for the entry op and the boundary op
+    (which share the kernel), over token blocks of both parities with a partial last one."""
+    launched = []
+    _on_launch(monkeypatch, ("_coef_bwd_tok",), lambda name, kwargs: launched.append(kwargs["INTERLEAVE"]))
+    torch.manual_seed(93 + interleave)
+    lead, c = SHAPES[1]
+    assert (lead[0] * lead[1]) % ops.CONFIG["coef_bwd_tok"]["BT"] != 0 and lead[0] * lead[1] > 2 * 8
+    opts = MHCOptions(sinkhorn_iters=ITERS, exact_axis=exact_axis)
+    inputs = _coef_inputs(lead, c, 4, torch.bfloat16) + [_leaf(torch.randn(c, device=DEV))]
+    with config_changed("coef_bwd_tok", interleave=interleave):
+        out, _ = _enter_block(fused, *inputs, opts)
+        ref_in = _f64(inputs)
+        ref, _ = _enter_block(R, *ref_in, opts)
+        g = _upstream(ref, out)
+        grads = _grads([out], inputs, [g])
+        bnd = _boundary_inputs(lead, c, 4, torch.bfloat16)
+        _run_boundary(bnd, torch.bfloat16, sinkhorn_iters=ITERS, exact_axis=exact_axis)
+    assert launched and set(launched) == {interleave}
+    for name, a, b in zip(("dx", "dphi", "dbias", "dalpha", "dw"), grads, _grads([ref], ref_in, [g])):
+        check(a, b, TOL[torch.bfloat16][2], name)
+
+
 @pytest.mark.parametrize("m", [3, 6, 10, 20])  # n + 2 for n = 1, 4, 8; and wider
 @pytest.mark.parametrize("dtype,split", [(torch.float32, False), (torch.bfloat16, False),
                                          (torch.bfloat16, "interleaved"), (torch.bfloat16, "in_kernel")])

@@ -341,17 +341,53 @@ def _coef_tail(
     _res_tail(lg_ptr, bias_ptr, alpha_ptr, hres_ptr, rows.to(tl.int64), rmask, rinv, iters, eps, NS, M, T_IN, T_OUT)
 
 
+@triton.jit
+def _tok_du_x(dh_pre, x_ptr, du_ptr, rows64, rmask, nn, C, stride_x, NS: tl.constexpr, BC: tl.constexpr,
+              LOOP_STAGES: tl.constexpr):
+    """dh_pre_j + <du, x_j> for the block's tokens (the fused pre op: u = sum_j h_pre_j x_j; one read of du and x)."""
+    for c0 in tl.range(0, C, BC, num_stages=LOOP_STAGES):
+        cc = c0 + tl.arange(0, BC)
+        m2 = rmask[:, None] & (cc[None, :] < C)
+        du = tl.load(du_ptr + rows64[:, None] * C + cc[None, :], mask=m2, other=0.0).to(tl.float32)
+        for j in tl.static_range(NS):
+            xj = tl.load(x_ptr + rows64[:, None] * stride_x + j * C + cc[None, :], mask=m2, other=0.0)
+            dh_pre += tl.where(nn[None, :] == j, tl.sum(du * xj.to(tl.float32), axis=1)[:, None], 0.0)
+    return dh_pre
+
+
+@triton.jit
+def _tok_res(lg_ptr, bias_ptr, alpha_ptr, dres_ptr, dl_ptr, part_ptr, sc_ptr, pid, rows64, rmask, rinv, N, iters,
+             eps, NS: tl.constexpr, M: tl.constexpr, T_IN: tl.constexpr, T_OUT: tl.constexpr, PW: tl.constexpr):
+    """The res logits' part of the per-token backward (Sinkhorn's backward): their dL, this program's partial sums of
+    their bias and alpha gradients; returns their share of d loss / d rinv. Needs nothing of the <du, x> loop."""
+    a_res = tl.load(alpha_ptr + 2).to(tl.float32)
+    idx = _res_index(NS, T_IN)
+    tok3 = rmask[:, None, None] & (idx[None, :, :] >= 0)
+    l_res = tl.load(lg_ptr + rows64[:, None, None] * M + 2 * NS + idx[None, :, :], mask=tok3, other=0.0)
+    w = a_res * rinv[:, None, None] * l_res + tl.load(bias_ptr + 2 * NS + idx).to(tl.float32)[None, :, :]
+    oidx = _res_index(NS, T_OUT)
+    g = tl.load(dres_ptr + rows64[:, None, None] * (NS * NS) + oidx[None, :, :], mask=tok3, other=0.0)
+    dw = _sinkhorn_bwd(w, g.to(tl.float32), iters, eps, sc_ptr, rows64, rmask, N, NS)
+    tl.store(dl_ptr + rows64[:, None, None] * M + 2 * NS + idx[None, :, :], dw * a_res * rinv[:, None, None], mask=tok3)
+    tl.store(part_ptr + pid * PW + 2 * NS + idx, tl.sum(dw, axis=0))
+    tl.store(part_ptr + pid * PW + M + 2, tl.sum(tl.sum(tl.sum(dw * l_res, axis=2), axis=1) * rinv, axis=0))
+    return tl.sum(tl.sum(dw * a_res * l_res, axis=2), axis=1)
+
+
 @triton.jit(do_not_specialize=["N", "iters"])
 def _coef_bwd_tok(
     lg_ptr, rinv_ptr, bias_ptr, alpha_ptr, dpre_ptr, dpost_ptr, dres_ptr, dl_ptr, dss_ptr, part_ptr, sc_ptr,
     x_ptr, du_ptr, N, K, C, stride_x, iters, eps, post_mult,
     NS: tl.constexpr, M: tl.constexpr, HAS_RES: tl.constexpr, T_IN: tl.constexpr, T_OUT: tl.constexpr,
     HAS_U: tl.constexpr, BT: tl.constexpr, PW: tl.constexpr, BC: tl.constexpr, HAS_DPRE: tl.constexpr = True,
-    LOOP_STAGES: tl.constexpr = None,
+    LOOP_STAGES: tl.constexpr = None, INTERLEAVE: tl.constexpr = False,
 ):
     """HAS_DPRE = False: h_pre had no gradient of its own (the model reads it only through u): dh_pre starts at zero
     (no zero tensor is made and filled for it). LOOP_STAGES: the <du, x_j> loop's pipelining depth (CONFIG
-    loop_stages; None: Triton's default, which pipelines only a dot's operands, so none of this loop's loads)."""
+    loop_stages; None: Triton's default, which pipelines only a dot's operands, so none of this loop's loads).
+    INTERLEAVE (with HAS_U and HAS_RES): odd programs run Sinkhorn's backward (compute, independent of the loop)
+    before the <du, x_j> loop (memory) and even ones after it, so that while some programs of an SM stream du and x
+    others compute instead of every program doing the two one after the other in step."""
     pid = tl.program_id(0)
     rows64, rmask, nn, tok = _row_block(N, BT, NS)
     rinv = tl.load(rinv_ptr + rows64, mask=rmask, other=0.0)
@@ -364,15 +400,26 @@ def _coef_bwd_tok(
         dh_pre = tl.load(dpre_ptr + rows64[:, None] * NS + nn[None, :], mask=tok, other=0.0)
     else:
         dh_pre = tl.zeros([BT, NS], dtype=tl.float32)
-    if HAS_U:
-        # fused pre op: u = sum_j h_pre_j x_j adds <du, x_j> to dh_pre_j (one read of du and x here)
-        for c0 in tl.range(0, C, BC, num_stages=LOOP_STAGES):
-            cc = c0 + tl.arange(0, BC)
-            m2 = rmask[:, None] & (cc[None, :] < C)
-            du = tl.load(du_ptr + rows64[:, None] * C + cc[None, :], mask=m2, other=0.0).to(tl.float32)
-            for j in tl.static_range(NS):
-                xj = tl.load(x_ptr + rows64[:, None] * stride_x + j * C + cc[None, :], mask=m2, other=0.0)
-                dh_pre += tl.where(nn[None, :] == j, tl.sum(du * xj.to(tl.float32), axis=1)[:, None], 0.0)
+    drinv = tl.zeros([BT], dtype=tl.float32)
+    if HAS_RES:
+        if HAS_U and INTERLEAVE:
+            if pid % 2 == 1:
+                drinv = _tok_res(lg_ptr, bias_ptr, alpha_ptr, dres_ptr, dl_ptr, part_ptr, sc_ptr, pid, rows64, rmask,
+                                 rinv, N, iters, eps, NS, M, T_IN, T_OUT, PW)
+                dh_pre = _tok_du_x(dh_pre, x_ptr, du_ptr, rows64, rmask, nn, C, stride_x, NS, BC, LOOP_STAGES)
+            else:
+                dh_pre = _tok_du_x(dh_pre, x_ptr, du_ptr, rows64, rmask, nn, C, stride_x, NS, BC, LOOP_STAGES)
+                drinv = _tok_res(lg_ptr, bias_ptr, alpha_ptr, dres_ptr, dl_ptr, part_ptr, sc_ptr, pid, rows64, rmask,
+                                 rinv, N, iters, eps, NS, M, T_IN, T_OUT, PW)
+        else:
+            if HAS_U:
+                dh_pre = _tok_du_x(dh_pre, x_ptr, du_ptr, rows64, rmask, nn, C, stride_x, NS, BC, LOOP_STAGES)
+            drinv = _tok_res(lg_ptr, bias_ptr, alpha_ptr, dres_ptr, dl_ptr, part_ptr, sc_ptr, pid, rows64, rmask,
+                             rinv, N, iters, eps, NS, M, T_IN, T_OUT, PW)
+    else:
+        if HAS_U:
+            dh_pre = _tok_du_x(dh_pre, x_ptr, du_ptr, rows64, rmask, nn, C, stride_x, NS, BC, LOOP_STAGES)
+        tl.store(part_ptr + pid * PW + M + 2, 0.0)
     dy_pre = dh_pre * s * (1.0 - s)
     l_post = tl.load(lg_ptr + rows64[:, None] * M + NS + nn[None, :], mask=tok, other=0.0)
     s = tl.sigmoid(a_post * rinv[:, None] * l_post + tl.load(bias_ptr + NS + nn).to(tl.float32)[None, :])
@@ -380,26 +427,11 @@ def _coef_bwd_tok(
     tl.store(dl_ptr + rows64[:, None] * M + nn[None, :], dy_pre * a_pre * rinv[:, None], mask=tok)
     tl.store(dl_ptr + rows64[:, None] * M + NS + nn[None, :], dy_post * a_post * rinv[:, None], mask=tok)
     # d loss / d rinv, and per-program partial sums of the bias and alpha gradients
-    drinv = tl.sum(dy_pre * a_pre * l_pre, axis=1) + tl.sum(dy_post * a_post * l_post, axis=1)
+    drinv += tl.sum(dy_pre * a_pre * l_pre, axis=1) + tl.sum(dy_post * a_post * l_post, axis=1)
     tl.store(part_ptr + pid * PW + nn, tl.sum(dy_pre, axis=0))
     tl.store(part_ptr + pid * PW + NS + nn, tl.sum(dy_post, axis=0))
     tl.store(part_ptr + pid * PW + M, tl.sum(tl.sum(dy_pre * l_pre, axis=1) * rinv, axis=0))
     tl.store(part_ptr + pid * PW + M + 1, tl.sum(tl.sum(dy_post * l_post, axis=1) * rinv, axis=0))
-    if HAS_RES:
-        a_res = tl.load(alpha_ptr + 2).to(tl.float32)
-        idx = _res_index(NS, T_IN)
-        tok3 = rmask[:, None, None] & (idx[None, :, :] >= 0)
-        l_res = tl.load(lg_ptr + rows64[:, None, None] * M + 2 * NS + idx[None, :, :], mask=tok3, other=0.0)
-        w = a_res * rinv[:, None, None] * l_res + tl.load(bias_ptr + 2 * NS + idx).to(tl.float32)[None, :, :]
-        oidx = _res_index(NS, T_OUT)
-        g = tl.load(dres_ptr + rows64[:, None, None] * (NS * NS) + oidx[None, :, :], mask=tok3, other=0.0)
-        dw = _sinkhorn_bwd(w, g.to(tl.float32), iters, eps, sc_ptr, rows64, rmask, N, NS)
-        tl.store(dl_ptr + rows64[:, None, None] * M + 2 * NS + idx[None, :, :], dw * a_res * rinv[:, None, None], mask=tok3)
-        drinv += tl.sum(tl.sum(dw * a_res * l_res, axis=2), axis=1)
-        tl.store(part_ptr + pid * PW + 2 * NS + idx, tl.sum(dw, axis=0))
-        tl.store(part_ptr + pid * PW + M + 2, tl.sum(tl.sum(tl.sum(dw * l_res, axis=2), axis=1) * rinv, axis=0))
-    else:
-        tl.store(part_ptr + pid * PW + M + 2, 0.0)
     # rinv = (sumsq / K + rms_eps)^(-1/2)  =>  d rinv / d sumsq = -rinv^3 / (2K)
     tl.store(dss_ptr + rows64, -0.5 * drinv * rinv * rinv * rinv / K, mask=rmask)
 

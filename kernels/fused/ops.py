@@ -57,7 +57,10 @@ CONFIG = {
     # copies into shared memory; None: Triton's default, which pipelines only loads that feed a dot, none here).
     # Round 14: timed alone (the sweep), 2 stages at BC 128 took 64 us against 79 unpipelined; in the trainer, profiled
     # in one process, 1.85 ms per step against 1.80: unpipelined kept (docs/benchmarks.md)
-    "coef_bwd_tok": dict(BT=8, num_warps=1, BC=64, loop_stages=None),
+    # interleave: odd programs run the Sinkhorn backward (18 of the kernel's 73 us alone, round 14's probe) before the
+    # <du, x_j> loop (51 us alone) and even ones after it, so that an SM's programs overlap the two instead of all
+    # streaming, then all computing (round 16: not yet timed on the GPU, off)
+    "coef_bwd_tok": dict(BT=8, num_warps=1, BC=64, loop_stages=None, interleave=False),
     # dl_split: with bf16 x, the two dots on 16-bit parts of dL and phi (_coef_bwd_x SPLIT) instead of tf32 on fp32
     # copies (round 6 ncu of the tf32 version: 176 registers, 49 KB of shared memory, one CTA per SM). The smaller
     # tiles it affords: mhc_pre bwd 276-280 vs 384 us (tf32 at BT 64, BK 128, 8 warps), 322 vs 370 with an fp32
@@ -427,7 +430,8 @@ def bwd_tok(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_i
         lg, rinv, bias.contiguous(), alpha.contiguous(), lg if d_pre is None else d_pre.contiguous(), d_post.contiguous(),
         d_res.contiguous(), dl, dss, part, sc, x, du.contiguous() if with_u else x, N, n * C, C, x.stride(0), iters, eps,
         post_mult, NS=n, M=M, HAS_RES=has_res, T_IN=t_in, T_OUT=t_out, HAS_U=with_u, HAS_DPRE=d_pre is not None,
-        BT=ct["BT"], PW=pw, BC=min(ct.get("BC", 16), _np2(C, 16)), LOOP_STAGES=ct.get("loop_stages"), **_launch(ct),
+        BT=ct["BT"], PW=pw, BC=min(ct.get("BC", 16), _np2(C, 16)), LOOP_STAGES=ct.get("loop_stages"),
+        INTERLEAVE=bool(ct.get("interleave")), **_launch(ct),
     )
     return dl, dss, part
 
