@@ -387,7 +387,8 @@ def _coef_bwd_tok(
     loop_stages; None: Triton's default, which pipelines only a dot's operands, so none of this loop's loads).
     INTERLEAVE (with HAS_U and HAS_RES): odd programs run Sinkhorn's backward (compute, independent of the loop)
     before the <du, x_j> loop (memory) and even ones after it, so that while some programs of an SM stream du and x
-    others compute instead of every program doing the two one after the other in step."""
+    others compute instead of every program doing the two one after the other in step (timed in round 16: no faster,
+    CONFIG keeps it off)."""
     pid = tl.program_id(0)
     rows64, rmask, nn, tok = _row_block(N, BT, NS)
     rinv = tl.load(rinv_ptr + rows64, mask=rmask, other=0.0)

@@ -58,8 +58,8 @@ CONFIG = {
     # Round 14: timed alone (the sweep), 2 stages at BC 128 took 64 us against 79 unpipelined; in the trainer, profiled
     # in one process, 1.85 ms per step against 1.80: unpipelined kept (docs/benchmarks.md)
     # interleave: odd programs run the Sinkhorn backward (18 of the kernel's 73 us alone, round 14's probe) before the
-    # <du, x_j> loop (51 us alone) and even ones after it, so that an SM's programs overlap the two instead of all
-    # streaming, then all computing (round 16: not yet timed on the GPU, off)
+    # <du, x_j> loop (51 us alone) and even ones after it, for an SM's programs to overlap the two. Round 16, in the
+    # trainer, profiled in one process: 1.836 ms per step against 1.813 in order: off (docs/benchmarks.md)
     "coef_bwd_tok": dict(BT=8, num_warps=1, BC=64, loop_stages=None, interleave=False),
     # dl_split: with bf16 x, the two dots on 16-bit parts of dL and phi (_coef_bwd_x SPLIT) instead of tf32 on fp32
     # copies (round 6 ncu of the tf32 version: 176 registers, 49 KB of shared memory, one CTA per SM). The smaller
