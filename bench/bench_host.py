@@ -2,6 +2,8 @@
 
     python bench/bench_host.py [--sublayers 24] [--steps 30] [--out bench_host.json]
     python bench/bench_host.py --real [...]     # on a GPU: the real launches, timed apart (where the host time goes)
+    python bench/bench_host.py --forward [...]  # the forward alone (the trainer's eager forward is where the host
+                                                # can fall behind the GPU: docs/benchmarks.md, round 15)
 
 An eager training step issues its kernel launches from Python; when the host needs longer per sublayer than the
 GPU, the GPU waits (docs/benchmarks.md, "Eager host overhead"). This measures that host cost on any machine: the
@@ -73,9 +75,9 @@ def replace_launches(wrap) -> list[str]:
     return names
 
 
-def paired_step_ms(runs: dict, x, params, steps) -> dict:
-    """Median ms of forward + backward per wiring, the wirings alternating step by step (a shared host's load
-    then weighs on all of them alike)."""
+def paired_step_ms(runs: dict, x, params, steps, forward_only: bool = False) -> dict:
+    """Median ms of forward + backward (or the forward alone) per wiring, the wirings alternating step by step (a
+    shared host's load then weighs on all of them alike)."""
     times = {name: [] for name in runs}
     launch = {name: [] for name in runs}
     per_kernel = {name: {} for name in runs}  # kernel -> [host seconds, launches] over the timed steps
@@ -85,7 +87,9 @@ def paired_step_ms(runs: dict, x, params, steps) -> dict:
                 p.grad = None
             SPENT.clear()
             t = time.perf_counter()
-            run(x).sum().backward()
+            out = run(x)
+            if not forward_only:
+                out.sum().backward()
             if REAL:
                 torch.cuda.synchronize()
             if i >= 3:
@@ -107,6 +111,7 @@ def main():
     p.add_argument("--sublayers", type=int, default=24)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--out", default=None)
+    p.add_argument("--forward", action="store_true", help="time the forward alone (no backward)")
     p.add_argument("--real", action="store_true", help="CUDA, real launches, each timed (read before import)")
     p.add_argument("--c", type=int, default=64, help="channels: 1024 takes the trainer's launch configs (C blocks)")
     p.add_argument("--bf16", action="store_true", help="bf16 streams, as the trainer's (always with --real): phi then "
@@ -183,7 +188,7 @@ def main():
             "HC, hc_coef + stream_pre + stream_post_res (round 7's wiring; A/B)": hc_coef_then_stream_pre,
             "HC, parameter operands built outside the step (bound for folding them into the op)": hc_operands_prebuilt}
     rows = {}
-    for name, (ms, launch_ms, us_per_launch) in paired_step_ms(runs, x, params, args.steps).items():
+    for name, (ms, launch_ms, us_per_launch) in paired_step_ms(runs, x, params, args.steps, args.forward).items():
         rows[name] = dict(step_ms=ms, per_sublayer_ms=ms / args.sublayers)
         line = f"{name:<52} {ms:8.2f} ms per step, {1e3 * ms / args.sublayers:7.0f} us per sublayer"
         if REAL:
@@ -191,7 +196,7 @@ def main():
             line += f", of which {1e3 * launch_ms / args.sublayers:5.0f} us in Triton launches"
         print(line, flush=True)
     info = dict(torch=torch.__version__, python=sys.version.split()[0], threads=torch.get_num_threads(),
-                sublayers=args.sublayers, steps=args.steps, c=args.c, streams="bf16" if bf16 else "fp32",
+                sublayers=args.sublayers, steps=args.steps, c=args.c, forward_only=args.forward, streams="bf16" if bf16 else "fp32",
                 command=" ".join(sys.argv),
                 **{"timed_kernels" if REAL else "stubbed_kernels": stubbed})
     if REAL:

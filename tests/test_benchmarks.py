@@ -56,6 +56,12 @@ def test_bench_host_times_every_wiring(tmp_path):
     stubbed = json.loads(path.read_text())["info"]["stubbed_kernels"]
     assert {"_coef_fwd", "_coef_bwd_x", "_post_bwd_2d", "_phi_pairs", "_param_grad_sum", "_hc_operands",
             "_hc_operand_grads"} <= set(stubbed)
+    # the forward alone: the same rows, each cheaper than its forward + backward
+    fwd_path = tmp_path / "host_forward.json"
+    _run(["bench/bench_host.py", "--sublayers", "4", "--steps", "3", "--forward", "--out", str(fwd_path)], tmp_path)
+    fwd = json.loads(fwd_path.read_text())
+    assert fwd["info"]["forward_only"] is True and set(fwd["rows"]) == set(rows)
+    assert all(0 < fwd["rows"][k]["per_sublayer_ms"] < rows[k]["per_sublayer_ms"] for k in rows)
 
 
 def test_bench_host_real_needs_a_gpu(tmp_path):
