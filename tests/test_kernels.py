@@ -640,7 +640,7 @@ def test_hc_enter_then_write_back_matches_reference(n, dtype, use_tanh, fold, mo
     and the gradient of x and of every parameter against float64. Its backward writes one dx: <du, x_i> in the tail
     pass, h_pre_i du and the write-back's gradient in the x pass (checked: bwd_x gets du and dx_in, and no autograd
     sum of stream-sized gradients runs), over several row blocks with a partial last one. fold: HC's operands made
-    inside the op from the ten raw parameters (the eager default, `ops.HCEnterFolded`), or by the torch composition
+    inside the op from the nine raw parameters (the eager default, `ops.HCEnterFolded`), or by the torch composition
     outside it (CONFIG hc_operands fold false)."""
     torch.manual_seed(120 + n + 10 * use_tanh)
     seen, entries = [], []
@@ -916,9 +916,20 @@ def _block_hc_enter(x, phi, bias, alpha, w, iters=3):
     return fused.stream_post_res(xt, torch.tanh(u * w), h_post, h_res)
 
 
+def _block_hc_enter_folded(x, phi, bias, alpha, w, iters=3):
+    """The same with contiguous parameters: eager makes HC's operands inside the op (`ops.HCEnterFolded`), the compiled
+    graph by the torch composition."""
+    n, c = x.shape[-2], x.shape[-1]
+    params = [t.contiguous() for t in (w + 1.0, phi[:c, 0], phi[:c, 1], phi[:c, 2:2 + n], alpha[0], alpha[1],
+                                       bias[:n], bias[n:2 * n], bias[2 * n:2 * n + n * n].reshape(n, n))]
+    xt, u, _, h_post, h_res = fused.hc_enter(x, *params)
+    return fused.stream_post_res(xt, torch.tanh(u * w), h_post, h_res)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("block", [_block, _block_pre, _block_enter, _block_chain, _block_hc, _block_hc_enter],
-                         ids=["three_ops", "mhc_pre", "mhc_enter", "boundary", "hc", "hc_enter"])
+@pytest.mark.parametrize("block", [_block, _block_pre, _block_enter, _block_chain, _block_hc, _block_hc_enter,
+                                   _block_hc_enter_folded],
+                         ids=["three_ops", "mhc_pre", "mhc_enter", "boundary", "hc", "hc_enter", "hc_enter_folded"])
 def test_compile_fullgraph_matches_eager(block):
     _compiled_matches_eager(block, 9)
 

@@ -200,10 +200,10 @@ def _hc_weights(x, norm_weight, w_beta, w_m, w_r, s_alpha, s_beta, b_static, am_
 def _folds_hc_operands(x: torch.Tensor, params: tuple) -> bool:
     """hc_enter builds HC's operands inside its op (`ops.HCEnterFolded`): in eager mode on plain tensors, with
     contiguous parameters of the kernels' shapes (CONFIG hc_operands fold)."""
-    n = x.shape[-2]
-    g, w_beta, w_m, w_r, s_alpha, s_beta = params[:6]
+    n, c = x.shape[-2], x.shape[-1]
+    g, w_beta, w_m, w_r, s_alpha, s_beta, _, am_static, _ = params
     return (ops.CONFIG["hc_operands"]["fold"] and not torch.compiler.is_compiling() and type(x) is torch.Tensor
-            and g.dim() == w_beta.dim() == w_m.dim() == 1 and w_r.shape == (g.shape[0], n)
+            and g.shape == w_beta.shape == w_m.shape == (c,) and w_r.shape == (c, n) and am_static.shape == (n,)
             and s_alpha.numel() == s_beta.numel() == 1 and all(p.is_contiguous() for p in params))
 
 

@@ -95,7 +95,7 @@ CONFIG = {
     # the per-sublayer parameter passes (kernels/fused/parameters.py): BL elements per program, BP partial rows per
     # step of the vectors' program; not swept (a few microseconds each)
     "param_sum": dict(BL=256, BP=256, num_warps=4),
-    # HC's ten parameters made into the kernels' operands inside the eager hc_enter (`_hc_operands`, and their
+    # HC's nine parameters made into the kernels' operands inside the eager hc_enter (`_hc_operands`, and their
     # gradients `_hc_operand_grads`): BR channels per program. fold false: the torch composition builds them outside
     # the op (autograd nodes each way; the A/B). Under torch.compile the composition always runs (inductor fuses it)
     "hc_operands": dict(BR=128, num_warps=4, fold=True),
@@ -1113,8 +1113,9 @@ def _hc_enter_backward(ctx, dx_next, *grads):
 
 
 def hc_operands(x_dtype: torch.dtype, g: Tensor, w_beta: Tensor, w_m: Tensor, w_r: Tensor, s_alpha: Tensor,
-                s_beta: Tensor, b_static: Tensor, am_static: Tensor, ar_static: Tensor) -> tuple[Tensor, Tensor, Optional[Tensor]]:
-    """HC's ten parameters as its kernels take them, in one launch (`_hc_operands`): W = diag(g) [w_beta | w_m | W_r]
+                s_beta: Tensor, b_static: Tensor, am_static: Tensor,
+                ar_static: Tensor) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """HC's nine parameters as its kernels take them, in one launch (`_hc_operands`): W = diag(g) [w_beta | w_m | W_r]
     [C, n + 2] fp32 (reference.hc_projection_weights), the statics (`hc_statics`' layout) and, where `_coef_fwd`
     takes W as 16-bit pairs for activations of x_dtype, those pairs (else None)."""
     (C, n), dev = w_r.shape, w_r.device
@@ -1133,7 +1134,7 @@ def hc_operands(x_dtype: torch.dtype, g: Tensor, w_beta: Tensor, w_m: Tensor, w_
 def hc_operand_grads(dw: Tensor, dstatics: Tensor, g: Tensor, w_beta: Tensor, w_m: Tensor, w_r: Tensor,
                      s_alpha: Tensor, s_beta: Tensor, b_static: Tensor, am_static: Tensor,
                      ar_static: Tensor) -> tuple[Tensor, ...]:
-    """The ten parameters' gradients from dW and the statics' gradient, in one launch (`_hc_operand_grads`), each in
+    """The nine parameters' gradients from dW and the statics' gradient, in one launch (`_hc_operand_grads`), each in
     its parameter's dtype and shape."""
     params = (g, w_beta, w_m, w_r, s_alpha, s_beta, b_static, am_static, ar_static)
     grads = tuple(_new(p.shape, p.dtype, p.device) for p in params)
@@ -1147,9 +1148,9 @@ def hc_operand_grads(dw: Tensor, dstatics: Tensor, g: Tensor, w_beta: Tensor, w_
 
 
 class HCEnterFolded(torch.autograd.Function):
-    """`hc_enter` on HC's ten raw parameters (eager only; under torch.compile the wrapper builds the operands with
+    """`hc_enter` on HC's nine raw parameters (eager only; under torch.compile the wrapper builds the operands with
     torch ops, which inductor fuses): the operands are made inside the op (`hc_operands`, one launch, also W's 16-bit
-    pairs) and the backward turns dW and the statics' gradient into the ten parameter gradients in one launch
+    pairs) and the backward turns dW and the statics' gradient into the nine parameter gradients in one launch
     (`hc_operand_grads`), instead of the torch composition's three forward launches and a dozen autograd nodes each
     way. Outputs as `eager.hc_enter`'s: x (the alias its write-back reads), then the op's."""
 

@@ -9,9 +9,9 @@
   own tensor (custom-op outputs may not alias). In torch: two reductions and two copies per sublayer. The same
   launch sums the write-back backward's per-C-block partials of dh_post and dH (two wide sums, no vectors).
   Each program loads whole [rows, columns] tiles: a loop of one-row loads was latency-bound (20 us a launch).
-- `_hc_operands` (forward) and `_hc_operand_grads` (backward): HC's ten parameters as the kernels take them, the
+- `_hc_operands` (forward) and `_hc_operand_grads` (backward): HC's nine parameters as the kernels take them, the
   projection weights W = diag(g) [w_beta | w_m | W_r] [C, n + 2] (with its 16-bit pairs, as `_phi_pairs` makes them)
-  and the packed statics [s_beta, s_alpha, B, A_m, A_r]; and back, the ten parameter gradients from dW and the
+  and the packed statics [s_beta, s_alpha, B, A_m, A_r]; and back, the nine parameter gradients from dW and the
   statics' gradient. In torch these were three launches and a dozen autograd nodes per HC sublayer forward (about
   half of its eager forward's host time, docs/kernels.md), and as many backward nodes.
 Both are exact reformulations of the torch code they replace (same values, summation in fp32); the float64 tests of
@@ -123,7 +123,7 @@ def _hc_operands(g_ptr, wb_ptr, wm_ptr, wr_ptr, sa_ptr, sb_ptr, b_ptr, am_ptr, a
 def _hc_operand_grads(dw_ptr, dst_ptr, g_ptr, wb_ptr, wm_ptr, wr_ptr, dg_ptr, dwb_ptr, dwm_ptr, dwr_ptr, dsa_ptr,
                       dsb_ptr, db_ptr, dam_ptr, dar_ptr, C, NH: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,
                       PW: tl.constexpr, PWP: tl.constexpr, BR: tl.constexpr):
-    """The backward of `_hc_operands`: from dW [C, M] and the statics' gradient [PW], each of HC's ten parameters'
+    """The backward of `_hc_operands`: from dW [C, M] and the statics' gradient [PW], each of HC's nine parameters'
     gradients in its own dtype: dg = sum_k dW_k [w_beta | w_m | W_r]_k, d[w_beta | w_m | W_r] = g dW, and the statics
     split back onto s_beta, s_alpha, B, A_m, A_r."""
     rows, cols, mask, g, cat = _hc_cat_tile(g_ptr, wb_ptr, wm_ptr, wr_ptr, C, NH, M, MP, BR)
