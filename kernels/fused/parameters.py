@@ -13,8 +13,8 @@
   projection weights W = diag(g) [w_beta | w_m | W_r] [C, n + 2] (with its 16-bit pairs, as `_phi_pairs` makes them)
   and the packed statics [s_beta, s_alpha, B, A_m, A_r]; and back, the nine parameter gradients from dW and the
   statics' gradient. In torch these were three launches and a dozen autograd nodes per HC sublayer forward (about
-  half of its eager forward's host time, docs/kernels.md), and as many backward nodes.
-Both are exact reformulations of the torch code they replace (same values, summation in fp32); the float64 tests of
+  40 % of its eager forward's host time, docs/kernels.md), and as many backward nodes.
+Each is an exact reformulation of the torch code it replaces (same values, summation in fp32); the float64 tests of
 the ops that call them cover them.
 """
 import triton
