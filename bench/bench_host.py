@@ -150,11 +150,12 @@ def main():
 
     def hc_operands_by_torch(x):
         # A/B: HC's operands built by the torch composition outside the op (before they were made inside it)
-        ops.CONFIG["hc_operands"]["fold"] = False
+        cfg = ops.CONFIG["hc_operands"]
+        fold, cfg["fold"] = cfg["fold"], False
         try:
             return hc(x)
         finally:
-            ops.CONFIG["hc_operands"]["fold"] = True
+            cfg["fold"] = fold
 
     def hc_coef_then_stream_pre(x):
         # A/B: HC's sublayer as wired in round 7: hc_coef, then stream_pre, the write-back reading x itself
