@@ -403,14 +403,15 @@ def test_phi_pairs_are_the_interleaved_hi_and_lo_parts(dtype):
         assert ((hi.double() - p).abs() > 2.0 ** -13 * p.abs()).any()  # the lo part carries bits hi lacks
 
 
-@pytest.mark.parametrize("splits,rows", [(1, 1), (16, 130), (5, 1100)])
+@pytest.mark.parametrize("splits,rows", [(1, 1), (16, 130), (5, 1100), (3, 4099)])
 def test_parameter_gradient_partials_summed_in_one_launch(splits, rows):
-    """`_param_grad_sum`: the weight's split partials and the vectors' per-block rows summed in one launch, each
-    gradient written in its own dtype into its own tensor; also the weight alone, one vector (HC's statics), and two
-    weights (the write-back backward's dh_post and dH partials)."""
+    """`_param_grad_sum`: the weight's split partials and the vectors' per-block partials (one row per vector
+    element, [PW, programs]: each row summed by its own program) in one launch, each gradient written in its own dtype
+    into its own tensor; also the weight alone, one vector (HC's statics), and two weights (the write-back backward's
+    dh_post and dH partials). 4099 partials: more than the trainer's 4096 per-token programs, off the load width."""
     torch.manual_seed(splits + rows)
-    wpart, vpart = torch.randn(splits, 97, 24, device=DEV), torch.randn(rows, 27, device=DEV)
-    w_ref, v_ref = wpart.double().sum(0), vpart.double().sum(0)
+    wpart, vpart = torch.randn(splits, 97, 24, device=DEV), torch.randn(27, rows, device=DEV)
+    w_ref, v_ref = wpart.double().sum(0), vpart.double().sum(1)
     dw, da, db = (ops._new(shape, dt, DEV) for shape, dt in (((97, 24), torch.float32), ((24,), torch.float32),
                                                              ((3,), torch.bfloat16)))
     ops._sum_partials(wpart, dw, vpart, da, db)

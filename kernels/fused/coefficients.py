@@ -242,13 +242,13 @@ def _hc_tail(lg_ptr, rinv, st_ptr, hpre_ptr, hpost_ptr, hres_ptr, rows64, rmask,
     tl.store(hres_ptr + t[:, None] * (NH * NH) + jj[None, :] * NH + i[:, None], a_static + s_alpha * ar, mask=m2)
 
 
-@triton.jit(do_not_specialize=["R"])
+@triton.jit(do_not_specialize=["R", "NP"])
 def _hc_tail_bwd(lg_ptr, rinv_ptr, st_ptr, dpre_ptr, dpost_ptr, dres_ptr, dl_ptr, dss_ptr, part_ptr, x_ptr, du_ptr, R,
-                 C, inv_c, M: tl.constexpr, NH: tl.constexpr, TANH: tl.constexpr, PW: tl.constexpr, BT: tl.constexpr,
+                 NP, C, inv_c, M: tl.constexpr, NH: tl.constexpr, TANH: tl.constexpr, BT: tl.constexpr,
                  HAS_U: tl.constexpr = False, BC: tl.constexpr = 16, HAS_DPRE: tl.constexpr = True):
     """Backward of `_hc_tail` and of y = L / r for a block of rows: dL = dy / r and d(sum x^2) (what `_coef_bwd_x`
-    turns into dx and dw), and this program's partial sums of the static parameters' gradients (part [programs, PW],
-    laid out as st_ptr; summed afterwards: deterministic, no atomics).
+    turns into dx and dw), and this program's partial sums of the static parameters' gradients (part [PW, NP]: column
+    pid of NP programs, rows laid out as st_ptr; summed afterwards: deterministic, no atomics).
     HAS_U (`hc_enter`, where the op also computed u = sum_i h_pre_i x_i): dh_pre of row (t, i) first gains
     <du_t, x_ti>, reading the block's rows of x (x_ptr, [R, C]) and their tokens' du (du_ptr, [R / NH, C]).
     HAS_DPRE = False: h_pre had no gradient of its own (only through u): dh_pre starts at zero, nothing is read."""
@@ -283,14 +283,14 @@ def _hc_tail_bwd(lg_ptr, rinv_ptr, st_ptr, dpre_ptr, dpost_ptr, dres_ptr, dl_ptr
     # 1/r = (sum x^2 / C + eps)^(-1/2)
     dss = (-0.5 * inv_c) * (d0 * l0 + d1 * l1 + tl.sum(dr * lr, axis=1)) * rinv * rinv * rinv
     tl.store(dss_ptr + rows64, dss, mask=rmask)
-    base = part_ptr + pid * PW
+    base = part_ptr + pid
     tl.store(base, tl.sum(g0 * a0, axis=0))
-    tl.store(base + 1, tl.sum(g1 * a1, axis=0) + tl.sum(tl.sum(gr * ar, axis=1), axis=0))
+    tl.store(base + NP, tl.sum(g1 * a1, axis=0) + tl.sum(tl.sum(gr * ar, axis=1), axis=0))
     onehot = (i[:, None] == jj[None, :]).to(tl.float32)  # [BT, NH]: the stream of each row
-    tl.store(base + 2 + jj, tl.sum(onehot * g0[:, None], axis=0))
-    tl.store(base + 2 + NH + jj, tl.sum(onehot * g1[:, None], axis=0))
+    tl.store(base + (2 + jj) * NP, tl.sum(onehot * g0[:, None], axis=0))
+    tl.store(base + (2 + NH + jj) * NP, tl.sum(onehot * g1[:, None], axis=0))
     d_ar = tl.sum(onehot[:, :, None] * gr[:, None, :], axis=0)  # [i, j]
-    tl.store(base + 2 + 2 * NH + jj[:, None] * NH + jj[None, :], d_ar)
+    tl.store(base + (2 + 2 * NH + jj[:, None] * NH + jj[None, :]) * NP, d_ar)
 
 
 @triton.jit
@@ -356,8 +356,8 @@ def _tok_du_x(dh_pre, x_ptr, du_ptr, rows64, rmask, nn, C, stride_x, NS: tl.cons
 
 
 @triton.jit
-def _tok_res(lg_ptr, bias_ptr, alpha_ptr, dres_ptr, dl_ptr, part_ptr, sc_ptr, pid, rows64, rmask, rinv, N, iters,
-             eps, NS: tl.constexpr, M: tl.constexpr, T_IN: tl.constexpr, T_OUT: tl.constexpr, PW: tl.constexpr):
+def _tok_res(lg_ptr, bias_ptr, alpha_ptr, dres_ptr, dl_ptr, part_ptr, sc_ptr, pid, NP, rows64, rmask, rinv, N, iters,
+             eps, NS: tl.constexpr, M: tl.constexpr, T_IN: tl.constexpr, T_OUT: tl.constexpr):
     """The res logits' part of the per-token backward (Sinkhorn's backward): their dL, this program's partial sums of
     their bias and alpha gradients; returns their share of d loss / d rinv. Needs nothing of the <du, x> loop."""
     a_res = tl.load(alpha_ptr + 2).to(tl.float32)
@@ -369,17 +369,17 @@ def _tok_res(lg_ptr, bias_ptr, alpha_ptr, dres_ptr, dl_ptr, part_ptr, sc_ptr, pi
     g = tl.load(dres_ptr + rows64[:, None, None] * (NS * NS) + oidx[None, :, :], mask=tok3, other=0.0)
     dw = _sinkhorn_bwd(w, g.to(tl.float32), iters, eps, sc_ptr, rows64, rmask, N, NS)
     tl.store(dl_ptr + rows64[:, None, None] * M + 2 * NS + idx[None, :, :], dw * a_res * rinv[:, None, None], mask=tok3)
-    tl.store(part_ptr + pid * PW + 2 * NS + idx, tl.sum(dw, axis=0))
-    tl.store(part_ptr + pid * PW + M + 2, tl.sum(tl.sum(tl.sum(dw * l_res, axis=2), axis=1) * rinv, axis=0))
+    tl.store(part_ptr + (2 * NS + idx) * NP + pid, tl.sum(dw, axis=0))
+    tl.store(part_ptr + (M + 2) * NP + pid, tl.sum(tl.sum(tl.sum(dw * l_res, axis=2), axis=1) * rinv, axis=0))
     return tl.sum(tl.sum(dw * a_res * l_res, axis=2), axis=1)
 
 
-@triton.jit(do_not_specialize=["N", "iters"])
+@triton.jit(do_not_specialize=["N", "NP", "iters"])
 def _coef_bwd_tok(
     lg_ptr, rinv_ptr, bias_ptr, alpha_ptr, dpre_ptr, dpost_ptr, dres_ptr, dl_ptr, dss_ptr, part_ptr, sc_ptr,
-    x_ptr, du_ptr, N, K, C, stride_x, iters, eps, post_mult,
+    x_ptr, du_ptr, N, NP, K, C, stride_x, iters, eps, post_mult,
     NS: tl.constexpr, M: tl.constexpr, HAS_RES: tl.constexpr, T_IN: tl.constexpr, T_OUT: tl.constexpr,
-    HAS_U: tl.constexpr, BT: tl.constexpr, PW: tl.constexpr, BC: tl.constexpr, HAS_DPRE: tl.constexpr = True,
+    HAS_U: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_DPRE: tl.constexpr = True,
     LOOP_STAGES: tl.constexpr = None, INTERLEAVE: tl.constexpr = False,
 ):
     """HAS_DPRE = False: h_pre had no gradient of its own (the model reads it only through u): dh_pre starts at zero
@@ -405,22 +405,22 @@ def _coef_bwd_tok(
     if HAS_RES:
         if HAS_U and INTERLEAVE:
             if pid % 2 == 1:
-                drinv = _tok_res(lg_ptr, bias_ptr, alpha_ptr, dres_ptr, dl_ptr, part_ptr, sc_ptr, pid, rows64, rmask,
-                                 rinv, N, iters, eps, NS, M, T_IN, T_OUT, PW)
+                drinv = _tok_res(lg_ptr, bias_ptr, alpha_ptr, dres_ptr, dl_ptr, part_ptr, sc_ptr, pid, NP, rows64, rmask,
+                                 rinv, N, iters, eps, NS, M, T_IN, T_OUT)
                 dh_pre = _tok_du_x(dh_pre, x_ptr, du_ptr, rows64, rmask, nn, C, stride_x, NS, BC, LOOP_STAGES)
             else:
                 dh_pre = _tok_du_x(dh_pre, x_ptr, du_ptr, rows64, rmask, nn, C, stride_x, NS, BC, LOOP_STAGES)
-                drinv = _tok_res(lg_ptr, bias_ptr, alpha_ptr, dres_ptr, dl_ptr, part_ptr, sc_ptr, pid, rows64, rmask,
-                                 rinv, N, iters, eps, NS, M, T_IN, T_OUT, PW)
+                drinv = _tok_res(lg_ptr, bias_ptr, alpha_ptr, dres_ptr, dl_ptr, part_ptr, sc_ptr, pid, NP, rows64, rmask,
+                                 rinv, N, iters, eps, NS, M, T_IN, T_OUT)
         else:
             if HAS_U:
                 dh_pre = _tok_du_x(dh_pre, x_ptr, du_ptr, rows64, rmask, nn, C, stride_x, NS, BC, LOOP_STAGES)
-            drinv = _tok_res(lg_ptr, bias_ptr, alpha_ptr, dres_ptr, dl_ptr, part_ptr, sc_ptr, pid, rows64, rmask,
-                             rinv, N, iters, eps, NS, M, T_IN, T_OUT, PW)
+            drinv = _tok_res(lg_ptr, bias_ptr, alpha_ptr, dres_ptr, dl_ptr, part_ptr, sc_ptr, pid, NP, rows64, rmask,
+                             rinv, N, iters, eps, NS, M, T_IN, T_OUT)
     else:
         if HAS_U:
             dh_pre = _tok_du_x(dh_pre, x_ptr, du_ptr, rows64, rmask, nn, C, stride_x, NS, BC, LOOP_STAGES)
-        tl.store(part_ptr + pid * PW + M + 2, 0.0)
+        tl.store(part_ptr + (M + 2) * NP + pid, 0.0)
     dy_pre = dh_pre * s * (1.0 - s)
     l_post = tl.load(lg_ptr + rows64[:, None] * M + NS + nn[None, :], mask=tok, other=0.0)
     s = tl.sigmoid(a_post * rinv[:, None] * l_post + tl.load(bias_ptr + NS + nn).to(tl.float32)[None, :])
@@ -429,10 +429,10 @@ def _coef_bwd_tok(
     tl.store(dl_ptr + rows64[:, None] * M + NS + nn[None, :], dy_post * a_post * rinv[:, None], mask=tok)
     # d loss / d rinv, and per-program partial sums of the bias and alpha gradients
     drinv += tl.sum(dy_pre * a_pre * l_pre, axis=1) + tl.sum(dy_post * a_post * l_post, axis=1)
-    tl.store(part_ptr + pid * PW + nn, tl.sum(dy_pre, axis=0))
-    tl.store(part_ptr + pid * PW + NS + nn, tl.sum(dy_post, axis=0))
-    tl.store(part_ptr + pid * PW + M, tl.sum(tl.sum(dy_pre * l_pre, axis=1) * rinv, axis=0))
-    tl.store(part_ptr + pid * PW + M + 1, tl.sum(tl.sum(dy_post * l_post, axis=1) * rinv, axis=0))
+    tl.store(part_ptr + nn * NP + pid, tl.sum(dy_pre, axis=0))
+    tl.store(part_ptr + (NS + nn) * NP + pid, tl.sum(dy_post, axis=0))
+    tl.store(part_ptr + M * NP + pid, tl.sum(tl.sum(dy_pre * l_pre, axis=1) * rinv, axis=0))
+    tl.store(part_ptr + (M + 1) * NP + pid, tl.sum(tl.sum(dy_post * l_post, axis=1) * rinv, axis=0))
     # rinv = (sumsq / K + rms_eps)^(-1/2)  =>  d rinv / d sumsq = -rinv^3 / (2K)
     tl.store(dss_ptr + rows64, -0.5 * drinv * rinv * rinv * rinv / K, mask=rmask)
 

@@ -264,22 +264,22 @@ def _phi_pairs_of(phi: Tensor, dtype: torch.dtype) -> Tensor:
 def _sum_partials(wpart: Tensor, dw: Tensor, vpart: Optional[Tensor] = None, da: Optional[Tensor] = None,
                   db: Optional[Tensor] = None, wpart2: Optional[Tensor] = None, dw2: Optional[Tensor] = None) -> None:
     """One launch (`_param_grad_sum`): dw = wpart [S, *dw.shape] summed over S (and dw2 from wpart2 likewise); with
-    vpart [P, PW] also its column sums, the first da.numel() into da and the rest into db (when given)."""
+    vpart [PW, P] also its row sums, the first da.numel() into da and the rest into db (when given)."""
     cfg = CONFIG["param_sum"]
     l1, l2 = dw.numel(), 0 if dw2 is None else dw2.numel()
     programs = _cdiv(l1, cfg["BL"]) + _cdiv(l2, cfg["BL"])
     has_v = vpart is not None
     if not has_v:
-        vpart, da, db, a, pw = wpart, dw, dw, 0, 1  # no vector program is launched
+        vpart, da, db, a = wpart, dw, dw, 0  # no vector program is launched
     else:
-        programs += 1
-        a, pw = da.numel(), vpart.shape[1]
+        programs += vpart.shape[0]  # one per vector element
+        a = da.numel()
         db = da if db is None else db
     s2 = 1 if wpart2 is None else wpart2.shape[0]
     _param_grad_sum[(programs,)](
         wpart, dw, wpart.shape[0], l1, wpart if wpart2 is None else wpart2, dw if dw2 is None else dw2, s2, l2,
-        vpart, da, db, vpart.shape[0], HAS_W2=dw2 is not None, HAS_V=has_v, A=a, PW=pw, PWP=_np2(pw), BL=cfg["BL"],
-        BS=min(16, _np2(max(wpart.shape[0], s2))), BP=cfg["BP"], **_launch(cfg))
+        vpart, da, db, vpart.shape[1], HAS_W2=dw2 is not None, HAS_V=has_v, A=a, BL=cfg["BL"],
+        BS=min(16, _np2(max(wpart.shape[0], s2))), BP=min(cfg["BP"], _np2(vpart.shape[1], 16)), **_launch(cfg))
 
 
 def _grad_dots(x_dtype: torch.dtype, phi_dtype: torch.dtype, cfg: dict) -> dict:
@@ -413,7 +413,7 @@ def _(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult)
 
 def bwd_tok(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult, du=None):
     """Per token: dh_* (+ <du, x_j> into dh_pre when du is given) -> dL [N, M], d(sum x^2) [N], and per-program
-    bias / alpha partials [programs, M + 3]. d_pre None: zero (read by no one)."""
+    bias / alpha partials [M + 3, programs]. d_pre None: zero (read by no one)."""
     N, n, C = x.shape
     M = phi.shape[1]
     has_res = M == n * n + 2 * n
@@ -422,15 +422,15 @@ def bwd_tok(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_i
     n_prog = _cdiv(N, ct["BT"])
     pw = M + 3
     dl, dss = _new((N, M), torch.float32, dev), _new((N,), torch.float32, dev)
-    part = _new((n_prog, pw), torch.float32, dev)
+    part = _new((pw, n_prog), torch.float32, dev)
     # Sinkhorn replay scratch: 2*iters - 1 reciprocal sums of n floats per token (written before it is read)
     sc = torch.empty(((2 * iters - 1) * N * n) if has_res else 1, dtype=torch.float32, device=dev)
     with_u = du is not None
     _coef_bwd_tok[(n_prog,)](
         lg, rinv, bias.contiguous(), alpha.contiguous(), lg if d_pre is None else d_pre.contiguous(), d_post.contiguous(),
-        d_res.contiguous(), dl, dss, part, sc, x, du.contiguous() if with_u else x, N, n * C, C, x.stride(0), iters, eps,
-        post_mult, NS=n, M=M, HAS_RES=has_res, T_IN=t_in, T_OUT=t_out, HAS_U=with_u, HAS_DPRE=d_pre is not None,
-        BT=ct["BT"], PW=pw, BC=min(ct.get("BC", 16), _np2(C, 16)), LOOP_STAGES=ct.get("loop_stages"),
+        d_res.contiguous(), dl, dss, part, sc, x, du.contiguous() if with_u else x, N, n_prog, n * C, C, x.stride(0), iters,
+        eps, post_mult, NS=n, M=M, HAS_RES=has_res, T_IN=t_in, T_OUT=t_out, HAS_U=with_u, HAS_DPRE=d_pre is not None,
+        BT=ct["BT"], BC=min(ct.get("BC", 16), _np2(C, 16)), LOOP_STAGES=ct.get("loop_stages"),
         INTERLEAVE=bool(ct.get("interleave")), **_launch(ct),
     )
     return dl, dss, part
@@ -975,14 +975,14 @@ def _hc_bwd(d_pre: Optional[Tensor], d_post: Tensor, d_res: Tensor, x: Tensor, w
     cfg = _cfg("hc_tail_bwd", BC=_np2(C, 16))
     programs = _cdiv(R, cfg["BT"])
     dl, dss = _new((R, M), torch.float32, x.device), _new((R,), torch.float32, x.device)
-    part = _new((programs, statics.shape[0]), torch.float32, x.device)
+    part = _new((statics.shape[0], programs), torch.float32, x.device)
     _hc_tail_bwd[(programs,)](
         lg, rinv, statics, lg if d_pre is None else d_pre.contiguous(), d_post.contiguous(), d_res.contiguous(), dl, dss,
-        part, x, du if with_u else x, R, C, 1.0 / C, M=M, NH=n, TANH=tanh, PW=statics.shape[0], BT=cfg["BT"],
+        part, x, du if with_u else x, R, programs, C, 1.0 / C, M=M, NH=n, TANH=tanh, BT=cfg["BT"],
         HAS_U=with_u, BC=cfg["BC"], HAS_DPRE=d_pre is not None, **_launch(cfg))
     dw = bwd_x(x.view(R, 1, C), _c_contig(w), dl, dss, dx.view(R, 1, C), h_pre=h_pre if with_u else None, du=du,
                dx_in=None if dx_in is None else _c_contig(dx_in).view(R, 1, C), u_rows=n)
-    dw_sum, dstatics = _new(w.shape, w.dtype, w.device), _new((part.shape[1],), torch.float32, x.device)
+    dw_sum, dstatics = _new(w.shape, w.dtype, w.device), _new((part.shape[0],), torch.float32, x.device)
     _sum_partials(dw, dw_sum, part, dstatics)
     return dx, dw_sum, dstatics
 

@@ -4,11 +4,14 @@
   at 2j + 1, for `_coef_fwd`'s one wide dot (SPLIT = 2). In torch that was four launches (cast, subtract, cast,
   stack) per sublayer.
 - `_param_grad_sum` (backward): the gradient kernels leave partial sums, the weight's per token split
-  [S, K * M] (`_coef_bwd_x`) and the small vectors' per token block [P, PW] (`_coef_bwd_tok`, `_hc_tail_bwd`:
-  bias then alpha, or HC's statics). One launch sums both and writes each gradient in its parameter's dtype into its
-  own tensor (custom-op outputs may not alias). In torch: two reductions and two copies per sublayer. The same
-  launch sums the write-back backward's per-C-block partials of dh_post and dH (two wide sums, no vectors).
-  Each program loads whole [rows, columns] tiles: a loop of one-row loads was latency-bound (20 us a launch).
+  [S, K * M] (`_coef_bwd_x`) and the small vectors' per token block, one row per vector element [PW, P]
+  (`_coef_bwd_tok`, `_hc_tail_bwd`: bias then alpha, or HC's statics). One launch sums both and writes each gradient
+  in its parameter's dtype into its own tensor (custom-op outputs may not alias). In torch: two reductions and two
+  copies per sublayer. The same launch sums the write-back backward's per-C-block partials of dh_post and dH (two
+  wide sums, no vectors). Each program loads whole [rows, columns] tiles: a loop of one-row loads was latency-bound
+  (20 us a launch). The vectors' P partials (2048 to 4096 per sublayer in the trainer) are summed by one program per
+  element, each over a contiguous row: laid out [P, PW] they were one program's serial loop, 12 us a launch at 2048
+  rows and 20 us at 4096 (round 17, docs/benchmarks.md), which kept the per-token backward at 8 tokens a program.
 - `_hc_operands` (forward) and `_hc_operand_grads` (backward): HC's nine parameters as the kernels take them, the
   projection weights W = diag(g) [w_beta | w_m | W_r] [C, n + 2] (with its 16-bit pairs, as `_phi_pairs` makes them)
   and the packed statics [s_beta, s_alpha, B, A_m, A_r]; and back, the nine parameter gradients from dW and the
@@ -49,11 +52,11 @@ def _wide_sum(part_ptr, out_ptr, S, L, blk, BL: tl.constexpr, BS: tl.constexpr):
 @triton.jit(do_not_specialize=["S1", "L1", "S2", "L2", "P"])
 def _param_grad_sum(
     w1_ptr, o1_ptr, S1, L1, w2_ptr, o2_ptr, S2, L2, v_ptr, da_ptr, db_ptr, P,
-    HAS_W2: tl.constexpr, HAS_V: tl.constexpr, A: tl.constexpr, PW: tl.constexpr, PWP: tl.constexpr,
-    BL: tl.constexpr, BS: tl.constexpr, BP: tl.constexpr,
+    HAS_W2: tl.constexpr, HAS_V: tl.constexpr, A: tl.constexpr, BL: tl.constexpr, BS: tl.constexpr,
+    BP: tl.constexpr,
 ):
-    """Programs [0, cdiv(L1, BL)): o1 = w1 [S1, L1] summed over S1; then (HAS_W2) o2 likewise from w2 [S2, L2]; the
-    last program (HAS_V): v = sum_p v[p, :] of v [P, PW], columns < A to da, the rest to db."""
+    """Programs [0, cdiv(L1, BL)): o1 = w1 [S1, L1] summed over S1; then (HAS_W2) o2 likewise from w2 [S2, L2]; then
+    (HAS_V) one program per row i of v [PW, P]: its sum to da[i] for i < A, else to db[i - A]."""
     pid = tl.program_id(0)
     n1 = tl.cdiv(L1, BL)
     n2 = tl.cdiv(L2, BL) if HAS_W2 else 0
@@ -62,15 +65,17 @@ def _param_grad_sum(
     elif pid < n1 + n2:
         _wide_sum(w2_ptr, o2_ptr, S2, L2, pid - n1, BL, BS)
     elif HAS_V:
-        cols = tl.arange(0, PWP)
-        acc = tl.zeros([BP, PWP], dtype=tl.float32)
+        i = pid - n1 - n2
+        row = v_ptr + i.to(tl.int64) * P
+        acc = tl.zeros([BP], dtype=tl.float32)
         for p0 in range(0, P, BP):
-            rows = p0 + tl.arange(0, BP)
-            acc += tl.load(v_ptr + rows[:, None] * PW + cols[None, :],
-                           mask=(rows[:, None] < P) & (cols[None, :] < PW), other=0.0)
+            pp = p0 + tl.arange(0, BP)
+            acc += tl.load(row + pp, mask=pp < P, other=0.0)
         v = tl.sum(acc, axis=0)
-        tl.store(da_ptr + cols, v.to(da_ptr.dtype.element_ty), mask=cols < A)
-        tl.store(db_ptr + (cols - A), v.to(db_ptr.dtype.element_ty), mask=(cols >= A) & (cols < PW))
+        if i < A:
+            tl.store(da_ptr + i, v.to(da_ptr.dtype.element_ty))
+        else:
+            tl.store(db_ptr + (i - A), v.to(db_ptr.dtype.element_ty))
 
 
 @triton.jit
