@@ -513,3 +513,77 @@ def _coef_bwd_x(
         else:
             acc = _dot(tl.trans(xf), dlt, acc, DOT)
     tl.store(dphi_ptr + (pid_s * K + kk[:, None]).to(tl.int64) * M + cols[None, :], acc, mask=kmask[:, None] & cmask[None, :])
+
+
+@triton.jit(do_not_specialize=["N", "tok_per_split"])
+def _coef_bwd_x_mix(
+    x_ptr, phi_ptr, dl_ptr, dss_ptr, dx_ptr, dphi_ptr, hpre_ptr, du_ptr, g_ptr, hres_ptr,
+    N, C, stride_x, stride_phi, tok_per_split,
+    NS: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, DOT: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    SPLIT: tl.constexpr = False, PHI_LO: tl.constexpr = False, LOOP_STAGES: tl.constexpr = None,
+):
+    """`mhc_enter`'s x pass with the write-back's dx deferred into it (docs/kernels.md, "The write-back's dx in the x
+    pass"): g_ptr [N, n, C] is the gradient that reached the write-back's output, G, not yet mixed back onto the
+    streams the write-back read, and dx_j = dL phi_j^T + 2 x_j d(sum x^2) + h_pre_j du + sum_i H^res_ij G_i
+    (hres_ptr [N, n, n], row i = output stream), the last term being what the write-back's backward would otherwise
+    have written as its own dx and this pass read back. A program owns the n streams' columns of BC channels (one
+    [BT, n, BC] tile per token block), so each G tile, du tile and dL row is read once per channel block: with one
+    stream per program every G tile was read n times (round 11, docs/benchmarks.md). The dots run on the tile as
+    [BT, n * BC] (column q: stream q // BC, channel q % BC of the block); dphi partials per token split as
+    `_coef_bwd_x`, whose SPLIT / PHI_LO / LOOP_STAGES this takes the same way."""
+    pid_c = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    K = NS * C
+    cc = pid_c * BC + tl.arange(0, BC)
+    cm = cc < C
+    ii = tl.arange(0, NS)
+    q = tl.arange(0, NS * BC)
+    qc = pid_c * BC + q % BC
+    kq = (q // BC) * C + qc  # flat n*C column of the tile's column q
+    qm = qc < C
+    cols = tl.arange(0, MP)
+    cmask = cols < M
+    phi_t = tl.load(phi_ptr + kq[:, None] * stride_phi + cols[None, :], mask=qm[:, None] & cmask[None, :], other=0.0)
+    phi_t = phi_t.to(tl.float32)
+    if SPLIT:
+        phi_hi = phi_t.to(tl.bfloat16)
+        phi_lo = (phi_t - phi_hi.to(tl.float32)).to(tl.bfloat16)
+    acc = tl.zeros([NS * BC, MP], dtype=tl.float32)
+    t_lo = pid_s * tok_per_split
+    t_hi = tl.minimum(N, t_lo + tok_per_split)
+    for t0 in tl.range(t_lo, t_hi, BT, num_stages=LOOP_STAGES):
+        rows = t0 + tl.arange(0, BT)
+        rmask = rows < t_hi
+        rows64 = rows.to(tl.int64)
+        m2 = rmask[:, None] & cm[None, :]
+        m3 = m2[:, None, :] & (ii[None, :, None] < NS)
+        tokn = rmask[:, None] & (ii[None, :] < NS)
+        xt = tl.load(x_ptr + rows64[:, None, None] * stride_x + ii[None, :, None] * C + cc[None, None, :], mask=m3,
+                     other=0.0)
+        dlt = tl.load(dl_ptr + rows64[:, None] * M + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
+        dss = tl.load(dss_ptr + rows, mask=rmask, other=0.0)
+        du = tl.load(du_ptr + rows64[:, None] * C + cc[None, :], mask=m2, other=0.0).to(tl.float32)
+        hp = tl.load(hpre_ptr + rows64[:, None] * NS + ii[None, :], mask=tokn, other=0.0)
+        dx0 = 2.0 * xt.to(tl.float32) * dss[:, None, None] + hp[:, :, None] * du[:, None, :]
+        for i in tl.static_range(NS):  # G_i once, onto every stream j with weight H_ij
+            gi = tl.load(g_ptr + rows64[:, None] * K + i * C + cc[None, :], mask=m2, other=0.0).to(tl.float32)
+            hi = tl.load(hres_ptr + rows64[:, None] * (NS * NS) + i * NS + ii[None, :], mask=tokn, other=0.0)
+            dx0 += hi[:, :, None] * gi[:, None, :]
+        dx = tl.reshape(dx0, [BT, NS * BC])
+        x2 = tl.reshape(xt, [BT, NS * BC])
+        if SPLIT:
+            dl_hi = dlt.to(tl.bfloat16)
+            dl_lo = (dlt - dl_hi.to(tl.float32)).to(tl.bfloat16)
+            dx = _dot(dl_hi, tl.trans(phi_hi), dx, DOT)
+            dx = _dot(dl_lo, tl.trans(phi_hi), dx, DOT)
+            if PHI_LO:
+                dx = _dot(dl_hi, tl.trans(phi_lo), dx, DOT)
+            acc = _dot(tl.trans(x2), dl_hi, acc, DOT)
+            acc = _dot(tl.trans(x2), dl_lo, acc, DOT)
+        else:
+            dx = _dot(dlt, tl.trans(phi_t), dx, DOT)
+            acc = _dot(tl.trans(x2.to(tl.float32)), dlt, acc, DOT)
+        tl.store(dx_ptr + rows64[:, None] * K + kq[None, :], dx.to(dx_ptr.dtype.element_ty),
+                 mask=rmask[:, None] & qm[None, :])
+    tl.store(dphi_ptr + (pid_s * K + kq[:, None]).to(tl.int64) * M + cols[None, :], acc,
+             mask=qm[:, None] & cmask[None, :])
