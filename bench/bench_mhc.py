@@ -420,11 +420,6 @@ def _calls(k):
             k.x, k.phi, k.bias, k.alpha, k.lg, k.rinv, k.h_pre, k.du, *k.dh, *BWD_ARGS, dx_in=k.g),
         "  x pass (dx + dphi + dx_in)": lambda: K.bwd_x(
             k.x, k.phi, k.dl, k.dss, torch.empty_like(k.x), h_pre=k.h_pre, du=k.du, dx_in=k.g),
-        # the write-back's dx deferred (eager mhc_enter, CONFIG post_bwd defer_dx): G mixed here, never written as dx
-        "  x pass mixing G (dx + dphi + H^T G)": lambda: K.bwd_x_mix(
-            k.x, k.phi, k.dl, k.dss, torch.empty_like(k.x), k.h_pre, k.du, k.g, k.h_res),
-        "stream_post_res bwd, no dx (deferred)": lambda: K._post_bwd_run(
-            k.g, k.x, k.f, k.h_post, k.h_res, with_dx=False),
         "boundary fwd (post_res + coef + u)": lambda: K.bnd_fwd.plain(
             k.x, k.f, k.h_post, k.h_res, k.phi, k.bias, k.alpha, *OPS_ARGS),
         "boundary bwd (whole op)": lambda: K.bnd_bwd.plain(*bnd_bwd),
@@ -456,8 +451,6 @@ def kernel_table(c, tokens, copy_bw):
         "mhc_pre bwd (stack entry)": S + U + phi + small + saved + S + phi,
         "mhc_pre bwd + dx_in (mhc_enter)": 2 * S + U + phi + small + saved + S + phi,
         "  x pass (dx + dphi + dx_in)": 2 * S + U + saved + N * n * f32 + phi + S,  # x, dx_in, du, dL, h_pre, phi; dx
-        "  x pass mixing G (dx + dphi + H^T G)": 2 * S + U + saved + N * (n + n * n) * f32 + phi + S,  # + H^res
-        "stream_post_res bwd, no dx (deferred)": 2 * S + 2 * U + 2 * (small - N * n * f32),  # G, x, f; df, dH, dh_post
         "boundary fwd (post_res + coef + u)": S + U + small + phi + S + U + small + saved,
         "boundary bwd (whole op)": 3 * S + 2 * U + 2 * small + saved + phi + S + U + 2 * small + phi,
         "  per token (<du,x_next> + Sinkhorn)": S + U + small + 2 * saved,
@@ -529,13 +522,6 @@ SWEEP = dict(SWEEP_QUICK, **{  # full run, at C=1024: also the kernels every pat
                    [(64, 64, 4, 2, 8, 128, None), (64, 64, 4, 2, 8, 128, 2), (64, 64, 4, 2, 12, 128, 2),
                     (64, 64, 4, 2, 8, 168, 2), (64, 64, 4, 2, 8, None, 2), (32, 64, 4, 2, 16, 128, 2),
                     (32, 64, 4, 2, 12, 128, 2), (32, 64, 4, 2, 16, 128, 3), (32, 64, 4, 2, 16, 128, None)]],
-    # the x pass with the write-back's dx deferred into it (round 17): [BT, n, BC] tiles, registers capped at 128
-    # (kernel_resources.py, Triton 3.6: BT 32 BC 32 4 warps 46 KB shared, 4 CTAs per SM; BT 32 BC 64 8 warps 80 KB, 2)
-    "coef_bwd_x_mix": [dict(BT=bt, BC=bc, num_warps=w, programs_per_sm=pp, maxnreg=r, loop_stages=ls)
-                       for bt, bc, w, pp, r, ls in
-                       [(32, 32, 4, 16, 128, 2), (32, 32, 4, 8, 128, 2), (32, 64, 8, 4, 128, 2), (16, 64, 4, 12, 128, 2),
-                        (64, 32, 8, 4, 128, 2), (32, 32, 4, 16, 128, None), (16, 32, 4, 16, 128, 2),
-                        (32, 64, 8, 4, None, 2), (64, 16, 4, 12, 128, 2)]],
     "coef_tail": [dict(BT=bt, num_warps=w) for bt, w in [(8, 2), (4, 1), (16, 2)]],
     "post_fwd": [dict(BT=bt, BC=bc, num_warps=w) for bt, bc, w in [(4, 256, 4), (8, 256, 8), (2, 512, 4)]],
     # rows_max_c = 0: the top-level tiles at every C; the last entry is the whole-row variant (ops.CONFIG "rows")
@@ -555,7 +541,6 @@ def sweep(c, tokens, table=None):
         "coef_fwd": "mhc_pre fwd (stack entry: coef + u)", "coef_tail": "boundary fwd (post_res + coef + u)",
         "bnd_bwd": "  2-D pass (G, dx, df, dH, dh_post)", "bnd_dphi": "  dphi pass (x_next^T dL)",
         "coef_bwd_tok": "  per token (<du,x_next> + Sinkhorn)", "coef_bwd_x": "mhc_pre bwd + dx_in (mhc_enter)",
-        "coef_bwd_x_mix": "  x pass mixing G (dx + dphi + H^T G)",
         "post_fwd": "stream_post_res fwd (stack exit)", "post_bwd": "stream_post_res bwd (stack exit)",
         "hc_tail_bwd": "hc_enter bwd + dx_in (HC)",
     }

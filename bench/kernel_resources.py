@@ -26,8 +26,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from mhc_lightning.kernels.fused import ops
-from mhc_lightning.kernels.fused.coefficients import (DOT_NATIVE, DOT_TF32, _coef_bwd_tok, _coef_bwd_x,
-                                                     _coef_bwd_x_mix, _coef_fwd, _coef_tail, _hc_tail_bwd)
+from mhc_lightning.kernels.fused.coefficients import (DOT_NATIVE, DOT_TF32, _coef_bwd_tok, _coef_bwd_x, _coef_fwd,
+                                                     _coef_tail, _hc_tail_bwd)
 from mhc_lightning.kernels.fused.stream_post_res import _post_bwd_2d, _post_fwd
 from mhc_lightning.kernels.fused.stream_pre import _pre_bwd, _pre_fwd
 
@@ -96,10 +96,6 @@ def cases():
         ("coef bwd x pass, fp32 phi (the trainer's)", _coef_bwd_x,
          dict(xpass("coef_bwd_x"), HAS_U=True, HAS_DX=True, ACC=True, PHI_LO=True),
          {"x_ptr", "dx_ptr", "du_ptr", "dxin_ptr"}, "coef_bwd_x"),
-        ("coef bwd x pass mixing G, fp32 phi (mhc_enter, write-back's dx deferred)", _coef_bwd_x_mix,
-         dict(NS=NS, M=M, MP=MP, **dict(grad_dots("coef_bwd_x_mix"), PHI_LO=True),
-              LOOP_STAGES=ops.CONFIG["coef_bwd_x_mix"]["loop_stages"], **_tiles("coef_bwd_x_mix", "BT", "BC")),
-         {"x_ptr", "dx_ptr", "du_ptr", "g_ptr"}, "coef_bwd_x_mix"),
         ("boundary bwd dphi pass", _coef_bwd_x, dict(xpass("bnd_dphi"), HAS_U=False, HAS_DX=False),
          {"x_ptr", "phi_ptr", "dx_ptr", "du_ptr"}, "bnd_dphi"),
         ("boundary bwd 2-D pass", _post_bwd_2d,

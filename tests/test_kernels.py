@@ -437,98 +437,31 @@ def _enter_block(ops_, x, phi, bias, alpha, w, opts):
     return ops_.stream_post_res(xt, torch.tanh(u * w.to(u.dtype)).to(u.dtype), h_post, h_res), xt
 
 
-@pytest.mark.parametrize("n,dtype,mode,defer", [(4, torch.bfloat16, "rows", True), (4, torch.bfloat16, "rows", False),
-                                                (2, torch.float32, "cols", True), (4, torch.float32, "identity", True),
-                                                (4, torch.float32, "identity", False), (8, torch.bfloat16, "rows", True),
-                                                (1, torch.float32, "rows", True)])
-def test_mhc_enter_then_write_back_matches_reference(n, dtype, mode, defer, monkeypatch):
+@pytest.mark.parametrize("n,dtype,mode", [(4, torch.bfloat16, "rows"), (2, torch.float32, "cols"),
+                                          (4, torch.float32, "identity"), (8, torch.bfloat16, "rows")])
+def test_mhc_enter_then_write_back_matches_reference(n, dtype, mode, monkeypatch):
     """x has two consumers (the coefficients and u; the write-back): through mhc_enter the write-back's gradient of x
-    enters the pre op's backward and is added in its x pass, matching float64. With CONFIG post_bwd defer_dx (the
-    default) the write-back writes no dx: it hands G, the gradient of its output, to the x pass, which mixes it
-    (checked: `bwd_x_mix` received G and H^res, and the write-back's kernel ran without dx); with H^res = I its dx is
-    G itself, added as it is. Off, the write-back's dx reaches `bwd_x` as dx_in."""
+    enters the pre op's backward and is added in its x pass (checked: bwd_x receives it), matching float64."""
     torch.manual_seed(78 + n)
-    seen, entries, post_dx = [], [], []
-    real, real_mix, real_cfg, real_post = ops.bwd_x, ops.bwd_x_mix, ops._cfg, ops._post_bwd_run
-    monkeypatch.setattr(ops, "bwd_x", lambda *a, **k: seen.append(("plain", k.get("dx_in") is not None)) or real(*a, **k))
-    monkeypatch.setattr(ops, "bwd_x_mix", lambda *a: seen.append(("mix", a[7].shape == a[0].shape)) or real_mix(*a))
+    seen, entries = [], []
+    real, real_cfg = ops.bwd_x, ops._cfg
+    monkeypatch.setattr(ops, "bwd_x", lambda *a, **k: seen.append(k.get("dx_in") is not None) or real(*a, **k))
     monkeypatch.setattr(ops, "_cfg", lambda name, *a, **k: entries.append(name) or real_cfg(name, *a, **k))
-    monkeypatch.setattr(ops, "_post_bwd_run", lambda *a, **k: post_dx.append(k.get("with_dx", True)) or real_post(*a, **k))
     lead, c = SHAPES[1]
     opts = MHCOptions(sinkhorn_iters=ITERS, exact_axis="cols" if mode == "cols" else "rows")
     inputs = _coef_inputs(lead, c, n, dtype, with_res=mode != "identity") + [_leaf(torch.randn(c, device=DEV))]
-    with config_changed("post_bwd", defer_dx=defer):
-        out, xt = _enter_block(fused, *inputs, opts)
-        assert type(xt.grad_fn.next_functions[0][0]).__name__ == "mhc_pre_fwd_through_eagerBackward"
-        ref_in = _f64(inputs)
-        ref, _ = _enter_block(R, *ref_in, opts)
-        g = _upstream(ref, out)
-        t_h, _, t_g = TOL[dtype]
-        check(out, ref, t_h, "x_next")
-        grads = zip(("dx", "dphi", "dbias", "dalpha", "dw"), _grads([out], inputs, [g]), _grads([ref], ref_in, [g]))
-        for name, a, b in grads:
-            check(a, b, t_g, name)
-    mixed = defer and mode != "identity"
-    assert seen == [("mix", True)] if mixed else seen == [("plain", True)]
-    assert post_dx == [not defer]
-    assert ("coef_bwd_x_mix" if mixed else "coef_bwd_x") in entries and "hc_bwd_x" not in entries
-
-
-@pytest.mark.parametrize("n,c", [(4, SHAPES[1][1]), (4, 64), (2, 40), (8, 32), (1, 24)])
-def test_x_pass_mixes_the_write_backs_gradient(n, c):
-    """`bwd_x_mix` (the write-back's dx deferred into the x pass) equals `bwd_x` with dx_in = sum_i H_ij G_i formed in
-    float64, dx and the phi gradient: a C that the channel block divides and one it does not, every n."""
-    torch.manual_seed(80 + n + c)
-    lead = SHAPES[1][0]
-    x, phi, _, _ = _coef_inputs(lead, c, n, torch.bfloat16)
-    x = x.detach().reshape(-1, n, c)
-    N = x.shape[0]
-    phi = phi.detach()
-    dl, dss = torch.randn(N, phi.shape[1], device=DEV), torch.randn(N, device=DEV)
-    h_pre, du = torch.rand(N, n, device=DEV), torch.randn(N, c, device=DEV).to(x.dtype)
-    g, h = torch.randn_like(x), torch.rand(N, n, n, device=DEV)
-    mixed_in = torch.einsum("tij,tic->tjc", h.double(), g.double())
-    plain, mixed = ops._new(x.shape, x.dtype, DEV), ops._new(x.shape, x.dtype, DEV)  # NaN-filled under the tests
-    part_plain = ops.bwd_x(x, phi, dl, dss, plain, h_pre=h_pre, du=du)
-    part_mixed = ops.bwd_x_mix(x, phi, dl, dss, mixed, h_pre, du, g, h)
-    ref = plain.double() + mixed_in
-    check(mixed, ref, TOL[torch.bfloat16][2], "dx + H^T G")
-    assert mixed_in.abs().mean() > 0.1  # the mixed term is no rounding-level change
-    check(part_mixed.double().sum(0), part_plain.double().sum(0), 1e-5, "dphi")
-
-
-def test_write_backs_defer_only_with_the_entry_ops_h_res():
-    """Two write-backs of one x' with its own H^res both defer (G_1 + G_2, mixed once); one with another h_res keeps
-    its own dx; x' read by something else too adds that gradient as it is: every case matches float64."""
-    torch.manual_seed(90)
-    lead, c = SHAPES[1]
-    opts = MHCOptions(sinkhorn_iters=ITERS)
-    inputs = _coef_inputs(lead, c, 4, torch.float32)
-    f = torch.randn(*lead, c, device=DEV)
-
-    def graph(ops_, tensors, case):
-        x_, phi_, bias_, alpha_ = tensors
-        xt, u, _, h_post, h_res = ops_.mhc_enter(x_, phi_, bias_, alpha_, opts)
-        other = h_res.flip(-1).contiguous()  # another doubly stochastic matrix, another tensor
-        first = ops_.stream_post_res(xt, f.to(xt.dtype) * u, h_post, h_res)
-        second = ops_.stream_post_res(xt, f.to(xt.dtype), h_post, other if case == "other h_res" else h_res)
-        extra = (xt * xt).sum(-1, keepdim=True) if case == "other consumer" else 0.0
-        return first + second + extra
-
-    for case in ("both own", "other h_res", "other consumer"):
-        post_dx = []
-        real_post = ops._post_bwd_run
-        ops._post_bwd_run = lambda *a, **k: post_dx.append(k.get("with_dx", True)) or real_post(*a, **k)
-        try:
-            out, ref_in = graph(fused, inputs, case), _f64(inputs)
-            ref = graph(R, ref_in, case)
-            g = _upstream(ref, out)
-            for name, a, b in zip(("dx", "dphi", "dbias", "dalpha"), _grads([out], inputs, [g]),
-                                  _grads([ref], ref_in, [g])):
-                check(a, b, TOL[torch.float32][2], f"{name} ({case})")
-        finally:
-            ops._post_bwd_run = real_post
-        assert sorted(post_dx) == ([False, True] if case == "other h_res" else [False, False]), case
+    out, xt = _enter_block(fused, *inputs, opts)
+    assert type(xt.grad_fn.next_functions[0][0]).__name__ == "mhc_pre_fwd_through_eagerBackward"
+    ref_in = _f64(inputs)
+    ref, _ = _enter_block(R, *ref_in, opts)
+    g = _upstream(ref, out)
+    t_h, _, t_g = TOL[dtype]
+    check(out, ref, t_h, "x_next")
+    grads = zip(("dx", "dphi", "dbias", "dalpha", "dw"), _grads([out], inputs, [g]), _grads([ref], ref_in, [g]))
+    for name, a, b in grads:
+        check(a, b, t_g, name)
+    assert seen == [True]
+    assert "coef_bwd_x" in entries and "hc_bwd_x" not in entries  # the x pass at mHC's launch (the register cap)
 
 
 def _on_launch(monkeypatch, names, record):
@@ -569,28 +502,24 @@ def test_the_trainers_sublayer_takes_no_avoidable_launch(monkeypatch):
 
 @pytest.mark.parametrize("stages", [None, 2])
 def test_the_gradient_loops_take_their_pipelining_depth_from_config(stages, monkeypatch):
-    """CONFIG loop_stages reaches the gradient kernels' token / channel loops (tl.range num_stages: every load of the
-    loop an async copy on the GPU; the interpreter runs the same loop), with the same float64-checked gradients
-    either way (the GPU run of this file covers the pipelined code at the defaults): the per-token pass, and the x
-    pass in both forms (the write-back's dx deferred into it, `_coef_bwd_x_mix`, or not)."""
+    """CONFIG loop_stages reaches the two gradient kernels' token / channel loops (tl.range num_stages: every load of
+    the loop an async copy on the GPU; the interpreter runs the same loop), with the same float64-checked gradients
+    either way (the GPU run of this file covers the pipelined code at the defaults)."""
+    launched = {}
+    _on_launch(monkeypatch, ("_coef_bwd_tok", "_coef_bwd_x"),
+               lambda name, kwargs: launched.__setitem__(name, kwargs["LOOP_STAGES"]))
     torch.manual_seed(92)
     lead, c = SHAPES[1]
     inputs = _coef_inputs(lead, c, 4, torch.bfloat16) + [_leaf(torch.randn(c, device=DEV))]
-    for defer, x_pass in ((True, "_coef_bwd_x_mix"), (False, "_coef_bwd_x")):
-        launched = {}
-        monkeypatch.undo()
-        _on_launch(monkeypatch, ("_coef_bwd_tok", "_coef_bwd_x", "_coef_bwd_x_mix"),
-                   lambda name, kwargs: launched.__setitem__(name, kwargs["LOOP_STAGES"]))
-        with config_changed("coef_bwd_tok", loop_stages=stages), config_changed("coef_bwd_x", loop_stages=stages), \
-                config_changed("coef_bwd_x_mix", loop_stages=stages), config_changed("post_bwd", defer_dx=defer):
-            out, _ = _enter_block(fused, *inputs, MHCOptions(sinkhorn_iters=ITERS))
-            ref_in = _f64(inputs)
-            ref, _ = _enter_block(R, *ref_in, MHCOptions(sinkhorn_iters=ITERS))
-            g = _upstream(ref, out)
-            grads = _grads([out], inputs, [g])
-        assert launched == {"_coef_bwd_tok": stages, x_pass: stages}, defer
-        for name, a, b in zip(("dx", "dphi", "dbias", "dalpha", "dw"), grads, _grads([ref], ref_in, [g])):
-            check(a, b, TOL[torch.bfloat16][2], f"{name} (deferred: {defer})")
+    with config_changed("coef_bwd_tok", loop_stages=stages), config_changed("coef_bwd_x", loop_stages=stages):
+        out, _ = _enter_block(fused, *inputs, MHCOptions(sinkhorn_iters=ITERS))
+        ref_in = _f64(inputs)
+        ref, _ = _enter_block(R, *ref_in, MHCOptions(sinkhorn_iters=ITERS))
+        g = _upstream(ref, out)
+        grads = _grads([out], inputs, [g])
+    assert launched == {"_coef_bwd_tok": stages, "_coef_bwd_x": stages}
+    for name, a, b in zip(("dx", "dphi", "dbias", "dalpha", "dw"), grads, _grads([ref], ref_in, [g])):
+        check(a, b, TOL[torch.bfloat16][2], name)
 
 
 @pytest.mark.parametrize("interleave", [False, True])

@@ -92,9 +92,7 @@ def mhc_enter(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """(x', u, h_pre, h_post, h_res | None): mhc_pre, and x' (an alias of x) for the sublayer's write-back to read.
     The gradient reaching x' enters this op's backward, whose x pass adds it into the one dx it writes: autograd then
-    has no sum of the two stream-sized gradients of x to run (docs/kernels.md). In eager mode a write-back
-    `stream_post_res(x', f, h_post, h_res)` with this op's own h_res writes no dx at all: it hands the gradient of its
-    output to this op's x pass, which mixes it with H^res (`ops.WriteBacks`). Under torch.compile x' is
+    has no sum of the two stream-sized gradients of x to run (docs/kernels.md). Under torch.compile x' is
     `ops.Routed` (x and the route its write-back gradient takes), which only `stream_post_res` / `mhc_boundary`
     read."""
     args = _coef_args(x, phi, bias, alpha, opts)
@@ -102,12 +100,7 @@ def mhc_enter(
         return (x, *mhc_pre(x, phi, bias, alpha, opts))
     n, c = x.shape[-2], x.shape[-1]
     xt, u, h_pre, h_post, h_res, _, _ = ops.eager.mhc_enter(x.reshape(-1, n, c), phi, bias, alpha.reshape(3), *args)
-    x_handed = _handed_on(xt, x)
-    if not isinstance(xt, ops.Routed):  # eager: the write-backs of x' may leave their dx to this op's x pass
-        box = ops.offer_write_backs(xt, h_res)
-        if box is not None:
-            x_handed._mhc_write_backs = box
-    return (x_handed, u.reshape(*x.shape[:-2], c), *_coefs_out(phi, x.shape[:-2], n, h_pre, h_post, h_res))
+    return (_handed_on(xt, x), u.reshape(*x.shape[:-2], c), *_coefs_out(phi, x.shape[:-2], n, h_pre, h_post, h_res))
 
 
 def _handed_on(xt, x: torch.Tensor):
@@ -174,12 +167,8 @@ def stream_post_res(
         return reference.stream_post_res(x, f, h_post, h_res)
     n, c = x.shape[-2], x.shape[-1]
     x3 = x.reshape(-1, n, c)
-    h_res3 = _res3(x3, h_res)
-    out = ops.eager.stream_post_res(x3, f.reshape(-1, c), h_post.reshape(-1, n), h_res3,
+    out = ops.eager.stream_post_res(x3, f.reshape(-1, c), h_post.reshape(-1, n), _res3(x3, h_res),
                                     *(() if route is None else (route,)))
-    box = getattr(x, "_mhc_write_backs", None)  # x' of an eager mhc_enter
-    if box is not None:
-        ops.defer_write_back(out, box, h_res3)
     return out.reshape(x.shape)
 
 

@@ -78,11 +78,6 @@ CONFIG = {
     # HC's trainer row (round 14, one process): steps 79.7 vs 80.3 ms (medians), 80.0 vs 83.1 (means) uncapped
     "hc_bwd_x": dict(BT=64, BK=64, num_warps=4, num_stages=2, programs_per_sm=8, dl_split=True, maxnreg=128,
                      loop_stages=None),
-    # mhc_enter's x pass with the write-back's dx deferred into it (`_coef_bwd_x_mix`): BC channels of all n streams
-    # per program, [BT, n, BC] tiles. Under Triton 3.6 on sm_90 (bench/kernel_resources.py): BT 32, BC 32, 4 warps, 2
-    # stages: 128 registers (capped), 46 KB of shared memory, 4 CTAs per SM
-    "coef_bwd_x_mix": dict(BT=32, BC=32, num_warps=4, num_stages=2, programs_per_sm=16, dl_split=True, maxnreg=128,
-                           loop_stages=2),
     # without dx: BK = 128 at 8 warps was the fastest in all four sweeps of round 7 (50-54 vs 56-66 us)
     "bnd_dphi": dict(BT=64, BK=128, num_warps=8, num_stages=2, programs_per_sm=4, dl_split=True, loop_stages=None),
     "pre_fwd": dict(BT=4, BC=512, num_warps=4),
@@ -93,11 +88,7 @@ CONFIG = {
     # partials, no summing launch): trainer kernels 78.01 vs 78.05 ms per step (round 10), one launch and two
     # allocations less per sublayer of host time (round 11); one row per program at 4 warps: 3.21 vs 3.38 ms per step
     # (BT 2 at 8 warps; round 12)
-    # defer_dx (eager): after `mhc_enter`, the write-back writes no dx; it hands the gradient that reached its output to
-    # the entry op, whose x pass mixes it back onto the streams (`_coef_bwd_x_mix`; docs/kernels.md, "The write-back's
-    # dx in the x pass"); with H^res = I its dx is that gradient itself, returned without a copy. False: the A/B
-    "post_bwd": dict(BT=4, BC=256, num_warps=4, rows_max_c=1024, rows=dict(BT=1, BC=1024, num_warps=4),
-                     defer_dx=True),
+    "post_bwd": dict(BT=4, BC=256, num_warps=4, rows_max_c=1024, rows=dict(BT=1, BC=1024, num_warps=4)),
     # post_bwd with COEF (the boundary op's dx pass); BT >= 16 for tl.dot. dl_split: dL phi^T on 16-bit parts as in
     # coef_bwd_x (tested against float64), off: 351 vs 346 us with a bf16 phi, 437 vs 354 with fp32 (round 7 sweeps)
     "bnd_bwd": dict(BT=16, BC=128, num_warps=8, dl_split=False),
@@ -125,9 +116,9 @@ def _launcher(fn) -> Launcher:
 
 
 # Every kernel as this module launches it (`_post_fwd[grid](...)`): through `Launcher` (kernels/fused/launch.py)
-_coef_bwd_tok, _coef_bwd_x, _coef_bwd_x_mix, _coef_fwd, _coef_tail, _hc_tail_bwd = map(_launcher, (
-    coefficients._coef_bwd_tok, coefficients._coef_bwd_x, coefficients._coef_bwd_x_mix, coefficients._coef_fwd,
-    coefficients._coef_tail, coefficients._hc_tail_bwd))
+_coef_bwd_tok, _coef_bwd_x, _coef_fwd, _coef_tail, _hc_tail_bwd = map(_launcher, (
+    coefficients._coef_bwd_tok, coefficients._coef_bwd_x, coefficients._coef_fwd, coefficients._coef_tail,
+    coefficients._hc_tail_bwd))
 _hc_operand_grads, _hc_operands, _param_grad_sum, _phi_pairs = map(_launcher, (
     parameters._hc_operand_grads, parameters._hc_operands, parameters._param_grad_sum, parameters._phi_pairs))
 _post_bwd_2d, _post_fwd = map(_launcher, (stream_post_res._post_bwd_2d, stream_post_res._post_fwd))
@@ -468,26 +459,6 @@ def bwd_x(x, phi, dl, dss, dx=None, h_pre=None, du=None, dx_in=None, u_rows=1):
     return dphi_part
 
 
-def bwd_x_mix(x, phi, dl, dss, dx, h_pre, du, g, h_res):
-    """`bwd_x` of `mhc_enter` with the write-back's dx deferred into it: dx = dL phi^T + 2 x d(sum x^2) + h_pre_j du
-    + sum_i H_ij G_i, where g [N, n, C] reached the write-back's output and h_res [N, n, n] is the entry op's own
-    (`_coef_bwd_x_mix`); returns the split-partials of dphi as `bwd_x` does."""
-    N, n, C = x.shape
-    K, M = n * C, phi.shape[1]
-    cx = _cfg("coef_bwd_x_mix", BC=_np2(C, 16))
-    cblocks = _cdiv(C, cx["BC"])
-    want = max(1, cx["programs_per_sm"] * _num_sms(x.device) // cblocks)
-    tok = max(cx["BT"], _cdiv(_cdiv(N, want), cx["BT"]) * cx["BT"])
-    splits = _cdiv(N, tok)
-    dphi_part = _new((splits, K, M), torch.float32, x.device)
-    _coef_bwd_x_mix[(cblocks, splits)](
-        x, phi, dl, dss, dx, dphi_part, h_pre.contiguous(), du.contiguous(), _rows(g), h_res.contiguous(),
-        N, C, x.stride(0), phi.stride(0), tok, NS=n, M=M, MP=_np2(M, 16), BT=cx["BT"], BC=cx["BC"],
-        **_grad_dots(x.dtype, phi.dtype, cx), LOOP_STAGES=cx.get("loop_stages"), **_launch(cx),
-    )
-    return dphi_part
-
-
 def _param_grads(phi, bias, alpha, dphi_part, part):
     """dphi, dbias, dalpha from the kernels' partial sums, in the parameters' dtypes, in one launch."""
     dphi, dbias, dalpha = (_new(t.shape, t.dtype, t.device) for t in (phi, bias, alpha))
@@ -496,8 +467,7 @@ def _param_grads(phi, bias, alpha, dphi_part, part):
 
 
 def _bwd(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult, h_pre=None, du=None,
-         dx_in=None, mix=None):
-    """mix (with du; eager `mhc_enter` only): (G, H^res), the write-back's deferred gradient, mixed in the x pass."""
+         dx_in=None):
     N, n, C = x.shape
     dx = _new((N, n, C), x.dtype, x.device)
     if N == 0:
@@ -506,12 +476,7 @@ def _bwd(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, 
     phi = _c_contig(phi)
     dl, dss, part = bwd_tok(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult,
                             du=du)
-    if mix is None:
-        dphi_part = bwd_x(x, phi, dl, dss, dx, h_pre=h_pre, du=du, dx_in=dx_in)
-    else:
-        dphi_part = bwd_x_mix(x, phi, dl, dss, dx, h_pre, du, *mix)
-        if dx_in is not None:  # x' had a consumer besides its write-backs: its gradient is added as it is
-            dx += dx_in
+    dphi_part = bwd_x(x, phi, dl, dss, dx, h_pre=h_pre, du=du, dx_in=dx_in)
     return (dx, *_param_grads(phi, bias, alpha, dphi_part, part))
 
 
@@ -600,25 +565,18 @@ def _(x, phi, bias, alpha, lg, rinv, h_pre, du, d_pre, d_post, d_res, iters, eps
     return _like(x), _like(phi), _like(bias), _like(alpha)
 
 
-def _mhc_pre_setup(ctx, inputs, output, keep_h_res=False):
+def _mhc_pre_setup(ctx, inputs, output):
     x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult = inputs
-    _, h_pre, _, h_res, lg, rinv = output
-    ctx.save_for_backward(x, phi, bias, alpha, lg, rinv, h_pre, *((h_res,) if keep_h_res else ()))
+    _, h_pre, _, _, lg, rinv = output
+    ctx.save_for_backward(x, phi, bias, alpha, lg, rinv, h_pre)
     ctx.opts = (iters, eps, t_in, t_out, post_mult)
     ctx.mark_non_differentiable(lg, rinv)
 
 
 def _mhc_pre_backward(ctx, du, d_pre, d_post, d_res, _dlg, _drinv, dx_next=None):
     """dx_next (`mhc_enter`): the gradient of the x handed on to the write-back, added in the x pass."""
-    x, phi, bias, alpha, lg, rinv, h_pre, *h_res = ctx.saved_tensors  # h_res: kept by eager mhc_enter
+    x, phi, bias, alpha, lg, rinv, h_pre = ctx.saved_tensors
     dh = _dh_zeros(x, phi, d_pre, d_post, d_res)
-    deferred = _deferred_write_backs(ctx)
-    if deferred is not None:  # eager mhc_enter: write-backs that handed G on for this pass to mix
-        if du is not None:
-            return (*_bwd(x, phi, bias, alpha, lg, rinv, *dh, *ctx.opts, h_pre=h_pre, du=du, dx_in=dx_next,
-                          mix=(deferred, h_res[0])), None, None, None, None, None, None, None)
-        mixed = torch.einsum("tij,tic->tjc", h_res[0], deferred.float()).to(x.dtype)  # u unused
-        dx_next = mixed if dx_next is None else dx_next + mixed
     if du is None:
         grads = _impl(ctx, coef_bwd)(x, phi, bias, alpha, lg, rinv, *dh, *ctx.opts)
         if dx_next is not None:
@@ -631,15 +589,9 @@ def _mhc_pre_backward(ctx, du, d_pre, d_post, d_res, _dlg, _drinv, dx_next=None)
 mhc_pre_fwd.register_autograd(_mhc_pre_backward, setup_context=_mhc_pre_setup)
 
 
-def _mhc_enter_setup(ctx, inputs, output):
-    """mhc_pre's setup; eager, also H^res, which a write-back that defers its dx leaves to this op's x pass."""
-    _mhc_pre_setup(ctx, inputs, output, keep_h_res=getattr(ctx, "eager", False) and output[3].shape[-1] != 0)
-
-
 def _mhc_enter_backward(ctx, dx_next, *grads):
     """`eager.mhc_enter`: mhc_pre's outputs plus x handed on to the sublayer's write-back, whose gradient dx_next
-    joins this backward's dx in the x pass (no separate sum of two stream-sized gradients); or, where the write-back
-    deferred its dx (`WriteBacks`), the gradient that reached its output, mixed in the x pass."""
+    joins this backward's dx in the x pass (no separate sum of two stream-sized gradients)."""
     return _mhc_pre_backward(ctx, *grads, dx_next=dx_next)
 
 
@@ -828,14 +780,13 @@ def _(x, f, h_post, h_res, route=None):
     return _like(x)
 
 
-def _post_bwd_run(g, x, f, h_post, h_res, coef=None, with_dx=True):
+def _post_bwd_run(g, x, f, h_post, h_res, coef=None):
     """Launch `_post_bwd_2d`: (dx, df, dh_post, dh_res). coef = (x_next, du, dL, d(sum x^2), h_pre_next, phi): the
-    boundary op's backward, whose dx also carries what x_next received through the next coefficients and u.
-    with_dx False: dx is None, not computed (`WriteBacks`)."""
+    boundary op's backward, whose dx also carries what x_next received through the next coefficients and u."""
     N, n, C = x.shape
     has_res = h_res.shape[-1] != 0
     dev = x.device
-    dx, df = _new((N, n, C), x.dtype, dev) if with_dx else None, _new((N, C), f.dtype, dev)
+    dx, df = _new((N, n, C), x.dtype, dev), _new((N, C), f.dtype, dev)
     dhp = _new((N, n), torch.float32, dev)
     dhr = _new((N, n, n) if has_res else (N, 0, 0), torch.float32, dev)
     if N == 0:
@@ -859,10 +810,10 @@ def _post_bwd_run(g, x, f, h_post, h_res, coef=None, with_dx=True):
         xn, du, hpre, phi = _rows(xn), du.contiguous(), hpre.contiguous(), _c_contig(phi)
         M, dots = phi.shape[1], _grad_dots(x.dtype, phi.dtype, cfg)
     _post_bwd_2d[(_cdiv(N, cfg["BT"]), n_cblk)](
-        x, f, h_post.contiguous(), h_res.contiguous(), g, df if dx is None else dx, df, php, phr, xn, du, dl, dss, hpre,
-        phi, N, C, x.stride(0), x.stride(1), f.stride(0), phi.stride(0),
+        x, f, h_post.contiguous(), h_res.contiguous(), g, dx, df, php, phr, xn, du, dl, dss, hpre, phi,
+        N, C, x.stride(0), x.stride(1), f.stride(0), phi.stride(0),
         NS=n, HAS_RES=has_res, COEF=coef is not None, M=M, MP=_np2(M, 16), BT=cfg["BT"], BC=cfg["BC"], **dots,
-        DX=with_dx, **_launch(cfg))
+        **_launch(cfg))
     if n_cblk > 1:  # the per-C-block partials summed in one launch
         _sum_partials(php, dhp, wpart2=phr if has_res else None, dw2=dhr if has_res else None)
     return dx, df, dhp, dhr
@@ -888,68 +839,8 @@ def _post_setup(ctx, inputs, output):
 
 def _post_backward(ctx, g):
     x, f, h_post, h_res = ctx.saved_tensors
-    box = getattr(ctx, "write_backs", None)
-    if box is not None or (getattr(ctx, "eager", False) and h_res.shape[-1] == 0 and CONFIG["post_bwd"]["defer_dx"]):
-        # eager, dx not written: after mhc_enter G goes to its x pass (`WriteBacks`); with H^res = I, dx is G itself
-        g = g.contiguous()
-        _, df, dhp, dhr = _post_bwd_run(g, x, f, h_post, h_res, with_dx=False)
-        if box is not None:
-            box.grads.append(g)
-        return (None if box is not None else g, df, dhp.to(h_post.dtype), dhr.to(h_res.dtype), None)[:ctx.inputs]
     dx, df, dhp, dhr = _impl(ctx, post_bwd)(g, x, f, h_post, h_res)
     return ((None, df, dhp, dhr, dx) if ctx.routed else (dx, df, dhp, dhr, None))[:ctx.inputs]
-
-
-class WriteBacks:
-    """Eager only: the write-backs of an `mhc_enter`'s x' that left their dx to that op's x pass. Such a write-back
-    (`defer_write_back`) writes no dx: it hands on G, the gradient that reached its output, and the x pass adds
-    sum_i H^res_ij G_i into the one dx it writes (`_coef_bwd_x_mix`), so that dx_j is not written by one kernel and
-    read back by the next (134 MB each way per sublayer at C = 1024, 16384 tokens; docs/kernels.md). Sound because
-    the H^res it applies is the entry op's own, which the write-back must have used (checked by its data pointer,
-    shape and dtype); the entry op's backward runs after its write-backs', since they use its h_post. Holds no
-    tensor before the backward: the key of H^res, and the G of each deferring write-back until the x pass takes them."""
-    __slots__ = ("key", "grads")
-
-    def __init__(self, h_res: Tensor):
-        self.key = _tensor_key(h_res)
-        self.grads: list[Tensor] = []
-
-
-def _tensor_key(t: Tensor) -> tuple:
-    return t.data_ptr(), tuple(t.shape), t.dtype, t.is_contiguous()
-
-
-def offer_write_backs(through: Tensor, h_res: Tensor) -> Optional[WriteBacks]:
-    """For an eager `mhc_enter` (its first output `through`, its H^res [N, n, n]): the `WriteBacks` its x' carries to
-    `defer_write_back`, kept on the op's autograd node for its backward; None where nothing may defer (compiling,
-    identity-HC, CONFIG post_bwd defer_dx off)."""
-    if torch.compiler.is_compiling() or not CONFIG["post_bwd"]["defer_dx"] or h_res.shape[-1] == 0:
-        return None
-    node = through.grad_fn
-    if type(node) is not eager.mhc_enter.node_type:
-        return None
-    node.write_backs = box = WriteBacks(h_res)
-    return box
-
-
-def defer_write_back(out: Tensor, box: Optional[WriteBacks], h_res: Tensor) -> None:
-    """Mark the eager write-back whose output is `out` to hand its G to the entry op's x pass, when its h_res is the
-    entry op's own (anything else keeps the write-back's own dx)."""
-    node = out.grad_fn
-    if box is not None and node is not None and _tensor_key(h_res) == box.key:
-        node.write_backs = box
-
-
-def _deferred_write_backs(ctx) -> Optional[Tensor]:
-    """In the entry op's backward: the sum of its deferring write-backs' G (None if none), taken out of the box."""
-    box = getattr(ctx, "write_backs", None)
-    if box is None or not box.grads:
-        return None
-    grads, box.grads = box.grads, []
-    total = grads[0]
-    for g in grads[1:]:
-        total = total + g
-    return total
 
 
 post_fwd.register_autograd(_post_backward, setup_context=_post_setup)
@@ -1362,14 +1253,13 @@ def _eager_fn(op, setup, backward, routed=None):
             return (Routed(args[0], route), *out)
         return Fn.apply(*args)
 
-    call.node_type = Fn._backward_cls  # the type of the autograd node its outputs carry (`offer_write_backs`)
     return call
 
 
 eager = SimpleNamespace(
     coef=_eager_fn(coef_fwd, _coef_setup, _coef_backward),
     mhc_pre=_eager_fn(mhc_pre_fwd, _mhc_pre_setup, _mhc_pre_backward),
-    mhc_enter=_eager_fn(mhc_pre_fwd, _mhc_enter_setup, _mhc_enter_backward, routed=mhc_enter_fwd),
+    mhc_enter=_eager_fn(mhc_pre_fwd, _mhc_pre_setup, _mhc_enter_backward, routed=mhc_enter_fwd),
     stream_pre=_eager_fn(pre_fwd, _pre_setup, _pre_backward),
     stream_post_res=_eager_fn(post_fwd, _post_setup, _post_backward),
     boundary=_eager_fn(bnd_fwd, _bnd_setup, _bnd_backward),

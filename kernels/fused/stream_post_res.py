@@ -51,7 +51,6 @@ def _post_bwd_2d(
     N, C, stride_xt, stride_xn, stride_ft, stride_phi,
     NS: tl.constexpr, HAS_RES: tl.constexpr, COEF: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,
     DOT: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SPLIT: tl.constexpr = False, PHI_LO: tl.constexpr = False,
-    DX: tl.constexpr = True,
 ):
     """Backward on the forward's 2-D grid (token block x C block), no C loop: every stream sum is a broadcast
     multiply-add and the only reductions are over this C block. dH [.., n, n] and dh_post [.., n] go to
@@ -59,9 +58,7 @@ def _post_bwd_2d(
     (no partial buffer, no second launch); otherwise per-C-block partials [n_cblk, N, ...] summed afterwards.
     COEF (BT >= 16 for tl.dot): g_i becomes G_i (module docstring) from x_next xn_ptr [N, n, C] (contiguous),
     du [N, C], dL [N, M] fp32, d(sum x^2) [N], the next h_pre [N, n] and phi [n*C, M]. SPLIT (bf16 streams): dL phi^T
-    on bf16 parts, dL = hi + lo and phi's hi (+ lo with PHI_LO), as `_coef_bwd_x` SPLIT does.
-    DX = False: no dx (the eager write-back after `mhc_enter` hands G to the entry op's x pass, which mixes it,
-    `_coef_bwd_x_mix`; with H^res = I, dx is G itself)."""
+    on bf16 parts, dL = hi + lo and phi's hi (+ lo with PHI_LO), as `_coef_bwd_x` SPLIT does."""
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     cb = tl.program_id(1)
     cc = cb * BC + tl.arange(0, BC)
@@ -106,13 +103,11 @@ def _post_bwd_2d(
     if HAS_RES:
         for j in tl.static_range(NS):
             # column j of H: dx_j = sum_i H_ij G_i, dH_ij = <G_i, x_j> over this C block
-            if DX:
-                hj = tl.load(hr_ptr + rows64[:, None] * (NS * NS) + ii[None, :] * NS + j, mask=tokn, other=0.0)
-                dxj = tl.sum(hj.to(tl.float32)[:, :, None] * g, axis=1)
-                tl.store(dx_ptr + rows64[:, None] * (NS * C) + j * C + cc[None, :], dxj.to(dx_ptr.dtype.element_ty),
-                         mask=m2)
+            hj = tl.load(hr_ptr + rows64[:, None] * (NS * NS) + ii[None, :] * NS + j, mask=tokn, other=0.0)
+            dxj = tl.sum(hj.to(tl.float32)[:, :, None] * g, axis=1)
+            tl.store(dx_ptr + rows64[:, None] * (NS * C) + j * C + cc[None, :], dxj.to(dx_ptr.dtype.element_ty), mask=m2)
             xj = tl.load(x_ptr + rows64[:, None] * stride_xt + j * stride_xn + cc[None, :], mask=m2, other=0.0)
             tl.store(dhr_ptr + prow[:, None] * (NS * NS) + ii[None, :] * NS + j,
                      tl.sum(g * xj.to(tl.float32)[:, None, :], axis=2), mask=tokn)
-    elif DX:
+    else:
         tl.store(dx_ptr + off3, g.to(dx_ptr.dtype.element_ty), mask=m3)
