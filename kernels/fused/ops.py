@@ -60,7 +60,10 @@ CONFIG = {
     # interleave: odd programs run the Sinkhorn backward (18 of the kernel's 73 us alone, round 14's probe) before the
     # <du, x_j> loop (51 us alone) and even ones after it, for an SM's programs to overlap the two. Round 16, in the
     # trainer, profiled in one process: 1.836 ms per step against 1.813 in order: off (docs/benchmarks.md)
-    "coef_bwd_tok": dict(BT=8, num_warps=1, BC=64, loop_stages=None, interleave=False),
+    # BT 4 since round 17, when param_sum came to sum the partial rows one program per element: in the trainer,
+    # profiled in one process, 1.688 vs 1.828 ms per step at BT 8, param_sum 0.135 vs 0.123 (round 16's serial sum
+    # had taken BT 4's twice as many rows from 0.285 to 0.484 ms)
+    "coef_bwd_tok": dict(BT=4, num_warps=1, BC=64, loop_stages=None, interleave=False),
     # dl_split: with bf16 x, the two dots on 16-bit parts of dL and phi (_coef_bwd_x SPLIT) instead of tf32 on fp32
     # copies (round 6 ncu of the tf32 version: 176 registers, 49 KB of shared memory, one CTA per SM). The smaller
     # tiles it affords: mhc_pre bwd 276-280 vs 384 us (tf32 at BT 64, BK 128, 8 warps), 322 vs 370 with an fp32
