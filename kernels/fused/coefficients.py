@@ -405,13 +405,13 @@ def _coef_bwd_tok(
     if HAS_RES:
         if HAS_U and INTERLEAVE:
             if pid % 2 == 1:
-                drinv = _tok_res(lg_ptr, bias_ptr, alpha_ptr, dres_ptr, dl_ptr, part_ptr, sc_ptr, pid, NP, rows64, rmask,
-                                 rinv, N, iters, eps, NS, M, T_IN, T_OUT)
+                drinv = _tok_res(lg_ptr, bias_ptr, alpha_ptr, dres_ptr, dl_ptr, part_ptr, sc_ptr, pid, NP, rows64,
+                                 rmask, rinv, N, iters, eps, NS, M, T_IN, T_OUT)
                 dh_pre = _tok_du_x(dh_pre, x_ptr, du_ptr, rows64, rmask, nn, C, stride_x, NS, BC, LOOP_STAGES)
             else:
                 dh_pre = _tok_du_x(dh_pre, x_ptr, du_ptr, rows64, rmask, nn, C, stride_x, NS, BC, LOOP_STAGES)
-                drinv = _tok_res(lg_ptr, bias_ptr, alpha_ptr, dres_ptr, dl_ptr, part_ptr, sc_ptr, pid, NP, rows64, rmask,
-                                 rinv, N, iters, eps, NS, M, T_IN, T_OUT)
+                drinv = _tok_res(lg_ptr, bias_ptr, alpha_ptr, dres_ptr, dl_ptr, part_ptr, sc_ptr, pid, NP, rows64,
+                                 rmask, rinv, N, iters, eps, NS, M, T_IN, T_OUT)
         else:
             if HAS_U:
                 dh_pre = _tok_du_x(dh_pre, x_ptr, du_ptr, rows64, rmask, nn, C, stride_x, NS, BC, LOOP_STAGES)

@@ -282,7 +282,7 @@ def _sum_partials(wpart: Tensor, dw: Tensor, vpart: Optional[Tensor] = None, da:
     _param_grad_sum[(programs,)](
         wpart, dw, wpart.shape[0], l1, wpart if wpart2 is None else wpart2, dw if dw2 is None else dw2, s2, l2,
         vpart, da, db, vpart.shape[1], HAS_W2=dw2 is not None, HAS_V=has_v, A=a, BL=cfg["BL"],
-        BS=min(16, _np2(max(wpart.shape[0], s2))), BP=min(cfg["BP"], _np2(vpart.shape[1], 16)), **_launch(cfg))
+        BS=min(16, _np2(max(wpart.shape[0], s2))), BP=cfg["BP"], **_launch(cfg))
 
 
 def _grad_dots(x_dtype: torch.dtype, phi_dtype: torch.dtype, cfg: dict) -> dict:
@@ -431,8 +431,8 @@ def bwd_tok(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_i
     with_u = du is not None
     _coef_bwd_tok[(n_prog,)](
         lg, rinv, bias.contiguous(), alpha.contiguous(), lg if d_pre is None else d_pre.contiguous(), d_post.contiguous(),
-        d_res.contiguous(), dl, dss, part, sc, x, du.contiguous() if with_u else x, N, n_prog, n * C, C, x.stride(0), iters,
-        eps, post_mult, NS=n, M=M, HAS_RES=has_res, T_IN=t_in, T_OUT=t_out, HAS_U=with_u, HAS_DPRE=d_pre is not None,
+        d_res.contiguous(), dl, dss, part, sc, x, du.contiguous() if with_u else x, N, n_prog, n * C, C, x.stride(0),
+        iters, eps, post_mult, NS=n, M=M, HAS_RES=has_res, T_IN=t_in, T_OUT=t_out, HAS_U=with_u, HAS_DPRE=d_pre is not None,
         BT=ct["BT"], BC=min(ct.get("BC", 16), _np2(C, 16)), LOOP_STAGES=ct.get("loop_stages"),
         INTERLEAVE=bool(ct.get("interleave")), **_launch(ct),
     )
