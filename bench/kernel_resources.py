@@ -54,8 +54,8 @@ def grad_dots(entry):
 
 def xpass(entry):
     """`_coef_bwd_x`'s constexprs at a CONFIG entry (bf16 x and phi)."""
-    return dict(NS=NS, M=M, MP=MP, ALIGNED=True, LOOP_STAGES=ops.CONFIG[entry].get("loop_stages"), **grad_dots(entry),
-                **_tiles(entry, "BT", "BK"))
+    return dict(NS=NS, M=M, MP=MP, ALIGNED=True, LOOP_STAGES=ops.CONFIG[entry].get("loop_stages"),
+                DPHI_FIRST=ops.CONFIG[entry]["dphi_first"], **grad_dots(entry), **_tiles(entry, "BT", "BK"))
 
 
 def cases():

@@ -366,23 +366,39 @@ def test_x_pass_on_16_bit_parts(n, phi_dtype):
     than tf32's 11 bits allow); then the whole pre op and the boundary op with it against the float64 composition."""
     torch.manual_seed(79 + n)
     lead, c = SHAPES[1]
+    with config_changed("coef_bwd_x", dl_split=True), config_changed("bnd_dphi", dl_split=True):
+        _check_x_pass(lead, c, n, phi_dtype)
+        _run_pre(_coef_inputs(lead, c, n, torch.bfloat16, phi_dtype=phi_dtype), torch.bfloat16, sinkhorn_iters=ITERS)
+        _run_boundary(_boundary_inputs(lead, c, n, torch.bfloat16, phi_dtype=phi_dtype), torch.bfloat16,
+                      sinkhorn_iters=ITERS)
+
+
+def _check_x_pass(lead, c, n, phi_dtype):
+    """The x pass alone (`ops.bwd_x`, fp32 dx and dphi buffers: no rounding to the stream's or phi's dtype) against
+    float64 at 1e-4: dphi = x^T dL, dx = dL phi^T + 2 x d(sum x^2) + h_pre_j du."""
     x, phi, _, _ = _coef_inputs(lead, c, n, torch.bfloat16, phi_dtype=phi_dtype)
     x, phi = x.detach().reshape(-1, n, c), phi.detach()
     N = x.shape[0]
     dl, dss = torch.randn(N, phi.shape[1], device=DEV), torch.randn(N, device=DEV)
     h_pre, du = torch.rand(N, n, device=DEV), torch.randn(N, c, device=DEV).to(x.dtype)
-    with config_changed("coef_bwd_x", dl_split=True), config_changed("bnd_dphi", dl_split=True):
-        dx = torch.empty(x.shape, device=DEV)  # an fp32 dx buffer: the kernel stores in its dtype, no bf16 rounding
-        dphi = torch.empty(phi.shape, device=DEV)  # fp32: no rounding to a bf16 phi's dtype
-        ops._sum_partials(ops.bwd_x(x, phi, dl, dss, dx, h_pre=h_pre, du=du), dphi)
-        xd, dld = x.double().reshape(N, -1), dl.double()
-        check(dphi, xd.t() @ dld, 1e-4, "dphi")
-        ref_dx = (dld @ phi.double().t()).reshape(N, n, c) + 2 * x.double() * dss.double()[:, None, None] \
-            + h_pre.double()[:, :, None] * du.double()[:, None, :]
-        check(dx, ref_dx, 1e-4, "dx")
-        _run_pre(_coef_inputs(lead, c, n, torch.bfloat16, phi_dtype=phi_dtype), torch.bfloat16, sinkhorn_iters=ITERS)
-        _run_boundary(_boundary_inputs(lead, c, n, torch.bfloat16, phi_dtype=phi_dtype), torch.bfloat16,
-                      sinkhorn_iters=ITERS)
+    dx = torch.empty(x.shape, device=DEV)
+    dphi = torch.empty(phi.shape, device=DEV)
+    ops._sum_partials(ops.bwd_x(x, phi, dl, dss, dx, h_pre=h_pre, du=du), dphi)
+    xd, dld = x.double().reshape(N, -1), dl.double()
+    check(dphi, xd.t() @ dld, 1e-4, "dphi")
+    ref_dx = (dld @ phi.double().t()).reshape(N, n, c) + 2 * x.double() * dss.double()[:, None, None] \
+        + h_pre.double()[:, :, None] * du.double()[:, None, :]
+    check(dx, ref_dx, 1e-4, "dx")
+
+
+@pytest.mark.parametrize("dphi_first", [True, False])
+def test_x_pass_with_the_phi_gradient_dots_first_or_last(dphi_first):
+    """CONFIG dphi_first orders the token loop's two pairs of dots (the phi gradient's before or after dx's: the
+    shared memory dx's store can reuse, docs/kernels.md); both orders give the same float64-checked x pass."""
+    torch.manual_seed(83)
+    lead, c = SHAPES[1]
+    with config_changed("coef_bwd_x", dl_split=True, dphi_first=dphi_first):
+        _check_x_pass(lead, c, 4, torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -437,6 +437,16 @@ def _coef_bwd_tok(
     tl.store(dss_ptr + rows64, -0.5 * drinv * rinv * rinv * rinv / K, mask=rmask)
 
 
+@triton.jit
+def _dphi_dots(acc, xt, dlt, SPLIT: tl.constexpr, DOT: tl.constexpr):
+    """acc += x^T dL for one token block (dL fp32; SPLIT: as its two bf16 parts, x as stored)."""
+    if SPLIT:
+        dh = dlt.to(tl.bfloat16)
+        acc = _dot(tl.trans(xt), dh, acc, DOT)
+        return _dot(tl.trans(xt), (dlt - dh.to(tl.float32)).to(tl.bfloat16), acc, DOT)
+    return _dot(tl.trans(xt.to(tl.float32)), dlt, acc, DOT)
+
+
 @triton.jit(do_not_specialize=["N", "tok_per_split"])
 def _coef_bwd_x(
     x_ptr, phi_ptr, dl_ptr, dss_ptr, dx_ptr, dphi_ptr, hpre_ptr, du_ptr, dxin_ptr,
@@ -444,7 +454,7 @@ def _coef_bwd_x(
     NS: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, DOT: tl.constexpr, HAS_U: tl.constexpr,
     HAS_DX: tl.constexpr, ALIGNED: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr = False,
     SPLIT: tl.constexpr = False, PHI_LO: tl.constexpr = False, U_ROWS: tl.constexpr = 1,
-    LOOP_STAGES: tl.constexpr = None,
+    LOOP_STAGES: tl.constexpr = None, DPHI_FIRST: tl.constexpr = True,
 ):
     """ACC (with HAS_DX): dx also adds dxin [N, K], the gradient x received from its other consumer (the write-back
     of the same sublayer, `mhc_enter`, `hc_enter`), so that autograd has no sum of two stream-sized gradients to run.
@@ -453,7 +463,10 @@ def _coef_bwd_x(
     PHI_LO, for an fp32 phi), and x as it is stored: 16-bit operands (no fp32 copies of x tiles in shared memory),
     exact products in the fp32 accumulator, 16 mantissa bits of dL and phi (tf32: 11).
     LOOP_STAGES: the token loop's pipelining depth (CONFIG loop_stages): every load of the loop an async copy into
-    shared memory; None, Triton's default, pipelines only the dots' operands (x, dL), not dx_in, du, h_pre, dss."""
+    shared memory; None, Triton's default, pipelines only the dots' operands (x, dL), not dx_in, du, h_pre, dss.
+    DPHI_FIRST (CONFIG dphi_first): the phi-gradient dots before dx's, so that dL's 16-bit copies in shared memory
+    are dead when dx's store converts its layout through shared memory, and the two reuse one buffer (Triton 3.6,
+    sm_90, fp32 phi: 49.7 KB instead of 57.9, 4 CTAs per SM instead of 3; bench/kernel_resources.py)."""
     pid_k = tl.program_id(0)
     pid_s = tl.program_id(1)
     kk = pid_k * BK + tl.arange(0, BK)
@@ -483,6 +496,8 @@ def _coef_bwd_x(
         xt = tl.load(x_ptr + rows64[:, None] * stride_x + kk[None, :], mask=m2, other=0.0)
         dlt = tl.load(dl_ptr + rows64[:, None] * M + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
         xf = xt.to(tl.float32)
+        if DPHI_FIRST:
+            acc = _dphi_dots(acc, xt, dlt, SPLIT, DOT)
         if HAS_DX:
             dss = tl.load(dss_ptr + rows, mask=rmask, other=0.0)
             dx0 = 2.0 * xf * dss[:, None]
@@ -506,10 +521,6 @@ def _coef_bwd_x(
             else:
                 dx = _dot(dlt, tl.trans(phi_t), dx0, DOT)
             tl.store(dx_ptr + rows64[:, None] * K + kk[None, :], dx.to(dx_ptr.dtype.element_ty), mask=m2)
-        if SPLIT:
-            dh = dlt.to(tl.bfloat16)
-            acc = _dot(tl.trans(xt), dh, acc, DOT)
-            acc = _dot(tl.trans(xt), (dlt - dh.to(tl.float32)).to(tl.bfloat16), acc, DOT)
-        else:
-            acc = _dot(tl.trans(xf), dlt, acc, DOT)
+        if not DPHI_FIRST:
+            acc = _dphi_dots(acc, xt, dlt, SPLIT, DOT)
     tl.store(dphi_ptr + (pid_s * K + kk[:, None]).to(tl.int64) * M + cols[None, :], acc, mask=kmask[:, None] & cmask[None, :])

@@ -75,14 +75,17 @@ CONFIG = {
     # the dots' operands, are async copies and the others stall each iteration). 58 KB of shared memory: 3 CTAs per
     # SM. Round 14: 240 us at 12 programs per SM, 248 at 8, unpipelined 246 (the sweep); in the trainer, profiled in
     # one process, 3.95-3.98 ms per step against 4.01 (docs/benchmarks.md)
+    # dphi_first: the phi-gradient dots before dx's in the token loop (round 18): 49.7 KB of shared memory instead of
+    # 57.9 with an fp32 phi, so 4 CTAs per SM instead of 3 (kernel_resources.py, Triton 3.6)
     "coef_bwd_x": dict(BT=64, BK=64, num_warps=4, num_stages=2, programs_per_sm=12, dl_split=True, maxnreg=128,
-                       loop_stages=2),
+                       loop_stages=2, dphi_first=True),
     # the same kernel on HC's one-stream rows (`hc_enter`, `rms_proj`'s backward: K = C). The cap as mHC's, timed on
     # HC's trainer row (round 14, one process): steps 79.7 vs 80.3 ms (medians), 80.0 vs 83.1 (means) uncapped
     "hc_bwd_x": dict(BT=64, BK=64, num_warps=4, num_stages=2, programs_per_sm=8, dl_split=True, maxnreg=128,
-                     loop_stages=None),
+                     loop_stages=None, dphi_first=True),
     # without dx: BK = 128 at 8 warps was the fastest in all four sweeps of round 7 (50-54 vs 56-66 us)
-    "bnd_dphi": dict(BT=64, BK=128, num_warps=8, num_stages=2, programs_per_sm=4, dl_split=True, loop_stages=None),
+    "bnd_dphi": dict(BT=64, BK=128, num_warps=8, num_stages=2, programs_per_sm=4, dl_split=True, loop_stages=None,
+                     dphi_first=True),
     "pre_fwd": dict(BT=4, BC=512, num_warps=4),
     "pre_bwd": dict(BT=4, BC=256, num_warps=4),
     "post_fwd": dict(BT=4, BC=256, num_warps=4),
@@ -457,7 +460,7 @@ def bwd_x(x, phi, dl, dss, dx=None, h_pre=None, du=None, dx_in=None, u_rows=1):
         du.contiguous() if with_u else dl, dl if dx_in is None else dx_in, N, K, C, x.stride(0), phi.stride(0), tok,
         NS=n, M=M, MP=_np2(M, 16), HAS_U=with_u, HAS_DX=dx is not None, ACC=dx_in is not None,
         ALIGNED=C % cx["BK"] == 0, BT=cx["BT"], BK=cx["BK"], U_ROWS=u_rows, **_grad_dots(x.dtype, phi.dtype, cx),
-        LOOP_STAGES=cx.get("loop_stages"), **_launch(cx),
+        LOOP_STAGES=cx.get("loop_stages"), DPHI_FIRST=cx["dphi_first"], **_launch(cx),
     )
     return dphi_part
 
