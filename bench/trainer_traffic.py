@@ -28,6 +28,9 @@ def bytes_per_token(c: int, n: int, iters: int, stream_bytes: int = 2) -> dict[s
         "_post_bwd_2d": 2 * s + u + (n + n * n) * f32 + s + u + (n + n * n) * f32,  # G, x, f, gates -> dx, df, dgates
         "_coef_bwd_tok": u + s + (m + 1 + n + n * n) * f32 + (m + 1) * f32 + 2 * (2 * iters - 1) * n * f32,
         "_coef_bwd_x": 2 * s + u + (m + 1 + n) * f32 + s,  # x, dx_in, du, dL, d(sum x^2), h_pre -> dx
+        # the stream's ends, twice a step each: fp32 embedding (or its gradient) <-> the n streams
+        "_expand": c * f32 + s,
+        "_sum_streams": s + c * f32,
     }
 
 

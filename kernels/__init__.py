@@ -11,6 +11,8 @@ Both backends expose the same functions with the same signatures and conventions
                     use_tanh, norm_eps) -> (h_pre, h_post, h_res)      (HC, unconstrained)
     hc_enter(x, <the same ten parameters>, *, dynamic, use_tanh, norm_eps) -> (x', u, h_pre, h_post, h_res)
     rms_proj(x, w, eps) -> RMSNorm(x) w                                  (HC's projection)
+    expand_streams(h, n, dtype=None) -> x_0                              (the embedding into n streams)
+    sum_streams(x, dtype=None) -> the streams summed                     (the "sum" collapse)
     stream_pre(x, h_pre) -> u
     stream_post_res(x, f, h_post, h_res | None) -> x_next
     rope_qkv(qkv, cos, sin, n_heads) -> (q, k, v)                      (the attention's RoPE, any residual mode)

@@ -192,6 +192,34 @@ def test_stream_pre(n, dtype):
             check(a, b, tol[2], name)
 
 
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+@pytest.mark.parametrize("h_dtype,stream_dtype", [(torch.float32, torch.bfloat16), (torch.float32, torch.float32),
+                                                  (torch.bfloat16, torch.bfloat16)])
+def test_the_streams_ends(n, h_dtype, stream_dtype):
+    """expand_streams (the embedding cast and copied into n streams) and sum_streams (the "sum" collapse), one
+    kernel each way (kernels/fused/stream_ends.py): values and gradients against float64, each stream's own values
+    (random upstream gradients per stream, so a mixed-up stream index fails)."""
+    torch.manual_seed(30 + n)
+    for lead, c in SHAPES:
+        h = _leaf(torch.randn(*lead, c, device=DEV).to(h_dtype))
+        x = fused.expand_streams(h, n, stream_dtype)
+        assert type(x.grad_fn).__name__ == "ExpandStreamsBackward" and x.dtype == stream_dtype
+        ref_h = _f64([h])
+        ref_x = R.expand_streams(*ref_h, n)
+        g = _upstream(ref_x, x)
+        check(x, ref_x, TOL[stream_dtype][0], "x_0")
+        check(_grads([x], [h], [g])[0], _grads([ref_x], ref_h, [g])[0], TOL[stream_dtype][2], "dh")
+
+        xs = _leaf(torch.randn(*lead, n, c, device=DEV).to(stream_dtype))
+        out = fused.sum_streams(xs, h_dtype)
+        assert type(out.grad_fn).__name__ == "SumStreamsBackward" and out.dtype == h_dtype
+        ref_xs = _f64([xs])
+        ref_out = R.sum_streams(*ref_xs)
+        g = _upstream(ref_out, out)
+        check(out, ref_out, TOL[h_dtype][0] * n, "sum")
+        check(_grads([out], [xs], [g])[0], _grads([ref_out], ref_xs, [g])[0], TOL[stream_dtype][2], "dx")
+
+
 @contextmanager
 def config_changed(name, **changes):
     """Changed launch parameters of one kernel (ops.CONFIG) within the block, restored afterwards."""

@@ -14,8 +14,8 @@ from ..options import DEFAULT_OPTIONS, EXACT_AXES, RES_LAYOUTS, MHCOptions
 from ..reference.coefficients import mhc_logit_count
 from . import ops
 
-__all__ = ["hc_coefficients", "hc_enter", "mhc_coefficients", "mhc_pre", "mhc_enter", "mhc_boundary", "rms_proj",
-           "rope_qkv", "stream_pre", "stream_post_res"]
+__all__ = ["expand_streams", "hc_coefficients", "hc_enter", "mhc_coefficients", "mhc_pre", "mhc_enter", "mhc_boundary",
+           "rms_proj", "rope_qkv", "stream_pre", "stream_post_res", "sum_streams"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -270,3 +270,26 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: i
         return reference.rope_qkv(qkv, cos, sin, n_heads)
     t = qkv.shape[1]
     return ops.RopeQKV.apply(qkv, cos[:t].contiguous(), sin[:t].contiguous(), n_heads)
+
+
+def _ends_fused(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """The stream's ends run their kernels in eager mode; under torch.compile inductor fuses the reference's cast and
+    copy (or sum) with their neighbours, which an opaque op would prevent."""
+    return (not torch.compiler.is_compiling() and ops.CONFIG["stream_ends"]["fused"] and t.dtype in _DTYPES
+            and dtype in _DTYPES and (t.is_cuda or ops.INTERPRET))
+
+
+def expand_streams(h: torch.Tensor, n: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """As reference.expand_streams, in one kernel each way (kernels/fused/stream_ends.py)."""
+    dtype = dtype or h.dtype
+    if h.dim() < 1 or not _ends_fused(h, dtype):
+        return reference.expand_streams(h, n, dtype)
+    return ops.ExpandStreams.apply(h, n, dtype)
+
+
+def sum_streams(x: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """As reference.sum_streams, in one kernel each way (kernels/fused/stream_ends.py)."""
+    dtype = dtype or x.dtype
+    if x.dim() < 2 or not _ends_fused(x, dtype):
+        return reference.sum_streams(x, dtype)
+    return ops.SumStreams.apply(x, dtype)

@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import coefficients, parameters, rope, stream_post_res, stream_pre
+from . import coefficients, parameters, rope, stream_ends, stream_post_res, stream_pre
 from .coefficients import DOT_IEEE, DOT_NATIVE, DOT_TF32
 from .launch import Launcher
 
@@ -108,6 +108,9 @@ CONFIG = {
     # RoPE on the qkv projection (kernels/fused/rope.py): BR rows (tokens) per program, one head of q, k (or v) each;
     # not swept (memory-bound elementwise passes). fused false: the reference's torch ops in eager mode too (the A/B)
     "rope": dict(BR=64, num_warps=4, fused=True),
+    # the stream's ends (kernels/fused/stream_ends.py: the embedding into n streams, their sum before the final norm,
+    # and each one's backward): BT rows, BC channels per program; not swept (copies). fused false: torch's ops (the A/B)
+    "stream_ends": dict(BT=4, BC=512, num_warps=4, fused=True),
     # under torch.compile, route: the enter ops hand the write-back's gradient of x to their own x pass (`Routed`);
     # false: x itself is handed on and inductor sums the two gradients (the A/B of round 12's change)
     "enter": dict(route=True),
@@ -130,6 +133,7 @@ _hc_operand_grads, _hc_operands, _param_grad_sum, _phi_pairs = map(_launcher, (
 _post_bwd_2d, _post_fwd = map(_launcher, (stream_post_res._post_bwd_2d, stream_post_res._post_fwd))
 _pre_bwd, _pre_fwd = map(_launcher, (stream_pre._pre_bwd, stream_pre._pre_fwd))
 _rope_bwd, _rope_fwd = map(_launcher, (rope._rope_bwd, rope._rope_fwd))
+_expand, _sum_streams = map(_launcher, (stream_ends._expand, stream_ends._sum_streams))
 
 # CONFIG coef_fwd phi_split -> _coef_fwd's SPLIT (true: "dots", as before "interleaved" existed)
 PHI_SPLITS = {False: 0, True: 1, "dots": 1, "interleaved": 2, "in_kernel": 3}
@@ -1222,6 +1226,59 @@ class RopeQKV(torch.autograd.Function):
                 *grads, cos, sin, dqkv, B * T, T, H, C, *strides, HALF=half, BH=_np2(half), BR=cfg["BR"],
                 **_launch(cfg))
         return dqkv, None, None, None
+
+
+def expand_rows(h: Tensor, n: int, dtype: torch.dtype) -> Tensor:
+    """[..., C] -> [..., n, C] in dtype, every stream a copy of h (`_expand`)."""
+    C = h.shape[-1]
+    rows = h.reshape(-1, C)
+    if rows.stride(-1) != 1 or rows.stride(0) != C:
+        rows = rows.contiguous()
+    out = _new((*h.shape[:-1], n, C), dtype, h.device)
+    if rows.shape[0]:
+        cfg = _cfg("stream_ends", BC=_np2(C, 16))
+        _expand[(_cdiv(rows.shape[0], cfg["BT"]), _cdiv(C, cfg["BC"]))](
+            rows, out, rows.shape[0], C, NS=n, BT=cfg["BT"], BC=cfg["BC"], **_launch(cfg))
+    return out
+
+
+def sum_rows(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """[..., n, C] -> [..., C] in dtype, the n streams summed in fp32 (`_sum_streams`)."""
+    n, C = x.shape[-2], x.shape[-1]
+    x = x.contiguous()
+    out = _new((*x.shape[:-2], C), dtype, x.device)
+    N = out.numel() // max(C, 1)
+    if N:
+        cfg = _cfg("stream_ends", BC=_np2(C, 16))
+        _sum_streams[(_cdiv(N, cfg["BT"]), _cdiv(C, cfg["BC"]))](
+            x, out, N, C, NS=n, BT=cfg["BT"], BC=cfg["BC"], **_launch(cfg))
+    return out
+
+
+class ExpandStreams(torch.autograd.Function):
+    """x_0 = 1_n h in the stream's dtype; backward: the n streams' gradients summed into h's dtype."""
+
+    @staticmethod
+    def forward(ctx, h: Tensor, n: int, dtype: torch.dtype):
+        ctx.h_dtype = h.dtype
+        return expand_rows(h, n, dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        return sum_rows(g, ctx.h_dtype), None, None
+
+
+class SumStreams(torch.autograd.Function):
+    """The streams summed into dtype; backward: the gradient copied to every stream in the stream's dtype."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, dtype: torch.dtype):
+        ctx.x_dtype, ctx.n = x.dtype, x.shape[-2]
+        return sum_rows(x, dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        return expand_rows(g, ctx.n, ctx.x_dtype), None
 
 
 # ---------------------------------------------------------------------------------------------------------------

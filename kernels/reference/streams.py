@@ -9,9 +9,15 @@ import torch
 from .coefficients import compute_dtype, no_autocast
 
 
-def expand_streams(h: torch.Tensor, n: int) -> torch.Tensor:
-    """x_0 = 1_n h: copy the embedding [..., C] into n streams [..., n, C] (no learned expansion)."""
-    return h.unsqueeze(-2).expand(*h.shape[:-1], n, h.shape[-1]).contiguous()
+def expand_streams(h: torch.Tensor, n: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """x_0 = 1_n h: copy the embedding [..., C] into n streams [..., n, C] in dtype (default h's; no learned
+    expansion)."""
+    return h.to(dtype or h.dtype).unsqueeze(-2).expand(*h.shape[:-1], n, h.shape[-1]).contiguous()
+
+
+def sum_streams(x: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """The "sum" collapse: the n streams [..., n, C] summed to [..., C] in dtype (default x's)."""
+    return x.sum(dim=-2, dtype=dtype)
 
 
 @no_autocast

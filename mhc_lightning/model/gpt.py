@@ -10,7 +10,8 @@ from typing import Iterator, Optional
 import torch
 import torch.nn as nn
 
-from ..kernels.reference import expand_streams, head_weights, stream_pre
+from ..kernels import get_ops
+from ..kernels.reference import head_weights, stream_pre
 from .config import GPTConfig
 from .hyper_connection import HyperConnection
 from .layers import Attention, RMSNorm, SwiGLU
@@ -66,7 +67,7 @@ class GPT(nn.Module):
         if not self.multi_stream:
             return x.to(dtype)
         if self.cfg.hyper.collapse == "sum":
-            return x.sum(dim=-2, dtype=dtype)
+            return get_ops(self.cfg.hyper.kernel_backend, x.device).sum_streams(x, dtype)
         return stream_pre(x, head_weights(x, self.head_phi, self.head_bias, self.head_alpha)).to(dtype)
 
     def stream_dtype(self, h: torch.Tensor) -> torch.dtype:
@@ -81,9 +82,10 @@ class GPT(nn.Module):
         if idx.shape[-1] > self.cfg.context:
             raise ValueError(f"sequence length {idx.shape[-1]} exceeds model context {self.cfg.context}")
         h = self.embed(idx)
-        x = h.to(self.stream_dtype(h))
-        if self.multi_stream:
-            x = expand_streams(x, self.n)
+        if self.multi_stream:  # the cast and the copy into n streams in one pass (one kernel each way when fused)
+            x = get_ops(self.cfg.hyper.kernel_backend, h.device).expand_streams(h, self.n, self.stream_dtype(h))
+        else:
+            x = h.to(self.stream_dtype(h))
         x = run_sublayers(self.sublayers, x, self.recompute_block)
         return self.lm_head(self.norm(self.collapse(x, h.dtype)))
 
