@@ -76,7 +76,8 @@ CONFIG = {
     # SM. Round 14: 240 us at 12 programs per SM, 248 at 8, unpipelined 246 (the sweep); in the trainer, profiled in
     # one process, 3.95-3.98 ms per step against 4.01 (docs/benchmarks.md)
     # dphi_first: the phi-gradient dots before dx's in the token loop (round 18): 49.7 KB of shared memory instead of
-    # 57.9 with an fp32 phi, so 4 CTAs per SM instead of 3 (kernel_resources.py, Triton 3.6)
+    # 57.9 with an fp32 phi, so 4 CTAs per SM instead of 3 (kernel_resources.py, Triton 3.6); in the trainer, profiled
+    # in one process, 3.77 vs 3.97 ms per step (16 programs per SM: 3.78)
     "coef_bwd_x": dict(BT=64, BK=64, num_warps=4, num_stages=2, programs_per_sm=12, dl_split=True, maxnreg=128,
                        loop_stages=2, dphi_first=True),
     # the same kernel on HC's one-stream rows (`hc_enter`, `rms_proj`'s backward: K = C). The cap as mHC's, timed on
@@ -109,7 +110,8 @@ CONFIG = {
     # not swept (memory-bound elementwise passes). fused false: the reference's torch ops in eager mode too (the A/B)
     "rope": dict(BR=64, num_warps=4, fused=True),
     # the stream's ends (kernels/fused/stream_ends.py: the embedding into n streams, their sum before the final norm,
-    # and each one's backward): BT rows, BC channels per program; not swept (copies). fused false: torch's ops (the A/B)
+    # and each one's backward): BT rows, BC channels per program; not swept (copies). fused false: torch's ops (the A/B;
+    # round 18, the trainer profiled in one process: 0.20 ms of kernels per step against about 0.61)
     "stream_ends": dict(BT=4, BC=512, num_warps=4, fused=True),
     # under torch.compile, route: the enter ops hand the write-back's gradient of x to their own x pass (`Routed`);
     # false: x itself is handed on and inductor sums the two gradients (the A/B of round 12's change)
