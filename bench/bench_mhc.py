@@ -77,6 +77,8 @@ DT = torch.float32 if args.smoke else torch.bfloat16
 PHI_DT = torch.float32 if args.phi_dtype == "fp32" else DT
 N_STREAMS = 4
 KERNEL_SHAPE = (64, 40) if args.smoke else (1024, 16384)  # (C, tokens) of the full sweep and --only-op
+# the paper's 20 Sinkhorn iterations; --smoke takes 4 (the interpreter's backward time grows ~ iters^2, as in the tests)
+SINKHORN_ITERS = 4 if args.smoke else 20
 T0 = time.time()
 torch.backends.cuda.matmul.allow_tf32 = True
 
@@ -140,7 +142,7 @@ L_R = {"1": 2, "2": 2}  # recompute block per shape key (set in main)
 
 def hyper_layer(branch, c, index, backend, mode="mhc"):
     cfg = HyperConfig(residual_mode=mode, n_streams=N_STREAMS, kernel_backend=backend, phi_init="normal",
-                      bias_init="a6" if mode != "hc" else "hc_identity", sinkhorn_iters=20)
+                      bias_init="a6" if mode != "hc" else "hc_identity", sinkhorn_iters=SINKHORN_ITERS)
     return HyperConnection(branch, c, index, cfg)
 
 
@@ -336,7 +338,7 @@ def check_ops(c, tokens):
     f = torch.randn(tokens, c, device=DEV, dtype=DT)
     leaves = [t.clone().requires_grad_() for t in (x, phi, bias, alpha, f)]
     refs = [t.double().requires_grad_() for t in (x, phi, bias, alpha, f)]
-    opts = MHCOptions(sinkhorn_iters=20)
+    opts = MHCOptions(sinkhorn_iters=SINKHORN_ITERS)
     res = {}
     outs = []
     for ops, ins in ((fused, leaves), (R, refs)):

@@ -224,7 +224,7 @@ def test_compiled_model_traces_once_more_when_the_sinkhorn_count_changes():
     torch._dynamo.reset()
     forward = compile_model(m, backend=counter)
     idx = text_batch(B=2, T=16)[:, :-1]
-    for iters in (4, 5, 3, 6, 2):
+    for iters in (4, 5, 2):  # a first count, a second (traced once more, symbolic), a third (no trace)
         for layer in m.sublayers:
             layer.sinkhorn_iters = iters
         loss = forward(idx).float().logsumexp(-1).mean()
