@@ -10,12 +10,17 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=["N"])
-def _expand(h_ptr, out_ptr, N, C, NS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+@triton.jit
+def _tile(N, C, BT: tl.constexpr, BC: tl.constexpr):
+    """This program's [BT, BC] block of an [N, C] grid: its rows (int64 offsets), channels and mask."""
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     cc = tl.program_id(1) * BC + tl.arange(0, BC)
-    rows64 = rows.to(tl.int64)
-    m2 = (rows < N)[:, None] & (cc[None, :] < C)
+    return rows.to(tl.int64), cc, (rows < N)[:, None] & (cc[None, :] < C)
+
+
+@triton.jit(do_not_specialize=["N"])
+def _expand(h_ptr, out_ptr, N, C, NS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    rows64, cc, m2 = _tile(N, C, BT, BC)
     h = tl.load(h_ptr + rows64[:, None] * C + cc[None, :], mask=m2, other=0.0).to(out_ptr.dtype.element_ty)
     for j in tl.static_range(NS):
         tl.store(out_ptr + rows64[:, None] * (NS * C) + j * C + cc[None, :], h, mask=m2)
@@ -23,10 +28,7 @@ def _expand(h_ptr, out_ptr, N, C, NS: tl.constexpr, BT: tl.constexpr, BC: tl.con
 
 @triton.jit(do_not_specialize=["N"])
 def _sum_streams(x_ptr, out_ptr, N, C, NS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    rows = tl.program_id(0) * BT + tl.arange(0, BT)
-    cc = tl.program_id(1) * BC + tl.arange(0, BC)
-    rows64 = rows.to(tl.int64)
-    m2 = (rows < N)[:, None] & (cc[None, :] < C)
+    rows64, cc, m2 = _tile(N, C, BT, BC)
     acc = tl.zeros([BT, BC], dtype=tl.float32)
     for j in tl.static_range(NS):
         acc += tl.load(x_ptr + rows64[:, None] * (NS * C) + j * C + cc[None, :], mask=m2, other=0.0).to(tl.float32)
