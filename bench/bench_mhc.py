@@ -48,8 +48,9 @@ p.add_argument("--quick", action="store_true",
                help="only residual + ours (eager) per shape, per-kernel table; --sweep then tries only SWEEP_QUICK")
 p.add_argument("--profile", action="store_true",
                help="per eager mHC variant: CUDA time per kernel over one training step (torch.profiler), top 25")
-p.add_argument("--profile-host", action="store_true",
-               help="per eager mHC variant: Python time per function over one step (cProfile), top 25 by own time")
+p.add_argument("--profile-host", nargs="?", const="", default=None, metavar="VARIANTS",
+               help="per eager mHC variant: Python time per function over one step (cProfile), top 25 by own time; "
+                    "VARIANTS (comma-separated): only the variants whose names contain one of them")
 p.add_argument("--phi-dtype", choices=("bf16", "fp32"), default="bf16",
                help="dtype of phi (the rest is bf16): fp32 is what the trainer holds under bf16-mixed (tf32 dots)")
 p.add_argument("--only-op", default=None, metavar="NAME",
@@ -661,7 +662,8 @@ def run_variant(name, make, x, rows, base):
                 r["profile"] = profile_step(step)
             except Exception as exc:  # the profile is extra: never lose the timing for it
                 r["profile"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-        if args.profile_host and "compile" not in name and "cudagraph" not in name:
+        if args.profile_host is not None and "compile" not in name and "cudagraph" not in name and (
+                not args.profile_host or any(k.strip() in name for k in args.profile_host.split(","))):
             try:
                 r["host_profile"] = profile_host(step, steps or 3)
             except Exception as exc:

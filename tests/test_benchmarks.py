@@ -30,7 +30,7 @@ def test_bench_mhc_refuses_a_sweep_it_cannot_run_before_any_work(tmp_path, argv,
 
 def test_bench_mhc_smoke_checks_and_times_every_wiring(tmp_path):
     out = _run(["bench/bench_mhc.py", "--smoke", "--shapes", "1", "--iters", "1", "--warmup", "0", "--skip", "recompute",
-                "--no-kernels", "--variants", "ours,hc", "--profile-host", "--out", str(tmp_path)], tmp_path)
+                "--no-kernels", "--variants", "ours,hc", "--profile-host", "ours (fused)", "--out", str(tmp_path)], tmp_path)
     data = json.loads((tmp_path / "bench_mhc.json").read_text())
     assert all(c["ok"] for c in data["checks"].values()), data["checks"]
     rows = {r["variant"]: r for r in data["stack"]}
@@ -39,6 +39,7 @@ def test_bench_mhc_smoke_checks_and_times_every_wiring(tmp_path):
     for r in rows.values():
         assert r["ms"] > 0 and r["host_ms"] > 0
     assert rows["ours (fused)"]["host_profile"][0]["own_ms"] > 0  # cProfile rows, largest first
+    assert all("host_profile" not in r for v, r in rows.items() if v != "ours (fused)")  # only the variant named
     assert "ms/step" in out
 
 
