@@ -1230,31 +1230,27 @@ class RopeQKV(torch.autograd.Function):
         return dqkv, None, None, None
 
 
+def _ends_launch(kernel, src: Tensor, out: Tensor, N: int, C: int, n: int) -> Tensor:
+    """One of the stream's-ends kernels over an [N, C] grid of rows (src and out contiguous); returns out."""
+    if N:
+        cfg = _cfg("stream_ends", BC=_np2(C, 16))
+        kernel[(_cdiv(N, cfg["BT"]), _cdiv(C, cfg["BC"]))](src, out, N, C, NS=n, BT=cfg["BT"], BC=cfg["BC"],
+                                                           **_launch(cfg))
+    return out
+
+
 def expand_rows(h: Tensor, n: int, dtype: torch.dtype) -> Tensor:
     """[..., C] -> [..., n, C] in dtype, every stream a copy of h (`_expand`)."""
     C = h.shape[-1]
-    rows = h.reshape(-1, C)
-    if rows.stride(-1) != 1 or rows.stride(0) != C:
-        rows = rows.contiguous()
-    out = _new((*h.shape[:-1], n, C), dtype, h.device)
-    if rows.shape[0]:
-        cfg = _cfg("stream_ends", BC=_np2(C, 16))
-        _expand[(_cdiv(rows.shape[0], cfg["BT"]), _cdiv(C, cfg["BC"]))](
-            rows, out, rows.shape[0], C, NS=n, BT=cfg["BT"], BC=cfg["BC"], **_launch(cfg))
-    return out
+    rows = h.reshape(-1, C).contiguous()
+    return _ends_launch(_expand, rows, _new((*h.shape[:-1], n, C), dtype, h.device), rows.shape[0], C, n)
 
 
 def sum_rows(x: Tensor, dtype: torch.dtype) -> Tensor:
     """[..., n, C] -> [..., C] in dtype, the n streams summed in fp32 (`_sum_streams`)."""
     n, C = x.shape[-2], x.shape[-1]
-    x = x.contiguous()
     out = _new((*x.shape[:-2], C), dtype, x.device)
-    N = out.numel() // max(C, 1)
-    if N:
-        cfg = _cfg("stream_ends", BC=_np2(C, 16))
-        _sum_streams[(_cdiv(N, cfg["BT"]), _cdiv(C, cfg["BC"]))](
-            x, out, N, C, NS=n, BT=cfg["BT"], BC=cfg["BC"], **_launch(cfg))
-    return out
+    return _ends_launch(_sum_streams, x.contiguous(), out, out.numel() // max(C, 1), C, n)
 
 
 class ExpandStreams(torch.autograd.Function):
