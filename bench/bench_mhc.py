@@ -505,7 +505,13 @@ SWEEP = dict(SWEEP_QUICK, **{  # full run, at C=1024: also the kernels every pat
     if PHI_DT != torch.float32 else  # the trainer's fp32 phi as 16-bit parts: the `split` tiles, Sinkhorn inside
     [dict(split=dict(BT=bt, BK=bk, num_warps=w, num_stages=st, u_inside_max_c=0, split_tail=False))
      for bt, bk, w, st in [(64, 64, 4, 3), (32, 64, 4, 3), (64, 64, 4, 4), (64, 128, 8, 3), (128, 64, 8, 3),
-                           (32, 128, 4, 3), (64, 32, 4, 4)]],
+                           (32, 128, 4, 3), (64, 32, 4, 4), (128, 64, 8, 4), (32, 64, 4, 4)]]
+    # Sinkhorn in its own launch after the GEMM programs (`coef_tail`): what the tail costs inside the GEMM kernel
+    + [dict(split=dict(BT=bt, BK=64, num_warps=w, num_stages=4, u_inside_max_c=0, split_tail=True))
+       for bt, w in [(64, 4), (32, 4), (128, 8)]]
+    # deeper pipelines: more of x in flight per SM at two CTAs per SM (round 19)
+    + [dict(split=dict(BT=64, BK=64, num_warps=4, num_stages=st, u_inside_max_c=0, split_tail=False))
+       for st in (5, 6)],
     "bnd_bwd": [dict(BT=bt, BC=bc, num_warps=w) for bt, bc, w in
                 [(16, 128, 8), (32, 64, 8), (32, 32, 4), (64, 64, 8), (32, 128, 8), (64, 32, 8), (16, 64, 8)]],
     # round 12 (device time): BT 8 at one warp 64 us, BT 4 at one warp 69, BT 8 at two warps (the old default) 81.

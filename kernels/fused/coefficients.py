@@ -122,14 +122,22 @@ def _res_index(NS: tl.constexpr, TRANSPOSE: tl.constexpr):
 @triton.jit
 def _res_tail(lg_ptr, bias_ptr, alpha_ptr, hres_ptr, rows64, rmask, rinv, iters, eps,
               NS: tl.constexpr, M: tl.constexpr, T_IN: tl.constexpr, T_OUT: tl.constexpr):
+    # The n x n logits are loaded and stored as flat rows of n^2 contiguous floats and reshaped: the [BT, n, n] tile
+    # then keeps each token's matrix inside one warp (a few lanes), so the Sinkhorn loop's row and column sums are
+    # register and shuffle reductions. Loaded as [BT, n, n] with strided offsets, Triton spread a matrix axis over
+    # warps whenever BT < 32 * num_warps, and every normalisation went through shared memory (docs/kernels.md).
     a_res = tl.load(alpha_ptr + 2).to(tl.float32)
-    idx = _res_index(NS, T_IN)
-    tok3 = rmask[:, None, None] & (idx[None, :, :] >= 0)
-    l_res = tl.load(lg_ptr + rows64[:, None, None] * M + 2 * NS + idx[None, :, :], mask=tok3, other=0.0)
-    w = a_res * rinv[:, None, None] * l_res + tl.load(bias_ptr + 2 * NS + idx).to(tl.float32)[None, :, :]
+    q = tl.arange(0, NS * NS)
+    tok2 = rmask[:, None] & (q[None, :] < NS * NS)
+    l_res = tl.load(lg_ptr + rows64[:, None] * M + 2 * NS + q[None, :], mask=tok2, other=0.0)
+    w = a_res * rinv[:, None] * l_res + tl.load(bias_ptr + 2 * NS + q).to(tl.float32)[None, :]
+    w = tl.reshape(w, [w.shape[0], NS, NS])  # w[t, a, b] = R[a, b]
+    if T_IN:
+        w = tl.permute(w, (0, 2, 1))
     p = _sinkhorn_fwd(w, iters, eps)
-    oidx = _res_index(NS, T_OUT)
-    tl.store(hres_ptr + rows64[:, None, None] * (NS * NS) + oidx[None, :, :], p, mask=tok3)
+    if T_OUT:
+        p = tl.permute(p, (0, 2, 1))
+    tl.store(hres_ptr + rows64[:, None] * (NS * NS) + q[None, :], tl.reshape(p, [p.shape[0], NS * NS]), mask=tok2)
 
 
 @triton.jit(do_not_specialize=["N", "iters"])

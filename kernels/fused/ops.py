@@ -40,10 +40,11 @@ CONFIG = {
     # split (phi as 16-bit parts, the trainer's): Sinkhorn in the GEMM kernel; its own launch tied on GPU time in the
     # trainer (78.05 vs 78.29 and 79.24 vs 79.11 ms of kernels per step, round 10) and costs a launch per sublayer of
     # host time (19-35 us each on the H200's host, round 11, docs/benchmarks.md); 4 stages: 1.27 vs 1.40 ms of kernel
-    # per trainer step (round 12)
+    # per trainer step (round 12); 5 stages (more of x in flight at two CTAs per SM): 1.144 vs 1.177 ms per trainer
+    # step, 85.4 vs 86.4 us for the whole mhc_pre forward in the sweep (round 19)
     "coef_fwd": dict(BT=64, BK=128, num_warps=8, num_stages=3, BC=16, split_tail=True, phi_split="interleaved",
                      u_inside_max_c=1024, tf32=dict(BT=128, BK=64, num_warps=4, u_inside_max_c=0),
-                     split=dict(BT=64, BK=64, num_warps=4, num_stages=4, u_inside_max_c=0, split_tail=False)),
+                     split=dict(BT=64, BK=64, num_warps=4, num_stages=5, u_inside_max_c=0, split_tail=False)),
     # HC's projection (`_coef_fwd`, one stream per row, K = C, no tail): the tile HC was measured with (round 5)
     "rms_proj": dict(BT=64, BK=64, num_warps=4, num_stages=3),
     # HC's tail backward (`_hc_tail_bwd`, per row, a few floats each; BC: C tile of hc_enter's <du, x_i>): not swept
