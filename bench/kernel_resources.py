@@ -71,6 +71,12 @@ def cases():
         ("mhc_pre fwd, fp32 phi, phi_split interleaved (the default)", _coef_fwd,
          dict(fwd, SPLIT=2, **_tiles(("coef_fwd", "split"), "BT", "BK", "BC")), {"x_ptr", "phi_ptr", "u_ptr"},
          ("coef_fwd", "split")),
+        # the trainer's launch at C = 1024 (the split tiles' split_tail false and u_inside_max_c 0): Sinkhorn inside,
+        # u by stream_pre's kernel afterwards
+        ("mhc_pre fwd, fp32 phi, as the trainer launches it", _coef_fwd,
+         dict(fwd, SPLIT=2, SINK=not _launch_config(("coef_fwd", "split"))["split_tail"],
+              HAS_U=1024 <= _launch_config(("coef_fwd", "split"))["u_inside_max_c"],
+              **_tiles(("coef_fwd", "split"), "BT", "BK", "BC")), {"x_ptr", "phi_ptr", "u_ptr"}, ("coef_fwd", "split")),
         ("mhc_pre fwd, fp32 phi, phi_split dots", _coef_fwd,
          dict(fwd, SPLIT=1, **_tiles(("coef_fwd", "split"), "BT", "BK", "BC")), {"x_ptr", "phi_ptr", "phil_ptr", "u_ptr"},
          ("coef_fwd", "split")),
