@@ -19,7 +19,7 @@ from .data import ByteTextDataModule
 from .errors import EXIT_USER_ERROR, UserError, one_line
 from .launcher import die_with_parent
 from .model import GPTConfig, HyperConfig
-from .module import LitLM, OptimConfig, check_compile
+from .module import LitLM, OptimConfig, check_compile, check_fused
 from .preflight import check_inputs
 from .resume import resolve_last
 from .tracking import MLflowSaveConfig, announce_run, label_runs
@@ -101,6 +101,7 @@ class MHCLightningCLI(LightningCLI):
         cfg = self.config.get(sub) if sub else self.config
         try:
             validate_model_config(cfg.model)
+            check_fused(cfg.model.optim.fused, cfg.trainer.precision)
         except (ValueError, TypeError) as err:
             (self._subcommand_parsers[sub] if sub else parser).error(f"invalid model configuration: {err}")
         # Inputs are checked here, not later: Lightning next replaces the model config by the checkpoint's

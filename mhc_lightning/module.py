@@ -35,9 +35,15 @@ class OptimConfig:
     eps: float = 1e-8
     warmup_steps: int = 50
     min_lr_ratio: float = 0.1
+    # AdamW's implementation: None picks torch's fused kernel when every parameter is on a CUDA device (one pass over
+    # parameters, gradients and moments instead of a dozen foreach passes; docs/benchmarks.md, round 20), else its
+    # default (foreach); true / false force fused / foreach
+    fused: Optional[bool] = None
 
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)
+        if self.fused not in (None, True, False):
+            raise ValueError(f"fused must be true, false or null (auto), got {self.fused!r}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.weight_decay < 0:
@@ -62,6 +68,19 @@ def lr_lambda(warmup: int, total: int, min_ratio: float):
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return f
+
+
+# Lightning precisions with a GradScaler (loss scaling)
+SCALED_PRECISIONS = ("16-mixed", "16")
+
+
+def check_fused(fused: Optional[bool], precision) -> None:
+    """A fused AdamW step unscales 16-mixed's gradients inside the step, after on_before_optimizer_step has logged
+    them and clipping has clipped them, both still scaled: refused there (auto picks foreach)."""
+    if fused and str(precision) in SCALED_PRECISIONS:
+        raise ValueError(f"model.optim.fused=true needs a precision without loss scaling, not trainer.precision="
+                         f"{precision} (the fused step unscales the gradients only after they were logged and clipped);"
+                         " allowed with it: 32-true, bf16-mixed, bf16-true; or set model.optim.fused to false or null")
 
 
 def check_compile(arch: GPTConfig, compile: bool, compile_mode: str = "default") -> None:
@@ -253,6 +272,23 @@ class LitLM(L.LightningModule):
             optimizer.zero_grad(set_to_none=True)
             self.log("train/skipped_step", host_scalar(1.0), on_step=True, on_epoch=False)
 
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """Norm clipping by the global norm `grad_norms` computed for this step's log (on_before_optimizer_step runs
+        just before): one pass over the gradients instead of two (`clip_grad_norm_` would compute the same norm
+        again), and a fused AdamW keeps its clipping under bf16-mixed (Lightning's mixed-precision plugin refuses to
+        clip for an optimizer that could unscale in its step). Whole gradients on every rank only (one device, DDP);
+        other strategies and value clipping go to Lightning."""
+        from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+        clip = self.trainer.gradient_clip_val if gradient_clip_val is None else gradient_clip_val
+        algorithm = (gradient_clip_algorithm or self.trainer.gradient_clip_algorithm or "norm").lower()
+        if not clip or algorithm != "norm" or not isinstance(self.trainer.strategy, (SingleDeviceStrategy, DDPStrategy)):
+            return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if grads:  # as clip_grad_norm_: scale by clip / (norm + 1e-6) where that is below 1
+            coef = torch.clamp(float(clip) / (self.grad_norms()[0] + 1e-6), max=1.0)
+            torch._foreach_mul_(grads, coef.to(grads[0].device))
+
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
         scale = self.lr_scale
         if scale == 1.0:
@@ -325,7 +361,14 @@ class LitLM(L.LightningModule):
 
     def configure_optimizers(self):
         o = self.optim
-        opt = torch.optim.AdamW(self.param_groups(), lr=o.lr, betas=o.betas, eps=o.eps)
+        groups = self.param_groups()
+        check_fused(o.fused, self.trainer.precision)
+        fused = o.fused
+        if fused is None:
+            fused = str(self.trainer.precision) not in SCALED_PRECISIONS and all(
+                p.is_cuda for g in groups for p in g["params"])
+        # fused=False would also turn foreach off: None leaves torch its default
+        opt = torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, fused=True if fused else None)
         total = int(self.trainer.estimated_stepping_batches)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(o.warmup_steps, total, o.min_lr_ratio))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

@@ -147,6 +147,8 @@ def test_interpolation_follows_later_overrides(tmp_path, monkeypatch):
     ("--model.arch.hyper.sinkhorn_iters=0", "model.arch.hyper.sinkhorn_iters must be >= 1"),
     ("--model.arch.n_heads=3", "model.arch.d_model must be divisible by n_heads"),
     ("--model.optim.lr=-0.1", "model.optim.lr must be > 0"),
+    ("--model.optim.fused=true --trainer.precision=16-mixed",
+     "model.optim.fused=true needs a precision without loss scaling, not trainer.precision=16-mixed"),
     ("--model.arch.hyper.bias_init=ones", "bias_init"),
     ("--model.compile=true --model.arch.hyper.chain_sublayers=true",
      "model.compile=true with model.arch.hyper.chain_sublayers=true is refused"),

@@ -125,3 +125,74 @@ def test_compile_mode_reaches_torch_compile_and_graphed_modes_mark_each_call(mon
     lit(idx)
     lit(idx)
     assert len(marks) == (2 if graphed else 0)
+
+
+class GradsAround(L.Callback):
+    """The gradients of the last step as clipping found them (on_before_optimizer_step runs just before it)."""
+
+    def __init__(self):
+        self.before: list[torch.Tensor] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.before = [p.grad.detach().clone() for p in pl_module.parameters() if p.grad is not None]
+
+
+def _clipped_grads(module, steps_seen: list) -> None:
+    """Record the gradients right after each call of the module's configure_gradient_clipping."""
+    clip = module.configure_gradient_clipping
+
+    def recorded(optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        clip(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        steps_seen.append([p.grad.detach().clone() for p in module.parameters() if p.grad is not None])
+
+    module.configure_gradient_clipping = recorded  # Lightning looks the hook up on the instance
+
+
+@pytest.mark.parametrize("clip", [1e-3, 1e6])
+def test_norm_clipping_reuses_the_logged_norm_and_matches_clip_grad_norm(tiny_corpus, monkeypatch, clip):
+    """Norm clipping scales the gradients by clip / (norm + 1e-6) where that is below 1, with the pre-clip norm the
+    step already computed for its log: one pass over the gradients (torch's clip_grad_norm_, which would compute the
+    norm again, is never called), the same gradients as clip_grad_norm_ gives (float64 reference); a clip above the
+    norm leaves them bit for bit."""
+    from test_callbacks_common import tiny_module
+
+    def refused(*a, **k):
+        raise AssertionError("clip_grad_norm_ was called")
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", refused)
+    monkeypatch.setattr(torch.nn.utils.clip_grad, "clip_grad_norm_", refused)
+    module, probe, after = tiny_module("mhc", diagnostics_every=0), GradsAround(), []
+    _clipped_grads(module, after)
+    tiny_fit(tiny_corpus, [probe], steps=2, module=module, gradient_clip_val=clip)
+    assert len(after) == 2 and len(after[-1]) == len(probe.before) > 0
+    norm = math.sqrt(sum(float(g.double().square().sum()) for g in probe.before))
+    coef = min(1.0, clip / (norm + 1e-6))
+    assert (coef < 1.0) == (clip < 1.0)  # clipping engaged exactly in the small-clip case
+    for g0, g1 in zip(probe.before, after[-1]):
+        if coef == 1.0:
+            assert torch.equal(g0, g1)
+        else:
+            torch.testing.assert_close(g1.double(), g0.double() * coef, rtol=1e-5, atol=1e-12)
+
+
+@pytest.mark.parametrize("fused,precision", [(True, "bf16-mixed"), (True, "32-true"), (None, "32-true"),
+                                             (False, "32-true")])
+def test_optimizer_implementation_follows_model_optim_fused(tiny_corpus, fused, precision):
+    """model.optim.fused: true runs torch's fused AdamW (and keeps norm clipping under bf16-mixed, which Lightning's
+    mixed-precision plugin refuses for an optimizer that could unscale in its step), false torch's default, null
+    (auto) fused on CUDA and the default on a CPU; the clipped step trains either way."""
+    from test_callbacks_common import ACCELERATOR
+    from mhc_lightning.model import GPTConfig
+    from mhc_lightning.module import LitLM, OptimConfig
+
+    L.seed_everything(0, verbose=False)
+    module = LitLM(arch=GPTConfig(n_layers=1, d_model=32, n_heads=2, context=32),
+                   optim=OptimConfig(lr=3e-3, warmup_steps=1, fused=fused), diagnostics_every=0)
+    before = [p.detach().clone() for p in module.parameters()]
+    trainer, module = tiny_fit(tiny_corpus, [], steps=2, module=module, gradient_clip_val=1e-3, precision=precision)
+    opt = trainer.optimizers[0]
+    want = fused if fused is not None else ACCELERATOR == "gpu"
+    assert bool(opt.defaults.get("fused")) == want and not (want and opt.defaults.get("foreach"))
+    assert trainer.global_step == 2
+    assert any(not torch.equal(a, b) for a, b in zip(before, module.parameters()))
+    assert all(bool(torch.isfinite(p).all()) for p in module.parameters())
