@@ -36,7 +36,19 @@ def _triton_importable() -> bool:
 
 
 def get_ops(backend: str, device: torch.device) -> ModuleType:
-    """auto = fused Triton kernels on CUDA, the reference elsewhere; torch = always the reference."""
+    """auto = fused Triton kernels on CUDA, the reference elsewhere; torch = always the reference. Every sublayer asks
+    twice per forward: the answer is kept per (backend, device type)."""
+    key = (backend, device.type)
+    ops = _CHOSEN.get(key)
+    if ops is None:
+        ops = _CHOSEN[key] = _choose(backend, device)
+    return ops
+
+
+_CHOSEN: dict = {}
+
+
+def _choose(backend: str, device: torch.device) -> ModuleType:
     if backend not in KERNEL_BACKENDS:
         raise ValueError(f"kernel_backend must be one of {list(KERNEL_BACKENDS)}, got {backend!r}")
     if backend == "torch" or (backend == "auto" and device.type != "cuda"):

@@ -56,11 +56,23 @@ def _coef_args(x, phi, bias, alpha, opts: MHCOptions) -> Optional[tuple]:
             float(opts.pre_eps), float(opts.post_mult))
 
 
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """x [..., n, C] as the ops' [N, n, C] (itself when already flat: a reshape costs host time, docs/kernels.md)."""
+    return x if x.dim() == 3 else x.reshape(-1, *x.shape[-2:])
+
+
+def _vec3(alpha: torch.Tensor) -> torch.Tensor:
+    """The three gates as the kernels take them, [3] (the model's parameter already is)."""
+    return alpha if alpha.dim() == 1 else alpha.reshape(3)
+
+
 def _coefs_out(phi, lead, n, h_pre, h_post, h_res):
-    h_pre, h_post = h_pre.reshape(*lead, n), h_post.reshape(*lead, n)
     if phi.shape[-1] == mhc_logit_count(n, False):
-        return h_pre, h_post, None
-    return h_pre, h_post, h_res.reshape(*lead, n, n)
+        h_res = None  # identity-HC: H^res = I
+    if len(lead) != 1:  # the ops' outputs are [N, ...]: flat inputs keep them as they are
+        h_pre, h_post = h_pre.reshape(*lead, n), h_post.reshape(*lead, n)
+        h_res = None if h_res is None else h_res.reshape(*lead, n, n)
+    return h_pre, h_post, h_res
 
 
 def mhc_coefficients(
@@ -69,9 +81,8 @@ def mhc_coefficients(
     args = _coef_args(x, phi, bias, alpha, opts)
     if args is None:
         return reference.mhc_coefficients(x, phi, bias, alpha, opts)
-    n, c = x.shape[-2], x.shape[-1]
-    h_pre, h_post, h_res, _, _ = ops.eager.coef(x.reshape(-1, n, c), phi, bias, alpha.reshape(3), *args)
-    return _coefs_out(phi, x.shape[:-2], n, h_pre, h_post, h_res)
+    h_pre, h_post, h_res, _, _ = ops.eager.coef(_flat(x), phi, bias, _vec3(alpha), *args)
+    return _coefs_out(phi, x.shape[:-2], x.shape[-2], h_pre, h_post, h_res)
 
 
 def mhc_pre(
@@ -82,9 +93,10 @@ def mhc_pre(
     if args is None:  # same composition as the reference, each part fused where it can be
         h_pre, h_post, h_res = mhc_coefficients(x, phi, bias, alpha, opts)
         return stream_pre(x, h_pre), h_pre, h_post, h_res
-    n, c = x.shape[-2], x.shape[-1]
-    u, h_pre, h_post, h_res, _, _ = ops.eager.mhc_pre(x.reshape(-1, n, c), phi, bias, alpha.reshape(3), *args)
-    return (u.reshape(*x.shape[:-2], c), *_coefs_out(phi, x.shape[:-2], n, h_pre, h_post, h_res))
+    lead = x.shape[:-2]
+    u, h_pre, h_post, h_res, _, _ = ops.eager.mhc_pre(_flat(x), phi, bias, _vec3(alpha), *args)
+    return (u if len(lead) == 1 else u.reshape(*lead, x.shape[-1]),
+            *_coefs_out(phi, lead, x.shape[-2], h_pre, h_post, h_res))
 
 
 def mhc_enter(
@@ -98,14 +110,17 @@ def mhc_enter(
     args = _coef_args(x, phi, bias, alpha, opts)
     if args is None:
         return (x, *mhc_pre(x, phi, bias, alpha, opts))
-    n, c = x.shape[-2], x.shape[-1]
-    xt, u, h_pre, h_post, h_res, _, _ = ops.eager.mhc_enter(x.reshape(-1, n, c), phi, bias, alpha.reshape(3), *args)
-    return (_handed_on(xt, x), u.reshape(*x.shape[:-2], c), *_coefs_out(phi, x.shape[:-2], n, h_pre, h_post, h_res))
+    lead = x.shape[:-2]
+    xt, u, h_pre, h_post, h_res, _, _ = ops.eager.mhc_enter(_flat(x), phi, bias, _vec3(alpha), *args)
+    return (_handed_on(xt, x), u if len(lead) == 1 else u.reshape(*lead, x.shape[-1]),
+            *_coefs_out(phi, lead, x.shape[-2], h_pre, h_post, h_res))
 
 
 def _handed_on(xt, x: torch.Tensor):
     """x' in x's shape: the alias (eager), or the `Routed` pair with x itself (its route stays [N, n, C])."""
-    return ops.Routed(x, xt.route) if isinstance(xt, ops.Routed) else xt.view(x.shape)
+    if isinstance(xt, ops.Routed):
+        return ops.Routed(x, xt.route)
+    return xt if xt.shape == x.shape else xt.view(x.shape)
 
 
 def _unrouted(x) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -127,8 +142,9 @@ def _post_res_fusable(x, f, h_post, h_res) -> bool:
 
 def _res3(x3: torch.Tensor, h_res: Optional[torch.Tensor]) -> torch.Tensor:
     """h_res as the kernels take it: [N, n, n], or [N, 0, 0] for H^res = I."""
-    n = x3.shape[1]
-    return x3.new_empty((x3.shape[0], 0, 0), dtype=torch.float32) if h_res is None else h_res.reshape(-1, n, n)
+    if h_res is None:
+        return x3.new_empty((x3.shape[0], 0, 0), dtype=torch.float32)
+    return h_res if h_res.dim() == 3 else h_res.reshape(-1, x3.shape[1], x3.shape[1])
 
 
 def mhc_boundary(
@@ -146,7 +162,7 @@ def mhc_boundary(
     lead = x.shape[:-2]
     x3 = x.reshape(-1, n, c)
     x_next, u, h_pre, h_post2, h_res2, _, _ = ops.eager.boundary(
-        x3, f.reshape(-1, c), h_post.reshape(-1, n), _res3(x3, h_res), phi, bias, alpha.reshape(3), *args)
+        x3, f.reshape(-1, c), h_post.reshape(-1, n), _res3(x3, h_res), phi, bias, _vec3(alpha), *args)
     return (x_next.reshape(x.shape), u.reshape(*lead, c), *_coefs_out(phi, lead, n, h_pre, h_post2, h_res2))
 
 
@@ -165,10 +181,12 @@ def stream_post_res(
     x, route = _unrouted(x)
     if not _post_res_fusable(x, f, h_post, h_res):
         return reference.stream_post_res(x, f, h_post, h_res)
+    args = (() if route is None else (route,))
+    if x.dim() == 3:  # flat already (the model's sublayers): no reshapes
+        return ops.eager.stream_post_res(x, f, h_post, _res3(x, h_res), *args)
     n, c = x.shape[-2], x.shape[-1]
     x3 = x.reshape(-1, n, c)
-    out = ops.eager.stream_post_res(x3, f.reshape(-1, c), h_post.reshape(-1, n), _res3(x3, h_res),
-                                    *(() if route is None else (route,)))
+    out = ops.eager.stream_post_res(x3, f.reshape(-1, c), h_post.reshape(-1, n), _res3(x3, h_res), *args)
     return out.reshape(x.shape)
 
 
@@ -242,15 +260,16 @@ def hc_enter(
         h_pre, h_post, h_res = hc_coefficients(x, *params, dynamic=dynamic, use_tanh=use_tanh, norm_eps=norm_eps)
         return x, stream_pre(x, h_pre), h_pre, h_post, h_res
     if _folds_hc_operands(x, params):
-        xt, u, h_pre, h_post, h_res, _, _ = ops.HCEnterFolded.apply(x.reshape(-1, n, c), *params, float(norm_eps),
+        xt, u, h_pre, h_post, h_res, _, _ = ops.HCEnterFolded.apply(_flat(x), *params, float(norm_eps),
                                                                     bool(use_tanh))
     else:
         w, statics = _hc_weights(x, *params)
-        xt, u, h_pre, h_post, h_res, _, _ = ops.eager.hc_enter(x.reshape(-1, n, c), w, statics, float(norm_eps),
-                                                               bool(use_tanh))
+        xt, u, h_pre, h_post, h_res, _, _ = ops.eager.hc_enter(_flat(x), w, statics, float(norm_eps), bool(use_tanh))
     lead = x.shape[:-2]
-    return _handed_on(xt, x), u.reshape(*lead, c), h_pre.reshape(*lead, n), h_post.reshape(*lead, n), \
-        h_res.reshape(*lead, n, n)
+    h_pre, h_post = h_pre.view(*lead, n), h_post.view(*lead, n)  # the ops give them per (token, stream) row
+    if len(lead) != 1:
+        u, h_res = u.reshape(*lead, c), h_res.reshape(*lead, n, n)
+    return _handed_on(xt, x), u, h_pre, h_post, h_res
 
 
 def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int):

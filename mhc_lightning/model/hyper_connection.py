@@ -104,10 +104,14 @@ class HyperConnection(nn.Module):
         return self.branch(u if p is None or not p.is_floating_point() else u.to(p.dtype))
 
     def remember(self, h_pre: torch.Tensor, h_post: torch.Tensor, h_res: Optional[torch.Tensor],
-                 out: torch.Tensor) -> None:
+                 out: torch.Tensor, lead: Optional[tuple] = None) -> None:
         """Keep the first sequence's coefficients for diagnostics while `record` is set; out is the stream this
-        sublayer wrote."""
+        sublayer wrote. lead: the stream's leading dims when the tensors come flat ([tokens, ...], `forward`)."""
         if self.record:
+            if lead is not None:
+                n = out.shape[-2]
+                h_pre, h_post, out = h_pre.view(*lead, n), h_post.view(*lead, n), out.view(*lead, *out.shape[-2:])
+                h_res = None if h_res is None else h_res.view(*lead, n, n)
             self.last = {"h_pre": h_pre[:1].detach(), "h_post": h_post[:1].detach(),
                          "h_res": None if h_res is None else h_res[:1].detach(),
                          "spread": stream_spread(out[:1].detach())}
@@ -136,18 +140,24 @@ class HyperConnection(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "residual":
             return x + self.run_branch(x).to(x.dtype)  # the stream keeps its dtype (the mHC ops do the same)
-        if self.chains:
-            return self.chain(self.enter(x), None)
+        # The ops run on the flat stream [tokens, n, C] and the branch on [..., C]: two views per sublayer, where
+        # each op reshaping its inputs and outputs took a dozen (host time in the eager step, docs/kernels.md)
+        lead, (n, C) = x.shape[:-2], x.shape[-2:]
+        flat = x if x.dim() == 3 else x.reshape(-1, n, C)
         ops = get_ops(self.cfg.kernel_backend, x.device)
-        c = self.cfg
-        # x' (the stream the write-back reads) comes out of the same op, so x's gradients meet in its x pass
-        xt, u, h_pre, h_post, h_res = ops.hc_enter(
-            x, self.norm_weight, self.w_beta, self.w_m, self.w_r, self.s_alpha, self.s_beta,
-            self.b_static, self.am_static, self.ar_static, dynamic=c.hc_dynamic, use_tanh=c.hc_tanh,
-        )
-        out = ops.stream_post_res(xt, self.run_branch(u), h_post, h_res)
-        self.remember(h_pre, h_post, h_res, out)
-        return out
+        if self.chains:
+            xt, u, h_pre, h_post, h_res = ops.mhc_enter(flat, self.phi, self.bias, self.alpha, self.options())
+        else:
+            c = self.cfg
+            # x' (the stream the write-back reads) comes out of the same op, so x's gradients meet in its x pass
+            xt, u, h_pre, h_post, h_res = ops.hc_enter(
+                flat, self.norm_weight, self.w_beta, self.w_m, self.w_r, self.s_alpha, self.s_beta,
+                self.b_static, self.am_static, self.ar_static, dynamic=c.hc_dynamic, use_tanh=c.hc_tanh,
+            )
+        f = self.run_branch(u.view(*lead, C))
+        out = ops.stream_post_res(xt, f.view(-1, C), h_post, h_res)
+        self.remember(h_pre, h_post, h_res, out, lead)
+        return out.view(*lead, n, C)
 
     def extra_repr(self) -> str:
         return f"mode={self.mode}, layer={self.layer_index}, n={self.cfg.streams}, sinkhorn_iters={self.sinkhorn_iters}"
