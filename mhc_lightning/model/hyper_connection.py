@@ -140,8 +140,8 @@ class HyperConnection(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "residual":
             return x + self.run_branch(x).to(x.dtype)  # the stream keeps its dtype (the mHC ops do the same)
-        # The ops run on the flat stream [tokens, n, C] and the branch on [..., C]: two views per sublayer, where
-        # each op reshaping its inputs and outputs took a dozen (host time in the eager step, docs/kernels.md)
+        # The ops run on the flat stream [tokens, n, C] and the branch on [..., C]: four views per sublayer, where
+        # each op reshaping its inputs and outputs took about a dozen (host time in the eager step, docs/kernels.md)
         lead, (n, C) = x.shape[:-2], x.shape[-2:]
         flat = x if x.dim() == 3 else x.reshape(-1, n, C)
         ops = get_ops(self.cfg.kernel_backend, x.device)
