@@ -9,6 +9,7 @@ import lightning as L
 import torch
 import torch._inductor
 import torch.nn.functional as F
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from torchmetrics import MeanMetric
 from torchmetrics.text import Perplexity
 
@@ -278,8 +279,6 @@ class LitLM(L.LightningModule):
         again), and a fused AdamW keeps its clipping under bf16-mixed (Lightning's mixed-precision plugin refuses to
         clip for an optimizer that could unscale in its step). Whole gradients on every rank only (one device, DDP);
         other strategies and value clipping go to Lightning."""
-        from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
-
         clip = self.trainer.gradient_clip_val if gradient_clip_val is None else gradient_clip_val
         algorithm = (gradient_clip_algorithm or self.trainer.gradient_clip_algorithm or "norm").lower()
         if not clip or algorithm != "norm" or not isinstance(self.trainer.strategy, (SingleDeviceStrategy, DDPStrategy)):
