@@ -84,27 +84,32 @@ def _sinkhorn_bwd(w, g, iters, eps, sc_ptr, rows64, rmask, N, NS: tl.constexpr):
     m2 = rmask[:, None] & (nn[None, :] < NS)
     ptr = sc_ptr + rows64[:, None] * NS + nn[None, :]
     step = N * NS  # pointer increments stay 64-bit; N * n < 2^31
-    n_norm = 2 * iters - 1
-    for k in range(n_norm):
-        if k % 2 == 0:
-            r = 1.0 / (tl.sum(p, axis=2) + eps)
-            p = p * r[:, :, None]
-        else:
-            r = 1.0 / (tl.sum(p, axis=1) + eps)
-            p = p * r[:, None, :]
+    # normalisation k is a row normalisation when k is even: 0, then (1, 2), (3, 4), ... in pairs, so that no step
+    # branches on its parity
+    r = 1.0 / (tl.sum(p, axis=2) + eps)
+    p = p * r[:, :, None]
+    tl.store(ptr, r, mask=m2)
+    for _ in range(iters - 1):
+        ptr += step
+        r = 1.0 / (tl.sum(p, axis=1) + eps)
+        p = p * r[:, None, :]
         tl.store(ptr, r, mask=m2)
         ptr += step
+        r = 1.0 / (tl.sum(p, axis=2) + eps)
+        p = p * r[:, :, None]
+        tl.store(ptr, r, mask=m2)
     tl.debug_barrier()  # the walk back reads r_k in another layout: make this CTA's stores visible
-    for kk in range(n_norm):
-        k = n_norm - 1 - kk
+    for _ in range(iters - 1):  # back through the pairs: row normalisation 2m, then column 2m - 1
+        r = tl.load(ptr, mask=m2, other=1.0)
+        g = (g - tl.sum(g * p, axis=2)[:, :, None]) * r[:, :, None]
+        p = p / r[:, :, None]
         ptr -= step
         r = tl.load(ptr, mask=m2, other=1.0)
-        if k % 2 == 0:
-            g = (g - tl.sum(g * p, axis=2)[:, :, None]) * r[:, :, None]
-            p = p / r[:, :, None]
-        else:
-            g = (g - tl.sum(g * p, axis=1)[:, None, :]) * r[:, None, :]
-            p = p / r[:, None, :]
+        g = (g - tl.sum(g * p, axis=1)[:, None, :]) * r[:, None, :]
+        p = p / r[:, None, :]
+        ptr -= step
+    r = tl.load(ptr, mask=m2, other=1.0)  # normalisation 0 (rows)
+    g = (g - tl.sum(g * p, axis=2)[:, :, None]) * r[:, :, None]
     return s * (g - tl.sum(g * s, axis=1)[:, None, :])
 
 
