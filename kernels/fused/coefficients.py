@@ -43,16 +43,28 @@ def _dot(a, b, acc, MODE: tl.constexpr):
 
 
 @triton.jit
-def _rownorm(p, eps):
-    # rows of the [BT, n, n] tile (axis 2) sum to 1; one reciprocal per row instead of n divisions
+def _row_step(p, eps):
+    # rows of the [BT, n, n] tile (axis 2) sum to 1; one reciprocal per row instead of n divisions. Returns the
+    # reciprocal sums too: the backward's replay stores them
     r = 1.0 / (tl.sum(p, axis=2) + eps)
-    return p * r[:, :, None]
+    return p * r[:, :, None], r
 
 
 @triton.jit
-def _colnorm(p, eps):
+def _col_step(p, eps):
     r = 1.0 / (tl.sum(p, axis=1) + eps)
-    return p * r[:, None, :]
+    return p * r[:, None, :], r
+
+
+@triton.jit
+def _row_step_back(g, p, r):
+    """Through row normalisation y = x r (r = 1 / row sums) backward: g for x, and x rebuilt from y = p."""
+    return (g - tl.sum(g * p, axis=2)[:, :, None]) * r[:, :, None], p / r[:, :, None]
+
+
+@triton.jit
+def _col_step_back(g, p, r):
+    return (g - tl.sum(g * p, axis=1)[:, None, :]) * r[:, None, :], p / r[:, None, :]
 
 
 @triton.jit
@@ -66,9 +78,10 @@ def _softmax_cols(w, eps):
 @triton.jit
 def _sinkhorn_fwd(w, iters, eps):
     """Canonical K(w): softmax_eps start, T_r, then (T_c, T_r) x (iters - 1). Rows exact."""
-    p = _rownorm(_softmax_cols(w, eps), eps)
+    p, _ = _row_step(_softmax_cols(w, eps), eps)
     for _ in range(iters - 1):
-        p = _rownorm(_colnorm(p, eps), eps)
+        p, _ = _col_step(p, eps)
+        p, _ = _row_step(p, eps)
     return p
 
 
@@ -86,30 +99,22 @@ def _sinkhorn_bwd(w, g, iters, eps, sc_ptr, rows64, rmask, N, NS: tl.constexpr):
     step = N * NS  # pointer increments stay 64-bit; N * n < 2^31
     # normalisation k is a row normalisation when k is even: 0, then (1, 2), (3, 4), ... in pairs, so that no step
     # branches on its parity
-    r = 1.0 / (tl.sum(p, axis=2) + eps)
-    p = p * r[:, :, None]
+    p, r = _row_step(p, eps)
     tl.store(ptr, r, mask=m2)
     for _ in range(iters - 1):
+        p, r = _col_step(p, eps)
         ptr += step
-        r = 1.0 / (tl.sum(p, axis=1) + eps)
-        p = p * r[:, None, :]
         tl.store(ptr, r, mask=m2)
+        p, r = _row_step(p, eps)
         ptr += step
-        r = 1.0 / (tl.sum(p, axis=2) + eps)
-        p = p * r[:, :, None]
         tl.store(ptr, r, mask=m2)
     tl.debug_barrier()  # the walk back reads r_k in another layout: make this CTA's stores visible
     for _ in range(iters - 1):  # back through the pairs: row normalisation 2m, then column 2m - 1
-        r = tl.load(ptr, mask=m2, other=1.0)
-        g = (g - tl.sum(g * p, axis=2)[:, :, None]) * r[:, :, None]
-        p = p / r[:, :, None]
+        g, p = _row_step_back(g, p, tl.load(ptr, mask=m2, other=1.0))
         ptr -= step
-        r = tl.load(ptr, mask=m2, other=1.0)
-        g = (g - tl.sum(g * p, axis=1)[:, None, :]) * r[:, None, :]
-        p = p / r[:, None, :]
+        g, p = _col_step_back(g, p, tl.load(ptr, mask=m2, other=1.0))
         ptr -= step
-    r = tl.load(ptr, mask=m2, other=1.0)  # normalisation 0 (rows)
-    g = (g - tl.sum(g * p, axis=2)[:, :, None]) * r[:, :, None]
+    g, _ = _row_step_back(g, p, tl.load(ptr, mask=m2, other=1.0))  # normalisation 0 (rows)
     return s * (g - tl.sum(g * s, axis=1)[:, None, :])
 
 
