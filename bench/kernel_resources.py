@@ -58,6 +58,12 @@ def xpass(entry):
                 DPHI_FIRST=ops.CONFIG[entry]["dphi_first"], **grad_dots(entry), **_tiles(entry, "BT", "BK"))
 
 
+def xpass_descs(entry):
+    """The x pass's tiles ops.bwd_x hands it as TMA descriptors, and their blocks."""
+    bt, bk = _tiles(entry, "BT", "BK").values()
+    return dict(x_ptr=(bt, bk), dl_ptr=(bt, MP), dx_ptr=(bt, bk), dxin_ptr=(bt, bk), du_ptr=(bt, bk))
+
+
 def cases():
     """(label, kernel, constexprs, bf16 pointer names, CONFIG entry for num_warps / num_stages)."""
     res = dict(NS=NS, M=M, HAS_RES=True, T_IN=True, T_OUT=False)
@@ -102,6 +108,9 @@ def cases():
         ("coef bwd x pass, fp32 phi (the trainer's)", _coef_bwd_x,
          dict(xpass("coef_bwd_x"), HAS_U=True, HAS_DX=True, ACC=True, PHI_LO=True),
          {"x_ptr", "dx_ptr", "du_ptr", "dxin_ptr"}, "coef_bwd_x"),
+        ("coef bwd x pass, fp32 phi, TMA descriptors", _coef_bwd_x,
+         dict(xpass("coef_bwd_x"), HAS_U=True, HAS_DX=True, ACC=True, PHI_LO=True, TMA=True),
+         {"x_ptr", "dx_ptr", "du_ptr", "dxin_ptr"}, "coef_bwd_x", xpass_descs("coef_bwd_x")),
         ("boundary bwd dphi pass", _coef_bwd_x, dict(xpass("bnd_dphi"), HAS_U=False, HAS_DX=False),
          {"x_ptr", "phi_ptr", "dx_ptr", "du_ptr"}, "bnd_dphi"),
         ("boundary bwd 2-D pass", _post_bwd_2d,
@@ -134,13 +143,16 @@ def divisible_args(kernel, constexprs) -> list[str]:
     return out
 
 
-def compile_one(kernel, constexprs, bf16, launch, arch):
+def compile_one(kernel, constexprs, bf16, launch, arch, descs=None):
+    """descs: {pointer name: block shape} for the arguments passed as TMA descriptors."""
     names = kernel.arg_names
     # constexprs a case leaves out keep their defaults (else the signature would make them runtime integers)
     constexprs = {**{q.name: q.default for q in kernel.params if q.is_constexpr and q.name not in constexprs
                      and q.default is not inspect.Parameter.empty}, **constexprs}
     sig = {n: "constexpr" if n in constexprs else ("*bf16" if n in bf16 else "*fp32") if n.endswith("_ptr")
            else "fp32" if n in FLOATS else "i32" for n in names}
+    for n, block in (descs or {}).items():  # tiles as host TMA descriptors (the kernels' TMA), by block shape
+        sig[n] = f"tensordesc<{sig[n][1:]}[{', '.join(str(b) for b in block)}]>"
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible_args(kernel, constexprs)}
     src = ASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
     opts = ops._launch(launch)  # the launch options a real launch passes (warps, stages, a register cap)
@@ -168,9 +180,9 @@ def main():
     p.add_argument("--out", default=None)
     args = p.parse_args()
     rows = []
-    for label, kernel, constexprs, bf16, cfg_name in cases():
+    for label, kernel, constexprs, bf16, cfg_name, *descs in cases():
         launch = _launch_config(cfg_name)
-        r = dict(kernel=label, config=launch, **compile_one(kernel, constexprs, bf16, launch, args.arch))
+        r = dict(kernel=label, config=launch, **compile_one(kernel, constexprs, bf16, launch, args.arch, *descs))
         rows.append(r)
         print(f"{label:<34} regs {r['registers']:>3}  stack {r['stack_bytes']:>4}  local {r['local_bytes']:>4} "
               f"smem {r['shared_bytes']:>6}  warps {r['num_warps']}  CTAs/SM: regs {r['ctas_per_sm_by_registers']}, "

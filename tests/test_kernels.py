@@ -429,6 +429,37 @@ def test_x_pass_with_the_phi_gradient_dots_first_or_last(dphi_first):
         _check_x_pass(lead, c, 4, torch.float32)
 
 
+TMA_SHAPE = ((150,), 64) if not CUDA else ((2, 1031), 1024)  # C a multiple of the x pass's BK: u's columns tile
+
+
+@pytest.mark.parametrize("n,phi_dtype", [(4, torch.float32), (2, torch.bfloat16), (8, torch.float32)])
+def test_x_pass_by_tma_descriptors(n, phi_dtype, monkeypatch):
+    """CONFIG tma: the x pass loads x, dL, dx_in, du and stores dx by TMA descriptor. A token count no multiple of the
+    token block and several token splits (rows past the end read as zero, none written; no block reaches into the
+    next split), against float64: the pass alone, the whole pre op (dx_in with the write-back), the boundary op's
+    phi-gradient pass (no dx). It must engage where the tensors allow, and fall back to pointers where they do not
+    (u's columns not whole tiles: C no multiple of BK; an odd row length: a row stride not 16-byte aligned)."""
+    torch.manual_seed(97 + n)
+    launched = []
+    _on_launch(monkeypatch, ("_coef_bwd_x",), lambda name, kwargs: launched.append(kwargs["TMA"]))
+    lead, c = TMA_SHAPE  # several token splits on the CPU too (3 of 64 tokens: _num_sms 1, 4 column blocks)
+    with config_changed("coef_bwd_x", tma=True), config_changed("bnd_dphi", tma=True):
+        _check_x_pass(lead, c, n, phi_dtype)
+        assert launched == [True]
+        _run_pre(_coef_inputs(lead, c, n, torch.bfloat16, phi_dtype=phi_dtype), torch.bfloat16, sinkhorn_iters=ITERS)
+        _run_boundary(_boundary_inputs(lead, c, n, torch.bfloat16, phi_dtype=phi_dtype), torch.bfloat16,
+                      sinkhorn_iters=ITERS)
+        assert len(launched) >= 3 and all(launched)
+        launched.clear()
+        _check_x_pass(lead, 40, n, phi_dtype)  # C = 40: u's tiles would straddle two streams
+        x = torch.randn(37, 4, 3, device=DEV).to(torch.bfloat16)  # rows of 12 bf16: 24 bytes, 16 does not divide
+        dl = torch.randn(37, R.mhc_logit_count(4, True), device=DEV)
+        dphi = torch.empty(12, dl.shape[1], device=DEV)
+        ops._sum_partials(ops.bwd_x(x, dphi, dl, torch.randn(37, device=DEV)), dphi)  # the phi gradient only
+        check(dphi, x.double().reshape(37, -1).t() @ dl.double(), 1e-4, "dphi, pointers")
+        assert launched == [False, False]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_phi_pairs_are_the_interleaved_hi_and_lo_parts(dtype):
     """`_phi_pairs` (one launch): columns 2j, 2j + 1 hold phi in dtype (hi) and the rest phi - hi (lo); hi + lo keeps

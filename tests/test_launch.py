@@ -54,6 +54,23 @@ def test_call_key_tells_apart_what_triton_specialises_on():
     assert (x.view(-1)[8:].data_ptr() & 15) == 0 and call_key(0, (x.view(-1)[8:],), {}) == call_key(0, (x,), {})
 
 
+def test_call_key_keeps_tma_descriptors_by_dtype_and_block():
+    """A TMA descriptor argument (the x pass's tiles, ops.bwd_x) is kept by its dtype and block shape, what Triton
+    specialises it on: another tensor or token count of the same kind takes the kept launch (the launcher encodes each
+    call's descriptor); another block or dtype does not."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    def desc(t, block=(64, 64)):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block))
+
+    x = torch.randn(128, 256, device=DEV, dtype=torch.bfloat16)
+    base = call_key(0, (desc(x), 128), dict(BT=64))
+    assert call_key(0, (desc(torch.randn(96, 256, device=DEV, dtype=torch.bfloat16)), 128), dict(BT=64)) == base
+    others = [call_key(0, (desc(x, (32, 64)), 128), dict(BT=64)), call_key(0, (desc(x.float()), 128), dict(BT=64)),
+              call_key(0, (x, 128), dict(BT=64))]
+    assert all(k != base for k in others) and len(set(others)) == len(others)
+
+
 needs_cuda = pytest.mark.skipif(not CUDA, reason="compiled kernels (CUDA): the interpreter has no launcher to call")
 
 

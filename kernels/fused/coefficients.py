@@ -472,7 +472,7 @@ def _coef_bwd_x(
     NS: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, DOT: tl.constexpr, HAS_U: tl.constexpr,
     HAS_DX: tl.constexpr, ALIGNED: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr = False,
     SPLIT: tl.constexpr = False, PHI_LO: tl.constexpr = False, U_ROWS: tl.constexpr = 1,
-    LOOP_STAGES: tl.constexpr = None, DPHI_FIRST: tl.constexpr = True,
+    LOOP_STAGES: tl.constexpr = None, DPHI_FIRST: tl.constexpr = True, TMA: tl.constexpr = False,
 ):
     """ACC (with HAS_DX): dx also adds dxin [N, K], the gradient x received from its other consumer (the write-back
     of the same sublayer, `mhc_enter`, `hc_enter`), so that autograd has no sum of two stream-sized gradients to run.
@@ -484,7 +484,11 @@ def _coef_bwd_x(
     shared memory; None, Triton's default, pipelines only the dots' operands (x, dL), not dx_in, du, h_pre, dss.
     DPHI_FIRST (CONFIG dphi_first): the phi-gradient dots before dx's, so that dL's 16-bit copies in shared memory
     are dead when dx's store converts its layout through shared memory, and the two reuse one buffer (Triton 3.6,
-    sm_90, fp32 phi: 49.7 KB instead of 57.9, 4 CTAs per SM instead of 3; bench/kernel_resources.py)."""
+    sm_90, fp32 phi: 49.7 KB instead of 57.9, 4 CTAs per SM instead of 3; bench/kernel_resources.py).
+    TMA (CONFIG tma): x, dL, dx_in, du and dx are host tensor descriptors (block [BT, BK], dL's [BT, MP]) instead of
+    pointers: the copy engine moves whole tiles, with no per-thread addresses or masks in the loop; rows and columns
+    past the tensors' ends read as zero and are not written. Token splits are whole token blocks (ops.bwd_x), so a
+    block never reaches into the next split's rows. Needs U_ROWS = 1 and, with HAS_U, ALIGNED."""
     pid_k = tl.program_id(0)
     pid_s = tl.program_id(1)
     kk = pid_k * BK + tl.arange(0, BK)
@@ -511,8 +515,12 @@ def _coef_bwd_x(
         rmask = rows < t_hi
         rows64 = rows.to(tl.int64)
         m2 = rmask[:, None] & kmask[None, :]
-        xt = tl.load(x_ptr + rows64[:, None] * stride_x + kk[None, :], mask=m2, other=0.0)
-        dlt = tl.load(dl_ptr + rows64[:, None] * M + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
+        if TMA:
+            xt = x_ptr.load([t0, pid_k * BK])
+            dlt = dl_ptr.load([t0, 0])
+        else:
+            xt = tl.load(x_ptr + rows64[:, None] * stride_x + kk[None, :], mask=m2, other=0.0)
+            dlt = tl.load(dl_ptr + rows64[:, None] * M + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
         xf = xt.to(tl.float32)
         if DPHI_FIRST:
             acc = _dphi_dots(acc, xt, dlt, SPLIT, DOT)
@@ -520,9 +528,15 @@ def _coef_bwd_x(
             dss = tl.load(dss_ptr + rows, mask=rmask, other=0.0)
             dx0 = 2.0 * xf * dss[:, None]
             if ACC:
-                dx0 += tl.load(dxin_ptr + rows64[:, None] * K + kk[None, :], mask=m2, other=0.0).to(tl.float32)
+                if TMA:
+                    dx0 += dxin_ptr.load([t0, pid_k * BK]).to(tl.float32)
+                else:
+                    dx0 += tl.load(dxin_ptr + rows64[:, None] * K + kk[None, :], mask=m2, other=0.0).to(tl.float32)
             if HAS_U:  # the u path of the fused pre op: dx_j += h_pre_j du (one dx for the whole op)
-                duv = tl.load(du_ptr + (rows64 // U_ROWS)[:, None] * C + cidx[None, :], mask=m2, other=0.0)
+                if TMA:
+                    duv = du_ptr.load([t0, pid_k * BK - s0 * C])
+                else:
+                    duv = tl.load(du_ptr + (rows64 // U_ROWS)[:, None] * C + cidx[None, :], mask=m2, other=0.0)
                 if ALIGNED:
                     hpj = tl.load(hpre_ptr + rows64 * NS + s0, mask=rmask, other=0.0)
                     dx0 += hpj[:, None] * duv.to(tl.float32)
@@ -538,7 +552,10 @@ def _coef_bwd_x(
                     dx = _dot(dl_hi, tl.trans(phi_lo), dx, DOT)
             else:
                 dx = _dot(dlt, tl.trans(phi_t), dx0, DOT)
-            tl.store(dx_ptr + rows64[:, None] * K + kk[None, :], dx.to(dx_ptr.dtype.element_ty), mask=m2)
+            if TMA:
+                dx_ptr.store([t0, pid_k * BK], dx.to(dx_ptr.dtype))
+            else:
+                tl.store(dx_ptr + rows64[:, None] * K + kk[None, :], dx.to(dx_ptr.dtype.element_ty), mask=m2)
         if not DPHI_FIRST:
             acc = _dphi_dots(acc, xt, dlt, SPLIT, DOT)
     tl.store(dphi_ptr + (pid_s * K + kk[:, None]).to(tl.int64) * M + cols[None, :], acc, mask=kmask[:, None] & cmask[None, :])

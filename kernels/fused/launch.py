@@ -20,8 +20,9 @@ import torch
 try:
     from triton import knobs
     from triton.runtime.jit import JITFunction
+    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - triton ships with torch's CUDA wheels and is a test dependency
-    knobs, JITFunction = None, ()
+    knobs, JITFunction, TensorDescriptor = None, (), ()
 
 Tensor = torch.Tensor
 MAX_KEYS = 256  # distinct calls kept per kernel (token counts, Sinkhorn counts); past it, the oldest half goes
@@ -81,9 +82,17 @@ class Launcher:
 
 def call_key(device: int, args: tuple, kwargs: dict) -> tuple:
     """What a launch is kept under (module docstring): the device, keyword arguments by name and value, and the
-    positional ones by value, tensors by dtype and 16-byte alignment."""
-    return (device, *kwargs.items(), *[(a.dtype, (a.data_ptr() & 15) == 0) if isinstance(a, Tensor) else a
-                                       for a in args])
+    positional ones by value, tensors by dtype and 16-byte alignment, TMA descriptors by dtype and block (what Triton
+    specialises them on; their shape and strides are runtime values, and the launcher encodes each call's descriptor)."""
+    return (device, *kwargs.items(), *[_arg_key(a) for a in args])
+
+
+def _arg_key(a):
+    if isinstance(a, Tensor):
+        return a.dtype, (a.data_ptr() & 15) == 0
+    if isinstance(a, TensorDescriptor):
+        return "desc", a.base.dtype, tuple(a.block_shape), a.padding
+    return a
 
 
 def _hooked() -> bool:

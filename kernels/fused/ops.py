@@ -16,7 +16,7 @@ import torch
 
 from . import coefficients, parameters, rope, stream_ends, stream_post_res, stream_pre
 from .coefficients import DOT_IEEE, DOT_NATIVE, DOT_TF32
-from .launch import Launcher
+from .launch import Launcher, TensorDescriptor
 
 Tensor = torch.Tensor
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -79,15 +79,18 @@ CONFIG = {
     # dphi_first: the phi-gradient dots before dx's in the token loop (round 18): 49.7 KB of shared memory instead of
     # 57.9 with an fp32 phi, so 4 CTAs per SM instead of 3 (kernel_resources.py, Triton 3.6); in the trainer, profiled
     # in one process, 3.77 vs 3.97 ms per step (16 programs per SM: 3.78)
+    # tma: x, dL, dx_in, du and dx tiles by TMA descriptor (no per-thread addresses or masks in the token loop, no
+    # spill at the register cap). Round 22, the trainer profiled in one process: 128.0 vs 157.1 us per call (82 vs
+    # 67 % of copy), 3.07 vs 3.77 ms per step; BT 32 with 3 stages 178 us, BT 32 capped at 96 registers 191
     "coef_bwd_x": dict(BT=64, BK=64, num_warps=4, num_stages=2, programs_per_sm=12, dl_split=True, maxnreg=128,
-                       loop_stages=2, dphi_first=True),
+                       loop_stages=2, dphi_first=True, tma=True),
     # the same kernel on HC's one-stream rows (`hc_enter`, `rms_proj`'s backward: K = C). The cap as mHC's, timed on
     # HC's trainer row (round 14, one process): steps 79.7 vs 80.3 ms (medians), 80.0 vs 83.1 (means) uncapped
     "hc_bwd_x": dict(BT=64, BK=64, num_warps=4, num_stages=2, programs_per_sm=8, dl_split=True, maxnreg=128,
                      loop_stages=None, dphi_first=True),
     # without dx: BK = 128 at 8 warps was the fastest in all four sweeps of round 7 (50-54 vs 56-66 us)
     "bnd_dphi": dict(BT=64, BK=128, num_warps=8, num_stages=2, programs_per_sm=4, dl_split=True, loop_stages=None,
-                     dphi_first=True),
+                     dphi_first=True, tma=False),
     "pre_fwd": dict(BT=4, BC=512, num_warps=4),
     "pre_bwd": dict(BT=4, BC=256, num_warps=4),
     "post_fwd": dict(BT=4, BC=256, num_warps=4),
@@ -456,20 +459,51 @@ def bwd_x(x, phi, dl, dss, dx=None, h_pre=None, du=None, dx_in=None, u_rows=1):
     N, n, C = x.shape
     K, M = n * C, phi.shape[1]
     cx = _cfg("bnd_dphi" if dx is None else "hc_bwd_x" if n == 1 else "coef_bwd_x", BK=_np2(K, 16))
-    kblocks = _cdiv(K, cx["BK"])
+    BT, BK, MP = cx["BT"], cx["BK"], _np2(M, 16)
+    kblocks = _cdiv(K, BK)
     want = max(1, cx["programs_per_sm"] * _num_sms(x.device) // kblocks)
-    tok = max(cx["BT"], _cdiv(_cdiv(N, want), cx["BT"]) * cx["BT"])
+    tok = max(BT, _cdiv(_cdiv(N, want), BT) * BT)  # whole token blocks per split (the kernel's TMA relies on it)
     splits = _cdiv(N, tok)
     dphi_part = _new((splits, K, M), torch.float32, x.device)
-    with_u = du is not None
+    with_u, aligned = du is not None, C % BK == 0
+    dot_kw = _grad_dots(x.dtype, phi.dtype, cx)
+    du = du.contiguous() if with_u else None
+    # the [N, K] / [N, C] / [N, M] tensors the loop tiles, then as TMA descriptors where every one qualifies
+    tiled = dict(x=x, dl=dl, dx=dx, dx_in=dx_in, du=du)
+    tma = cx.get("tma", False) and N > 0 and u_rows == 1 and (aligned or not with_u)
+    if tma:
+        rows = {k: _flat_rows(t) for k, t in tiled.items()}
+        tma = all(r is not None for k, r in rows.items() if tiled[k] is not None)
+    if tma:
+        tiled = {k: None if r is None else _desc(r, (BT, MP) if k == "dl" else (BT, BK)) for k, r in rows.items()}
     _coef_bwd_x[(kblocks, splits)](
-        x, phi, dl, dss, dl if dx is None else dx, dphi_part, h_pre.contiguous() if with_u else dl,
-        du.contiguous() if with_u else dl, dl if dx_in is None else dx_in, N, K, C, x.stride(0), phi.stride(0), tok,
-        NS=n, M=M, MP=_np2(M, 16), HAS_U=with_u, HAS_DX=dx is not None, ACC=dx_in is not None,
-        ALIGNED=C % cx["BK"] == 0, BT=cx["BT"], BK=cx["BK"], U_ROWS=u_rows, **_grad_dots(x.dtype, phi.dtype, cx),
-        LOOP_STAGES=cx.get("loop_stages"), DPHI_FIRST=cx["dphi_first"], **_launch(cx),
+        tiled["x"], phi, tiled["dl"], dss, _or(tiled["dx"], dss), dphi_part, h_pre.contiguous() if with_u else dss,
+        _or(tiled["du"], dss), _or(tiled["dx_in"], dss), N, K, C, x.stride(0), phi.stride(0), tok,
+        NS=n, M=M, MP=MP, HAS_U=with_u, HAS_DX=dx is not None, ACC=dx_in is not None,
+        ALIGNED=aligned, BT=BT, BK=BK, U_ROWS=u_rows, **dot_kw,
+        LOOP_STAGES=cx.get("loop_stages"), DPHI_FIRST=cx["dphi_first"], TMA=tma, **_launch(cx),
     )
     return dphi_part
+
+
+def _or(t, fallback):
+    return fallback if t is None else t
+
+
+def _flat_rows(t: Optional[Tensor]) -> Optional[Tensor]:
+    """t as the 2-D [rows, row length] a TMA descriptor tiles (each row's values contiguous, 16-byte aligned base and
+    row stride), or None where it cannot be."""
+    if t is None or t.dim() < 2 or t.data_ptr() % 16:
+        return None
+    lead, tail = t.shape[0], t.shape[1:].numel()
+    if t.dim() > 2 and not t[0].is_contiguous():
+        return None
+    r = t.view(lead, tail) if t.dim() > 2 else t
+    return r if r.stride(1) == 1 and (r.stride(0) * r.element_size()) % 16 == 0 else None
+
+
+def _desc(t: Tensor, block: tuple[int, int]):
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block))
 
 
 def _param_grads(phi, bias, alpha, dphi_part, part):
