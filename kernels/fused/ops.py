@@ -472,10 +472,9 @@ def bwd_x(x, phi, dl, dss, dx=None, h_pre=None, du=None, dx_in=None, u_rows=1):
     tiled = dict(x=x, dl=dl, dx=dx, dx_in=dx_in, du=du)
     tma = cx.get("tma", False) and N > 0 and u_rows == 1 and (aligned or not with_u)
     if tma:
-        rows = {k: _flat_rows(t) for k, t in tiled.items()}
-        tma = all(r is not None for k, r in rows.items() if tiled[k] is not None)
-    if tma:
-        tiled = {k: None if r is None else _desc(r, (BT, MP) if k == "dl" else (BT, BK)) for k, r in rows.items()}
+        descs = {k: t if t is None else _rows_desc(t, (BT, MP) if k == "dl" else (BT, BK)) for k, t in tiled.items()}
+        tma = all(d is not None for k, d in descs.items() if tiled[k] is not None)
+        tiled = descs if tma else tiled
     _coef_bwd_x[(kblocks, splits)](
         tiled["x"], phi, tiled["dl"], dss, _or(tiled["dx"], dss), dphi_part, h_pre.contiguous() if with_u else dss,
         _or(tiled["du"], dss), _or(tiled["dx_in"], dss), N, K, C, x.stride(0), phi.stride(0), tok,
@@ -490,20 +489,20 @@ def _or(t, fallback):
     return fallback if t is None else t
 
 
-def _flat_rows(t: Optional[Tensor]) -> Optional[Tensor]:
-    """t as the 2-D [rows, row length] a TMA descriptor tiles (each row's values contiguous, 16-byte aligned base and
-    row stride), or None where it cannot be."""
-    if t is None or t.dim() < 2 or t.data_ptr() % 16:
+def _rows_desc(t: Tensor, block: tuple[int, int]):
+    """A TMA descriptor of t as the 2-D [rows, row length] the x pass tiles (each row's values contiguous, base and
+    row stride 16-byte aligned), or None where t cannot be one. Built from t's strides directly: a descriptor per
+    tensor per sublayer is host time in every eager backward."""
+    shape, strides = t.shape, t.stride()
+    length, inner = 1, 1
+    for size, stride in zip(reversed(shape[1:]), reversed(strides[1:])):
+        if stride != inner and size != 1:
+            return None
+        length *= size
+        inner = length
+    if t.data_ptr() % 16 or (strides[0] * t.element_size()) % 16 or len(shape) < 2:
         return None
-    lead, tail = t.shape[0], t.shape[1:].numel()
-    if t.dim() > 2 and not t[0].is_contiguous():
-        return None
-    r = t.view(lead, tail) if t.dim() > 2 else t
-    return r if r.stride(1) == 1 and (r.stride(0) * r.element_size()) % 16 == 0 else None
-
-
-def _desc(t: Tensor, block: tuple[int, int]):
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block))
+    return TensorDescriptor(t, [shape[0], length], [strides[0], 1], list(block))
 
 
 def _param_grads(phi, bias, alpha, dphi_part, part):
