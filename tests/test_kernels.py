@@ -454,8 +454,8 @@ def test_x_pass_by_tma_descriptors(n, phi_dtype, monkeypatch):
         _check_x_pass(lead, 40, n, phi_dtype)  # C = 40: u's tiles would straddle two streams
         x = torch.randn(37, 4, 3, device=DEV).to(torch.bfloat16)  # rows of 12 bf16: 24 bytes, 16 does not divide
         dl = torch.randn(37, R.mhc_logit_count(4, True), device=DEV)
-        dphi = torch.empty(12, dl.shape[1], device=DEV)
-        ops._sum_partials(ops.bwd_x(x, dphi, dl, torch.randn(37, device=DEV)), dphi)  # the phi gradient only
+        phi, dphi = torch.randn(12, dl.shape[1], device=DEV), torch.empty(12, dl.shape[1], device=DEV)
+        ops._sum_partials(ops.bwd_x(x, phi, dl, torch.randn(37, device=DEV)), dphi)  # the phi gradient only
         check(dphi, x.double().reshape(37, -1).t() @ dl.double(), 1e-4, "dphi, pointers")
         assert launched == [False, False]
 
