@@ -121,6 +121,11 @@ def cases():
         ("stream_post_res bwd", _post_bwd_2d,
          dict(NS=NS, HAS_RES=True, COEF=False, M=1, MP=16, DOT=DOT_TF32, **_tiles("post_bwd", "BT", "BC")),
          {"x_ptr", "f_ptr", "g_ptr", "dx_ptr", "df_ptr"}, "post_bwd"),
+        # the trainer's tiles (C <= rows_max_c: whole rows), one token block per program or walked in a pipelined loop
+        *((f"stream_post_res bwd, rows, {stages or 'no'} loop stages", _post_bwd_2d,
+           dict(NS=NS, HAS_RES=True, COEF=False, M=1, MP=16, DOT=DOT_TF32, LOOP_STAGES=stages,
+                **_tiles(("post_bwd", "rows"), "BT", "BC")),
+           {"x_ptr", "f_ptr", "g_ptr", "dx_ptr", "df_ptr"}, ("post_bwd", "rows")) for stages in (0, 2, 3)),
         ("stream_pre fwd", _pre_fwd, dict(NS=NS, **_tiles("pre_fwd", "BT", "BC")), {"x_ptr", "u_ptr"}, "pre_fwd"),
         ("stream_pre bwd", _pre_bwd, dict(NS=NS, **_tiles("pre_bwd", "BT", "BC")), {"x_ptr", "du_ptr", "dx_ptr"},
          "pre_bwd"),

@@ -7,6 +7,7 @@ Tolerances follow docs/design.md §11 (Liger tiers): fp32 5e-4 / 1e-3 / 2e-3, bf
 with atol scaled by the reference's magnitude (reductions over tokens grow with N).
 """
 import json
+import math
 import os
 import subprocess
 import sys
@@ -232,18 +233,32 @@ def config_changed(name, **changes):
 
 
 # The stream_post_res backward with several C blocks per row (partials summed afterwards) and with one C block per
-# row (direct writes). C=1024 on CUDA: 4 blocks of 256; on CPU (C = 24, 40) 2-3 blocks of 16.
-POST_BWD_TILES = {"partials": dict(BT=8, BC=256 if CUDA else 16, rows_max_c=0), "rows": dict(BT=4, BC=4096, rows_max_c=0)}
+# row (direct writes). C=1024 on CUDA: 4 blocks of 256; on CPU (C = 24, 40) 2-3 blocks of 16. "looped": fewer
+# programs than token blocks, each walking several blocks (the last one partial) in its pipelined loop; on the CPU
+# one SM, so 2 programs (with partials: one per C block); on an H200 the trainer's one row per program.
+POST_BWD_TILES = {"partials": dict(BT=8, BC=256 if CUDA else 16, rows_max_c=0), "rows": dict(BT=4, BC=4096, rows_max_c=0),
+                  "looped": dict(BT=1 if CUDA else 4, BC=4096, rows_max_c=0, loop_stages=2, programs_per_sm=2),
+                  "looped partials": dict(BT=8, BC=256 if CUDA else 16, rows_max_c=0, loop_stages=3,
+                                          programs_per_sm=2)}
 
 
 @pytest.mark.parametrize("n,dtype,tiles", [
     (1, torch.float32, "rows"), (2, torch.bfloat16, "partials"), (4, torch.float32, "partials"),
     (4, torch.bfloat16, "rows"), (8, torch.float32, "rows"), (8, torch.bfloat16, "partials"),
+    (2, torch.float32, "looped"), (4, torch.bfloat16, "looped"), (8, torch.bfloat16, "looped partials"),
 ])
 @pytest.mark.parametrize("with_res", [True, False])
-def test_stream_post_res(n, dtype, tiles, with_res):
-    with config_changed("post_bwd", **POST_BWD_TILES[tiles]):
+def test_stream_post_res(n, dtype, tiles, with_res, monkeypatch):
+    grids = []
+    _on_launch(monkeypatch, ("_post_bwd_2d",), lambda name, kw: grids.append((kw["grid"], kw["LOOP_STAGES"])))
+    cfg = POST_BWD_TILES[tiles]
+    with config_changed("post_bwd", **cfg):
         _check_stream_post_res(n, dtype, with_res)
+    stages = cfg.get("loop_stages", 0)
+    assert grids and all(s == stages for _, s in grids)
+    if stages:  # each program walked several token blocks
+        tokens = [math.prod(lead) for lead, _ in SHAPES]
+        assert all(g[0] * cfg["BT"] * 2 <= t for (g, _), t in zip(grids, tokens)), (grids, tokens)
 
 
 def _check_stream_post_res(n, dtype, with_res):
@@ -540,14 +555,14 @@ def test_mhc_enter_then_write_back_matches_reference(n, dtype, mode, monkeypatch
 
 
 def _on_launch(monkeypatch, names, record):
-    """Each kernel in names, as ops launches it (`ops.name[grid](*args, **kwargs)`), calls record(name, kwargs) and
-    then launches for real."""
+    """Each kernel in names, as ops launches it (`ops.name[grid](*args, **kwargs)`), calls record(name, kwargs and
+    grid=grid) and then launches for real."""
     for name in names:
         real = getattr(ops, name)
 
         def launch(grid, name=name, real=real):
             def run(*args, **kwargs):
-                record(name, kwargs)
+                record(name, dict(kwargs, grid=grid))
                 return real[grid](*args, **kwargs)
             return run
         monkeypatch.setattr(ops, name, type("Watched", (), {"__getitem__": lambda self, grid, f=launch: f(grid)})())

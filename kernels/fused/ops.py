@@ -99,7 +99,10 @@ CONFIG = {
     # partials, no summing launch): trainer kernels 78.01 vs 78.05 ms per step (round 10), one launch and two
     # allocations less per sublayer of host time (round 11); one row per program at 4 warps: 3.21 vs 3.38 ms per step
     # (BT 2 at 8 warps; round 12)
-    "post_bwd": dict(BT=4, BC=256, num_warps=4, rows_max_c=1024, rows=dict(BT=1, BC=1024, num_warps=4)),
+    # loop_stages > 0: programs_per_sm programs per SM, each walking token blocks in a loop pipelined that deep
+    # (_post_bwd_2d LOOP_STAGES); 0: one program per token block
+    "post_bwd": dict(BT=4, BC=256, num_warps=4, rows_max_c=1024, loop_stages=0, programs_per_sm=8,
+                     rows=dict(BT=1, BC=1024, num_warps=4)),
     # post_bwd with COEF (the boundary op's dx pass); BT >= 16 for tl.dot. dl_split: dL phi^T on 16-bit parts as in
     # coef_bwd_x (tested against float64), off: 351 vs 346 us with a bf16 phi, 437 vs 354 with fp32 (round 7 sweeps)
     "bnd_bwd": dict(BT=16, BC=128, num_warps=8, dl_split=False),
@@ -855,11 +858,14 @@ def _post_bwd_run(g, x, f, h_post, h_res, coef=None):
         xn, du, dl, dss, hpre, phi = coef
         xn, du, hpre, phi = _rows(xn), du.contiguous(), hpre.contiguous(), _c_contig(phi)
         M, dots = phi.shape[1], _grad_dots(x.dtype, phi.dtype, cfg)
-    _post_bwd_2d[(_cdiv(N, cfg["BT"]), n_cblk)](
+    blocks, stages = _cdiv(N, cfg["BT"]), cfg.get("loop_stages") or 0
+    if stages:
+        blocks = min(blocks, max(1, cfg["programs_per_sm"] * _num_sms(dev) // n_cblk))
+    _post_bwd_2d[(blocks, n_cblk)](
         x, f, h_post.contiguous(), h_res.contiguous(), g, dx, df, php, phr, xn, du, dl, dss, hpre, phi,
         N, C, x.stride(0), x.stride(1), f.stride(0), phi.stride(0),
         NS=n, HAS_RES=has_res, COEF=coef is not None, M=M, MP=_np2(M, 16), BT=cfg["BT"], BC=cfg["BC"], **dots,
-        **_launch(cfg))
+        LOOP_STAGES=stages, **_launch(cfg))
     if n_cblk > 1:  # the per-C-block partials summed in one launch
         _sum_partials(php, dhp, wpart2=phr if has_res else None, dw2=dhr if has_res else None)
     return dx, df, dhp, dhr

@@ -51,6 +51,7 @@ def _post_bwd_2d(
     N, C, stride_xt, stride_xn, stride_ft, stride_phi,
     NS: tl.constexpr, HAS_RES: tl.constexpr, COEF: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,
     DOT: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SPLIT: tl.constexpr = False, PHI_LO: tl.constexpr = False,
+    LOOP_STAGES: tl.constexpr = 0,
 ):
     """Backward on the forward's 2-D grid (token block x C block), no C loop: every stream sum is a broadcast
     multiply-add and the only reductions are over this C block. dH [.., n, n] and dh_post [.., n] go to
@@ -58,8 +59,30 @@ def _post_bwd_2d(
     (no partial buffer, no second launch); otherwise per-C-block partials [n_cblk, N, ...] summed afterwards.
     COEF (BT >= 16 for tl.dot): g_i becomes G_i (module docstring) from x_next xn_ptr [N, n, C] (contiguous),
     du [N, C], dL [N, M] fp32, d(sum x^2) [N], the next h_pre [N, n] and phi [n*C, M]. SPLIT (bf16 streams): dL phi^T
-    on bf16 parts, dL = hi + lo and phi's hi (+ lo with PHI_LO), as `_coef_bwd_x` SPLIT does."""
-    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    on bf16 parts, dL = hi + lo and phi's hi (+ lo with PHI_LO), as `_coef_bwd_x` SPLIT does.
+    LOOP_STAGES > 0: fewer programs than token blocks, each walking token blocks pid, pid + programs, ... in a loop
+    pipelined that deep (tl.range num_stages: the next blocks' loads are async copies in flight while this one is
+    reduced and stored); 0: one token block per program."""
+    if LOOP_STAGES > 0:
+        for tb in tl.range(tl.program_id(0), tl.cdiv(N, BT), tl.num_programs(0), num_stages=LOOP_STAGES):
+            _post_bwd_tile(tb, x_ptr, f_ptr, hp_ptr, hr_ptr, g_ptr, dx_ptr, df_ptr, dhp_ptr, dhr_ptr, xn_ptr, du_ptr,
+                           dl_ptr, dss_ptr, hpre_ptr, phi_ptr, N, C, stride_xt, stride_xn, stride_ft, stride_phi,
+                           NS, HAS_RES, COEF, M, MP, DOT, BT, BC, SPLIT, PHI_LO)
+    else:
+        _post_bwd_tile(tl.program_id(0), x_ptr, f_ptr, hp_ptr, hr_ptr, g_ptr, dx_ptr, df_ptr, dhp_ptr, dhr_ptr, xn_ptr,
+                       du_ptr, dl_ptr, dss_ptr, hpre_ptr, phi_ptr, N, C, stride_xt, stride_xn, stride_ft, stride_phi,
+                       NS, HAS_RES, COEF, M, MP, DOT, BT, BC, SPLIT, PHI_LO)
+
+
+@triton.jit
+def _post_bwd_tile(
+    tb, x_ptr, f_ptr, hp_ptr, hr_ptr, g_ptr, dx_ptr, df_ptr, dhp_ptr, dhr_ptr, xn_ptr, du_ptr, dl_ptr, dss_ptr,
+    hpre_ptr, phi_ptr, N, C, stride_xt, stride_xn, stride_ft, stride_phi,
+    NS: tl.constexpr, HAS_RES: tl.constexpr, COEF: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,
+    DOT: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SPLIT: tl.constexpr, PHI_LO: tl.constexpr,
+):
+    """`_post_bwd_2d` on token block tb and this program's C block."""
+    rows = tb * BT + tl.arange(0, BT)
     cb = tl.program_id(1)
     cc = cb * BC + tl.arange(0, BC)
     rmask = rows < N
