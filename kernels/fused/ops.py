@@ -100,9 +100,13 @@ CONFIG = {
     # allocations less per sublayer of host time (round 11); one row per program at 4 warps: 3.21 vs 3.38 ms per step
     # (BT 2 at 8 warps; round 12)
     # loop_stages > 0: programs_per_sm programs per SM, each walking token blocks in a loop pipelined that deep
-    # (_post_bwd_2d LOOP_STAGES); 0: one program per token block
+    # (_post_bwd_2d LOOP_STAGES: the next rows' loads in flight while this one is reduced and stored); 0: one program
+    # per token block. The rows tiles since round 23, the trainer profiled in one process: 120.1 us per call at 2
+    # stages and 7 programs per SM (72 registers, 18.6 KB shared: all 7 resident), 125.1 at 3 stages and 6, against
+    # 135.1 one row per program (94 / 91 / 84 % of copy; docs/benchmarks.md). The partials' tiles (C > rows_max_c):
+    # not timed, unlooped
     "post_bwd": dict(BT=4, BC=256, num_warps=4, rows_max_c=1024, loop_stages=0, programs_per_sm=8,
-                     rows=dict(BT=1, BC=1024, num_warps=4)),
+                     rows=dict(BT=1, BC=1024, num_warps=4, loop_stages=2, programs_per_sm=7)),
     # post_bwd with COEF (the boundary op's dx pass); BT >= 16 for tl.dot. dl_split: dL phi^T on 16-bit parts as in
     # coef_bwd_x (tested against float64), off: 351 vs 346 us with a bf16 phi, 437 vs 354 with fp32 (round 7 sweeps)
     "bnd_bwd": dict(BT=16, BC=128, num_warps=8, dl_split=False),
