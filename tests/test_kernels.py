@@ -234,8 +234,9 @@ def config_changed(name, **changes):
 
 # The stream_post_res backward with several C blocks per row (partials summed afterwards) and with one C block per
 # row (direct writes). C=1024 on CUDA: 4 blocks of 256; on CPU (C = 24, 40) 2-3 blocks of 16. "looped": fewer
-# programs than token blocks, each walking several blocks (the last one partial) in its pipelined loop; on the CPU
-# one SM, so 2 programs (with partials: one per C block); on an H200 the trainer's one row per program.
+# programs than token blocks, each walking several blocks in its pipelined loop; on the CPU one SM, so 2 programs
+# (with partials: one per C block) and 37 / 38 tokens leave a partial last block of BT 4; on an H200 the trainer's
+# one row per program.
 POST_BWD_TILES = {"partials": dict(BT=8, BC=256 if CUDA else 16, rows_max_c=0), "rows": dict(BT=4, BC=4096, rows_max_c=0),
                   "looped": dict(BT=1 if CUDA else 4, BC=4096, rows_max_c=0, loop_stages=2, programs_per_sm=2),
                   "looped partials": dict(BT=8, BC=256 if CUDA else 16, rows_max_c=0, loop_stages=3,
