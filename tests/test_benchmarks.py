@@ -104,7 +104,9 @@ def test_bench_ddp_repeats_alternate_runs_kernel_config_variants_and_profiles(tm
     assert data["bench"]["mhc@split-1"]["kernel_config"] == split
     assert data["bench"]["residual-1"]["kernel_config"] is None
     assert data["bench"]["mhc@split-1"]["mode"] == "mhc"
-    assert set(data["summary"]["x_residual"]) == {"residual", "mhc@split"}
+    assert set(data["summary"]["x_residual"]) == set(data["summary"]["x_residual_median"]) == {"residual", "mhc@split"}
+    by_median = data["bench"]["mhc@split-1"]["step_ms_median"] / data["bench"]["residual-1"]["step_ms_median"]
+    assert data["summary"]["x_residual_median"]["mhc@split"]["1"] == pytest.approx(by_median)
     # --profile: one more run per variant, its ops' own time per step (host time on this CPU) beside the wall time
     assert set(data["profile"]) == {"residual", "mhc@split"}
     for rec in data["profile"].values():

@@ -398,7 +398,7 @@ def _coef_bwd_tok(
     x_ptr, du_ptr, N, NP, K, C, stride_x, iters, eps, post_mult,
     NS: tl.constexpr, M: tl.constexpr, HAS_RES: tl.constexpr, T_IN: tl.constexpr, T_OUT: tl.constexpr,
     HAS_U: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_DPRE: tl.constexpr = True,
-    LOOP_STAGES: tl.constexpr = None, INTERLEAVE: tl.constexpr = False,
+    LOOP_STAGES: tl.constexpr = None, INTERLEAVE: tl.constexpr = False, RES_STAGE: tl.constexpr = 0,
 ):
     """HAS_DPRE = False: h_pre had no gradient of its own (the model reads it only through u): dh_pre starts at zero
     (no zero tensor is made and filled for it). LOOP_STAGES: the <du, x_j> loop's pipelining depth (CONFIG
@@ -406,10 +406,19 @@ def _coef_bwd_tok(
     INTERLEAVE (with HAS_U and HAS_RES): odd programs run Sinkhorn's backward (compute, independent of the loop)
     before the <du, x_j> loop (memory) and even ones after it, so that while some programs of an SM stream du and x
     others compute instead of every program doing the two one after the other in step (timed in round 16: no faster,
-    CONFIG keeps it off)."""
+    CONFIG keeps it off).
+    RES_STAGE (with HAS_RES; CONFIG early_res): 0 does everything; 1 only the res logits' part (Sinkhorn's backward,
+    which needs dH alone), storing their share of d loss / d rinv in dss; 2 everything else, on the same grid and
+    buffers, adding that share. Stage 1 runs as soon as the write-back's backward has given dH, beside the branch's
+    backward (ops.EarlyRes); stage 2 when du has come."""
     pid = tl.program_id(0)
     rows64, rmask, nn, tok = _row_block(N, BT, NS)
     rinv = tl.load(rinv_ptr + rows64, mask=rmask, other=0.0)
+    if RES_STAGE == 1:
+        drinv = _tok_res(lg_ptr, bias_ptr, alpha_ptr, dres_ptr, dl_ptr, part_ptr, sc_ptr, pid, NP, rows64, rmask,
+                         rinv, N, iters, eps, NS, M, T_IN, T_OUT)
+        tl.store(dss_ptr + rows64, drinv, mask=rmask)
+        return
     a_pre = tl.load(alpha_ptr).to(tl.float32)
     a_post = tl.load(alpha_ptr + 1).to(tl.float32)
     # masked rows load dh = 0, so they contribute nothing to any reduction below
@@ -420,7 +429,11 @@ def _coef_bwd_tok(
     else:
         dh_pre = tl.zeros([BT, NS], dtype=tl.float32)
     drinv = tl.zeros([BT], dtype=tl.float32)
-    if HAS_RES:
+    if RES_STAGE == 2:  # the res logits' part ran in stage 1: their dL and partial sums are written
+        drinv = tl.load(dss_ptr + rows64, mask=rmask, other=0.0)
+        if HAS_U:
+            dh_pre = _tok_du_x(dh_pre, x_ptr, du_ptr, rows64, rmask, nn, C, stride_x, NS, BC, LOOP_STAGES)
+    elif HAS_RES:
         if HAS_U and INTERLEAVE:
             if pid % 2 == 1:
                 drinv = _tok_res(lg_ptr, bias_ptr, alpha_ptr, dres_ptr, dl_ptr, part_ptr, sc_ptr, pid, NP, rows64,
