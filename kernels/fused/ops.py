@@ -471,13 +471,19 @@ def bwd_tok(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_i
     return dl, dss, part
 
 
-def bwd_res(lg, rinv, bias, alpha, d_res, n, iters, eps, t_in, t_out):
-    """The per-token backward's first stage (`_coef_bwd_tok` RES_STAGE 1): the res logits' dL, their bias / alpha
-    partials and share of d loss / d rinv, from dH alone. Returns the buffers for `bwd_tok(early=...)`."""
+def res_buffers(lg: Tensor, n: int, iters: int) -> tuple[Tensor, ...]:
+    """`bwd_res`'s outputs: the per-token pass's buffers at its grid."""
+    N, M = lg.shape
+    return _tok_buffers(N, M, _cdiv(N, CONFIG["coef_bwd_tok"]["BT"]), n, iters, True, lg.device)
+
+
+def bwd_res(lg, rinv, bias, alpha, d_res, n, iters, eps, t_in, t_out, bufs):
+    """The per-token backward's first stage (`_coef_bwd_tok` RES_STAGE 1) into bufs (`res_buffers`): the res logits'
+    dL, their bias / alpha partials and share of d loss / d rinv, from dH alone; then `bwd_tok(early=bufs)`."""
     N, M = lg.shape
     ct = _cfg("coef_bwd_tok")
     n_prog = _cdiv(N, ct["BT"])
-    dl, dss, part, sc = bufs = _tok_buffers(N, M, n_prog, n, iters, True, lg.device)
+    dl, dss, part, sc = bufs
     _coef_bwd_tok[(n_prog,)](
         lg, rinv, bias, alpha, lg, lg, d_res.contiguous(), dl, dss, part, sc, lg, lg, N, n_prog, 1, 1, 1, iters, eps,
         1.0, NS=n, M=M, HAS_RES=True, T_IN=t_in, T_OUT=t_out, HAS_U=False, HAS_DPRE=False, BT=ct["BT"], BC=16,
@@ -696,17 +702,20 @@ class EarlyRes:
     def launch(self, d_res: Optional[Tensor]) -> None:
         if d_res is None or self.bufs is not None:
             return
-        args = (self.lg, self.rinv, self.bias, self.alpha, d_res, self.n, *self.opts)
+        # made on the compute stream, which reads them after the first stage and frees them
+        bufs = res_buffers(self.lg, self.n, self.opts[0])
+        args = (self.lg, self.rinv, self.bias, self.alpha, d_res, self.n, *self.opts, bufs)
         if not d_res.is_cuda:  # the interpreter: the first stage in order
-            self.bufs = bwd_res(*args)
+            bwd_res(*args)
         else:
             side = _side_stream(d_res.device)
             side.wait_stream(torch.cuda.current_stream(d_res.device))
             with torch.cuda.stream(side):
-                self.bufs = bwd_res(*args)
+                bwd_res(*args)
                 self.done = side.record_event()
-            for t in (d_res, self.lg, self.rinv, *self.bufs):
+            for t in (d_res, self.lg, self.rinv, *bufs):
                 t.record_stream(side)
+        self.bufs = bufs
         self.d_res = d_res
         self.ran_on = self._identity(d_res)
 
