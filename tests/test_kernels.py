@@ -660,14 +660,15 @@ class _Branch(torch.autograd.Function):
 @pytest.mark.parametrize("n,exact_axis", [(4, "rows"), (2, "cols"), (8, "rows")])
 @pytest.mark.parametrize("shared_h_res", [False, True])
 def test_the_res_backward_starts_before_the_branchs(n, exact_axis, shared_h_res, monkeypatch):
-    """CONFIG coef_bwd_tok early_res (eager): the write-back's backward launches the per-token pass's first stage
-    (Sinkhorn's backward, RES_STAGE 1) before autograd runs the branch's backward, on the side stream on a GPU; the
-    enter op's backward runs stage 2 with its buffers. Every gradient matches float64. When h_res has a second
-    consumer, the enter op's gradient of h_res is a sum the first stage never saw: the whole pass runs (stage 0)."""
+    """CONFIG coef_bwd_tok early_res (eager): the write-back's backward launches the res logits' part of the per-token
+    pass (Sinkhorn's backward, `_coef_bwd_res`) before autograd runs the branch's backward, on the side stream on a
+    GPU; the enter op's backward runs the rest (`_coef_bwd_tok` RES_DONE) with its buffers. Every gradient matches
+    float64. When h_res has a second consumer, the enter op's gradient of h_res is a sum the first part never saw:
+    the whole pass runs."""
     log = []
     main = torch.cuda.current_stream() if CUDA else None
-    _on_launch(monkeypatch, ("_coef_bwd_tok",), lambda name, kwargs: log.append(
-        ("tok", kwargs["RES_STAGE"], CUDA and torch.cuda.current_stream() != main)))
+    _on_launch(monkeypatch, ("_coef_bwd_res", "_coef_bwd_tok"), lambda name, kwargs: log.append(
+        (name, kwargs.get("RES_DONE"), CUDA and torch.cuda.current_stream() != main)))
     torch.manual_seed(94 + n)
     lead, c = SHAPES[1]
     opts = MHCOptions(sinkhorn_iters=ITERS, exact_axis=exact_axis)
@@ -687,10 +688,7 @@ def test_the_res_backward_starts_before_the_branchs(n, exact_axis, shared_h_res,
         log.clear()
         grads = _grads([out, extra], inputs, [g, torch.ones_like(ref_extra) if shared_h_res else None])
     ref_log = list(log)
-    if shared_h_res:
-        assert ref_log == [("tok", 1, CUDA), "branch", ("tok", 0, False)]
-    else:
-        assert ref_log == [("tok", 1, CUDA), "branch", ("tok", 2, False)]
+    assert ref_log == [("_coef_bwd_res", None, CUDA), "branch", ("_coef_bwd_tok", not shared_h_res, False)]
     want = _grads([ref, ref_extra], ref_in, [g, torch.ones_like(ref_extra) if shared_h_res else None])
     for name, a, b in zip(("dx", "dphi", "dbias", "dalpha", "dw"), grads, want):
         check(a, b, TOL[torch.bfloat16][2], name)

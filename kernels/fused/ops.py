@@ -142,9 +142,9 @@ def _launcher(fn) -> Launcher:
 
 
 # Every kernel as this module launches it (`_post_fwd[grid](...)`): through `Launcher` (kernels/fused/launch.py)
-_coef_bwd_tok, _coef_bwd_x, _coef_fwd, _coef_tail, _hc_tail_bwd = map(_launcher, (
-    coefficients._coef_bwd_tok, coefficients._coef_bwd_x, coefficients._coef_fwd, coefficients._coef_tail,
-    coefficients._hc_tail_bwd))
+_coef_bwd_res, _coef_bwd_tok, _coef_bwd_x, _coef_fwd, _coef_tail, _hc_tail_bwd = map(_launcher, (
+    coefficients._coef_bwd_res, coefficients._coef_bwd_tok, coefficients._coef_bwd_x, coefficients._coef_fwd,
+    coefficients._coef_tail, coefficients._hc_tail_bwd))
 _hc_operand_grads, _hc_operands, _param_grad_sum, _phi_pairs = map(_launcher, (
     parameters._hc_operand_grads, parameters._hc_operands, parameters._param_grad_sum, parameters._phi_pairs))
 _post_bwd_2d, _post_fwd = map(_launcher, (stream_post_res._post_bwd_2d, stream_post_res._post_fwd))
@@ -465,7 +465,7 @@ def bwd_tok(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_i
         dl if early else d_res.contiguous(), dl, dss, part, sc, x, du.contiguous() if with_u else x, N, n_prog, n * C,
         C, x.stride(0), iters, eps, post_mult, NS=n, M=M, HAS_RES=has_res, T_IN=t_in, T_OUT=t_out, HAS_U=with_u,
         HAS_DPRE=d_pre is not None, BT=ct["BT"], BC=min(ct.get("BC", 16), _np2(C, 16)),
-        LOOP_STAGES=ct.get("loop_stages"), INTERLEAVE=bool(ct.get("interleave")), RES_STAGE=2 if early else 0,
+        LOOP_STAGES=ct.get("loop_stages"), INTERLEAVE=bool(ct.get("interleave")), RES_DONE=bool(early),
         **_launch(ct),
     )
     return dl, dss, part
@@ -478,17 +478,14 @@ def res_buffers(lg: Tensor, n: int, iters: int) -> tuple[Tensor, ...]:
 
 
 def bwd_res(lg, rinv, bias, alpha, d_res, n, iters, eps, t_in, t_out, bufs):
-    """The per-token backward's first stage (`_coef_bwd_tok` RES_STAGE 1) into bufs (`res_buffers`): the res logits'
-    dL, their bias / alpha partials and share of d loss / d rinv, from dH alone; then `bwd_tok(early=bufs)`."""
+    """The per-token backward's res logits' part (`_coef_bwd_res`) into bufs (`res_buffers`): their dL, bias / alpha
+    partials and share of d loss / d rinv, from dH alone; then `bwd_tok(early=bufs)` does the rest."""
     N, M = lg.shape
     ct = _cfg("coef_bwd_tok")
     n_prog = _cdiv(N, ct["BT"])
     dl, dss, part, sc = bufs
-    _coef_bwd_tok[(n_prog,)](
-        lg, rinv, bias, alpha, lg, lg, d_res.contiguous(), dl, dss, part, sc, lg, lg, N, n_prog, 1, 1, 1, iters, eps,
-        1.0, NS=n, M=M, HAS_RES=True, T_IN=t_in, T_OUT=t_out, HAS_U=False, HAS_DPRE=False, BT=ct["BT"], BC=16,
-        LOOP_STAGES=ct.get("loop_stages"), INTERLEAVE=False, RES_STAGE=1, **_launch(ct),
-    )
+    _coef_bwd_res[(n_prog,)](lg, rinv, bias, alpha, d_res.contiguous(), dl, dss, part, sc, N, n_prog, iters, eps,
+                             NS=n, M=M, T_IN=t_in, T_OUT=t_out, BT=ct["BT"], **_launch(ct))
     return bufs
 
 
@@ -686,9 +683,9 @@ class EarlyRes:
     """The res logits' backward started by the write-back's backward, eager only (CONFIG coef_bwd_tok early_res).
 
     Autograd runs a sublayer's backward as write-back, branch, then the enter op's. Sinkhorn's backward needs only
-    dH, which the write-back's backward gives; so that backward launches it (`bwd_res`, `_coef_bwd_tok` stage 1) on a
+    dH, which the write-back's backward gives; so that backward launches it (`bwd_res`, `_coef_bwd_res`) on a
     side CUDA stream, where it runs beside the branch's backward, and the enter op's backward waits for it before
-    the rest of the per-token pass (stage 2). The enter op hangs this on its h_res output; the write-back finds it
+    the rest of the per-token pass (`_coef_bwd_tok` RES_DONE). The enter op hangs this on its h_res output; the write-back finds it
     there. Buffers are made on the compute stream and marked as used by the side stream (record_stream), so the
     allocator never hands them out while the side stream may still touch them. If the gradient the enter op
     receives for h_res is not the one the write-back gave (another consumer of h_res added to it), the first stage
