@@ -639,61 +639,6 @@ def test_the_per_token_backward_in_either_order(interleave, exact_axis, monkeypa
         check(a, b, TOL[torch.bfloat16][2], name)
 
 
-class _Branch(torch.autograd.Function):
-    """tanh(u w) with its backward noted in `log`: where the branch's backward falls among the kernel launches."""
-
-    @staticmethod
-    def forward(ctx, u, w, log):
-        y = torch.tanh(u.float() * w)
-        ctx.save_for_backward(y, u, w)
-        ctx.log = log
-        return y.to(u.dtype)
-
-    @staticmethod
-    def backward(ctx, g):
-        y, u, w = ctx.saved_tensors
-        ctx.log.append("branch")
-        d = g.float() * (1 - y * y)
-        return (d * w).to(u.dtype), (d * u.float()).sum(0), None
-
-
-@pytest.mark.parametrize("n,exact_axis", [(4, "rows"), (2, "cols"), (8, "rows")])
-@pytest.mark.parametrize("shared_h_res", [False, True])
-def test_the_res_backward_starts_before_the_branchs(n, exact_axis, shared_h_res, monkeypatch):
-    """CONFIG coef_bwd_tok early_res (eager): the write-back's backward launches the res logits' part of the per-token
-    pass (Sinkhorn's backward, `_coef_bwd_res`) before autograd runs the branch's backward, on the side stream on a
-    GPU; the enter op's backward runs the rest (`_coef_bwd_tok` RES_DONE) with its buffers. Every gradient matches
-    float64. When h_res has a second consumer, the enter op's gradient of h_res is a sum the first part never saw:
-    the whole pass runs."""
-    log = []
-    main = torch.cuda.current_stream() if CUDA else None
-    _on_launch(monkeypatch, ("_coef_bwd_res", "_coef_bwd_tok"), lambda name, kwargs: log.append(
-        (name, kwargs.get("RES_DONE"), CUDA and torch.cuda.current_stream() != main)))
-    torch.manual_seed(94 + n)
-    lead, c = SHAPES[1]
-    opts = MHCOptions(sinkhorn_iters=ITERS, exact_axis=exact_axis)
-    inputs = _coef_inputs(lead, c, n, torch.bfloat16) + [_leaf(torch.randn(c, device=DEV))]
-
-    def block(ops_, x, phi, bias, alpha, w):
-        xt, u, _, h_post, h_res = ops_.mhc_enter(x, phi, bias, alpha, opts)
-        f = _Branch.apply(u.view(-1, c), w.to(torch.float32), log).view(u.shape)
-        out = ops_.stream_post_res(xt, f.to(u.dtype), h_post, h_res)
-        return out, (h_res * h_res).sum() if shared_h_res else None
-
-    with config_changed("coef_bwd_tok", early_res=True):
-        out, extra = block(fused, *inputs)
-        ref_in = _f64(inputs)
-        ref, ref_extra = block(R, *ref_in)
-        g = _upstream(ref, out)
-        log.clear()
-        grads = _grads([out, extra], inputs, [g, torch.ones_like(ref_extra) if shared_h_res else None])
-    ref_log = list(log)
-    assert ref_log == [("_coef_bwd_res", None, CUDA), "branch", ("_coef_bwd_tok", not shared_h_res, False)]
-    want = _grads([ref, ref_extra], ref_in, [g, torch.ones_like(ref_extra) if shared_h_res else None])
-    for name, a, b in zip(("dx", "dphi", "dbias", "dalpha", "dw"), grads, want):
-        check(a, b, TOL[torch.bfloat16][2], name)
-
-
 @pytest.mark.parametrize("m", [3, 6, 10, 20])  # n + 2 for n = 1, 4, 8; and wider
 @pytest.mark.parametrize("dtype,split", [(torch.float32, False), (torch.bfloat16, False),
                                          (torch.bfloat16, "interleaved"), (torch.bfloat16, "in_kernel")])

@@ -26,10 +26,9 @@ def test_every_kernel_ops_launches_is_wrapped_once():
     by that type), each wrapping the kernel of its name; no bare kernel is left to launch around it."""
     mods = {m: importlib.import_module(f"mhc_lightning.kernels.fused.{m}") for m in MODULES}
     wrapped = {name: v for name, v in vars(ops).items() if isinstance(v, Launcher)}
-    assert set(wrapped) == {"_coef_bwd_res", "_coef_bwd_tok", "_coef_bwd_x", "_coef_fwd", "_coef_tail", "_expand",
-                            "_hc_operand_grads", "_hc_operands", "_hc_tail_bwd", "_param_grad_sum", "_phi_pairs",
-                            "_post_bwd_2d", "_post_fwd", "_pre_bwd", "_pre_fwd", "_rope_bwd", "_rope_fwd",
-                            "_sum_streams"}
+    assert set(wrapped) == {"_coef_bwd_tok", "_coef_bwd_x", "_coef_fwd", "_coef_tail", "_expand", "_hc_operand_grads",
+                            "_hc_operands", "_hc_tail_bwd", "_param_grad_sum", "_phi_pairs", "_post_bwd_2d",
+                            "_post_fwd", "_pre_bwd", "_pre_fwd", "_rope_bwd", "_rope_fwd", "_sum_streams"}
     for name, launcher in wrapped.items():
         assert any(getattr(mod, name, None) is launcher.fn for mod in mods.values()), name
     assert not [name for name, v in vars(ops).items() if hasattr(v, "arg_names")]  # a bare Triton function

@@ -235,31 +235,3 @@ def test_config_values_and_cli(tmp_path, monkeypatch):
     assert cli.model.arch.recompute_block == "auto" and cli.model.arch.stream_dtype == "bfloat16"
     assert cli.model.model.recompute_block == optimal_block(8, 4)
     assert build_cli(base + ["--model.arch.recompute_block=3"], run=False).model.model.recompute_block == 3
-
-
-def test_early_res_backward_with_and_without_recompute(monkeypatch):
-    """CONFIG coef_bwd_tok early_res (ops.EarlyRes): every sublayer's Sinkhorn backward runs apart (`_coef_bwd_res`,
-    started by the write-back's backward; on a GPU on the side stream) and the per-token pass does the rest, with and
-    without selective recompute; loss and every gradient are those of the whole pass."""
-    from mhc_lightning.kernels.fused import ops
-    dev = "cuda" if torch.cuda.is_available() else "cpu"  # on the CPU the interpreter (conftest), in order
-    launches = []
-    for name in ("_coef_bwd_res", "_coef_bwd_tok"):
-        real = getattr(ops, name)
-        monkeypatch.setattr(ops, name, type("Watched", (), {"__getitem__": lambda self, grid, name=name, real=real: (
-            lambda *a, **k: launches.append((name, k.get("RES_DONE"))) or real[grid](*a, **k))})())
-    base = randomized(model(kernel_backend="triton", sinkhorn_iters=4)).to(dev)
-    idx = tokens().to(dev)
-    loss0, grads0 = loss_and_grads(base, idx)
-    assert launches == [("_coef_bwd_tok", False)] * 4  # 2 layers, 2 sublayers each
-    for block in (0, 2):
-        m = model(block=block, kernel_backend="triton", sinkhorn_iters=4).to(dev)
-        m.load_state_dict(base.state_dict())
-        launches.clear()
-        monkeypatch.setitem(ops.CONFIG, "coef_bwd_tok", dict(ops.CONFIG["coef_bwd_tok"], early_res=True))
-        loss, grads = loss_and_grads(m, idx)
-        monkeypatch.setitem(ops.CONFIG, "coef_bwd_tok", dict(ops.CONFIG["coef_bwd_tok"], early_res=False))
-        assert sorted(launches) == [("_coef_bwd_res", None)] * 4 + [("_coef_bwd_tok", True)] * 4, (block, launches)
-        torch.testing.assert_close(loss, loss0, rtol=0, atol=0)
-        for name, g in grads.items():
-            torch.testing.assert_close(g, grads0[name], rtol=1e-6, atol=1e-7, msg=lambda s: f"{block} {name}: {s}")

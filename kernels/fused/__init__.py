@@ -71,17 +71,8 @@ def _coefs_out(phi, lead, n, h_pre, h_post, h_res):
         h_res = None  # identity-HC: H^res = I
     if len(lead) != 1:  # the ops' outputs are [N, ...]: flat inputs keep them as they are
         h_pre, h_post = h_pre.reshape(*lead, n), h_post.reshape(*lead, n)
-        h_res = None if h_res is None else _reshaped(h_res, (*lead, n, n))
+        h_res = None if h_res is None else h_res.reshape(*lead, n, n)
     return h_pre, h_post, h_res
-
-
-def _reshaped(h_res: torch.Tensor, shape) -> torch.Tensor:
-    """h_res reshaped, still carrying the enter op's `ops.EarlyRes` for the write-back that reads it."""
-    out = h_res.reshape(shape)
-    early = getattr(h_res, "mhc_early_res", None)
-    if early is not None:
-        out.mhc_early_res = early
-    return out
 
 
 def mhc_coefficients(
@@ -153,7 +144,7 @@ def _res3(x3: torch.Tensor, h_res: Optional[torch.Tensor]) -> torch.Tensor:
     """h_res as the kernels take it: [N, n, n], or [N, 0, 0] for H^res = I."""
     if h_res is None:
         return x3.new_empty((x3.shape[0], 0, 0), dtype=torch.float32)
-    return h_res if h_res.dim() == 3 else _reshaped(h_res, (-1, x3.shape[1], x3.shape[1]))
+    return h_res if h_res.dim() == 3 else h_res.reshape(-1, x3.shape[1], x3.shape[1])
 
 
 def mhc_boundary(

@@ -393,28 +393,12 @@ def _tok_res(lg_ptr, bias_ptr, alpha_ptr, dres_ptr, dl_ptr, part_ptr, sc_ptr, pi
 
 
 @triton.jit(do_not_specialize=["N", "NP", "iters"])
-def _coef_bwd_res(
-    lg_ptr, rinv_ptr, bias_ptr, alpha_ptr, dres_ptr, dl_ptr, dss_ptr, part_ptr, sc_ptr, N, NP, iters, eps,
-    NS: tl.constexpr, M: tl.constexpr, T_IN: tl.constexpr, T_OUT: tl.constexpr, BT: tl.constexpr,
-):
-    """The per-token backward's res logits' part alone (Sinkhorn's backward, which needs dH only): their dL, this
-    program's partial sums, and their share of d loss / d rinv into dss, on `_coef_bwd_tok`'s grid and buffers; that
-    kernel then runs with RES_DONE. Launched by the write-back's backward on a side stream (ops.EarlyRes)."""
-    pid = tl.program_id(0)
-    rows64, rmask, _, _ = _row_block(N, BT, NS)
-    rinv = tl.load(rinv_ptr + rows64, mask=rmask, other=0.0)
-    drinv = _tok_res(lg_ptr, bias_ptr, alpha_ptr, dres_ptr, dl_ptr, part_ptr, sc_ptr, pid, NP, rows64, rmask, rinv, N,
-                     iters, eps, NS, M, T_IN, T_OUT)
-    tl.store(dss_ptr + rows64, drinv, mask=rmask)
-
-
-@triton.jit(do_not_specialize=["N", "NP", "iters"])
 def _coef_bwd_tok(
     lg_ptr, rinv_ptr, bias_ptr, alpha_ptr, dpre_ptr, dpost_ptr, dres_ptr, dl_ptr, dss_ptr, part_ptr, sc_ptr,
     x_ptr, du_ptr, N, NP, K, C, stride_x, iters, eps, post_mult,
     NS: tl.constexpr, M: tl.constexpr, HAS_RES: tl.constexpr, T_IN: tl.constexpr, T_OUT: tl.constexpr,
     HAS_U: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_DPRE: tl.constexpr = True,
-    LOOP_STAGES: tl.constexpr = None, INTERLEAVE: tl.constexpr = False, RES_DONE: tl.constexpr = False,
+    LOOP_STAGES: tl.constexpr = None, INTERLEAVE: tl.constexpr = False,
 ):
     """HAS_DPRE = False: h_pre had no gradient of its own (the model reads it only through u): dh_pre starts at zero
     (no zero tensor is made and filled for it). LOOP_STAGES: the <du, x_j> loop's pipelining depth (CONFIG
@@ -422,9 +406,7 @@ def _coef_bwd_tok(
     INTERLEAVE (with HAS_U and HAS_RES): odd programs run Sinkhorn's backward (compute, independent of the loop)
     before the <du, x_j> loop (memory) and even ones after it, so that while some programs of an SM stream du and x
     others compute instead of every program doing the two one after the other in step (timed in round 16: no faster,
-    CONFIG keeps it off).
-    RES_DONE (with HAS_RES; CONFIG early_res): `_coef_bwd_res` did the res logits' part on the same grid and buffers
-    (their dL, partial sums, and their share of d loss / d rinv in dss): everything else, adding that share."""
+    CONFIG keeps it off)."""
     pid = tl.program_id(0)
     rows64, rmask, nn, tok = _row_block(N, BT, NS)
     rinv = tl.load(rinv_ptr + rows64, mask=rmask, other=0.0)
@@ -438,11 +420,7 @@ def _coef_bwd_tok(
     else:
         dh_pre = tl.zeros([BT, NS], dtype=tl.float32)
     drinv = tl.zeros([BT], dtype=tl.float32)
-    if RES_DONE:  # `_coef_bwd_res` ran: the res logits' dL and partial sums are written
-        drinv = tl.load(dss_ptr + rows64, mask=rmask, other=0.0)
-        if HAS_U:
-            dh_pre = _tok_du_x(dh_pre, x_ptr, du_ptr, rows64, rmask, nn, C, stride_x, NS, BC, LOOP_STAGES)
-    elif HAS_RES:
+    if HAS_RES:
         if HAS_U and INTERLEAVE:
             if pid % 2 == 1:
                 drinv = _tok_res(lg_ptr, bias_ptr, alpha_ptr, dres_ptr, dl_ptr, part_ptr, sc_ptr, pid, NP, rows64,

@@ -64,11 +64,7 @@ CONFIG = {
     # BT 4 since round 17, when param_sum came to sum the partial rows one program per element: in the trainer,
     # profiled in one process, 1.688 vs 1.828 ms per step at BT 8, param_sum 0.135 vs 0.123 (round 16's serial sum
     # had taken BT 4's twice as many rows from 0.285 to 0.484 ms)
-    # early_res (eager only): the res logits' part (Sinkhorn's backward, 18 of the kernel's 73 us in round 14's probe)
-    # launched by the write-back's backward on a side stream at side_priority, beside the branch's backward; the rest
-    # after du (ops.EarlyRes, RES_STAGE). Off until timed in the trainer
-    "coef_bwd_tok": dict(BT=4, num_warps=1, BC=64, loop_stages=None, interleave=False, early_res=False,
-                         side_priority=-1),
+    "coef_bwd_tok": dict(BT=4, num_warps=1, BC=64, loop_stages=None, interleave=False),
     # dl_split: with bf16 x, the two dots on 16-bit parts of dL and phi (_coef_bwd_x SPLIT) instead of tf32 on fp32
     # copies (round 6 ncu of the tf32 version: 176 registers, 49 KB of shared memory, one CTA per SM). The smaller
     # tiles it affords: mhc_pre bwd 276-280 vs 384 us (tf32 at BT 64, BK 128, 8 warps), 322 vs 370 with an fp32
@@ -142,9 +138,9 @@ def _launcher(fn) -> Launcher:
 
 
 # Every kernel as this module launches it (`_post_fwd[grid](...)`): through `Launcher` (kernels/fused/launch.py)
-_coef_bwd_res, _coef_bwd_tok, _coef_bwd_x, _coef_fwd, _coef_tail, _hc_tail_bwd = map(_launcher, (
-    coefficients._coef_bwd_res, coefficients._coef_bwd_tok, coefficients._coef_bwd_x, coefficients._coef_fwd,
-    coefficients._coef_tail, coefficients._hc_tail_bwd))
+_coef_bwd_tok, _coef_bwd_x, _coef_fwd, _coef_tail, _hc_tail_bwd = map(_launcher, (
+    coefficients._coef_bwd_tok, coefficients._coef_bwd_x, coefficients._coef_fwd, coefficients._coef_tail,
+    coefficients._hc_tail_bwd))
 _hc_operand_grads, _hc_operands, _param_grad_sum, _phi_pairs = map(_launcher, (
     parameters._hc_operand_grads, parameters._hc_operands, parameters._param_grad_sum, parameters._phi_pairs))
 _post_bwd_2d, _post_fwd = map(_launcher, (stream_post_res._post_bwd_2d, stream_post_res._post_fwd))
@@ -438,55 +434,29 @@ def _(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult)
     return _coef_fake(x, phi)
 
 
-def _tok_buffers(N: int, M: int, n_prog: int, n: int, iters: int, has_res: bool, dev) -> tuple[Tensor, ...]:
-    """The per-token backward's outputs and scratch: dL [N, M], d(sum x^2) [N], the bias / alpha partials
-    [M + 3, programs], and the Sinkhorn replay's 2*iters - 1 reciprocal sums of n floats per token (written before it
-    is read)."""
-    dl, dss = _new((N, M), torch.float32, dev), _new((N,), torch.float32, dev)
-    part = _new((M + 3, n_prog), torch.float32, dev)
-    sc = torch.empty(((2 * iters - 1) * N * n) if has_res else 1, dtype=torch.float32, device=dev)
-    return dl, dss, part, sc
-
-
-def bwd_tok(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult, du=None,
-            early=None):
+def bwd_tok(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult, du=None):
     """Per token: dh_* (+ <du, x_j> into dh_pre when du is given) -> dL [N, M], d(sum x^2) [N], and per-program
-    bias / alpha partials [M + 3, programs]. d_pre None: zero (read by no one). early: the buffers of `bwd_res`,
-    whose launch did the res logits' part already (d_res is then not read)."""
+    bias / alpha partials [M + 3, programs]. d_pre None: zero (read by no one)."""
     N, n, C = x.shape
     M = phi.shape[1]
     has_res = M == n * n + 2 * n
+    dev = x.device
     ct = _cfg("coef_bwd_tok", BC=_np2(C, 16))
     n_prog = _cdiv(N, ct["BT"])
-    dl, dss, part, sc = early or _tok_buffers(N, M, n_prog, n, iters, has_res, x.device)
+    pw = M + 3
+    dl, dss = _new((N, M), torch.float32, dev), _new((N,), torch.float32, dev)
+    part = _new((pw, n_prog), torch.float32, dev)
+    # Sinkhorn replay scratch: 2*iters - 1 reciprocal sums of n floats per token (written before it is read)
+    sc = torch.empty(((2 * iters - 1) * N * n) if has_res else 1, dtype=torch.float32, device=dev)
     with_u = du is not None
     _coef_bwd_tok[(n_prog,)](
         lg, rinv, bias.contiguous(), alpha.contiguous(), lg if d_pre is None else d_pre.contiguous(), d_post.contiguous(),
-        dl if early else d_res.contiguous(), dl, dss, part, sc, x, du.contiguous() if with_u else x, N, n_prog, n * C,
-        C, x.stride(0), iters, eps, post_mult, NS=n, M=M, HAS_RES=has_res, T_IN=t_in, T_OUT=t_out, HAS_U=with_u,
-        HAS_DPRE=d_pre is not None, BT=ct["BT"], BC=min(ct.get("BC", 16), _np2(C, 16)),
-        LOOP_STAGES=ct.get("loop_stages"), INTERLEAVE=bool(ct.get("interleave")), RES_DONE=bool(early),
-        **_launch(ct),
+        d_res.contiguous(), dl, dss, part, sc, x, du.contiguous() if with_u else x, N, n_prog, n * C, C, x.stride(0),
+        iters, eps, post_mult, NS=n, M=M, HAS_RES=has_res, T_IN=t_in, T_OUT=t_out, HAS_U=with_u, HAS_DPRE=d_pre is not None,
+        BT=ct["BT"], BC=min(ct.get("BC", 16), _np2(C, 16)), LOOP_STAGES=ct.get("loop_stages"),
+        INTERLEAVE=bool(ct.get("interleave")), **_launch(ct),
     )
     return dl, dss, part
-
-
-def res_buffers(lg: Tensor, n: int, iters: int) -> tuple[Tensor, ...]:
-    """`bwd_res`'s outputs: the per-token pass's buffers at its grid."""
-    N, M = lg.shape
-    return _tok_buffers(N, M, _cdiv(N, CONFIG["coef_bwd_tok"]["BT"]), n, iters, True, lg.device)
-
-
-def bwd_res(lg, rinv, bias, alpha, d_res, n, iters, eps, t_in, t_out, bufs):
-    """The per-token backward's res logits' part (`_coef_bwd_res`) into bufs (`res_buffers`): their dL, bias / alpha
-    partials and share of d loss / d rinv, from dH alone; then `bwd_tok(early=bufs)` does the rest."""
-    N, M = lg.shape
-    ct = _cfg("coef_bwd_tok")
-    n_prog = _cdiv(N, ct["BT"])
-    dl, dss, part, sc = bufs
-    _coef_bwd_res[(n_prog,)](lg, rinv, bias, alpha, d_res.contiguous(), dl, dss, part, sc, N, n_prog, iters, eps,
-                             NS=n, M=M, T_IN=t_in, T_OUT=t_out, BT=ct["BT"], **_launch(ct))
-    return bufs
 
 
 def bwd_x(x, phi, dl, dss, dx=None, h_pre=None, du=None, dx_in=None, u_rows=1):
@@ -550,7 +520,7 @@ def _param_grads(phi, bias, alpha, dphi_part, part):
 
 
 def _bwd(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult, h_pre=None, du=None,
-         dx_in=None, early=None):
+         dx_in=None):
     N, n, C = x.shape
     dx = _new((N, n, C), x.dtype, x.device)
     if N == 0:
@@ -558,7 +528,7 @@ def _bwd(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, 
     x, dx_in = _rows(x), None if dx_in is None else _rows(dx_in)
     phi = _c_contig(phi)
     dl, dss, part = bwd_tok(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult,
-                            du=du, early=early)
+                            du=du)
     dphi_part = bwd_x(x, phi, dl, dss, dx, h_pre=h_pre, du=du, dx_in=dx_in)
     return (dx, *_param_grads(phi, bias, alpha, dphi_part, part))
 
@@ -650,100 +620,23 @@ def _(x, phi, bias, alpha, lg, rinv, h_pre, du, d_pre, d_post, d_res, iters, eps
 
 def _mhc_pre_setup(ctx, inputs, output):
     x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult = inputs
-    _, h_pre, _, h_res, lg, rinv = output
+    _, h_pre, _, _, lg, rinv = output
     ctx.save_for_backward(x, phi, bias, alpha, lg, rinv, h_pre)
     ctx.opts = (iters, eps, t_in, t_out, post_mult)
     ctx.mark_non_differentiable(lg, rinv)
-    ctx.early = None
-    if getattr(ctx, "eager", False) and CONFIG["coef_bwd_tok"]["early_res"] and h_res.shape[-1] and x.shape[0]:
-        # the write-back reading h_res finds this on it and starts the res logits' backward (EarlyRes)
-        ctx.early = h_res.mhc_early_res = EarlyRes(lg, rinv, bias, alpha, x.shape[1], ctx.opts[:4])
 
 
 def _mhc_pre_backward(ctx, du, d_pre, d_post, d_res, _dlg, _drinv, dx_next=None):
     """dx_next (`mhc_enter`): the gradient of the x handed on to the write-back, added in the x pass."""
     x, phi, bias, alpha, lg, rinv, h_pre = ctx.saved_tensors
-    early = None if getattr(ctx, "early", None) is None else ctx.early.take(d_res)
     dh = _dh_zeros(x, phi, d_pre, d_post, d_res)
-    if early is not None:  # eager only: the bodies' plain function with the first stage's buffers
-        grads = _bwd(x, phi, bias, alpha, lg, rinv, *dh, *ctx.opts, h_pre=None if du is None else h_pre, du=du,
-                     dx_in=None if du is None else dx_next, early=early)
-        if du is None and dx_next is not None:
-            grads = (grads[0] + dx_next, *grads[1:])
-    elif du is None:
+    if du is None:
         grads = _impl(ctx, coef_bwd)(x, phi, bias, alpha, lg, rinv, *dh, *ctx.opts)
         if dx_next is not None:
             grads = (grads[0] + dx_next, *grads[1:])
     else:
         grads = _impl(ctx, mhc_pre_bwd)(x, phi, bias, alpha, lg, rinv, h_pre, du, *dh, *ctx.opts, dx_in=dx_next)
     return (*grads, None, None, None, None, None, None, None)
-
-
-class EarlyRes:
-    """The res logits' backward started by the write-back's backward, eager only (CONFIG coef_bwd_tok early_res).
-
-    Autograd runs a sublayer's backward as write-back, branch, then the enter op's. Sinkhorn's backward needs only
-    dH, which the write-back's backward gives; so that backward launches it (`bwd_res`, `_coef_bwd_res`) on a
-    side CUDA stream, where it runs beside the branch's backward, and the enter op's backward waits for it before
-    the rest of the per-token pass (`_coef_bwd_tok` RES_DONE). The enter op hangs this on its h_res output; the write-back finds it
-    there. Buffers are made on the compute stream and marked as used by the side stream (record_stream), so the
-    allocator never hands them out while the side stream may still touch them. If the gradient the enter op
-    receives for h_res is not the one the write-back gave (another consumer of h_res added to it), the first stage
-    is not used and the whole per-token pass runs as usual: it is the same gradient when it has the same memory
-    (views of it on the way, reshapes, are) and the same version counter (an in-place sum would have bumped it)."""
-
-    def __init__(self, lg: Tensor, rinv: Tensor, bias: Tensor, alpha: Tensor, n: int, opts: tuple):
-        self.lg, self.rinv, self.bias, self.alpha, self.n, self.opts = lg, rinv, bias, alpha, n, opts
-        self.d_res = self.bufs = self.done = None
-
-    def launch(self, d_res: Optional[Tensor]) -> None:
-        if d_res is None or self.bufs is not None:
-            return
-        # made on the compute stream, which reads them after the first stage and frees them
-        bufs = res_buffers(self.lg, self.n, self.opts[0])
-        args = (self.lg, self.rinv, self.bias, self.alpha, d_res, self.n, *self.opts, bufs)
-        if not d_res.is_cuda:  # the interpreter: the first stage in order
-            bwd_res(*args)
-        else:
-            side = _side_stream(d_res.device)
-            side.wait_stream(torch.cuda.current_stream(d_res.device))
-            with torch.cuda.stream(side):
-                bwd_res(*args)
-                self.done = side.record_event()
-            for t in (d_res, self.lg, self.rinv, *bufs):
-                t.record_stream(side)
-        self.bufs = bufs
-        self.d_res = d_res
-        self.ran_on = self._identity(d_res)
-
-    @staticmethod
-    def _identity(t: Tensor) -> tuple:
-        return t.data_ptr(), t.numel(), t._version
-
-    def take(self, d_res: Optional[Tensor]) -> Optional[tuple]:
-        """The first stage's buffers if it ran on this d_res (the compute stream then waits for it), else None."""
-        bufs, done = self.bufs, self.done
-        same = bufs is not None and d_res is not None and self._identity(d_res) == self.ran_on
-        self.bufs = self.d_res = self.done = None
-        if not same:
-            return None
-        if done is not None:
-            torch.cuda.current_stream(d_res.device).wait_event(done)
-        return bufs
-
-
-_SIDE_STREAMS: dict = {}
-
-
-def _side_stream(device: torch.device):
-    """One side stream per device, at the priority CONFIG coef_bwd_tok side_priority (lower is sooner: its blocks
-    are scheduled before queued ones of the compute stream)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    priority = CONFIG["coef_bwd_tok"]["side_priority"]
-    key = (index, priority)
-    if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = torch.cuda.Stream(index, priority=priority)
-    return _SIDE_STREAMS[key]
 
 
 mhc_pre_fwd.register_autograd(_mhc_pre_backward, setup_context=_mhc_pre_setup)
@@ -998,14 +891,11 @@ def _(g, x, f, h_post, h_res):
 def _post_setup(ctx, inputs, output):
     ctx.save_for_backward(*inputs[:4])
     ctx.inputs, ctx.routed = len(inputs), len(inputs) > 4 and inputs[4] is not None
-    ctx.early = getattr(inputs[3], "mhc_early_res", None) if getattr(ctx, "eager", False) else None
 
 
 def _post_backward(ctx, g):
     x, f, h_post, h_res = ctx.saved_tensors
     dx, df, dhp, dhr = _impl(ctx, post_bwd)(g, x, f, h_post, h_res)
-    if ctx.early is not None and ctx.needs_input_grad[3]:
-        ctx.early.launch(dhr)  # Sinkhorn's backward beside the branch's (EarlyRes)
     return ((None, df, dhp, dhr, dx) if ctx.routed else (dx, df, dhp, dhr, None))[:ctx.inputs]
 
 
