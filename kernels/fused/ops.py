@@ -61,6 +61,10 @@ CONFIG = {
     # interleave: odd programs run the Sinkhorn backward (18 of the kernel's 73 us alone, round 14's probe) before the
     # <du, x_j> loop (51 us alone) and even ones after it, for an SM's programs to overlap the two. Round 16, in the
     # trainer, profiled in one process: 1.836 ms per step against 1.813 in order: off (docs/benchmarks.md)
+    # Round 24: the res logits' part as its own kernel on a side stream, launched by the write-back's backward and run
+    # beside the branch's: this kernel 49.1 against 66.1 us per call, but the side kernel (42.5 us per call) slowed
+    # the branch's GEMMs as much or more: backward device time 40.2-40.5 / 40.5-40.9 against 39.9-40.6 / 39.8-40.1 ms
+    # per step in two calls, dropped
     # BT 4 since round 17, when param_sum came to sum the partial rows one program per element: in the trainer,
     # profiled in one process, 1.688 vs 1.828 ms per step at BT 8, param_sum 0.135 vs 0.123 (round 16's serial sum
     # had taken BT 4's twice as many rows from 0.285 to 0.484 ms)
