@@ -494,7 +494,7 @@ def print_table(results: dict, s: dict, modes: list[str], gpus: int) -> None:
     for mode in modes:
         one, many = results.get(f"{mode}-1", {}), results.get(f"{mode}-{gpus}", {})
         eff = s["scaling_efficiency"].get(mode)
-        xr, xm = s["x_residual"].get(mode, {}), s.get("x_residual_median", {}).get(mode, {})
+        xr, xm = s["x_residual"].get(mode, {}), s["x_residual_median"].get(mode, {})
         f = lambda v, fmt: format(v, fmt) if v is not None else "n/a"  # noqa: E731
         print(f"| {mode} | {f(one.get('tokens_per_s'), ',.0f')} | {f(many.get('tokens_per_s'), ',.0f')} | "
               f"{f(eff * 100 if eff is not None else None, '.1f')} % | {f(one.get('step_ms_mean'), '.1f')} / "
