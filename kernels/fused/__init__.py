@@ -160,6 +160,10 @@ def mhc_boundary(
         return (x_next, *mhc_pre(x_next, phi, bias, alpha, opts))
     n, c = x.shape[-2], x.shape[-1]
     lead = x.shape[:-2]
+    if x.dim() == 3:  # flat already (the model's chain): no reshapes
+        x_next, u, h_pre, h_post2, h_res2, _, _ = ops.eager.boundary(
+            x, f, h_post, _res3(x, h_res), phi, bias, _vec3(alpha), *args)
+        return (x_next, u, *_coefs_out(phi, lead, n, h_pre, h_post2, h_res2))
     x3 = x.reshape(-1, n, c)
     x_next, u, h_pre, h_post2, h_res2, _, _ = ops.eager.boundary(
         x3, f.reshape(-1, c), h_post.reshape(-1, n), _res3(x3, h_res), phi, bias, _vec3(alpha), *args)
