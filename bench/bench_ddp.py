@@ -401,13 +401,15 @@ def _headline(runs: list[dict]) -> dict:
     return head
 
 
-def bench_fit_args(args, work: Path, corpus: Path, mode: str, devices: int, steps: int, callback: str) -> list[str]:
-    """`mhc fit` arguments of one bench run: the mode's preset at the bench shape, bf16-mixed, no logger, callback."""
+def bench_fit_args(args, work: Path, corpus: Path, variant: str, devices: int, steps: int, callback: str) -> list[str]:
+    """`mhc fit` arguments of one bench run of MODE or MODE@NAME: the mode's preset at the bench shape, bf16-mixed, no
+    logger, callback, --fit-args, then NAME's --variant-args."""
+    mode, _, name = variant.partition("@")
     return ["-c", str(CONF / "base.yaml"), "-c", str(CONF / "model" / f"{mode}.yaml"), *machine_args(args.smoke, devices),
             *common_args(corpus, work / "root", steps, args.d_model, args.layers, args.heads, args.seq, args.batch,
                          args.diagnostics_every),
             f"--trainer.precision={'32-true' if args.smoke else 'bf16-mixed'}", "--trainer.logger=false", callback,
-            *shlex.split(args.fit_args)]
+            *shlex.split(args.fit_args), *shlex.split(args.variant_args.get(name, ""))]
 
 
 def bench_phase(args, work: Path, corpus: Path, results: dict, save, profiles: dict) -> dict:
@@ -422,7 +424,7 @@ def bench_phase(args, work: Path, corpus: Path, results: dict, save, profiles: d
                 name = f"{variant}-{devices}"
                 run_name = name if args.repeat == 1 else f"{name}-r{rep}"
                 out = work / f"{run_name}.json"
-                a = bench_fit_args(args, work, corpus, mode, devices, args.warmup + args.steps,
+                a = bench_fit_args(args, work, corpus, variant, devices, args.warmup + args.steps,
                                    _cb("bench_ddp.Throughput", warmup=args.warmup, out=str(out)))
                 rc, dt, _ = run_fit(run_name, a, work, args.smoke, args.timeout, args.kernel_configs.get(config_name))
                 rec = json.loads(out.read_text()) if rc == 0 and out.exists() else {"exit": rc}
@@ -441,7 +443,7 @@ def bench_phase(args, work: Path, corpus: Path, results: dict, save, profiles: d
         for variant in args.modes:
             mode, _, config_name = variant.partition("@")
             out = work / f"{variant}-profile.json"
-            a = bench_fit_args(args, work, corpus, mode, 1, args.warmup + args.profile,
+            a = bench_fit_args(args, work, corpus, variant, 1, args.warmup + args.profile,
                                _cb("bench_ddp.ProfileSteps", warmup=args.warmup, steps=args.profile, out=str(out)))
             rc, _, _ = run_fit(f"{variant}-profile", a, work, args.smoke, args.timeout,
                                args.kernel_configs.get(config_name))
@@ -565,6 +567,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--no-bench", action="store_true")
     p.add_argument("--fit-args", default="", help="more `mhc fit` arguments for the bench runs, e.g. "
                    "'--model.arch.stream_dtype=float32'")
+    p.add_argument("--variant-args", action="append", default=[], metavar="NAME=ARGS", dest="variant_args_given",
+                   help="more `mhc fit` arguments for the variants MODE@NAME only (with or without a --kernel-config "
+                        "NAME), e.g. chain='--model.arch.hyper.chain_sublayers=true': a model option A/B in one call")
     args = p.parse_args(argv)
     args.modes = [m for m in args.modes.split(",") if m]
     args.kernel_configs = {}
@@ -577,11 +582,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         except json.JSONDecodeError as exc:
             p.error(f"--kernel-config {name}: not JSON ({exc.msg}); e.g. {name}='{{\"coef_fwd\": {{\"phi_split\": true}}}}'")
         args.kernel_configs[name] = text
-    for mode in args.modes:  # a variant named in --modes must name a --kernel-config (else it would run the default)
-        if "@" in mode and mode.partition("@")[2] not in args.kernel_configs:
-            p.error(f"--modes {mode}: {mode.partition('@')[2]!r} is no --kernel-config NAME; allowed: "
-                    f"{', '.join(args.kernel_configs) or 'none given'} (each config adds MODE@NAME by itself)")
-    args.modes = with_config_variants(args.modes, args.kernel_configs)
+    args.variant_args = {}
+    for item in args.variant_args_given:
+        name, sep, text = item.partition("=")
+        if not sep or not name or "@" in name or "-" in name:
+            p.error(f"--variant-args: expected NAME=ARGS with a NAME of letters, digits and _, got {item!r}")
+        args.variant_args[name] = text
+    variants = {**dict.fromkeys(args.kernel_configs), **dict.fromkeys(args.variant_args)}
+    for mode in args.modes:  # a variant named in --modes must be defined (else it would run the default)
+        if "@" in mode and mode.partition("@")[2] not in variants:
+            p.error(f"--modes {mode}: {mode.partition('@')[2]!r} is no --kernel-config or --variant-args NAME; allowed: "
+                    f"{', '.join(variants) or 'none given'} (each NAME adds MODE@NAME by itself)")
+    args.modes = with_config_variants(args.modes, variants)
     if args.smoke:
         args.d_model, args.layers, args.heads, args.seq, args.batch = 64, 2, 2, 64, 4
         args.warmup, args.steps, args.timeout = 3, 5, min(args.timeout, 300)

@@ -1,5 +1,6 @@
 """The benchmark scripts still run: each one end to end on the CPU at its smoke size, in its own process, with
 its JSON read back (the GPU numbers themselves live in docs/benchmarks.md, not in tests)."""
+import argparse
 import json
 import os
 import subprocess
@@ -122,7 +123,29 @@ def test_bench_ddp_refuses_a_variant_without_its_kernel_config(tmp_path):
                            "--modes", "residual,mhc@nope", "--kernel-config", 'old={"coef_fwd": {"BC": 16}}',
                            "--out", str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and not (tmp_path / "out").exists()
-    assert "--modes mhc@nope: 'nope' is no --kernel-config NAME; allowed: old" in proc.stderr.strip().splitlines()[-1]
+    assert ("--modes mhc@nope: 'nope' is no --kernel-config or --variant-args NAME; allowed: old"
+            in proc.stderr.strip().splitlines()[-1])
+
+
+def test_bench_ddp_variant_args_reach_only_their_variant(tmp_path, monkeypatch):
+    """--variant-args NAME=ARGS adds MODE@NAME like a --kernel-config (the two may share a NAME), and its `mhc fit`
+    arguments come last, after --fit-args, in that variant's runs only (a model option A/B in one call)."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    from bench_ddp import bench_fit_args, with_config_variants
+    args = argparse.Namespace(smoke=True, d_model=64, layers=2, heads=2, seq=64, batch=4, diagnostics_every=0,
+                              fit_args="--trainer.max_steps=3",
+                              variant_args={"chain": "--model.arch.hyper.chain_sublayers=true"})
+    chained = bench_fit_args(args, tmp_path, tmp_path / "corpus.txt", "mhc@chain", 1, 5, "--trainer.callbacks=[]")
+    plain = bench_fit_args(args, tmp_path, tmp_path / "corpus.txt", "mhc", 1, 5, "--trainer.callbacks=[]")
+    assert chained == plain + ["--model.arch.hyper.chain_sublayers=true"]
+    assert plain[-1] == "--trainer.max_steps=3" and str(tmp_path) in " ".join(plain)
+    assert "model/mhc.yaml" in " ".join(chained)
+    assert with_config_variants(["residual", "mhc"], {"chain": None, "split": None}) == [
+        "residual", "mhc", "mhc@chain", "mhc@split"]
+    proc = subprocess.run([sys.executable, "bench/bench_ddp.py", "--smoke", "--gpus", "1", "--variant-args", "a-b=--x",
+                           "--out", str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and not (tmp_path / "out").exists()
+    assert "--variant-args: expected NAME=ARGS" in proc.stderr.strip().splitlines()[-1]
 
 
 def test_bench_ddp_kernel_config_variants_default_to_every_mode_or_to_those_named():

@@ -118,24 +118,30 @@ class HyperConnection(nn.Module):
 
     def enter(self, x: torch.Tensor) -> Carry:
         """The first sublayer of a chain: its coefficients and input u from the stream x (one read of x), and the stream
-        its write-back reads (through the op, so that x's two gradients meet in one kernel)."""
+        its write-back reads (through the op, so that x's two gradients meet in one kernel). The carry holds the stream
+        and coefficients flat ([tokens, n, C], [tokens, n]) and u in x's leading shape, for the branch: each op then
+        takes them as they are (host time per op, docs/kernels.md)."""
+        lead, C = x.shape[:-2], x.shape[-1]
         ops = get_ops(self.cfg.kernel_backend, x.device)
-        return ops.mhc_enter(x, self.phi, self.bias, self.alpha, self.options())
+        xt, u, h_pre, h_post, h_res = ops.mhc_enter(x if x.dim() == 3 else x.reshape(-1, *x.shape[-2:]), self.phi,
+                                                    self.bias, self.alpha, self.options())
+        return xt, u.view(*lead, C), h_pre, h_post, h_res
 
     def chain(self, carry: Carry, nxt: Optional["HyperConnection"]):
         """Run the branch on the carried input and write its output back into the stream. With a next sublayer, the
         same op computes that sublayer's coefficients and input (the Carry for `nxt.chain`); without one, returns
-        the stream."""
+        the stream in the shape `enter` received it."""
         x, u, h_pre, h_post, h_res = carry
+        lead, C = u.shape[:-1], u.shape[-1]
         ops = get_ops(self.cfg.kernel_backend, u.device)
-        f = self.run_branch(u)
+        f = self.run_branch(u).reshape(-1, C)
         if nxt is None:
             out = ops.stream_post_res(x, f, h_post, h_res)
-            self.remember(h_pre, h_post, h_res, out)
-            return out
-        nxt_carry = ops.mhc_boundary(x, f, h_post, h_res, nxt.phi, nxt.bias, nxt.alpha, nxt.options())
-        self.remember(h_pre, h_post, h_res, nxt_carry[0])
-        return nxt_carry
+            self.remember(h_pre, h_post, h_res, out, lead)
+            return out.view(*lead, *out.shape[-2:])
+        x_next, u_next, *coefs = ops.mhc_boundary(x, f, h_post, h_res, nxt.phi, nxt.bias, nxt.alpha, nxt.options())
+        self.remember(h_pre, h_post, h_res, x_next, lead)
+        return (x_next, u_next.view(*lead, C), *coefs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "residual":
