@@ -876,16 +876,15 @@ def test_boundary_identity_hc(prev_res, next_res, n):
 
 
 # Launch variants of the boundary op: the backward's 2-D pass with several C blocks per row (partials summed
-# afterwards) or whole rows, or the per-sublayer kernels (x pass, then the write-back's backward); the forward in one
-# kernel or as `_post_fwd` then `_coef_fwd` with the Sinkhorn tail in the GEMM kernel. (With CUDA's C = 1000 / 1024 the phi-tile cap,
+# afterwards) or whole rows, or the per-sublayer kernels (x pass, then the write-back's backward); the Sinkhorn tail
+# in the GEMM kernel. (With CUDA's C = 1000 / 1024 the phi-tile cap,
 # ops._phi_rows_cap, keeps "rows" in partials.)
 BOUNDARY_TILES = {
     "partials": dict(bnd_bwd=dict(BC=256 if CUDA else 16, xpass=False)),
     "rows": dict(bnd_bwd=dict(BC=4096, xpass=False)),
-    "in-kernel-sinkhorn": dict(coef_fwd=dict(split_tail=False), bnd_fwd=dict(fused=False)),
+    "in-kernel-sinkhorn": dict(coef_fwd=dict(split_tail=False)),
     "16-bit-parts": dict(bnd_bwd=dict(dl_split=True, xpass=False)),
     "x-pass": dict(bnd_bwd=dict(xpass=True)),
-    "forward-in-two-kernels": dict(bnd_fwd=dict(fused=False)),
 }
 
 
@@ -920,39 +919,6 @@ def test_two_d_pass_on_16_bit_parts(phi_dtype):
     G = (dl.double() @ phi.double().t()).reshape(N, 4, c)
     check(dhr, torch.einsum("tic,tjc->tij", G, x.double()), 1e-4, "dH^res")
     check(dhp, torch.einsum("tic,tc->ti", G, f.double()), 1e-4, "dh_post")
-
-
-@pytest.mark.parametrize("n", [2, 4, 8])
-def test_boundary_forward_in_one_pass(n, monkeypatch):
-    """CONFIG bnd_fwd fused: `_bnd_fwd` makes x_next, stores it and projects it in one kernel (no `_post_fwd`, no
-    `_coef_fwd`). x_next must equal the write-back's to the bit (the same operations, stored in the stream's dtype),
-    and the coefficients and u those of the pre op on that x_next, for phi as interleaved 16-bit pairs, pairs made in
-    the kernel, two separate parts, and a bf16 phi; with several C blocks per row, the last one partial (C = 40, BC 16
-    on the CPU) and a token count no multiple of the block. The float64 checks of the whole op: the tests above."""
-    torch.manual_seed(98 + n)
-    launched = []
-    _on_launch(monkeypatch, ("_bnd_fwd", "_post_fwd", "_coef_fwd"), lambda name, kwargs: launched.append(name))
-    lead, c = SHAPES[1]
-    opts = MHCOptions(sinkhorn_iters=ITERS, exact_axis="cols")
-    for phi_split, phi_dtype in (("interleaved", torch.float32), ("in_kernel", torch.float32),
-                                 ("dots", torch.float32), ("interleaved", torch.bfloat16)):
-        inputs = [None if t is None else t.detach() for t in _boundary_inputs(lead, c, n, torch.bfloat16,
-                                                                                phi_dtype=phi_dtype)]
-        with config_changed("coef_fwd", phi_split=phi_split), config_changed("bnd_fwd", fused=True, BC=16):
-            launched.clear()
-            out = fused.mhc_boundary(*inputs, opts)
-            assert launched == ["_bnd_fwd"], (phi_split, launched)
-            x_next = fused.stream_post_res(*inputs[:4])
-            assert torch.equal(out[0], x_next)
-            assert x_next.std(dim=-2).mean() > 0.1  # the streams differ: H^res really mixed them
-            pre = fused.mhc_pre(x_next, *inputs[4:], opts)
-            for name, a, b in zip(("u", "h_pre", "h_post", "h_res"), out[1:], pre):
-                torch.testing.assert_close(a.float(), b.float(), rtol=2e-2 if name == "u" else 1e-4, atol=1e-3,
-                                           msg=lambda m: f"{phi_split}, {phi_dtype}, {name}: {m}")
-    with config_changed("bnd_fwd", fused=False):
-        launched.clear()
-        fused.mhc_boundary(*inputs, opts)
-        assert launched == ["_post_fwd", "_coef_fwd"]
 
 
 def test_boundary_backward_by_the_x_pass(monkeypatch):
