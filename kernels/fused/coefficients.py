@@ -21,7 +21,8 @@ Backward, two kernels:
 - `_coef_bwd_x`: one read of x per (column block, token split): the partial phi gradient x^T dL (tl.dot),
   summed over splits afterwards, and with HAS_DX dx = dL phi^T + 2 x d(sum x^2) (+ h_pre_j du with HAS_U:
   the fused pre op's single dx; + the write-back's gradient of x with ACC, `mhc_enter`; HC's rows with U_ROWS,
-  `hc_enter`). The boundary op computes its dx in `_post_bwd_2d` and uses this kernel for the phi gradient only.
+  `hc_enter`; the boundary op's whole gradient of x_next with the downstream one as ACC, CONFIG bnd_bwd xpass). With
+  xpass off the boundary op computes its dx in `_post_bwd_2d` and uses this kernel for the phi gradient only.
 
 Token count is a runtime argument (never specialised); strides depend on C only.
 """

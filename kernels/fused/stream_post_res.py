@@ -5,9 +5,10 @@ paper's fused post-res count. H^res = None (identity-HC) is the constexpr HAS_RE
 Backward (`_post_bwd_2d`), reading dx_next, x and f once:
   dx_j = sum_i H_ij dx_next_i,  df = sum_i h_post_i dx_next_i,
   dH_ij = <dx_next_i, x_j>,      dh_post_i = <dx_next_i, f>   (C-reductions kept in registers).
-With COEF it is the sublayer boundary op's backward (docs/kernels.md): x_next also fed the next sublayer's
-coefficients and input, so the gradient reaching it is G_i = dx_next_i + (dL phi^T)_i + 2 x_next_i d(sum x^2)
-+ h_pre_i du, built in registers from the coefficient backward's per-token dL, d(sum x^2); dx is written once.
+With COEF it is the sublayer boundary op's backward when CONFIG bnd_bwd xpass is off (docs/kernels.md): x_next
+also fed the next sublayer's coefficients and input, so the gradient reaching it is G_i = dx_next_i + (dL phi^T)_i
++ 2 x_next_i d(sum x^2) + h_pre_i du, built in registers from the coefficient backward's per-token dL, d(sum x^2);
+dx is written once.
 """
 import triton
 import triton.language as tl

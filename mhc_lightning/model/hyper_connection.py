@@ -5,8 +5,8 @@ this module only owns the parameters, their initialisation and the wiring.
 
 mHC / identity-HC sublayers also run as a chain (`enter`, then `chain` per sublayer; model/recompute.py's
 `run_sublayers` drives it): at each sublayer boundary one op writes sublayer l's output stream and computes
-sublayer l+1's coefficients and input from it (kernels/reference/boundary.py), so the stream is written once and
-read once per boundary, and its gradient is written once. `forward` is one sublayer on its own.
+sublayer l+1's coefficients and input from it (kernels/reference/boundary.py): one op, and one autograd node, per
+sublayer instead of two (host time; the kernels are the same, docs/kernels.md). `forward` is one sublayer on its own.
 """
 import math
 from typing import Optional
