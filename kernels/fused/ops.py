@@ -116,8 +116,10 @@ CONFIG = {
     # xpass: the boundary's backward by the per-sublayer wiring's kernels instead (the x pass writes x_next's whole
     # gradient, the write-back's backward reads it): the same kernels and bytes as one sublayer at a time. Round 25,
     # the chained trainer profiled in one process: the 2-D pass 304.6 us per call (+ 45.3 for the phi-gradient pass)
-    # against 128.8 + 120.5 for the x pass and the write-back's; BC 64 at 4 warps 350.1, BT 32 346.4
-    "bnd_bwd": dict(BT=16, BC=128, num_warps=8, dl_split=False, xpass=True),
+    # against 128.8 + 120.5 for the x pass and the write-back's; BC 64 at 4 warps 350.1, BT 32 346.4 (128 registers at
+    # 8 warps: 2 CTAs per SM, every load of a program at once, as the write-back's before round 23). loop_stages /
+    # programs_per_sm: its token blocks walked in a pipelined loop, as post_bwd's rows (float64-tested, not timed)
+    "bnd_bwd": dict(BT=16, BC=128, num_warps=8, dl_split=False, xpass=True, loop_stages=0, programs_per_sm=2),
     # the per-sublayer parameter passes (kernels/fused/parameters.py): BL elements per program, BP partial rows per
     # step of the vectors' program; not swept (a few microseconds each)
     "param_sum": dict(BL=256, BP=256, num_warps=4),
