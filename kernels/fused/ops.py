@@ -117,9 +117,9 @@ CONFIG = {
     # gradient, the write-back's backward reads it): the same kernels and bytes as one sublayer at a time. Round 25,
     # the chained trainer profiled in one process: the 2-D pass 304.6 us per call (+ 45.3 for the phi-gradient pass)
     # against 128.8 + 120.5 for the x pass and the write-back's; BC 64 at 4 warps 350.1, BT 32 346.4 (128 registers at
-    # 8 warps: 2 CTAs per SM, every load of a program at once, as the write-back's before round 23). loop_stages /
-    # programs_per_sm: its token blocks walked in a pipelined loop, as post_bwd's rows (float64-tested, not timed)
-    "bnd_bwd": dict(BT=16, BC=128, num_warps=8, dl_split=False, xpass=True, loop_stages=0, programs_per_sm=2),
+    # 8 warps: 2 CTAs per SM). Its token blocks walked in post_bwd's pipelined loop (2 stages, 2 programs per SM, round
+    # 26): 503.8 us per call, so the 2-D pass keeps one token block per program
+    "bnd_bwd": dict(BT=16, BC=128, num_warps=8, dl_split=False, xpass=True),
     # the per-sublayer parameter passes (kernels/fused/parameters.py): BL elements per program, BP partial rows per
     # step of the vectors' program; not swept (a few microseconds each)
     "param_sum": dict(BL=256, BP=256, num_warps=4),
