@@ -184,6 +184,31 @@ def test_bad_arguments_are_config_errors_naming_the_key():
         ByteTextDataModule(allow_binary="yes")
 
 
+def test_pin_memory_follows_the_trainers_device(text_file: Path):
+    """null pins exactly when the attached trainer runs on CUDA (a pageable batch copy would wait for the queued
+    kernels every step); true / false are kept as given, on every loader; anything else is one ConfigError line."""
+    from types import SimpleNamespace
+
+    from mhc_lightning.errors import ConfigError
+
+    def on(device: str):
+        return SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device(device)))
+
+    dm = _dm(text_file)
+    assert dm.hparams.pin_memory is None and not dm.pins_memory()  # no trainer attached
+    dm.trainer = on("cpu")
+    assert not dm.train_dataloader().pin_memory and not dm.val_dataloader().pin_memory
+    dm.trainer = on("cuda")
+    assert dm.pins_memory() and dm.train_dataloader().pin_memory and dm.val_dataloader().pin_memory
+    dm = _dm(text_file, pin_memory=False)
+    dm.trainer = on("cuda")
+    assert not dm.train_dataloader().pin_memory
+    dm = _dm(text_file, pin_memory=True)
+    assert dm.pins_memory() and dm.val_dataloader().pin_memory
+    with pytest.raises(ConfigError, match=r"^data\.pin_memory must be true, false or null \(pin on CUDA\), got 'yes'$"):
+        ByteTextDataModule(pin_memory="yes")
+
+
 # --- is it text? --------------------------------------------------------------------------------------------
 
 

@@ -41,6 +41,9 @@ class ByteTextDataModule(L.LightningDataModule):
     batch_size is per process: under DDP / FSDP the global batch is world_size x batch_size.
     shuffle: shuffle the train windows (seeded); false = corpus order (reproducible comparisons across device counts).
     allow_binary: train on files that do not look like text (refused by default: usually a wrong path).
+    pin_memory: batches in page-locked host memory; null (default) pins when the trainer runs on a CUDA device. Lightning
+    moves each batch with non_blocking=True, but a copy from pageable memory still makes the host wait for every kernel
+    already queued (6 ms per step in the residual trainer on an H200; step times tie: docs/benchmarks.md, round 26).
     """
 
     def __init__(
@@ -55,6 +58,7 @@ class ByteTextDataModule(L.LightningDataModule):
         seed: int = 1234,
         shuffle: bool = True,
         allow_binary: bool = False,
+        pin_memory: Optional[bool] = None,
     ):
         super().__init__()
         for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("val_works", val_works)):
@@ -70,6 +74,8 @@ class ByteTextDataModule(L.LightningDataModule):
         for name, value in (("shuffle", shuffle), ("allow_binary", allow_binary)):
             if not isinstance(value, bool):
                 raise ConfigError(f"data.{name} must be true or false, got {value!r}")
+        if pin_memory is not None and not isinstance(pin_memory, bool):
+            raise ConfigError(f"data.pin_memory must be true, false or null (pin on CUDA), got {pin_memory!r}")
         self.save_hyperparameters()
         self.vocab_size = 256  # byte-level tokens; the CLI links this to the model at instantiation
         self.train_bytes: Optional[int] = None
@@ -149,7 +155,15 @@ class ByteTextDataModule(L.LightningDataModule):
         if dataset is None:
             raise RuntimeError("call setup() before asking ByteTextDataModule for a dataloader")
         nw = self.hparams.num_workers
-        return loader(dataset, batch_size=self.hparams.batch_size, num_workers=nw, persistent_workers=nw > 0, **kwargs)
+        return loader(dataset, batch_size=self.hparams.batch_size, num_workers=nw, persistent_workers=nw > 0,
+                      pin_memory=self.pins_memory(), **kwargs)
+
+    def pins_memory(self) -> bool:
+        """data.pin_memory, null resolved by the attached trainer's device (no trainer: no pinning)."""
+        if self.hparams.pin_memory is not None:
+            return self.hparams.pin_memory
+        trainer = self.trainer
+        return trainer is not None and trainer.strategy.root_device.type == "cuda"
 
 
 def _as_tensor(data: bytes) -> torch.Tensor:
