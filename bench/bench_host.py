@@ -143,6 +143,15 @@ def main():
             x = layer(x)
         return x
 
+    def one_at_a_time_by_function_apply(x):
+        # A/B: the eager Functions entered by Function.apply's Python wrapper (CONFIG launch c_apply false)
+        cfg = ops.CONFIG["launch"]
+        c_apply, cfg["c_apply"] = cfg["c_apply"], False
+        try:
+            return one_at_a_time(x)
+        finally:
+            cfg["c_apply"] = c_apply
+
     def hc(x):
         for layer in hc_layers:
             x = layer(x)
@@ -184,6 +193,7 @@ def main():
         return x
 
     runs = {"chain (boundary op)": chained, "one sublayer at a time (mhc_enter + stream_post_res)": one_at_a_time,
+            "one sublayer at a time, by Function.apply (c_apply false; A/B)": one_at_a_time_by_function_apply,
             "HC (hc_enter + stream_post_res)": hc,
             "HC, operands by torch ops outside the op (hc_operands fold false; A/B)": hc_operands_by_torch,
             "HC, hc_coef + stream_pre + stream_post_res (round 7's wiring; A/B)": hc_coef_then_stream_pre,

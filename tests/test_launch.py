@@ -136,3 +136,43 @@ def test_a_launch_hook_sends_every_launch_through_triton():
     assert len(seen) == 1
     ops._post_fwd_body(*inputs)
     assert len(seen) == 1
+
+
+def test_eager_ops_enter_autograd_by_its_c_apply(monkeypatch):
+    """CONFIG launch c_apply: the eager mHC sublayer (enter op, then the write-back) enters autograd without
+    Function.apply's Python wrapper, with outputs and every gradient equal to the wrapper's; while a functorch
+    transform is active the wrapper runs, and its error (these Functions have no setup_context) still reaches the user."""
+    from torch.autograd import Function
+
+    from mhc_lightning.kernels import fused
+
+    calls = []
+    plain = Function.apply.__func__
+    monkeypatch.setattr(Function, "apply", classmethod(lambda cls, *a, **k: calls.append(cls.__name__) or plain(cls, *a, **k)))
+    torch.manual_seed(7)
+    n, c = 4, 32
+    x = torch.randn(6, n, c, device=DEV, requires_grad=True)
+    phi = (0.1 * torch.randn(n * c, n * n + 2 * n, device=DEV)).requires_grad_()
+    bias = torch.randn(n * n + 2 * n, device=DEV, requires_grad=True)
+    alpha = torch.rand(3, device=DEV, requires_grad=True)
+    f_w = torch.randn(c, c, device=DEV) / c ** 0.5
+
+    def sublayer():
+        xt, u, h_pre, h_post, h_res = fused.mhc_enter(x, phi, bias, alpha)
+        out = fused.stream_post_res(xt, torch.tanh(u @ f_w), h_post, h_res)
+        g = torch.randn_like(out, generator=torch.Generator(DEV).manual_seed(3))
+        return [out, *torch.autograd.grad(out, (x, phi, bias, alpha), g)]
+
+    got = sublayer()
+    assert not [name for name in calls if name.endswith("_eager")], calls  # the wrapper was not entered
+    monkeypatch.setitem(ops.CONFIG["launch"], "c_apply", False)
+    want = sublayer()
+    assert sorted(set(calls)) == ["mhc_pre_fwd_through_eager", "post_fwd_eager"]
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    monkeypatch.setitem(ops.CONFIG["launch"], "c_apply", True)
+    calls.clear()
+    monkeypatch.setattr(torch._C, "_are_functorch_transforms_active", lambda: True)
+    with pytest.raises(RuntimeError, match="functorch transforms"):  # torch's own line, as before c_apply
+        sublayer()
+    assert calls == ["mhc_pre_fwd_through_eager"]

@@ -138,8 +138,10 @@ CONFIG = {
     # false: x itself is handed on and inductor sums the two gradients (the A/B of round 12's change)
     "enter": dict(route=True),
     # fast: launches skip Triton's per-call path after a kernel's first call with the same arguments' key
-    # (kernels/fused/launch.py); false: every launch takes Triton's path (the A/B; docs/kernels.md)
-    "launch": dict(fast=True),
+    # (kernels/fused/launch.py); false: every launch takes Triton's path (the A/B; docs/kernels.md). c_apply: the
+    # eager Functions entered by autograd's C++ apply, without Function.apply's generic Python wrapper (`_eager_fn`);
+    # false: Function.apply (the A/B)
+    "launch": dict(fast=True, c_apply=True),
 }
 
 
@@ -1363,6 +1365,18 @@ def _eager_fn(op, setup, backward, routed=None):
     # named at creation: autograd names the backward node after the class (e.g. post_fwd_eagerBackward)
     name = op.plain.__name__.replace("_body", "").strip("_") + ("_through" if through else "") + "_eager"
     Fn = type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+    # Function.apply is a Python wrapper around the C++ apply: it binds default arguments (only for Functions with a
+    # setup_context; this one has none), checks for functorch transforms, and unwraps dead functorch wrappers by a
+    # generator over every argument (a dozen here): about 7 of its 14 us per call on a CPU (docs/kernels.md). The
+    # same steps, on the tensor arguments only; under a functorch transform the wrapper runs, so torch's error for a
+    # Function without setup_context still stops it:
+    c_apply = super(torch.autograd.Function, Fn).apply
+    unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+
+    def apply(*args):
+        if not CONFIG["launch"]["c_apply"] or torch._C._are_functorch_transforms_active():
+            return Fn.apply(*args)
+        return c_apply(*[unwrap_if_dead(a) if type(a) is Tensor else a for a in args])
 
     def call(*args):
         if torch.compiler.is_compiling() or type(args[0]) is not Tensor:
@@ -1372,7 +1386,7 @@ def _eager_fn(op, setup, backward, routed=None):
                 return (args[0], *op(*args))
             *out, route = routed(*args)
             return (Routed(args[0], route), *out)
-        return Fn.apply(*args)
+        return apply(*args)
 
     return call
 
