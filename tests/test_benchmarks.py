@@ -49,6 +49,7 @@ def test_bench_host_times_every_wiring(tmp_path):
     _run(["bench/bench_host.py", "--sublayers", "4", "--steps", "3", "--out", str(path)], tmp_path)
     rows = json.loads(path.read_text())["rows"]
     assert set(rows) == {"chain (boundary op)", "one sublayer at a time (mhc_enter + stream_post_res)",
+                         "one sublayer at a time, by Function.apply (c_apply false; A/B)",
                          "HC (hc_enter + stream_post_res)",
                          "HC, operands by torch ops outside the op (hc_operands fold false; A/B)",
                          "HC, hc_coef + stream_pre + stream_post_res (round 7's wiring; A/B)",
@@ -59,7 +60,7 @@ def test_bench_host_times_every_wiring(tmp_path):
     assert {"_coef_fwd", "_coef_bwd_x", "_post_bwd_2d", "_phi_pairs", "_param_grad_sum", "_hc_operands",
             "_hc_operand_grads"} <= set(stubbed)
     # the forward alone: the same rows, together cheaper than forward + backward (the two runs are separate processes
-    # on a shared machine: a single row's order can flip, the sum over six wirings, each backward ~2x its forward, not)
+    # on a shared machine: a single row's order can flip, the sum over seven wirings, each backward ~2x its forward, not)
     fwd_path = tmp_path / "host_forward.json"
     _run(["bench/bench_host.py", "--sublayers", "4", "--steps", "5", "--forward", "--out", str(fwd_path)], tmp_path)
     fwd = json.loads(fwd_path.read_text())
