@@ -103,6 +103,18 @@ def paired_step_ms(runs: dict, x, params, steps, forward_only: bool = False) -> 
             for name, ts in times.items()}
 
 
+def under_config(run, name: str, key: str, value):
+    """The wiring `run` with ops.CONFIG[name][key] set to value while it runs (an A/B row beside the default)."""
+    def wired(x):
+        cfg = ops.CONFIG[name]
+        old, cfg[key] = cfg[key], value
+        try:
+            return run(x)
+        finally:
+            cfg[key] = old
+    return wired
+
+
 SPENT: dict = {}  # kernel -> (host seconds in its launches, launches), this step (--real)
 
 
@@ -143,28 +155,15 @@ def main():
             x = layer(x)
         return x
 
-    def one_at_a_time_by_function_apply(x):
-        # A/B: the eager Functions entered by Function.apply's Python wrapper (CONFIG launch c_apply false)
-        cfg = ops.CONFIG["launch"]
-        c_apply, cfg["c_apply"] = cfg["c_apply"], False
-        try:
-            return one_at_a_time(x)
-        finally:
-            cfg["c_apply"] = c_apply
-
     def hc(x):
         for layer in hc_layers:
             x = layer(x)
         return x
 
-    def hc_operands_by_torch(x):
-        # A/B: HC's operands built by the torch composition outside the op (before they were made inside it)
-        cfg = ops.CONFIG["hc_operands"]
-        fold, cfg["fold"] = cfg["fold"], False
-        try:
-            return hc(x)
-        finally:
-            cfg["fold"] = fold
+    # A/Bs: the eager Functions entered by Function.apply's Python wrapper; HC's operands built by the torch
+    # composition outside the op (before they were made inside it)
+    one_at_a_time_by_function_apply = under_config(one_at_a_time, "launch", "c_apply", False)
+    hc_operands_by_torch = under_config(hc, "hc_operands", "fold", False)
 
     def hc_coef_then_stream_pre(x):
         # A/B: HC's sublayer as wired in round 7: hc_coef, then stream_pre, the write-back reading x itself
