@@ -22,6 +22,10 @@ import argparse
 import json
 import os
 import platform
+try:
+    import resource
+except ImportError:  # not on Windows
+    resource = None
 import shlex
 import statistics
 import subprocess
@@ -51,13 +55,29 @@ PHASE_MARKS = ("batch_start", "before_backward", "after_backward", "batch_end")
 PHASES = ("forward", "backward", "optimizer", "between_steps")
 
 
+def preemptions() -> Optional[int]:
+    """Involuntary context switches of the calling thread so far (Linux), else None."""
+    who = getattr(resource, "RUSAGE_THREAD", None) if resource is not None else None
+    return None if who is None else resource.getrusage(who).ru_nivcsw
+
+
+def launcher_misses() -> int:
+    """Launches of the fused kernels that took Triton's own path so far (0 where the kernels are not loaded)."""
+    launch = sys.modules.get("mhc_lightning.kernels.fused.launch")
+    return 0 if launch is None else launch.Launcher.misses
+
+
 class Throughput(L.Callback):
     """Step times after `warmup` optimizer steps; rank 0 writes them (and tokens/s of the global batch) to `out`.
 
     On CUDA: one event recorded at every step end, read after training, so the timed window has no host sync.
     Also per phase (forward + loss, backward, clipping + optimizer, Lightning's loop between steps): the host's time
     to issue it (perf_counter between hooks) beside the device's time for it (events at the same hooks). Where the
-    host needs longer than the device, the device waits (unless it still has earlier work queued).
+    host needs longer than the device, the device waits (unless it still has earlier work queued). Beside the host's
+    wall time, the main thread's CPU time per phase and its involuntary context switches per step (Linux): wall well
+    above CPU time with many switches means the thread was preempted (a busy host); wall close to CPU time means the
+    thread ran the whole phase (its own work, or spinning in a launch that waits for room in the device's queue). And the kernel launches that took Triton's own path in the timed steps (a launch
+    key the fused ops had not kept, kernels/fused/launch.py): 0 in a steady state.
     """
 
     def __init__(self, warmup: int, out: str):
@@ -65,7 +85,8 @@ class Throughput(L.Callback):
         self.events: list = []
         self.walls: list[float] = []
         self.tokens_per_step = 0
-        self.marks: list[dict] = []  # per timed step: mark -> (perf_counter, event | None)
+        self.marks: list[dict] = []  # per timed step: mark -> (perf_counter, event | None, thread CPU s, switches)
+        self.misses_at_warmup: Optional[int] = None
 
     def _mark(self, trainer, pl_module, name: str) -> None:
         if trainer.global_step < self.warmup:
@@ -74,11 +95,13 @@ class Throughput(L.Callback):
             self.marks.append({})
         if not self.marks:
             return
+        if self.misses_at_warmup is None:
+            self.misses_at_warmup = launcher_misses()
         ev = None
         if pl_module.device.type == "cuda":
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
-        self.marks[-1][name] = (time.perf_counter(), ev)
+        self.marks[-1][name] = (time.perf_counter(), ev, time.thread_time(), preemptions())
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._mark(trainer, pl_module, "batch_start")
@@ -90,8 +113,10 @@ class Throughput(L.Callback):
         self._mark(trainer, pl_module, "after_backward")
 
     def phase_ms(self) -> dict:
-        """Median host ms and device ms per phase over the timed steps (after the events have completed)."""
+        """Median host ms (wall and the main thread's CPU) and device ms per phase over the timed steps (after the
+        events have completed)."""
         host: dict = {k: [] for k in PHASES}
+        cpu: dict = {k: [] for k in PHASES}
         dev: dict = {k: [] for k in PHASES}
         for m, nxt in zip(self.marks, self.marks[1:]):
             if not all(k in m for k in PHASE_MARKS) or "batch_start" not in nxt:
@@ -99,10 +124,18 @@ class Throughput(L.Callback):
             points = [m[k] for k in PHASE_MARKS] + [nxt["batch_start"]]
             for name, (a, b) in zip(PHASES, zip(points, points[1:])):
                 host[name].append(1e3 * (b[0] - a[0]))
+                cpu[name].append(1e3 * (b[2] - a[2]))
                 if a[1] is not None:
                     dev[name].append(a[1].elapsed_time(b[1]))
         med = lambda v: statistics.median(v) if v else None  # noqa: E731
-        return {name: {"host_ms": med(host[name]), "device_ms": med(dev[name])} for name in PHASES}
+        return {name: {"host_ms": med(host[name]), "host_cpu_ms": med(cpu[name]), "device_ms": med(dev[name])}
+                for name in PHASES}
+
+    def preempted_per_step(self) -> Optional[float]:
+        """Median involuntary context switches of the main thread per timed step (None where not counted)."""
+        steps = [nxt["batch_start"][3] - m["batch_start"][3] for m, nxt in zip(self.marks, self.marks[1:])
+                 if "batch_start" in m and "batch_start" in nxt and m["batch_start"][3] is not None]
+        return statistics.median(steps) if steps else None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step  # optimizer steps done, this one included
@@ -141,6 +174,8 @@ class Throughput(L.Callback):
             "tokens_per_s_median_step": self.tokens_per_step / (med / 1e3),
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
             "phases": self.phase_ms(),
+            "preempted_per_step": self.preempted_per_step(),
+            "launcher_misses": None if self.misses_at_warmup is None else launcher_misses() - self.misses_at_warmup,
             "step_ms": times,
         }
         Path(self.out).write_text(json.dumps(record, indent=1))
@@ -396,7 +431,8 @@ def _headline(runs: list[dict]) -> dict:
     head = dict(ok[(len(ok) - 1) // 2]) if ok else dict(runs[-1])
     head.pop("step_ms", None)
     # every run's phase times too: an outlier run (round 13: 101 ms among 78.5 ms runs) can then be attributed
-    head["repeats"] = [{k: r.get(k) for k in ("step_ms_mean", "step_ms_median", "exit", "seconds", "phases") if k in r}
+    head["repeats"] = [{k: r.get(k) for k in ("step_ms_mean", "step_ms_median", "exit", "seconds", "phases",
+                                                      "preempted_per_step", "launcher_misses") if k in r}
                        for r in runs]
     return head
 
@@ -436,8 +472,9 @@ def bench_phase(args, work: Path, corpus: Path, results: dict, save, profiles: d
                     print(f"    {rec['tokens_per_s']:,.0f} tok/s, step {rec['step_ms_mean']:.1f} ms mean / "
                           f"{rec['step_ms_median']:.1f} median, peak {rec['peak_mem_gib'] or 0:.1f} GiB", flush=True)
                     print("    host / device ms: " + ", ".join(
-                        f"{k} {v['host_ms'] or 0:.1f} / {v['device_ms'] or 0:.1f}" for k, v in rec["phases"].items()),
-                        flush=True)
+                        f"{k} {v['host_ms'] or 0:.1f} (cpu {v['host_cpu_ms'] or 0:.1f}) / {v['device_ms'] or 0:.1f}"
+                        for k, v in rec["phases"].items()) + f"; preempted {rec.get('preempted_per_step')} per step, "
+                        f"{rec.get('launcher_misses')} launcher misses", flush=True)
     if args.profile:
         print(f"profile: {args.profile} steps after {args.warmup} warm-up steps, one more run per variant", flush=True)
         for variant in args.modes:

@@ -93,6 +93,10 @@ def test_bench_ddp_repeats_alternate_runs_kernel_config_variants_and_profiles(tm
     # host time per phase of the step (device time only on CUDA)
     assert set(head["phases"]) == {"forward", "backward", "optimizer", "between_steps"}
     assert all(p["host_ms"] > 0 and p["device_ms"] is None for p in head["phases"].values())
+    # the main thread's CPU time per phase (at most its wall time, give or take the clocks' resolution), its
+    # preemptions (counted on Linux) and no launcher misses (no fused kernels in the residual)
+    assert all(0 < p["host_cpu_ms"] <= p["host_ms"] + 1.0 for p in head["phases"].values())
+    assert head["preempted_per_step"] >= 0 and head["launcher_misses"] == 0
     assert all(set(r["phases"]) == set(head["phases"]) for r in head["repeats"])  # every run's, not only the headline's
     assert data["environment"]["mhc_kernel_config"] == override == head["kernel_config"]
     assert {p.name for p in (tmp_path / "work").glob("residual-1-r*.log")} == {"residual-1-r0.log", "residual-1-r1.log"}

@@ -71,6 +71,25 @@ def test_call_key_keeps_tma_descriptors_by_dtype_and_block():
     assert all(k != base for k in others) and len(set(others)) == len(others)
 
 
+def test_descriptors_after_the_first_of_a_block_skip_only_tritons_checks():
+    """launch.descriptor: the same TensorDescriptor as Triton's constructor (every field, the base by identity); Triton's
+    checks run for the first descriptor of a block shape and dtype (a block Triton refuses fails there)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from mhc_lightning.kernels.fused import launch
+
+    block = [16, 32]  # a block no other test uses: its first descriptor here is the checked one
+    launch._checked_blocks.discard((tuple(block), torch.bfloat16))
+    for rows in (64, 48, 16):  # the first descriptor checked, the others built directly
+        x = torch.randn(rows, 4, 256, device=DEV, dtype=torch.bfloat16)
+        d, ref = launch.descriptor(x, [rows, 1024], [1024, 1], block), TensorDescriptor(x, [rows, 1024], [1024, 1], block)
+        assert type(d) is TensorDescriptor and d.base is x
+        assert {k: v for k, v in vars(d).items() if k != "base"} == {k: v for k, v in vars(ref).items() if k != "base"}
+        assert ops._rows_desc(x, tuple(block)).shape == [rows, 1024]  # the x pass's own route to it
+    with pytest.raises((AssertionError, ValueError)):  # not a power of two: Triton's check, on the block's first descriptor
+        launch.descriptor(x, [16, 1024], [1024, 1], [16, 24])
+
+
 needs_cuda = pytest.mark.skipif(not CUDA, reason="compiled kernels (CUDA): the interpreter has no launcher to call")
 
 
@@ -95,6 +114,7 @@ def _both_paths(fn, *args):
 def test_fast_launches_equal_tritons_and_keep_one_kernel_per_key():
     launcher = ops._post_fwd
     launcher.kept.clear()
+    misses = Launcher.misses
     compiled = lambda: len(launcher.fn.device_caches[torch.cuda.current_device()][0])  # noqa: E731
     first = None
     for tokens in (1000, 1000, 1031, 4096):
@@ -102,6 +122,7 @@ def test_fast_launches_equal_tritons_and_keep_one_kernel_per_key():
         assert torch.equal(ref, out)
         first = compiled() if first is None else first
     assert len(launcher.kept) == 3  # one per token count: the repeated call hit
+    assert Launcher.misses - misses == 3  # what bench_ddp counts: the three new keys, not the hit
     assert compiled() == first  # N is a runtime argument: Triton compiled nothing more
     # a stream at a 2-element offset (not 16-byte aligned) gets its own key, and Triton its own specialisation
     ref, out = _both_paths(ops._post_fwd_body, *_post_fwd_inputs(1000, offset=2))

@@ -13,7 +13,8 @@ pointer specialisation), plus the current device. A new value of a runtime-only 
 Sinkhorn count) therefore misses here and takes Triton's path once, which finds its own compiled kernel (no
 recompile) and hands it back to be kept under the new key.
 """
-from typing import Callable
+import dataclasses
+from typing import Callable, Optional
 
 import torch
 
@@ -35,6 +36,8 @@ class Launcher:
     takes Triton's own path under the interpreter, while a launch hook is installed (Triton's profiler), and while
     enabled() is false (ops.CONFIG["launch"]["fast"]: the A/B of bench_ddp --kernel-config).
     """
+
+    misses = 0  # calls, over every Launcher, that took Triton's path for want of a kept key (bench_ddp reports them)
 
     def __init__(self, fn, enabled: Callable[[], bool] = lambda: True):
         self.fn, self.enabled = fn, enabled
@@ -67,6 +70,7 @@ class Launcher:
     def _first(self, key: tuple, grid, args: tuple, kwargs: dict):
         """Triton's own launch; its compiled kernel kept under key with the values of the parameters not passed
         positionally (constexprs and defaults: part of the key, so fixed for it)."""
+        Launcher.misses += 1
         kernel = self.fn[grid](*args, **kwargs)
         if kernel is None or not hasattr(kernel, "packed_metadata"):  # compiled asynchronously or another Triton
             return kernel
@@ -93,6 +97,32 @@ def _arg_key(a):
     if isinstance(a, TensorDescriptor):
         return "desc", a.base.dtype, tuple(a.block_shape), a.padding
     return a
+
+
+def _field_defaults(cls) -> Optional[dict]:
+    """A plain (not frozen, no slots) dataclass's field defaults, else None."""
+    if not dataclasses.is_dataclass(cls) or cls.__dataclass_params__.frozen or hasattr(cls, "__slots__"):
+        return None
+    return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+
+
+_DESC_DEFAULTS = _field_defaults(TensorDescriptor) if TensorDescriptor != () else None
+_checked_blocks: set = set()
+
+
+def descriptor(base: Tensor, shape: list, strides: list, block: list):
+    """`TensorDescriptor(base, shape, strides, block)`, with Triton's checks (`__post_init__`) run on the first
+    descriptor of each block shape and dtype only: the caller vouches for the rest (`ops._rows_desc` checks the
+    16-byte alignment of base and row stride, the contiguous rows and a positive shape itself). Triton's checks took
+    half the host time of a descriptor, five per sublayer in the eager backward (docs/kernels.md)."""
+    key = (tuple(block), base.dtype)
+    if _DESC_DEFAULTS is None or key not in _checked_blocks:
+        d = TensorDescriptor(base, shape, strides, block)
+        _checked_blocks.add(key)
+        return d
+    d = object.__new__(TensorDescriptor)
+    d.__dict__.update(_DESC_DEFAULTS, base=base, shape=shape, strides=strides, block_shape=block)
+    return d
 
 
 def _hooked() -> bool:
