@@ -16,7 +16,7 @@ import torch
 
 from . import coefficients, parameters, rope, stream_ends, stream_post_res, stream_pre
 from .coefficients import DOT_IEEE, DOT_NATIVE, DOT_TF32
-from .launch import Launcher, TensorDescriptor
+from .launch import Launcher, descriptor
 
 Tensor = torch.Tensor
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -521,7 +521,7 @@ def _rows_desc(t: Tensor, block: tuple[int, int]):
         inner = length
     if t.data_ptr() % 16 or (strides[0] * t.element_size()) % 16 or len(shape) < 2:
         return None
-    return TensorDescriptor(t, [shape[0], length], [strides[0], 1], list(block))
+    return descriptor(t, [shape[0], length], [strides[0], 1], list(block))
 
 
 def _param_grads(phi, bias, alpha, dphi_part, part):
