@@ -4,6 +4,8 @@
     python bench/bench_host.py --real [...]     # on a GPU: the real launches, timed apart (where the host time goes)
     python bench/bench_host.py --forward [...]  # the forward alone (the trainer's eager forward is where the host
                                                 # can fall behind the GPU: docs/benchmarks.md, round 15)
+    python bench/bench_host.py --model [--real] # the whole GPT's forward under bf16 autocast, residual against mHC,
+                                                # and where mHC's extra host time goes (cProfile, own time)
 
 An eager training step issues its kernel launches from Python; when the host needs longer per sublayer than the
 GPU, the GPU waits (docs/benchmarks.md, "Eager host overhead"). This measures that host cost on any machine: the
@@ -118,6 +120,63 @@ def under_config(run, name: str, key: str, value):
 SPENT: dict = {}  # kernel -> (host seconds in its launches, launches), this step (--real)
 
 
+def model_forward(args) -> dict:
+    """--model: host ms of the whole GPT's forward (autograd recording, bf16 autocast, the trainer's model at --real:
+    C = 1024, 12 blocks, 16 heads, B = 8, T = 2048; tiny on the CPU), residual and mHC alternating, the device idle
+    at each forward's start (synchronised before, not inside). Then one cProfile'd forward batch per mode: own time
+    per function, and mHC's top functions beside the residual's time in the same function."""
+    import cProfile
+    import pstats
+
+    from mhc_lightning.model.config import GPTConfig
+    from mhc_lightning.model.gpt import GPT
+
+    dev = "cuda" if REAL else "cpu"
+    torch.set_flush_denormal(True)  # stubbed kernels leave memory unwritten: no denormal slow paths on the CPU
+    c, layers, heads, batch, seq = (1024, 12, 16, 8, 2048) if REAL else (args.c, 12, 2, 1, 16)
+    models = {}
+    for mode in ("residual", "mhc"):
+        hyper = HyperConfig(residual_mode=mode, n_streams=4, kernel_backend="triton", bias_init="home"
+                            if mode == "mhc" else "a6")
+        models[mode] = GPT(GPTConfig(n_layers=layers, d_model=c, n_heads=heads, context=seq, hyper=hyper)).to(dev)
+    idx = torch.randint(0, 256, (batch, seq), device=dev)
+
+    def forward(model) -> float:
+        if REAL:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        with torch.autocast(dev, dtype=torch.bfloat16):
+            out = model(idx)
+        ms = 1e3 * (time.perf_counter() - t)
+        del out
+        return ms
+
+    times = {m: [] for m in models}
+    for i in range(args.steps + 3):
+        for mode, model in models.items():
+            ms = forward(model)
+            if i >= 3:
+                times[mode].append(ms)
+    rows = {m: dict(forward_ms=statistics.median(v)) for m, v in times.items()}
+    own = {}
+    for mode, model in models.items():
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(args.steps):
+            forward(model)
+        prof.disable()
+        stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, primitive calls, own s, cumulative s, callers)
+        own[mode] = {f"{os.path.basename(k[0])}:{k[2]}": 1e3 * v[2] / args.steps for k, v in stats.items()}
+    extra = sorted(own["mhc"].items(), key=lambda kv: kv[1] - own["residual"].get(kv[0], 0.0), reverse=True)[:args.top]
+    for mode, r in rows.items():
+        print(f"{mode:<10} forward {r['forward_ms']:8.2f} ms host", flush=True)
+    print(f"mHC's extra host time by function (own ms per forward under cProfile, mHC / residual):")
+    for name, ms in extra:
+        print(f"  {name:<60} {ms:7.2f} / {own['residual'].get(name, 0.0):7.2f}")
+    return dict(rows=rows, shape=dict(c=c, blocks=layers, heads=heads, batch=batch, seq=seq),
+                own_ms_top=[dict(function=k, mhc=v, residual=own["residual"].get(k, 0.0)) for k, v in extra])
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sublayers", type=int, default=24)
@@ -126,6 +185,8 @@ def main():
     p.add_argument("--forward", action="store_true", help="time the forward alone (no backward)")
     p.add_argument("--real", action="store_true", help="CUDA, real launches, each timed (read before import)")
     p.add_argument("--c", type=int, default=64, help="channels: 1024 takes the trainer's launch configs (C blocks)")
+    p.add_argument("--model", action="store_true", help="the whole GPT's forward, residual against mHC (model_forward)")
+    p.add_argument("--top", type=int, default=25, help="--model: functions listed by mHC's extra own time")
     p.add_argument("--bf16", action="store_true", help="bf16 streams, as the trainer's (always with --real): phi then "
                    "enters as 16-bit parts, with that path's launches")
     args = p.parse_args()
@@ -134,6 +195,16 @@ def main():
     stubbed = replace_launches((lambda fn, k: _TimedLaunch(fn, SPENT, k)) if REAL else (lambda fn, k: _NoLaunch()))
     dev = "cuda" if REAL else "cpu"
     torch.manual_seed(0)
+    info = dict(torch=torch.__version__, python=sys.version.split()[0], threads=torch.get_num_threads(),
+                steps=args.steps, command=" ".join(sys.argv), **{"timed_kernels" if REAL else "stubbed_kernels": stubbed})
+    if REAL:
+        info.update(triton=triton.__version__, gpu=torch.cuda.get_device_name())
+    if args.model:
+        result = model_forward(args)
+        if args.out:
+            with open(args.out, "w") as fh:
+                json.dump(dict(info=info, **result), fh, indent=1)
+        return
     c, n = args.c, 4
     cfg = HyperConfig(residual_mode="mhc", n_streams=n, kernel_backend="triton", phi_init="normal", bias_init="a6")
     layers = nn.ModuleList(HyperConnection(nn.Identity(), c, i, cfg) for i in range(args.sublayers))
@@ -205,12 +276,7 @@ def main():
             rows[name].update(launch_ms=launch_ms, us_per_launch=us_per_launch)
             line += f", of which {1e3 * launch_ms / args.sublayers:5.0f} us in Triton launches"
         print(line, flush=True)
-    info = dict(torch=torch.__version__, python=sys.version.split()[0], threads=torch.get_num_threads(),
-                sublayers=args.sublayers, steps=args.steps, c=args.c, forward_only=args.forward, streams="bf16" if bf16 else "fp32",
-                command=" ".join(sys.argv),
-                **{"timed_kernels" if REAL else "stubbed_kernels": stubbed})
-    if REAL:
-        info.update(triton=triton.__version__, gpu=torch.cuda.get_device_name())
+    info.update(sublayers=args.sublayers, c=args.c, forward_only=args.forward, streams="bf16" if bf16 else "fp32")
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(dict(info=info, rows=rows), fh, indent=1)

@@ -69,6 +69,17 @@ def test_bench_host_times_every_wiring(tmp_path):
     assert sum(r["per_sublayer_ms"] for r in fwd["rows"].values()) < sum(r["per_sublayer_ms"] for r in rows.values())
 
 
+def test_bench_host_model_times_both_forwards_and_names_mhcs_functions(tmp_path):
+    """--model: the whole GPT's forward per mode, and mHC's extra host time by function: the fused ops' Python is
+    among them (a profile of the residual alone, or of nothing, would list none of it)."""
+    path = tmp_path / "model.json"
+    _run(["bench/bench_host.py", "--model", "--steps", "2", "--top", "40", "--out", str(path)], tmp_path)
+    data = json.loads(path.read_text())
+    assert set(data["rows"]) == {"residual", "mhc"} and all(r["forward_ms"] > 0 for r in data["rows"].values())
+    top = {r["function"]: r for r in data["own_ms_top"]}
+    assert "ops.py:_fwd" in top and top["ops.py:_fwd"]["mhc"] > 0 == top["ops.py:_fwd"]["residual"]
+
+
 def test_bench_host_real_needs_a_gpu(tmp_path):
     if __import__("torch").cuda.is_available():
         pytest.skip("a GPU is present: --real would run")
