@@ -86,12 +86,13 @@ def check_fused(fused: Optional[bool], precision) -> None:
 
 def check_compile(arch: GPTConfig, compile: bool, compile_mode: str = "default") -> None:
     """Refuse what is known not to compile: the chained mHC stack under torch.compile did not finish its first step
-    within 150 s on an H200 in three runs (docs/benchmarks.md, round 4), while one sublayer at a time compiles.
+    within 150 s on an H200 in three runs (docs/benchmarks.md, round 4), while one sublayer at a time compiles (what
+    chain_sublayers auto traces under torch.compile).
     compile_mode: one of torch.compile's modes (the list is torch's own)."""
     modes = list(torch._inductor.list_mode_options())
     if compile_mode not in modes:
         raise ValueError(f"model.compile_mode: {compile_mode!r} is not a torch.compile mode; allowed: {', '.join(modes)}")
-    if compile and arch.hyper.chain_sublayers and arch.hyper.residual_mode in ("mhc", "identity"):
+    if compile and arch.hyper.chain_sublayers is True and arch.hyper.residual_mode in ("mhc", "identity"):
         raise ValueError("model.compile=true with model.arch.hyper.chain_sublayers=true is refused: the chained stack "
                          "does not finish compiling (docs/benchmarks.md, round 4); set one of them to false")
 

@@ -152,6 +152,7 @@ def test_interpolation_follows_later_overrides(tmp_path, monkeypatch):
     ("--model.arch.hyper.bias_init=ones", "bias_init"),
     ("--model.compile=true --model.arch.hyper.chain_sublayers=true",
      "model.compile=true with model.arch.hyper.chain_sublayers=true is refused"),
+    ("--model.arch.hyper.chain_sublayers=sometimes", "chain_sublayers"),
     ("--model.compile_mode=fast", "model.compile_mode: 'fast' is not a torch.compile mode; allowed: default,"),
 ])
 def test_bad_values_fail_at_parse_time(arg, message, capsys):

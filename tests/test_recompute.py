@@ -210,6 +210,39 @@ def test_chain_equals_one_sublayer_at_a_time(mode, backend):
             torch.testing.assert_close(rec[k], rec0[k], **tol)
 
 
+def test_chain_sublayers_auto_chains_where_the_boundary_op_is_fused_and_eager(monkeypatch):
+    """chain_sublayers auto (the default): the chain with the fused backend in eager mode (the interpreter here, CUDA in
+    training), one sublayer at a time with the reference ops, for HC, and while torch.compile traces; true / false
+    decide alone. The default model really runs the chain there: every sublayer's `chain` is entered."""
+    assert HyperConfig().chain_sublayers == "auto"
+    x = torch.randn(B, T, 4, 32)
+    decided = {}
+    for mode, backend in (("mhc", "triton"), ("mhc", "torch"), ("identity", "triton"), ("hc", "triton")):
+        for setting in ("auto", True, False):
+            layers = list(model(mode, kernel_backend=backend, chain_sublayers=setting).sublayers)
+            decided[mode, backend, setting] = recompute._chains(layers, x)
+    assert decided == {("mhc", "triton", "auto"): True, ("mhc", "torch", "auto"): False,
+                       ("identity", "triton", "auto"): True, ("hc", "triton", "auto"): False,
+                       **{(m, b, True): m != "hc" for m, b in (("mhc", "triton"), ("mhc", "torch"), ("identity", "triton"),
+                                                              ("hc", "triton"))},
+                       **{(m, b, False): False for m, b in (("mhc", "triton"), ("mhc", "torch"), ("identity", "triton"),
+                                                           ("hc", "triton"))}}
+    fused = randomized(model("mhc", kernel_backend="triton"))
+    entered = []
+    chain = type(fused.sublayers[0]).chain
+    monkeypatch.setattr(type(fused.sublayers[0]), "chain", lambda self, *a: entered.append(self) or chain(self, *a))
+    run_sublayers(fused.sublayers, torch.randn(B, T, 4, 32), 0)
+    assert entered == list(fused.sublayers)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # as while torch.compile traces the model
+    assert not recompute._chains(list(fused.sublayers), x)
+    from mhc_lightning.module import check_compile
+    check_compile(GPTConfig(hyper=HyperConfig(residual_mode="mhc")), True)  # auto compiles (one sublayer at a time)
+    with pytest.raises(ValueError, match="refused"):
+        check_compile(GPTConfig(hyper=HyperConfig(residual_mode="mhc", chain_sublayers=True)), True)
+    with pytest.raises(ValueError, match=r"chain_sublayers must be one of \[True, False, 'auto'\], got 'always'"):
+        HyperConfig(chain_sublayers="always")
+
+
 def test_run_sublayers_on_any_module_list():
     """The benchmark's entry point: any nn.ModuleList of sublayers, here a residual model's."""
     m = randomized(model("residual"))

@@ -61,13 +61,17 @@ class HyperConfig:
     collapse: Collapse = "sum"
     kernel_backend: KernelBackend = "auto"
     # Run consecutive mHC sublayers as one chain through the fused boundary op (post/res of l with the coefficients
-    # and input of l + 1). Off: measured slower on an H200 than one sublayer at a time (docs/benchmarks.md, round 3).
-    chain_sublayers: bool = False
+    # and input of l + 1). auto: the chain where that op is the fused kernels' in eager mode (CUDA), one sublayer at a
+    # time elsewhere and under torch.compile. The chain's host time per sublayer is lower; on an H200 whose host is
+    # slow the eager step went 69.7 / 75.2 -> 63.6 / 64.5 ms, on a fast one they tie (docs/benchmarks.md, round 27).
+    chain_sublayers: Union[bool, Literal["auto"]] = "auto"
     # Run an init that keeps the streams identical anyway (the degenerate baseline); refused otherwise.
     allow_identical_streams: bool = False
 
     def __post_init__(self) -> None:
         _one_of("residual_mode", self.residual_mode, RESIDUAL_MODES)
+        if self.chain_sublayers not in ("auto",) and not isinstance(self.chain_sublayers, bool):
+            raise ValueError(f"chain_sublayers must be one of [True, False, 'auto'], got {self.chain_sublayers!r}")
         _at_least("n_streams", self.n_streams, 1)
         _at_least("sinkhorn_iters", self.sinkhorn_iters, 1)
         _at_least("sinkhorn_eps", self.sinkhorn_eps, 0.0)

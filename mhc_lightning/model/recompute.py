@@ -26,6 +26,8 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
+from ..kernels import get_ops, reference
+
 try:  # torch >= 2.5
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 except ImportError:  # torch 2.4: the same caching modes before pytorch#125795 made them public (bool policy)
@@ -89,15 +91,22 @@ def _not_recording(layers: list[nn.Module]) -> Iterator[None]:
                 layer.record = flag
 
 
-def _chains(layers: Sequence[nn.Module]) -> bool:
-    """True when the layers run as one chain of boundary ops (every one can, and their config asks for it)."""
-    return len(layers) > 0 and all(getattr(layer, "chains", False) and layer.cfg.chain_sublayers for layer in layers)
+def _chains(layers: Sequence[nn.Module], x: torch.Tensor) -> bool:
+    """True when the layers run as one chain of boundary ops on stream x: every one can, and its config asks for it
+    (HyperConfig.chain_sublayers: true, or auto where the boundary op is the fused kernels' in eager mode)."""
+    return len(layers) > 0 and all(getattr(layer, "chains", False) and _asks_chain(layer.cfg, x) for layer in layers)
+
+
+def _asks_chain(cfg, x: torch.Tensor) -> bool:
+    if cfg.chain_sublayers != "auto":
+        return bool(cfg.chain_sublayers)
+    return not torch.compiler.is_compiling() and get_ops(cfg.kernel_backend, x.device) is not reference
 
 
 def _run(layers: Sequence[nn.Module], nxt: Optional[nn.Module], *state):
     """The layers in order. state: the stream x alone, or (chained layers) the carry a previous block handed on.
     Returns the stream, or with a chained nxt the carry for it (its coefficients come from this block's last op)."""
-    if not _chains(layers):
+    if not _chains(layers, state[0]):
         (x,) = state
         for layer in layers:
             x = layer(x)
@@ -132,7 +141,7 @@ def run_sublayers(sublayers: Iterable[nn.Module], x: torch.Tensor, block: int) -
     layers = list(sublayers)
     if block <= 0 or not torch.is_grad_enabled() or not any(layer.training for layer in layers):
         return _run(layers, None, x)
-    chained = _chains(layers)
+    chained = _chains(layers, x)
     state = (x,)
     for i in range(0, len(layers), block):
         part = layers[i : i + block]
