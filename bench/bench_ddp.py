@@ -22,10 +22,6 @@ import argparse
 import json
 import os
 import platform
-try:
-    import resource
-except ImportError:  # not on Windows
-    resource = None
 import shlex
 import statistics
 import subprocess
@@ -42,6 +38,11 @@ import torch
 
 from mhc_lightning.data.synthetic import english_like_text
 from profiling import idle_gaps, print_rows, time_per_name
+
+try:
+    import resource
+except ImportError:  # not on Windows
+    resource = None
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
@@ -76,8 +77,9 @@ class Throughput(L.Callback):
     host needs longer than the device, the device waits (unless it still has earlier work queued). Beside the host's
     wall time, the main thread's CPU time per phase and its involuntary context switches per step (Linux): wall well
     above CPU time with many switches means the thread was preempted (a busy host); wall close to CPU time means the
-    thread ran the whole phase (its own work, or spinning in a launch that waits for room in the device's queue). And the kernel launches that took Triton's own path in the timed steps (a launch
-    key the fused ops had not kept, kernels/fused/launch.py): 0 in a steady state.
+    thread ran the whole phase (its own work, or spinning in a launch that waits for room in the device's queue).
+    And the kernel launches that took Triton's own path in the timed steps (a launch key the fused ops had not kept,
+    kernels/fused/launch.py): 0 in a steady state.
     """
 
     def __init__(self, warmup: int, out: str):

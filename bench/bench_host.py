@@ -170,7 +170,7 @@ def model_forward(args) -> dict:
     extra = sorted(own["mhc"].items(), key=lambda kv: kv[1] - own["residual"].get(kv[0], 0.0), reverse=True)[:args.top]
     for mode, r in rows.items():
         print(f"{mode:<10} forward {r['forward_ms']:8.2f} ms host", flush=True)
-    print(f"mHC's extra host time by function (own ms per forward under cProfile, mHC / residual):")
+    print("mHC's extra host time by function (own ms per forward under cProfile, mHC / residual):")
     for name, ms in extra:
         print(f"  {name:<60} {ms:7.2f} / {own['residual'].get(name, 0.0):7.2f}")
     return dict(rows=rows, shape=dict(c=c, blocks=layers, heads=heads, batch=batch, seq=seq),

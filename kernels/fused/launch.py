@@ -106,7 +106,7 @@ def _field_defaults(cls) -> Optional[dict]:
     return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
 
 
-_DESC_DEFAULTS = _field_defaults(TensorDescriptor) if TensorDescriptor != () else None
+_DESC_DEFAULTS = _field_defaults(TensorDescriptor)
 _checked_blocks: set = set()
 
 

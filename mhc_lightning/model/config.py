@@ -70,8 +70,7 @@ class HyperConfig:
 
     def __post_init__(self) -> None:
         _one_of("residual_mode", self.residual_mode, RESIDUAL_MODES)
-        if self.chain_sublayers not in ("auto",) and not isinstance(self.chain_sublayers, bool):
-            raise ValueError(f"chain_sublayers must be one of [True, False, 'auto'], got {self.chain_sublayers!r}")
+        _one_of("chain_sublayers", self.chain_sublayers, (True, False, "auto"))
         _at_least("n_streams", self.n_streams, 1)
         _at_least("sinkhorn_iters", self.sinkhorn_iters, 1)
         _at_least("sinkhorn_eps", self.sinkhorn_eps, 0.0)
