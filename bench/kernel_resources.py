@@ -103,6 +103,10 @@ def cases():
         ("coef bwd per token (+ <du, x>)", _coef_bwd_tok,
          dict(res, HAS_U=True, LOOP_STAGES=ops.CONFIG["coef_bwd_tok"]["loop_stages"],
               **_tiles("coef_bwd_tok", "BT", "BC")), {"x_ptr", "du_ptr"}, "coef_bwd_tok"),
+        # the trainer's: du in the branch's fp32 (ops CONFIG "u"), rounded to bf16 and stored for the x pass
+        ("coef bwd per token, fp32 du (the trainer's)", _coef_bwd_tok,
+         dict(res, HAS_U=True, DU_NARROW=True, LOOP_STAGES=ops.CONFIG["coef_bwd_tok"]["loop_stages"],
+              **_tiles("coef_bwd_tok", "BT", "BC")), {"x_ptr", "dun_ptr"}, "coef_bwd_tok"),
         ("coef bwd x pass (dx + dphi, mhc_enter)", _coef_bwd_x,
          dict(xpass("coef_bwd_x"), HAS_U=True, HAS_DX=True, ACC=True), {"x_ptr", "phi_ptr", "dx_ptr", "du_ptr", "dxin_ptr"}, "coef_bwd_x"),
         ("coef bwd x pass, fp32 phi (the trainer's)", _coef_bwd_x,
@@ -127,6 +131,8 @@ def cases():
                 **_tiles(("post_bwd", "rows"), "BT", "BC")),
            {"x_ptr", "f_ptr", "g_ptr", "dx_ptr", "df_ptr"}, ("post_bwd", "rows")) for stages in (0, 2, 3)),
         ("stream_pre fwd", _pre_fwd, dict(NS=NS, **_tiles("pre_fwd", "BT", "BC")), {"x_ptr", "u_ptr"}, "pre_fwd"),
+        ("stream_pre fwd, fp32 u (the trainer's)", _pre_fwd, dict(NS=NS, **_tiles("pre_fwd", "BT", "BC")), {"x_ptr"},
+         "pre_fwd"),
         ("stream_pre bwd", _pre_bwd, dict(NS=NS, **_tiles("pre_bwd", "BT", "BC")), {"x_ptr", "du_ptr", "dx_ptr"},
          "pre_bwd"),
     ]

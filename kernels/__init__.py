@@ -3,10 +3,13 @@
 The model reaches every op through `get_ops(backend, device)`, the single dispatch point.
 Both backends expose the same functions with the same signatures and conventions (opts: `MHCOptions`):
     mhc_coefficients(x, phi, bias, alpha, opts) -> (h_pre, h_post, h_res | None)
-    mhc_pre(x, phi, bias, alpha, opts) -> (u, h_pre, h_post, h_res | None)
-    mhc_enter(x, phi, bias, alpha, opts) -> (x', u, h_pre, h_post, h_res | None)   (x' for the write-back to read;
-                                                  fused, under torch.compile: a pair only the write-back reads)
-    mhc_boundary(x, f, h_post, h_res | None, phi, bias, alpha, opts) -> (x_next, u, h_pre, h_post, h_res | None)
+    mhc_pre(x, phi, bias, alpha, opts, u_dtype=None) -> (u, h_pre, h_post, h_res | None)   (u_dtype: u's, as its
+                                                  branch takes it; its values are those of u in x's dtype)
+    mhc_enter(x, phi, bias, alpha, opts, u_dtype=None) -> (x', u, h_pre, h_post, h_res | None)   (x' for the
+                                                  write-back to read; fused, under torch.compile: a pair only the
+                                                  write-back reads)
+    mhc_boundary(x, f, h_post, h_res | None, phi, bias, alpha, opts, u_dtype=None) -> (x_next, u, h_pre, h_post,
+                                                  h_res | None)
     hc_coefficients(x, norm_weight, w_beta, w_m, w_r, s_alpha, s_beta, b_static, am_static, ar_static, *, dynamic,
                     use_tanh, norm_eps) -> (h_pre, h_post, h_res)      (HC, unconstrained)
     hc_enter(x, <the same ten parameters>, *, dynamic, use_tanh, norm_eps) -> (x', u, h_pre, h_post, h_res)

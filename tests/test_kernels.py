@@ -941,6 +941,60 @@ def test_boundary_backward_by_the_x_pass(monkeypatch):
             assert seen == expected, (xpass, seen)
 
 
+def _u_ops():
+    """(name, call(inputs, u_dtype) -> outputs, inputs) for the three ops that hand a branch its input u, at the
+    trainer's dtypes (bf16 stream, fp32 parameters)."""
+    lead, c = SHAPES[1]
+    opts = MHCOptions(sinkhorn_iters=ITERS)
+    return [("mhc_pre", lambda i, d: fused.mhc_pre(*i, opts, d), _coef_inputs(lead, c, 4, torch.bfloat16)),
+            ("mhc_enter", lambda i, d: fused.mhc_enter(*i, opts, d), _coef_inputs(lead, c, 4, torch.bfloat16)),
+            ("mhc_boundary", lambda i, d: fused.mhc_boundary(*i, opts, d), _boundary_inputs(lead, c, 4, torch.bfloat16))]
+
+
+@pytest.mark.parametrize("xpass", [True, False])
+def test_u_in_the_branchs_dtype_is_the_cast_bitwise(xpass, monkeypatch):
+    """u_dtype fp32 on a bf16 stream (the trainer's branch input): the kernels write u in fp32 themselves (CONFIG "u"
+    branch_dtype) and the per-token pass rounds the fp32 du back for the x pass, where torch's cast after the op did
+    both before. Outputs and every input's gradient are bitwise those of the cast, with an fp32 upstream gradient of u
+    that bf16 cannot hold on the GPU (the interpreter truncates fp32 -> bf16 where GPUs and torch round to nearest
+    even, so there du is drawn on bf16's grid: the wide path without the rounding); checked that the kernels took the
+    fp32 u (no cast node) and that the per-token pass narrowed du (DU_NARROW)."""
+    torch.manual_seed(91)
+    narrowed = []
+    _on_launch(monkeypatch, ("_coef_bwd_tok",), lambda name, kw: narrowed.append(kw.get("DU_NARROW", False)))
+    for name, call, inputs in _u_ops():
+        runs = {}
+        for inside in (True, False):
+            narrowed.clear()
+            leaves = [None if t is None else _leaf(t) for t in inputs]
+            with config_changed("u", branch_dtype=inside), config_changed("bnd_bwd", xpass=xpass):
+                out = call(leaves, torch.float32)
+                u = out[1] if name != "mhc_pre" else out[0]
+                assert u.dtype == torch.float32
+                assert (type(u.grad_fn).__name__ == "ToCopyBackward0") != inside, (name, inside, u.grad_fn)
+                torch.manual_seed(5)
+                gs = [None if o is None else torch.randn(o.shape, device=DEV, dtype=torch.float32) for o in out]
+                gs = gs if CUDA else [None if g is None else g.bfloat16().float() for g in gs]
+                grads = _grads(out, [t for t in leaves if t is not None], gs)
+            assert narrowed == [inside], (name, inside, narrowed)
+            runs[inside] = (out, grads)
+        for a, b in zip(*(runs[True][0], runs[False][0])):
+            assert (a is None and b is None) or torch.equal(a, b), name
+        for a, b in zip(runs[True][1], runs[False][1]):
+            assert torch.equal(a, b), name
+
+
+def test_u_dtype_in_the_reference_is_the_cast():
+    torch.manual_seed(92)
+    x, phi, bias, alpha = _coef_inputs((5,), 8, 4, torch.bfloat16)
+    opts = MHCOptions(sinkhorn_iters=3)
+    plain, wide = R.mhc_pre(x, phi, bias, alpha, opts), R.mhc_pre(x, phi, bias, alpha, opts, torch.float32)
+    assert plain[0].dtype == torch.bfloat16 and wide[0].dtype == torch.float32
+    assert torch.equal(wide[0], plain[0].float())
+    b_in = _boundary_inputs((5,), 8, 4, torch.bfloat16)
+    assert torch.equal(R.mhc_boundary(*b_in, opts, torch.float32)[1], R.mhc_boundary(*b_in, opts)[1].float())
+
+
 def test_boundary_fallback_matches_reference():
     """Options the kernels do not cover: the composition of the ops that do cover their part."""
     torch.manual_seed(14)
@@ -1231,6 +1285,54 @@ def test_model_training_step_kernels_equal_reference(mode):
     assert grads_k.keys() == grads_r.keys()
     for name in grads_r:
         check(grads_k[name], grads_r[name].double(), 2e-3, name)
+
+
+@pytest.mark.parametrize("chain", ["auto", False])
+def test_model_hands_each_branch_its_input_without_a_cast(chain):
+    """Under bf16 autocast with a bf16 stream (the trainer's), every mHC branch gets u in its parameters' fp32 from the
+    op itself (`mhc_enter` one sublayer at a time, the boundary op in the chain): no cast node between them. The step
+    equals the one with torch's cast each way (CONFIG "u" off): bitwise on the GPU; under the interpreter, which
+    truncates the backward's fp32 -> bf16 rounding of du where torch rounds to nearest even, the loss bitwise and the
+    gradients to 1 % (all together)."""
+    import torch.nn.functional as F
+
+    from mhc_lightning.model import GPT, GPTConfig, HyperConfig
+
+    def step(inside):
+        torch.manual_seed(0)
+        cfg = GPTConfig(n_layers=2, d_model=32, n_heads=2, context=16, stream_dtype="bfloat16", hyper=HyperConfig(
+            residual_mode="mhc", sinkhorn_iters=ITERS, phi_init="normal", kernel_backend="triton",
+            chain_sublayers=chain))
+        model = GPT(cfg).to(DEV)
+        seen = []
+
+        def producer(t):  # the node that made the branch's input, past reshapes
+            fn = t.grad_fn
+            while type(fn).__name__ in ("ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"):
+                fn = fn.next_functions[0][0]
+            return type(fn).__name__
+
+        for layer in model.sublayers:
+            layer.branch.register_forward_pre_hook(lambda m, a: seen.append((a[0].dtype, producer(a[0]))))
+        idx = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(1)).to(DEV)
+        with config_changed("u", branch_dtype=inside), torch.autocast(DEV, dtype=torch.bfloat16):
+            logits = model(idx[:, :-1])
+            loss = F.cross_entropy(logits.float().flatten(0, 1), idx[:, 1:].flatten())
+            loss.backward()
+        return seen, loss, {k: p.grad for k, p in model.named_parameters()}
+
+    seen, loss, grads = step(True)
+    seen_cast, loss_cast, grads_cast = step(False)
+    assert len(seen) == 4 and all(d == torch.float32 and fn.endswith("eagerBackward") for d, fn in seen), seen
+    assert all(d == torch.float32 and fn == "ToCopyBackward0" for d, fn in seen_cast), seen_cast
+    assert torch.equal(loss, loss_cast)
+    assert grads.keys() == grads_cast.keys()
+    if CUDA:
+        for name, g in grads_cast.items():
+            assert torch.equal(grads[name], g), name
+    else:  # all gradients together: single sums over tokens (alpha's) can nearly cancel
+        a, b = (torch.cat([gs[k].double().flatten() for k in sorted(gs)]) for gs in (grads, grads_cast))
+        assert ((a - b).norm() / b.norm()).item() < 1e-2
 
 
 @pytest.mark.parametrize("mode", ["mhc", "identity", "hc", "residual"])

@@ -66,6 +66,20 @@ def _vec3(alpha: torch.Tensor) -> torch.Tensor:
     return alpha if alpha.dim() == 1 else alpha.reshape(3)
 
 
+def _u_written(x: torch.Tensor, u_dtype: Optional[torch.dtype]) -> Optional[torch.dtype]:
+    """The dtype the op itself writes u in: u_dtype (the branch's) in eager mode, where the kernels round u to x's dtype
+    and store it wider, which spares torch's cast each way (ops.CONFIG "u"); else None (x's dtype, and `_as` casts
+    after the op: under torch.compile inductor fuses that cast into the branch's norm)."""
+    if (u_dtype is None or u_dtype == x.dtype or u_dtype not in _DTYPES or not ops.CONFIG["u"]["branch_dtype"]
+            or torch.compiler.is_compiling()):
+        return None
+    return u_dtype
+
+
+def _as(u: torch.Tensor, u_dtype: Optional[torch.dtype]) -> torch.Tensor:
+    return u if u_dtype is None or u.dtype == u_dtype else u.to(u_dtype)
+
+
 def _coefs_out(phi, lead, n, h_pre, h_post, h_res):
     if phi.shape[-1] == mhc_logit_count(n, False):
         h_res = None  # identity-HC: H^res = I
@@ -86,21 +100,23 @@ def mhc_coefficients(
 
 
 def mhc_pre(
-    x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, opts: MHCOptions = DEFAULT_OPTIONS
+    x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, opts: MHCOptions = DEFAULT_OPTIONS,
+    u_dtype: Optional[torch.dtype] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """(u, h_pre, h_post, h_res | None) from one read of x; its backward returns a single dx."""
     args = _coef_args(x, phi, bias, alpha, opts)
     if args is None:  # same composition as the reference, each part fused where it can be
         h_pre, h_post, h_res = mhc_coefficients(x, phi, bias, alpha, opts)
-        return stream_pre(x, h_pre), h_pre, h_post, h_res
+        return _as(stream_pre(x, h_pre), u_dtype), h_pre, h_post, h_res
     lead = x.shape[:-2]
-    u, h_pre, h_post, h_res, _, _ = ops.eager.mhc_pre(_flat(x), phi, bias, _vec3(alpha), *args)
-    return (u if len(lead) == 1 else u.reshape(*lead, x.shape[-1]),
+    u, h_pre, h_post, h_res, _, _ = ops.eager.mhc_pre(_flat(x), phi, bias, _vec3(alpha), *args, _u_written(x, u_dtype))
+    return (_as(u if len(lead) == 1 else u.reshape(*lead, x.shape[-1]), u_dtype),
             *_coefs_out(phi, lead, x.shape[-2], h_pre, h_post, h_res))
 
 
 def mhc_enter(
-    x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, opts: MHCOptions = DEFAULT_OPTIONS
+    x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, opts: MHCOptions = DEFAULT_OPTIONS,
+    u_dtype: Optional[torch.dtype] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """(x', u, h_pre, h_post, h_res | None): mhc_pre, and x' (an alias of x) for the sublayer's write-back to read.
     The gradient reaching x' enters this op's backward, whose x pass adds it into the one dx it writes: autograd then
@@ -109,10 +125,11 @@ def mhc_enter(
     read."""
     args = _coef_args(x, phi, bias, alpha, opts)
     if args is None:
-        return (x, *mhc_pre(x, phi, bias, alpha, opts))
+        return (x, *mhc_pre(x, phi, bias, alpha, opts, u_dtype))
     lead = x.shape[:-2]
-    xt, u, h_pre, h_post, h_res, _, _ = ops.eager.mhc_enter(_flat(x), phi, bias, _vec3(alpha), *args)
-    return (_handed_on(xt, x), u if len(lead) == 1 else u.reshape(*lead, x.shape[-1]),
+    xt, u, h_pre, h_post, h_res, _, _ = ops.eager.mhc_enter(_flat(x), phi, bias, _vec3(alpha), *args,
+                                                            _u_written(x, u_dtype))
+    return (_handed_on(xt, x), _as(u if len(lead) == 1 else u.reshape(*lead, x.shape[-1]), u_dtype),
             *_coefs_out(phi, lead, x.shape[-2], h_pre, h_post, h_res))
 
 
@@ -150,6 +167,7 @@ def _res3(x3: torch.Tensor, h_res: Optional[torch.Tensor]) -> torch.Tensor:
 def mhc_boundary(
     x: torch.Tensor, f: torch.Tensor, h_post: torch.Tensor, h_res: Optional[torch.Tensor],
     phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, opts: MHCOptions = DEFAULT_OPTIONS,
+    u_dtype: Optional[torch.dtype] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """(x_next, u, h_pre, h_post, h_res | None): sublayer l's write-back and sublayer l+1's coefficients and input in
     one op (kernels/reference/boundary.py); x_next is written once, and its backward writes dx once."""
@@ -157,17 +175,19 @@ def mhc_boundary(
     args = _coef_args(x, phi, bias, alpha, opts)
     if args is None or not _post_res_fusable(x, f, h_post, h_res):
         x_next = stream_post_res(x, f, h_post, h_res)
-        return (x_next, *mhc_pre(x_next, phi, bias, alpha, opts))
+        return (x_next, *mhc_pre(x_next, phi, bias, alpha, opts, u_dtype))
     n, c = x.shape[-2], x.shape[-1]
     lead = x.shape[:-2]
+    written = _u_written(x, u_dtype)
     if x.dim() == 3:  # flat already (the model's chain): no reshapes
         x_next, u, h_pre, h_post2, h_res2, _, _ = ops.eager.boundary(
-            x, f, h_post, _res3(x, h_res), phi, bias, _vec3(alpha), *args)
-        return (x_next, u, *_coefs_out(phi, lead, n, h_pre, h_post2, h_res2))
+            x, f, h_post, _res3(x, h_res), phi, bias, _vec3(alpha), *args, written)
+        return (x_next, _as(u, u_dtype), *_coefs_out(phi, lead, n, h_pre, h_post2, h_res2))
     x3 = x.reshape(-1, n, c)
     x_next, u, h_pre, h_post2, h_res2, _, _ = ops.eager.boundary(
-        x3, f.reshape(-1, c), h_post.reshape(-1, n), _res3(x3, h_res), phi, bias, _vec3(alpha), *args)
-    return (x_next.reshape(x.shape), u.reshape(*lead, c), *_coefs_out(phi, lead, n, h_pre, h_post2, h_res2))
+        x3, f.reshape(-1, c), h_post.reshape(-1, n), _res3(x3, h_res), phi, bias, _vec3(alpha), *args, written)
+    return (x_next.reshape(x.shape), _as(u.reshape(*lead, c), u_dtype),
+            *_coefs_out(phi, lead, n, h_pre, h_post2, h_res2))
 
 
 def stream_pre(x: torch.Tensor, h_pre: torch.Tensor) -> torch.Tensor:

@@ -343,7 +343,9 @@ def _coef_gates(rinv, x_ptr, bias_ptr, alpha_ptr, lg_ptr, hpre_ptr, hpost_ptr, h
                 hj = tl.sum(tl.where(nn[None, :] == j, h_pre, 0.0), axis=1)
                 xj = tl.load(x_ptr + rows64[:, None] * stride_x + j * C + cc[None, :], mask=m2, other=0.0)
                 u += hj[:, None] * xj.to(tl.float32)
-            tl.store(u_ptr + rows64[:, None] * C + cc[None, :], u.to(u_ptr.dtype.element_ty), mask=m2)
+            # rounded to the stream's dtype first: a wider u (the branch's dtype, ops "u") holds the same values
+            u = u.to(x_ptr.dtype.element_ty).to(u_ptr.dtype.element_ty)
+            tl.store(u_ptr + rows64[:, None] * C + cc[None, :], u, mask=m2)
     if HAS_RES and SINK:
         _res_tail(lg_ptr, bias_ptr, alpha_ptr, hres_ptr, rows64, rmask, rinv, iters, eps, NS, M, T_IN, T_OUT)
 
@@ -361,13 +363,19 @@ def _coef_tail(
 
 
 @triton.jit
-def _tok_du_x(dh_pre, x_ptr, du_ptr, rows64, rmask, nn, C, stride_x, NS: tl.constexpr, BC: tl.constexpr,
-              LOOP_STAGES: tl.constexpr):
-    """dh_pre_j + <du, x_j> for the block's tokens (the fused pre op: u = sum_j h_pre_j x_j; one read of du and x)."""
+def _tok_du_x(dh_pre, x_ptr, du_ptr, dun_ptr, rows64, rmask, nn, C, stride_x, NS: tl.constexpr, BC: tl.constexpr,
+              LOOP_STAGES: tl.constexpr, DU_NARROW: tl.constexpr):
+    """dh_pre_j + <du, x_j> for the block's tokens (the fused pre op: u = sum_j h_pre_j x_j; one read of du and x).
+    DU_NARROW: du came in wider than x (u handed to the branch in its dtype, ops "u"): each tile is rounded to x's
+    dtype, as the cast's backward would have, and stored at dun_ptr for the x pass."""
     for c0 in tl.range(0, C, BC, num_stages=LOOP_STAGES):
         cc = c0 + tl.arange(0, BC)
         m2 = rmask[:, None] & (cc[None, :] < C)
-        du = tl.load(du_ptr + rows64[:, None] * C + cc[None, :], mask=m2, other=0.0).to(tl.float32)
+        du = tl.load(du_ptr + rows64[:, None] * C + cc[None, :], mask=m2, other=0.0)
+        if DU_NARROW:
+            du = du.to(x_ptr.dtype.element_ty)
+            tl.store(dun_ptr + rows64[:, None] * C + cc[None, :], du, mask=m2)
+        du = du.to(tl.float32)
         for j in tl.static_range(NS):
             xj = tl.load(x_ptr + rows64[:, None] * stride_x + j * C + cc[None, :], mask=m2, other=0.0)
             dh_pre += tl.where(nn[None, :] == j, tl.sum(du * xj.to(tl.float32), axis=1)[:, None], 0.0)
@@ -396,10 +404,10 @@ def _tok_res(lg_ptr, bias_ptr, alpha_ptr, dres_ptr, dl_ptr, part_ptr, sc_ptr, pi
 @triton.jit(do_not_specialize=["N", "NP", "iters"])
 def _coef_bwd_tok(
     lg_ptr, rinv_ptr, bias_ptr, alpha_ptr, dpre_ptr, dpost_ptr, dres_ptr, dl_ptr, dss_ptr, part_ptr, sc_ptr,
-    x_ptr, du_ptr, N, NP, K, C, stride_x, iters, eps, post_mult,
+    x_ptr, du_ptr, dun_ptr, N, NP, K, C, stride_x, iters, eps, post_mult,
     NS: tl.constexpr, M: tl.constexpr, HAS_RES: tl.constexpr, T_IN: tl.constexpr, T_OUT: tl.constexpr,
     HAS_U: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_DPRE: tl.constexpr = True,
-    LOOP_STAGES: tl.constexpr = None, INTERLEAVE: tl.constexpr = False,
+    LOOP_STAGES: tl.constexpr = None, INTERLEAVE: tl.constexpr = False, DU_NARROW: tl.constexpr = False,
 ):
     """HAS_DPRE = False: h_pre had no gradient of its own (the model reads it only through u): dh_pre starts at zero
     (no zero tensor is made and filled for it). LOOP_STAGES: the <du, x_j> loop's pipelining depth (CONFIG
@@ -407,7 +415,7 @@ def _coef_bwd_tok(
     INTERLEAVE (with HAS_U and HAS_RES): odd programs run Sinkhorn's backward (compute, independent of the loop)
     before the <du, x_j> loop (memory) and even ones after it, so that while some programs of an SM stream du and x
     others compute instead of every program doing the two one after the other in step (timed in round 16: no faster,
-    CONFIG keeps it off)."""
+    CONFIG keeps it off). DU_NARROW (with HAS_U): du is wider than x; its copy in x's dtype goes to dun_ptr."""
     pid = tl.program_id(0)
     rows64, rmask, nn, tok = _row_block(N, BT, NS)
     rinv = tl.load(rinv_ptr + rows64, mask=rmask, other=0.0)
@@ -426,19 +434,23 @@ def _coef_bwd_tok(
             if pid % 2 == 1:
                 drinv = _tok_res(lg_ptr, bias_ptr, alpha_ptr, dres_ptr, dl_ptr, part_ptr, sc_ptr, pid, NP, rows64,
                                  rmask, rinv, N, iters, eps, NS, M, T_IN, T_OUT)
-                dh_pre = _tok_du_x(dh_pre, x_ptr, du_ptr, rows64, rmask, nn, C, stride_x, NS, BC, LOOP_STAGES)
+                dh_pre = _tok_du_x(dh_pre, x_ptr, du_ptr, dun_ptr, rows64, rmask, nn, C, stride_x, NS, BC,
+                                   LOOP_STAGES, DU_NARROW)
             else:
-                dh_pre = _tok_du_x(dh_pre, x_ptr, du_ptr, rows64, rmask, nn, C, stride_x, NS, BC, LOOP_STAGES)
+                dh_pre = _tok_du_x(dh_pre, x_ptr, du_ptr, dun_ptr, rows64, rmask, nn, C, stride_x, NS, BC,
+                                   LOOP_STAGES, DU_NARROW)
                 drinv = _tok_res(lg_ptr, bias_ptr, alpha_ptr, dres_ptr, dl_ptr, part_ptr, sc_ptr, pid, NP, rows64,
                                  rmask, rinv, N, iters, eps, NS, M, T_IN, T_OUT)
         else:
             if HAS_U:
-                dh_pre = _tok_du_x(dh_pre, x_ptr, du_ptr, rows64, rmask, nn, C, stride_x, NS, BC, LOOP_STAGES)
+                dh_pre = _tok_du_x(dh_pre, x_ptr, du_ptr, dun_ptr, rows64, rmask, nn, C, stride_x, NS, BC,
+                                   LOOP_STAGES, DU_NARROW)
             drinv = _tok_res(lg_ptr, bias_ptr, alpha_ptr, dres_ptr, dl_ptr, part_ptr, sc_ptr, pid, NP, rows64, rmask,
                              rinv, N, iters, eps, NS, M, T_IN, T_OUT)
     else:
         if HAS_U:
-            dh_pre = _tok_du_x(dh_pre, x_ptr, du_ptr, rows64, rmask, nn, C, stride_x, NS, BC, LOOP_STAGES)
+            dh_pre = _tok_du_x(dh_pre, x_ptr, du_ptr, dun_ptr, rows64, rmask, nn, C, stride_x, NS, BC,
+                                   LOOP_STAGES, DU_NARROW)
         tl.store(part_ptr + (M + 2) * NP + pid, 0.0)
     dy_pre = dh_pre * s * (1.0 - s)
     l_post = tl.load(lg_ptr + rows64[:, None] * M + NS + nn[None, :], mask=tok, other=0.0)

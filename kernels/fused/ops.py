@@ -137,6 +137,14 @@ CONFIG = {
     # under torch.compile, route: the enter ops hand the write-back's gradient of x to their own x pass (`Routed`);
     # false: x itself is handed on and inductor sums the two gradients (the A/B of round 12's change)
     "enter": dict(route=True),
+    # branch_dtype: the enter and boundary ops write u in the dtype its branch takes (fp32 under bf16-mixed: the
+    # branch's pre-norm runs in its parameters' dtype, model/hyper_connection.py), rounded to the stream's dtype first,
+    # so its values are those of torch's cast after the op; the per-token backward pass rounds the wider du back and
+    # hands the x pass that copy. Outside torch.compile this replaces the cast each way (a kernel of 3 C-vectors per
+    # token each, and a launch) by one wider write of u and, in the backward, a wider read of du plus a narrow write.
+    # false: u in the stream's dtype and torch's cast after the op (the A/B). Under torch.compile inductor fuses that
+    # cast into the norm, so the ops always return u in the stream's dtype there
+    "u": dict(branch_dtype=True),
     # fast: launches skip Triton's per-call path after a kernel's first call with the same arguments' key
     # (kernels/fused/launch.py); false: every launch takes Triton's path (the A/B; docs/kernels.md). c_apply: the
     # eager Functions entered by autograd's C++ apply, without Function.apply's generic Python wrapper (`_eager_fn`);
@@ -386,9 +394,9 @@ def _register_routed(op, setup, backward) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # coefficients
 # ---------------------------------------------------------------------------------------------------------------
-def _fwd(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult, with_u):
-    """Coefficients (and u = sum_j h_pre_j x_j when with_u) in one launch, plus the optional split tail.
-    Returns (u or None, h_pre, h_post, h_res, logits, 1/r)."""
+def _fwd(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult, with_u, u_dtype=None):
+    """Coefficients (and u = sum_j h_pre_j x_j when with_u, in u_dtype or x's) in one launch, plus the optional split
+    tail. Returns (u or None, h_pre, h_post, h_res, logits, 1/r)."""
     N, n, C = x.shape
     M = phi.shape[1]
     has_res = M == n * n + 2 * n
@@ -396,7 +404,7 @@ def _fwd(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mu
     h_pre, h_post = _new((N, n), torch.float32, dev), _new((N, n), torch.float32, dev)
     h_res = _new((N, n, n) if has_res else (N, 0, 0), torch.float32, dev)
     lg, rinv = _new((N, M), torch.float32, dev), _new((N,), torch.float32, dev)
-    u = _new((N, C), x.dtype, dev) if with_u else None
+    u = _new((N, C), u_dtype or x.dtype, dev) if with_u else None
     if N == 0:
         return u, h_pre, h_post, h_res, lg, rinv
     x, phi = _rows(x), _c_contig(phi)
@@ -447,8 +455,9 @@ def _(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult)
 
 
 def bwd_tok(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult, du=None):
-    """Per token: dh_* (+ <du, x_j> into dh_pre when du is given) -> dL [N, M], d(sum x^2) [N], and per-program
-    bias / alpha partials [M + 3, programs]. d_pre None: zero (read by no one)."""
+    """Per token: dh_* (+ <du, x_j> into dh_pre when du is given) -> dL [N, M], d(sum x^2) [N], per-program bias /
+    alpha partials [M + 3, programs], and du as the x pass takes it: in x's dtype, rounded here when it came wider
+    (u in the branch's dtype, CONFIG "u"). d_pre None: zero (read by no one)."""
     N, n, C = x.shape
     M = phi.shape[1]
     has_res = M == n * n + 2 * n
@@ -461,14 +470,16 @@ def bwd_tok(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_i
     # Sinkhorn replay scratch: 2*iters - 1 reciprocal sums of n floats per token (written before it is read)
     sc = torch.empty(((2 * iters - 1) * N * n) if has_res else 1, dtype=torch.float32, device=dev)
     with_u = du is not None
+    narrow = with_u and du.dtype != x.dtype
+    dun = _new(du.shape, x.dtype, dev) if narrow else None
     _coef_bwd_tok[(n_prog,)](
         lg, rinv, bias.contiguous(), alpha.contiguous(), lg if d_pre is None else d_pre.contiguous(), d_post.contiguous(),
-        d_res.contiguous(), dl, dss, part, sc, x, du.contiguous() if with_u else x, N, n_prog, n * C, C, x.stride(0),
-        iters, eps, post_mult, NS=n, M=M, HAS_RES=has_res, T_IN=t_in, T_OUT=t_out, HAS_U=with_u, HAS_DPRE=d_pre is not None,
-        BT=ct["BT"], BC=min(ct.get("BC", 16), _np2(C, 16)), LOOP_STAGES=ct.get("loop_stages"),
-        INTERLEAVE=bool(ct.get("interleave")), **_launch(ct),
+        d_res.contiguous(), dl, dss, part, sc, x, du.contiguous() if with_u else x, _or(dun, x), N, n_prog, n * C, C,
+        x.stride(0), iters, eps, post_mult, NS=n, M=M, HAS_RES=has_res, T_IN=t_in, T_OUT=t_out, HAS_U=with_u,
+        HAS_DPRE=d_pre is not None, BT=ct["BT"], BC=min(ct.get("BC", 16), _np2(C, 16)), LOOP_STAGES=ct.get("loop_stages"),
+        INTERLEAVE=bool(ct.get("interleave")), DU_NARROW=narrow, **_launch(ct),
     )
-    return dl, dss, part
+    return dl, dss, part, _or(dun, du)
 
 
 def bwd_x(x, phi, dl, dss, dx=None, h_pre=None, du=None, dx_in=None, u_rows=1):
@@ -539,8 +550,8 @@ def _bwd(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, 
         return dx, torch.zeros_like(phi), torch.zeros_like(bias), torch.zeros_like(alpha)
     x, dx_in = _rows(x), None if dx_in is None else _rows(dx_in)
     phi = _c_contig(phi)
-    dl, dss, part = bwd_tok(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult,
-                            du=du)
+    dl, dss, part, du = bwd_tok(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out,
+                                post_mult, du=du)
     dphi_part = bwd_x(x, phi, dl, dss, dx, h_pre=h_pre, du=du, dx_in=dx_in)
     return (dx, *_param_grads(phi, bias, alpha, dphi_part, part))
 
@@ -598,18 +609,22 @@ coef_fwd.register_autograd(_coef_backward, setup_context=_coef_setup)
 # ---------------------------------------------------------------------------------------------------------------
 def _mhc_pre_fwd_body(
     x: Tensor, phi: Tensor, bias: Tensor, alpha: Tensor, iters: int, eps: float, t_in: bool, t_out: bool,
-    rms_eps: float, pre_eps: float, post_mult: float,
+    rms_eps: float, pre_eps: float, post_mult: float, u_dtype: Optional[torch.dtype] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """x [N, n, C] -> u [N, C] (x.dtype), h_pre, h_post, h_res, raw logits, 1/r (as coef_fwd)."""
-    return _fwd(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult, True)
+    """x [N, n, C] -> u [N, C] (u_dtype, None: x.dtype), h_pre, h_post, h_res, raw logits, 1/r (as coef_fwd)."""
+    return _fwd(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult, True, u_dtype)
 
 
 mhc_pre_fwd = _op("mhc_pre", _mhc_pre_fwd_body)
 
 
+def _u_fake(x: Tensor, u_dtype: Optional[torch.dtype]) -> Tensor:
+    return x.new_empty((x.shape[0], x.shape[2]), dtype=u_dtype or x.dtype)
+
+
 @mhc_pre_fwd.register_fake
-def _(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult):
-    return (x.new_empty((x.shape[0], x.shape[2])),) + _coef_fake(x, phi)
+def _(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult, u_dtype=None):
+    return (_u_fake(x, u_dtype),) + _coef_fake(x, phi)
 
 
 def _mhc_pre_bwd_body(
@@ -631,7 +646,7 @@ def _(x, phi, bias, alpha, lg, rinv, h_pre, du, d_pre, d_post, d_res, iters, eps
 
 
 def _mhc_pre_setup(ctx, inputs, output):
-    x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult = inputs
+    x, phi, bias, alpha, iters, eps, t_in, t_out, _rms_eps, _pre_eps, post_mult = inputs[:11]
     _, h_pre, _, _, lg, rinv = output
     ctx.save_for_backward(x, phi, bias, alpha, lg, rinv, h_pre)
     ctx.opts = (iters, eps, t_in, t_out, post_mult)
@@ -639,7 +654,8 @@ def _mhc_pre_setup(ctx, inputs, output):
 
 
 def _mhc_pre_backward(ctx, du, d_pre, d_post, d_res, _dlg, _drinv, dx_next=None):
-    """dx_next (`mhc_enter`): the gradient of the x handed on to the write-back, added in the x pass."""
+    """dx_next (`mhc_enter`): the gradient of the x handed on to the write-back, added in the x pass. du comes in u's
+    dtype (`bwd_tok` rounds a wider one)."""
     x, phi, bias, alpha, lg, rinv, h_pre = ctx.saved_tensors
     dh = _dh_zeros(x, phi, d_pre, d_post, d_res)
     if du is None:
@@ -648,7 +664,7 @@ def _mhc_pre_backward(ctx, du, d_pre, d_post, d_res, _dlg, _drinv, dx_next=None)
             grads = (grads[0] + dx_next, *grads[1:])
     else:
         grads = _impl(ctx, mhc_pre_bwd)(x, phi, bias, alpha, lg, rinv, h_pre, du, *dh, *ctx.opts, dx_in=dx_next)
-    return (*grads, None, None, None, None, None, None, None)
+    return (*grads, None, None, None, None, None, None, None, None)
 
 
 mhc_pre_fwd.register_autograd(_mhc_pre_backward, setup_context=_mhc_pre_setup)
@@ -662,10 +678,10 @@ def _mhc_enter_backward(ctx, dx_next, *grads):
 
 def _mhc_enter_fwd_body(
     x: Tensor, phi: Tensor, bias: Tensor, alpha: Tensor, iters: int, eps: float, t_in: bool, t_out: bool,
-    rms_eps: float, pre_eps: float, post_mult: float,
+    rms_eps: float, pre_eps: float, post_mult: float, u_dtype: Optional[torch.dtype] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """mhc_pre's outputs and x's route to the write-back (`Routed`): `mhc_enter` as torch.compile sees it."""
-    return (*_mhc_pre_fwd_body(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult),
+    return (*_mhc_pre_fwd_body(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult, u_dtype),
             _route_of(x))
 
 
@@ -673,8 +689,8 @@ mhc_enter_fwd = _op("mhc_enter", _mhc_enter_fwd_body)
 
 
 @mhc_enter_fwd.register_fake
-def _(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult):
-    return (x.new_empty((x.shape[0], x.shape[2])),) + _coef_fake(x, phi) + (_route_of(x),)
+def _(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult, u_dtype=None):
+    return (_u_fake(x, u_dtype),) + _coef_fake(x, phi) + (_route_of(x),)
 
 
 _register_routed(mhc_enter_fwd, _mhc_pre_setup, _mhc_pre_backward)
@@ -920,20 +936,21 @@ post_fwd.register_autograd(_post_backward, setup_context=_post_setup)
 def _bnd_fwd_body(
     x: Tensor, f: Tensor, h_post: Tensor, h_res: Tensor, phi: Tensor, bias: Tensor, alpha: Tensor, iters: int,
     eps: float, t_in: bool, t_out: bool, rms_eps: float, pre_eps: float, post_mult: float,
+    u_dtype: Optional[torch.dtype] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """x [N, n, C], f [N, C], h_post [N, n], h_res [N, n, n] or [N, 0, 0] (H^res = I) of sublayer l -> x_next, then
-    u, h_pre, h_post, h_res, raw logits, 1/r of sublayer l + 1 (as mhc_pre on x_next)."""
+    u (u_dtype, None: x.dtype), h_pre, h_post, h_res, raw logits, 1/r of sublayer l + 1 (as mhc_pre on x_next)."""
     x_next = _post_fwd_body(x, f, h_post, h_res)  # its own streaming kernel; the coefficients read it back
-    return (x_next, *_fwd(x_next, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult, True))
+    return (x_next, *_fwd(x_next, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult, True,
+                          u_dtype))
 
 
 bnd_fwd = _op("mhc_boundary", _bnd_fwd_body)
 
 
 @bnd_fwd.register_fake
-def _(x, f, h_post, h_res, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult):
-    return (_like(x), x.new_empty((x.shape[0], x.shape[2]))) + \
-        _coef_fake(x, phi)
+def _(x, f, h_post, h_res, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult, u_dtype=None):
+    return (_like(x), _u_fake(x, u_dtype)) + _coef_fake(x, phi)
 
 
 def _bnd_bwd_body(
@@ -954,8 +971,8 @@ def _bnd_bwd_body(
         dx, df, dhp, dhr = _post_bwd_run(G, x, f, h_post, h_res)
         return dx, df, dhp.to(h_post.dtype), dhr.to(h_res.dtype), dphi, dbias, dalpha
     x_next, phi = _rows(x_next), _c_contig(phi)
-    dl, dss, part = bwd_tok(x_next, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out,
-                            post_mult, du=du)
+    dl, dss, part, du = bwd_tok(x_next, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out,
+                                post_mult, du=du)
     dphi_part = bwd_x(x_next, phi, dl, dss)
     dx, df, dhp, dhr = _post_bwd_run(g, x, f, h_post, h_res, coef=(x_next, du, dl, dss, h_pre2, phi))
     return (dx, df, dhp.to(h_post.dtype), dhr.to(h_res.dtype), *_param_grads(phi, bias, alpha, dphi_part, part))
@@ -971,7 +988,7 @@ def _(x, f, h_post, h_res, phi, bias, alpha, x_next, lg, rinv, h_pre2, g, du, d_
 
 
 def _bnd_setup(ctx, inputs, output):
-    x, f, h_post, h_res, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult = inputs
+    x, f, h_post, h_res, phi, bias, alpha, iters, eps, t_in, t_out, _rms_eps, _pre_eps, post_mult = inputs[:14]
     x_next, _, h_pre2, _, _, lg, rinv = output
     # x_next is also the next op's input: saving it here keeps no extra copy
     ctx.save_for_backward(x, f, h_post, h_res, phi, bias, alpha, x_next, lg, rinv, h_pre2)
@@ -985,7 +1002,7 @@ def _bnd_backward(ctx, g, du, d_pre, d_post, d_res, _dlg, _drinv):
     g = torch.zeros_like(x_next) if g is None else g
     du = torch.zeros((x.shape[0], x.shape[2]), dtype=x.dtype, device=x.device) if du is None else du
     grads = _impl(ctx, bnd_bwd)(x, f, h_post, h_res, phi, bias, alpha, x_next, lg, rinv, h_pre2, g, du, *dh, *ctx.opts)
-    return (*grads, None, None, None, None, None, None, None)
+    return (*grads, None, None, None, None, None, None, None, None)
 
 
 bnd_fwd.register_autograd(_bnd_backward, setup_context=_bnd_setup)

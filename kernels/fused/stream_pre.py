@@ -1,6 +1,7 @@
 """Fused layer-input read-out u = sum_j h_pre_j x_j (docs/design.md §1, §8) and its backward.
 
-Forward: one read of x [N, n, C], one write of u [N, C] (fp32 accumulate, output in x.dtype).
+Forward: one read of x [N, n, C], one write of u [N, C] (fp32 accumulate, rounded to x.dtype; stored in
+u's dtype, which may be wider: ops CONFIG "u").
 Backward, one kernel per token block: reads du and x once, writes dx_j = h_pre_j du and reduces
 dh_pre_j = <du, x_j> over C in registers.
 """
@@ -23,7 +24,9 @@ def _pre_fwd(
         h = tl.load(h_ptr + rows64 * NS + j, mask=rmask, other=0.0).to(tl.float32)
         xj = tl.load(x_ptr + rows64[:, None] * stride_xt + j * stride_xn + cc[None, :], mask=m2, other=0.0)
         acc += h[:, None] * xj.to(tl.float32)
-    tl.store(u_ptr + rows64[:, None] * C + cc[None, :], acc.to(u_ptr.dtype.element_ty), mask=m2)
+    # rounded to x's dtype first: a wider u (the branch's dtype, ops "u") holds the values a cast of x's would
+    tl.store(u_ptr + rows64[:, None] * C + cc[None, :], acc.to(x_ptr.dtype.element_ty).to(u_ptr.dtype.element_ty),
+             mask=m2)
 
 
 @triton.jit(do_not_specialize=["N"])

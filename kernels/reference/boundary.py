@@ -18,8 +18,9 @@ from .streams import stream_post_res
 def mhc_boundary(
     x: torch.Tensor, f: torch.Tensor, h_post: torch.Tensor, h_res: Optional[torch.Tensor],
     phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, opts: MHCOptions = DEFAULT_OPTIONS,
+    u_dtype: Optional[torch.dtype] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """(x_next, u, h_pre, h_post, h_res | None): h_post / h_res in are sublayer l's, phi / bias / alpha / opts and
-    the coefficients out are sublayer l+1's."""
+    the coefficients out are sublayer l+1's (u in u_dtype, as mhc_pre)."""
     x_next = stream_post_res(x, f, h_post, h_res)
-    return (x_next, *mhc_pre(x_next, phi, bias, alpha, opts))
+    return (x_next, *mhc_pre(x_next, phi, bias, alpha, opts, u_dtype))

@@ -13,19 +13,22 @@ from .streams import stream_pre
 
 
 def mhc_pre(
-    x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, opts: MHCOptions = DEFAULT_OPTIONS
+    x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, opts: MHCOptions = DEFAULT_OPTIONS,
+    u_dtype: Optional[torch.dtype] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """(u, h_pre, h_post, h_res | None)."""
+    """(u, h_pre, h_post, h_res | None). u_dtype: u as the branch takes it, u in x's dtype then cast (None: x's)."""
     h_pre, h_post, h_res = mhc_coefficients(x, phi, bias, alpha, opts)
-    return stream_pre(x, h_pre), h_pre, h_post, h_res
+    u = stream_pre(x, h_pre)
+    return (u if u_dtype is None else u.to(u_dtype)), h_pre, h_post, h_res
 
 
 def mhc_enter(
-    x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, opts: MHCOptions = DEFAULT_OPTIONS
+    x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, opts: MHCOptions = DEFAULT_OPTIONS,
+    u_dtype: Optional[torch.dtype] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """(x, u, h_pre, h_post, h_res | None): mhc_pre, and the stream the sublayer's write-back is to read. Here x itself;
     the fused op hands on an alias, so that the write-back's gradient of x joins its own backward."""
-    return (x, *mhc_pre(x, phi, bias, alpha, opts))
+    return (x, *mhc_pre(x, phi, bias, alpha, opts, u_dtype))
 
 
 def hc_enter(

@@ -97,11 +97,17 @@ class HyperConnection(nn.Module):
             start=c.sinkhorn_start, res_layout=c.res_layout, pre_eps=c.pre_eps, post_mult=c.post_mult,
         )
 
+    def branch_dtype(self) -> Optional[torch.dtype]:
+        """The dtype the branch takes its input in: its parameters' (None: it has no floating ones)."""
+        p = next(self.branch.parameters(), None)
+        return p.dtype if p is not None and p.is_floating_point() else None
+
     def run_branch(self, u: torch.Tensor) -> torch.Tensor:
         """F(u) in the branch's parameter dtype. The stream may be narrower (GPTConfig.stream_dtype): the branch
-        then sees the dtype it would see with a full-precision stream, and autocast still casts its matmuls."""
-        p = next(self.branch.parameters(), None)
-        return self.branch(u if p is None or not p.is_floating_point() else u.to(p.dtype))
+        then sees the dtype it would see with a full-precision stream, and autocast still casts its matmuls. The mHC
+        ops hand u over in that dtype already (their u_dtype: the fused kernels write it so, no cast each way)."""
+        dtype = self.branch_dtype()
+        return self.branch(u if dtype is None else u.to(dtype))
 
     def remember(self, h_pre: torch.Tensor, h_post: torch.Tensor, h_res: Optional[torch.Tensor],
                  out: torch.Tensor, lead: Optional[tuple] = None) -> None:
@@ -124,7 +130,7 @@ class HyperConnection(nn.Module):
         lead, C = x.shape[:-2], x.shape[-1]
         ops = get_ops(self.cfg.kernel_backend, x.device)
         xt, u, h_pre, h_post, h_res = ops.mhc_enter(x if x.dim() == 3 else x.reshape(-1, *x.shape[-2:]), self.phi,
-                                                    self.bias, self.alpha, self.options())
+                                                    self.bias, self.alpha, self.options(), self.branch_dtype())
         return xt, u.view(*lead, C), h_pre, h_post, h_res
 
     def chain(self, carry: Carry, nxt: Optional["HyperConnection"]):
@@ -139,7 +145,8 @@ class HyperConnection(nn.Module):
             out = ops.stream_post_res(x, f, h_post, h_res)
             self.remember(h_pre, h_post, h_res, out, lead)
             return out.view(*lead, *out.shape[-2:])
-        x_next, u_next, *coefs = ops.mhc_boundary(x, f, h_post, h_res, nxt.phi, nxt.bias, nxt.alpha, nxt.options())
+        x_next, u_next, *coefs = ops.mhc_boundary(x, f, h_post, h_res, nxt.phi, nxt.bias, nxt.alpha, nxt.options(),
+                                                  nxt.branch_dtype())
         self.remember(h_pre, h_post, h_res, x_next, lead)
         return (x_next, u_next.view(*lead, C), *coefs)
 
@@ -152,7 +159,8 @@ class HyperConnection(nn.Module):
         flat = x if x.dim() == 3 else x.reshape(-1, n, C)
         ops = get_ops(self.cfg.kernel_backend, x.device)
         if self.chains:
-            xt, u, h_pre, h_post, h_res = ops.mhc_enter(flat, self.phi, self.bias, self.alpha, self.options())
+            xt, u, h_pre, h_post, h_res = ops.mhc_enter(flat, self.phi, self.bias, self.alpha, self.options(),
+                                                        self.branch_dtype())
         else:
             c = self.cfg
             # x' (the stream the write-back reads) comes out of the same op, so x's gradients meet in its x pass
