@@ -186,8 +186,8 @@ def test_trainer_traffic_tabulates_a_profiled_trainer_run_against_its_bytes(tmp_
     floor at the given copy bandwidth, its measured time per call and share of copy; variants without the kernels
     (residual) are left out."""
     out = tmp_path / "traffic.json"
-    proc = subprocess.run([sys.executable, "bench/trainer_traffic.py", str(PROFILED_AB), "--copy-tbps", "4.17", "--out",
-                           str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "bench/trainer_traffic.py", str(PROFILED_AB), "--copy-tbps", "4.17",
+                           "--u-bytes", "2", "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     data = json.loads(out.read_text())["variants"]
     assert set(data) == {"mhc", "mhc@tok0", "mhc@r13"}
@@ -202,6 +202,30 @@ def test_trainer_traffic_tabulates_a_profiled_trainer_run_against_its_bytes(tmp_
     assert abs(total["floor_ms_per_step"] - sum(r["floor_ms_per_step"] for r in rows.values())) < 1e-12
     assert 9.8 < total["floor_ms_per_step"] < 9.9 and 12.9 < total["ms_per_step"] < 13.1
     assert "mhc@tok0: 16384 tokens, C = 1024, n = 4" in proc.stdout
+
+
+U_AB = REPO / "docs" / "benchmarks" / "2026-12-04-h200-bench_ddp-round28-call2-u-ab-tok-bc128.json"
+
+
+def test_trainer_traffic_takes_each_runs_u_width(tmp_path):
+    """Round 28's A/B: the default run hands the branch u in fp32 (wide u written, wide du read and its bf16 copy
+    written), the `cast` variant (kernel config "u" branch_dtype false) u in bf16; --u-bytes overrides every run."""
+    def rows(*extra):
+        out = tmp_path / "traffic.json"
+        proc = subprocess.run([sys.executable, "bench/trainer_traffic.py", str(U_AB), "--copy-tbps", "4.17", "--out",
+                               str(out), *extra], cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        variants = json.loads(out.read_text())["variants"]
+        return {v: ({r["kernel"]: r["mb_per_call"] for r in d["rows"]}, d["u_bytes"]) for v, d in variants.items()}
+
+    tokens, c = 16384, 1024
+    got = rows()
+    assert got["mhc"][1] == got["mhc@bc128"][1] == 4 and got["mhc@cast"][1] == 2
+    wide, cast = got["mhc"][0], got["mhc@cast"][0]
+    assert abs(wide["_pre_fwd"] - cast["_pre_fwd"] - 2 * c * tokens / 1e6) < 1e-9  # u: 2 more bytes per element
+    assert abs(wide["_coef_bwd_tok"] - cast["_coef_bwd_tok"] - 4 * c * tokens / 1e6) < 1e-9  # du wide + its copy
+    assert wide["_coef_bwd_x"] == cast["_coef_bwd_x"]  # the x pass reads the bf16 copy
+    assert {v: b for v, (_, b) in rows("--u-bytes", "2").items()} == {"mhc": 2, "mhc@cast": 2, "mhc@bc128": 2}
 
 
 @pytest.mark.parametrize("extra,line", [
