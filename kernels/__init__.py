@@ -12,7 +12,8 @@ Both backends expose the same functions with the same signatures and conventions
                                                   h_res | None)
     hc_coefficients(x, norm_weight, w_beta, w_m, w_r, s_alpha, s_beta, b_static, am_static, ar_static, *, dynamic,
                     use_tanh, norm_eps) -> (h_pre, h_post, h_res)      (HC, unconstrained)
-    hc_enter(x, <the same ten parameters>, *, dynamic, use_tanh, norm_eps) -> (x', u, h_pre, h_post, h_res)
+    hc_enter(x, <the same ten parameters>, *, dynamic, use_tanh, norm_eps, u_dtype=None) -> (x', u, h_pre, h_post,
+                                                  h_res)
     rms_proj(x, w, eps) -> RMSNorm(x) w                                  (HC's projection)
     expand_streams(h, n, dtype=None) -> x_0                              (the embedding into n streams)
     sum_streams(x, dtype=None) -> the streams summed                     (the "sum" collapse)

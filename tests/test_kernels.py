@@ -942,26 +942,34 @@ def test_boundary_backward_by_the_x_pass(monkeypatch):
 
 
 def _u_ops():
-    """(name, call(inputs, u_dtype) -> outputs, inputs) for the three ops that hand a branch its input u, at the
-    trainer's dtypes (bf16 stream, fp32 parameters)."""
+    """(name, call(inputs, u_dtype) -> outputs, inputs) for the ops that hand a branch its input u, at the trainer's
+    dtypes (bf16 stream, fp32 parameters); HC's with its operands made inside the op and by torch."""
     lead, c = SHAPES[1]
     opts = MHCOptions(sinkhorn_iters=ITERS)
+
+    def hc(fold):
+        def call(i, d):
+            with config_changed("hc_operands", fold=fold):
+                return fused.hc_enter(*i, u_dtype=d)
+        return call
     return [("mhc_pre", lambda i, d: fused.mhc_pre(*i, opts, d), _coef_inputs(lead, c, 4, torch.bfloat16)),
             ("mhc_enter", lambda i, d: fused.mhc_enter(*i, opts, d), _coef_inputs(lead, c, 4, torch.bfloat16)),
-            ("mhc_boundary", lambda i, d: fused.mhc_boundary(*i, opts, d), _boundary_inputs(lead, c, 4, torch.bfloat16))]
+            ("mhc_boundary", lambda i, d: fused.mhc_boundary(*i, opts, d), _boundary_inputs(lead, c, 4, torch.bfloat16)),
+            *((f"hc_enter fold={fold}", hc(fold), _hc_inputs(lead, c, 4, torch.bfloat16)) for fold in (True, False))]
 
 
 @pytest.mark.parametrize("xpass", [True, False])
 def test_u_in_the_branchs_dtype_is_the_cast_bitwise(xpass, monkeypatch):
     """u_dtype fp32 on a bf16 stream (the trainer's branch input): the kernels write u in fp32 themselves (CONFIG "u"
-    branch_dtype) and the per-token pass rounds the fp32 du back for the x pass, where torch's cast after the op did
-    both before. Outputs and every input's gradient are bitwise those of the cast, with an fp32 upstream gradient of u
+    branch_dtype) and the per-token pass (HC's: its tail pass) rounds the fp32 du back for the x pass, where torch's
+    cast after the op did both before. Outputs and every input's gradient are bitwise those of the cast, with an fp32 upstream gradient of u
     that bf16 cannot hold on the GPU (the interpreter truncates fp32 -> bf16 where GPUs and torch round to nearest
     even, so there du is drawn on bf16's grid: the wide path without the rounding); checked that the kernels took the
     fp32 u (no cast node) and that the per-token pass narrowed du (DU_NARROW)."""
     torch.manual_seed(91)
     narrowed = []
-    _on_launch(monkeypatch, ("_coef_bwd_tok",), lambda name, kw: narrowed.append(kw.get("DU_NARROW", False)))
+    _on_launch(monkeypatch, ("_coef_bwd_tok", "_hc_tail_bwd"),
+               lambda name, kw: narrowed.append(kw.get("DU_NARROW", False)))
     for name, call, inputs in _u_ops():
         runs = {}
         for inside in (True, False):
@@ -969,7 +977,7 @@ def test_u_in_the_branchs_dtype_is_the_cast_bitwise(xpass, monkeypatch):
             leaves = [None if t is None else _leaf(t) for t in inputs]
             with config_changed("u", branch_dtype=inside), config_changed("bnd_bwd", xpass=xpass):
                 out = call(leaves, torch.float32)
-                u = out[1] if name != "mhc_pre" else out[0]
+                u = out[0] if name == "mhc_pre" else out[1]
                 assert u.dtype == torch.float32
                 assert (type(u.grad_fn).__name__ == "ToCopyBackward0") != inside, (name, inside, u.grad_fn)
                 torch.manual_seed(5)
@@ -1287,10 +1295,11 @@ def test_model_training_step_kernels_equal_reference(mode):
         check(grads_k[name], grads_r[name].double(), 2e-3, name)
 
 
-@pytest.mark.parametrize("chain", ["auto", False])
-def test_model_hands_each_branch_its_input_without_a_cast(chain):
-    """Under bf16 autocast with a bf16 stream (the trainer's), every mHC branch gets u in its parameters' fp32 from the
-    op itself (`mhc_enter` one sublayer at a time, the boundary op in the chain): no cast node between them. The step
+@pytest.mark.parametrize("mode,chain", [("mhc", "auto"), ("mhc", False), ("hc", "auto")])
+def test_model_hands_each_branch_its_input_without_a_cast(mode, chain):
+    """Under bf16 autocast with a bf16 stream (the trainer's), every mHC / HC branch gets u in its parameters' fp32 from
+    the op itself (`mhc_enter` one sublayer at a time, the boundary op in the chain, `hc_enter`): no cast node between
+    them. The step
     equals the one with torch's cast each way (CONFIG "u" off): bitwise on the GPU; under the interpreter, which
     truncates the backward's fp32 -> bf16 rounding of du where torch rounds to nearest even, the loss bitwise and the
     gradients to 1 % (all together)."""
@@ -1301,7 +1310,7 @@ def test_model_hands_each_branch_its_input_without_a_cast(chain):
     def step(inside):
         torch.manual_seed(0)
         cfg = GPTConfig(n_layers=2, d_model=32, n_heads=2, context=16, stream_dtype="bfloat16", hyper=HyperConfig(
-            residual_mode="mhc", sinkhorn_iters=ITERS, phi_init="normal", kernel_backend="triton",
+            residual_mode=mode, sinkhorn_iters=ITERS, phi_init="normal", kernel_backend="triton",
             chain_sublayers=chain))
         model = GPT(cfg).to(DEV)
         seen = []
@@ -1323,7 +1332,8 @@ def test_model_hands_each_branch_its_input_without_a_cast(chain):
 
     seen, loss, grads = step(True)
     seen_cast, loss_cast, grads_cast = step(False)
-    assert len(seen) == 4 and all(d == torch.float32 and fn.endswith("eagerBackward") for d, fn in seen), seen
+    ours = ("eagerBackward", "HCEnterFoldedBackward")  # the fused ops' autograd nodes
+    assert len(seen) == 4 and all(d == torch.float32 and fn.endswith(ours) for d, fn in seen), seen
     assert all(d == torch.float32 and fn == "ToCopyBackward0" for d, fn in seen_cast), seen_cast
     assert torch.equal(loss, loss_cast)
     assert grads.keys() == grads_cast.keys()

@@ -272,28 +272,31 @@ def hc_enter(
     x: torch.Tensor, norm_weight: torch.Tensor, w_beta: torch.Tensor, w_m: torch.Tensor, w_r: torch.Tensor,
     s_alpha: torch.Tensor, s_beta: torch.Tensor, b_static: torch.Tensor, am_static: torch.Tensor,
     ar_static: torch.Tensor, *, dynamic: bool = True, use_tanh: bool = True, norm_eps: float = 1e-6,
+    u_dtype: Optional[torch.dtype] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(x', u, h_pre, h_post, h_res): an HC sublayer's coefficients and input u in one op (`ops.hc_enter`), and x'
-    (an alias of x) for its write-back to read. Its backward writes one dx: <du, x_i> joins dh_pre in the tail pass,
-    h_pre_i du and the write-back's gradient of x join dx in the x pass, so autograd sums no stream-sized gradients
-    (three before: the coefficients', stream_pre's and the write-back's). Under torch.compile x' is `ops.Routed`,
-    as in `mhc_enter`."""
+    """(x', u, h_pre, h_post, h_res): an HC sublayer's coefficients and input u (in u_dtype, as `mhc_enter`) in one op
+    (`ops.hc_enter`), and x' (an alias of x) for its write-back to read. Its backward writes one dx: <du, x_i> joins
+    dh_pre in the tail pass, h_pre_i du and the write-back's gradient of x join dx in the x pass, so autograd sums no
+    stream-sized gradients (three before: the coefficients', stream_pre's and the write-back's). Under
+    torch.compile x' is `ops.Routed`, as in `mhc_enter`."""
     n, c = x.shape[-2], x.shape[-1]
     params = (norm_weight, w_beta, w_m, w_r, s_alpha, s_beta, b_static, am_static, ar_static)
     if not _hc_fusable(x, norm_weight, w_beta, w_m, w_r, b_static, ar_static, dynamic):
         h_pre, h_post, h_res = hc_coefficients(x, *params, dynamic=dynamic, use_tanh=use_tanh, norm_eps=norm_eps)
-        return x, stream_pre(x, h_pre), h_pre, h_post, h_res
+        return x, _as(stream_pre(x, h_pre), u_dtype), h_pre, h_post, h_res
+    written = _u_written(x, u_dtype)
     if _folds_hc_operands(x, params):
         xt, u, h_pre, h_post, h_res, _, _ = ops.HCEnterFolded.apply(_flat(x), *params, float(norm_eps),
-                                                                    bool(use_tanh))
+                                                                    bool(use_tanh), written)
     else:
         w, statics = _hc_weights(x, *params)
-        xt, u, h_pre, h_post, h_res, _, _ = ops.eager.hc_enter(_flat(x), w, statics, float(norm_eps), bool(use_tanh))
+        xt, u, h_pre, h_post, h_res, _, _ = ops.eager.hc_enter(_flat(x), w, statics, float(norm_eps), bool(use_tanh),
+                                                                written)
     lead = x.shape[:-2]
     h_pre, h_post = h_pre.view(*lead, n), h_post.view(*lead, n)  # the ops give them per (token, stream) row
     if len(lead) != 1:
         u, h_res = u.reshape(*lead, c), h_res.reshape(*lead, n, n)
-    return _handed_on(xt, x), u, h_pre, h_post, h_res
+    return _handed_on(xt, x), _as(u, u_dtype), h_pre, h_post, h_res
 
 
 def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int):

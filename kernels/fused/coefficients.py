@@ -262,15 +262,18 @@ def _hc_tail(lg_ptr, rinv, st_ptr, hpre_ptr, hpost_ptr, hres_ptr, rows64, rmask,
 
 
 @triton.jit(do_not_specialize=["R", "NP"])
-def _hc_tail_bwd(lg_ptr, rinv_ptr, st_ptr, dpre_ptr, dpost_ptr, dres_ptr, dl_ptr, dss_ptr, part_ptr, x_ptr, du_ptr, R,
-                 NP, C, inv_c, M: tl.constexpr, NH: tl.constexpr, TANH: tl.constexpr, BT: tl.constexpr,
-                 HAS_U: tl.constexpr = False, BC: tl.constexpr = 16, HAS_DPRE: tl.constexpr = True):
+def _hc_tail_bwd(lg_ptr, rinv_ptr, st_ptr, dpre_ptr, dpost_ptr, dres_ptr, dl_ptr, dss_ptr, part_ptr, x_ptr, du_ptr,
+                 dun_ptr, R, NP, C, inv_c, M: tl.constexpr, NH: tl.constexpr, TANH: tl.constexpr, BT: tl.constexpr,
+                 HAS_U: tl.constexpr = False, BC: tl.constexpr = 16, HAS_DPRE: tl.constexpr = True,
+                 DU_NARROW: tl.constexpr = False):
     """Backward of `_hc_tail` and of y = L / r for a block of rows: dL = dy / r and d(sum x^2) (what `_coef_bwd_x`
     turns into dx and dw), and this program's partial sums of the static parameters' gradients (part [PW, NP]: column
     pid of NP programs, rows laid out as st_ptr; summed afterwards: deterministic, no atomics).
     HAS_U (`hc_enter`, where the op also computed u = sum_i h_pre_i x_i): dh_pre of row (t, i) first gains
     <du_t, x_ti>, reading the block's rows of x (x_ptr, [R, C]) and their tokens' du (du_ptr, [R / NH, C]).
-    HAS_DPRE = False: h_pre had no gradient of its own (only through u): dh_pre starts at zero, nothing is read."""
+    HAS_DPRE = False: h_pre had no gradient of its own (only through u): dh_pre starts at zero, nothing is read.
+    DU_NARROW (with HAS_U): du is wider than x (u in the branch's dtype, ops "u"): rounded to x's dtype as the cast's
+    backward would, and stored at dun_ptr ([R / NH, C], by each token's stream-0 row) for the x pass."""
     pid = tl.program_id(0)
     rows64, rmask, jj, m2 = _row_block(R, BT, NH)
     i = rows64 % NH
@@ -289,8 +292,11 @@ def _hc_tail_bwd(lg_ptr, rinv_ptr, st_ptr, dpre_ptr, dpost_ptr, dres_ptr, dl_ptr
             cc = c0 + tl.arange(0, BC)
             mc = rmask[:, None] & (cc[None, :] < C)
             xv = tl.load(x_ptr + rows64[:, None] * C + cc[None, :], mask=mc, other=0.0).to(tl.float32)
-            dv = tl.load(du_ptr + t[:, None] * C + cc[None, :], mask=mc, other=0.0).to(tl.float32)
-            g1 += tl.sum(xv * dv, axis=1)
+            dv = tl.load(du_ptr + t[:, None] * C + cc[None, :], mask=mc, other=0.0)
+            if DU_NARROW:
+                dv = dv.to(x_ptr.dtype.element_ty)
+                tl.store(dun_ptr + t[:, None] * C + cc[None, :], dv, mask=mc & (i == 0)[:, None])
+            g1 += tl.sum(xv * dv.to(tl.float32), axis=1)
     gr = tl.load(dres_ptr + t[:, None] * (NH * NH) + jj[None, :] * NH + i[:, None], mask=m2, other=0.0)
     if TANH:
         d0, d1, dr = g0 * s_beta * (1.0 - a0 * a0), g1 * s_alpha * (1.0 - a1 * a1), gr * s_alpha * (1.0 - ar * ar)
@@ -450,7 +456,7 @@ def _coef_bwd_tok(
     else:
         if HAS_U:
             dh_pre = _tok_du_x(dh_pre, x_ptr, du_ptr, dun_ptr, rows64, rmask, nn, C, stride_x, NS, BC,
-                                   LOOP_STAGES, DU_NARROW)
+                               LOOP_STAGES, DU_NARROW)
         tl.store(part_ptr + (M + 2) * NP + pid, 0.0)
     dy_pre = dh_pre * s * (1.0 - s)
     l_post = tl.load(lg_ptr + rows64[:, None] * M + NS + nn[None, :], mask=tok, other=0.0)

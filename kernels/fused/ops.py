@@ -1063,14 +1063,17 @@ def _hc_bwd(d_pre: Optional[Tensor], d_post: Tensor, d_res: Tensor, x: Tensor, w
     x = _c_contig(x)
     with_u = du is not None
     du = du.contiguous() if with_u else None
+    narrow = with_u and du.dtype != x.dtype  # u in the branch's dtype (CONFIG "u"): the tail pass rounds du back
+    dun = _new(du.shape, x.dtype, x.device) if narrow else None
     cfg = _cfg("hc_tail_bwd", BC=_np2(C, 16))
     programs = _cdiv(R, cfg["BT"])
     dl, dss = _new((R, M), torch.float32, x.device), _new((R,), torch.float32, x.device)
     part = _new((statics.shape[0], programs), torch.float32, x.device)
     _hc_tail_bwd[(programs,)](
         lg, rinv, statics, lg if d_pre is None else d_pre.contiguous(), d_post.contiguous(), d_res.contiguous(), dl, dss,
-        part, x, du if with_u else x, R, programs, C, 1.0 / C, M=M, NH=n, TANH=tanh, BT=cfg["BT"],
-        HAS_U=with_u, BC=cfg["BC"], HAS_DPRE=d_pre is not None, **_launch(cfg))
+        part, x, du if with_u else x, _or(dun, x), R, programs, C, 1.0 / C, M=M, NH=n, TANH=tanh, BT=cfg["BT"],
+        HAS_U=with_u, BC=cfg["BC"], HAS_DPRE=d_pre is not None, DU_NARROW=narrow, **_launch(cfg))
+    du = _or(dun, du)
     dw = bwd_x(x.view(R, 1, C), _c_contig(w), dl, dss, dx.view(R, 1, C), h_pre=h_pre if with_u else None, du=du,
                dx_in=None if dx_in is None else _c_contig(dx_in).view(R, 1, C), u_rows=n)
     dw_sum, dstatics = _new(w.shape, w.dtype, w.device), _new((part.shape[0],), torch.float32, x.device)
@@ -1115,19 +1118,19 @@ hc_coef_fwd.register_autograd(_hc_coef_backward, setup_context=_hc_coef_setup)
 # ---------------------------------------------------------------------------------------------------------------
 # hc_enter: HC's coefficients and u = sum_i h_pre_i x_i in one op, one dx in its backward (as mhc_enter for mHC)
 # ---------------------------------------------------------------------------------------------------------------
-def _hc_enter_fwd_body(x: Tensor, w: Tensor, statics: Tensor, eps: float,
-                       tanh: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """x [N, n, C] -> u [N, C] (x.dtype), then hc_coef's outputs on x's rows: h_pre [N n], h_post [N n],
+def _hc_enter_fwd_body(x: Tensor, w: Tensor, statics: Tensor, eps: float, tanh: bool,
+                       u_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """x [N, n, C] -> u [N, C] (u_dtype, None: x.dtype), then hc_coef's outputs on x's rows: h_pre [N n], h_post [N n],
     h_res [N, n, n], the raw projection [N n, n + 2], 1/r [N n]. u by stream_pre's streaming kernel (x read again)."""
-    return _hc_enter_run(x, w, statics, eps, tanh)
+    return _hc_enter_run(x, w, statics, eps, tanh, u_dtype=u_dtype)
 
 
-def _hc_enter_run(x: Tensor, w: Tensor, statics: Tensor, eps: float, tanh: bool,
-                  pairs: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _hc_enter_run(x: Tensor, w: Tensor, statics: Tensor, eps: float, tanh: bool, pairs: Optional[Tensor] = None,
+                  u_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     N, n, C = x.shape
     x = _rows(x)
     coefs = _hc_coefs(x.view(N * n, C), w, statics, n, eps, tanh, pairs)
-    u = _new((N, C), x.dtype, x.device)
+    u = _new((N, C), u_dtype or x.dtype, x.device)
     if N > 0:
         _pre_launch(x, coefs[0].view(N, n), u)
     return (u, *coefs)
@@ -1137,10 +1140,10 @@ hc_enter_fwd = _op("hc_enter", _hc_enter_fwd_body)
 
 
 @hc_enter_fwd.register_fake
-def _hc_enter_fake(x, w, statics, eps, tanh):
+def _hc_enter_fake(x, w, statics, eps, tanh, u_dtype=None):
     N, n, C = x.shape
     f32 = dict(dtype=torch.float32)
-    return (x.new_empty((N, C)), x.new_empty((N * n,), **f32), x.new_empty((N * n,), **f32),
+    return (_u_fake(x, u_dtype), x.new_empty((N * n,), **f32), x.new_empty((N * n,), **f32),
             x.new_empty((N, n, n), **f32), x.new_empty((N * n, w.shape[1]), **f32), x.new_empty((N * n,), **f32))
 
 
@@ -1163,7 +1166,7 @@ def _(d_pre, d_post, d_res, du, x, w, statics, lg, rinv, h_pre, tanh, dx_in=None
 
 
 def _hc_enter_setup(ctx, inputs, output):
-    x, w, statics, _, tanh = inputs
+    x, w, statics, _, tanh = inputs[:5]
     _, h_pre, _, _, lg, rinv = output
     ctx.save_for_backward(x, w, statics, lg, rinv, h_pre)
     ctx.mark_non_differentiable(lg, rinv)
@@ -1175,24 +1178,25 @@ def _hc_enter_op_backward(ctx, du, d_pre, d_post, d_res, _dlg, _drinv, dx_next=N
     N, n, _ = x.shape
     dh = _hc_dh_zeros(N * n, n, x.device, d_pre, d_post, d_res)
     dx, dw, dst = _impl(ctx, hc_enter_bwd)(*dh, du, x, w, statics, lg, rinv, h_pre, ctx.tanh, dx_in=dx_next)
-    return dx, dw, dst, None, None
+    return dx, dw, dst, None, None, None
 
 
 hc_enter_fwd.register_autograd(_hc_enter_op_backward, setup_context=_hc_enter_setup)
 
 
-def _hc_enter_routed_body(x: Tensor, w: Tensor, statics: Tensor, eps: float,
-                          tanh: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _hc_enter_routed_body(x: Tensor, w: Tensor, statics: Tensor, eps: float, tanh: bool,
+                          u_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                                          Tensor]:
     """hc_enter's outputs and x's route to the write-back (`Routed`): `hc_enter` as torch.compile sees it."""
-    return (*_hc_enter_fwd_body(x, w, statics, eps, tanh), _route_of(x))
+    return (*_hc_enter_fwd_body(x, w, statics, eps, tanh, u_dtype), _route_of(x))
 
 
 hc_enter_routed = _op("hc_enter_routed", _hc_enter_routed_body)
 
 
 @hc_enter_routed.register_fake
-def _(x, w, statics, eps, tanh):
-    return (*_hc_enter_fake(x, w, statics, eps, tanh), _route_of(x))
+def _(x, w, statics, eps, tanh, u_dtype=None):
+    return (*_hc_enter_fake(x, w, statics, eps, tanh, u_dtype), _route_of(x))
 
 
 _register_routed(hc_enter_routed, _hc_enter_setup, _hc_enter_op_backward)
@@ -1246,10 +1250,10 @@ class HCEnterFolded(torch.autograd.Function):
     way. Outputs as `eager.hc_enter`'s: x (the alias its write-back reads), then the op's."""
 
     @staticmethod
-    def forward(ctx, x, g, w_beta, w_m, w_r, s_alpha, s_beta, b_static, am_static, ar_static, eps, tanh):
+    def forward(ctx, x, g, w_beta, w_m, w_r, s_alpha, s_beta, b_static, am_static, ar_static, eps, tanh, u_dtype=None):
         params = (g, w_beta, w_m, w_r, s_alpha, s_beta, b_static, am_static, ar_static)
         w, statics, pairs = hc_operands(x.dtype, *params)
-        out = _hc_enter_run(x, w, statics, eps, tanh, pairs)
+        out = _hc_enter_run(x, w, statics, eps, tanh, pairs, u_dtype)
         ctx.set_materialize_grads(False)
         _, h_pre, _, _, lg, rinv = out
         ctx.save_for_backward(x, w, statics, lg, rinv, h_pre, *params)
@@ -1263,7 +1267,7 @@ class HCEnterFolded(torch.autograd.Function):
         N, n, _ = x.shape
         dh = _hc_dh_zeros(N * n, n, x.device, d_pre, d_post, d_res)
         dx, dw, dst = _hc_enter_bwd_body(*dh, du, x, w, statics, lg, rinv, h_pre, ctx.tanh, dx_in=dx_next)
-        return (dx, *hc_operand_grads(dw, dst, *params), None, None)
+        return (dx, *hc_operand_grads(dw, dst, *params), None, None, None)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -32,9 +32,12 @@ def mhc_enter(
 
 
 def hc_enter(
-    x: torch.Tensor, *params: torch.Tensor, dynamic: bool = True, use_tanh: bool = True, norm_eps: float = 1e-6
+    x: torch.Tensor, *params: torch.Tensor, dynamic: bool = True, use_tanh: bool = True, norm_eps: float = 1e-6,
+    u_dtype: Optional[torch.dtype] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x, u, h_pre, h_post, h_res) of an HC sublayer: `hc_coefficients(x, *params)` (its ten parameters, norm_weight
-    ... ar_static) and u = stream_pre(x, h_pre), with x handed on for the write-back as in `mhc_enter`."""
+    ... ar_static) and u = stream_pre(x, h_pre) (cast to u_dtype, as in `mhc_pre`), with x handed on for the
+    write-back as in `mhc_enter`."""
     h_pre, h_post, h_res = hc_coefficients(x, *params, dynamic=dynamic, use_tanh=use_tanh, norm_eps=norm_eps)
-    return x, stream_pre(x, h_pre), h_pre, h_post, h_res
+    u = stream_pre(x, h_pre)
+    return x, (u if u_dtype is None else u.to(u_dtype)), h_pre, h_post, h_res

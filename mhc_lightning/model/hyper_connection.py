@@ -167,6 +167,7 @@ class HyperConnection(nn.Module):
             xt, u, h_pre, h_post, h_res = ops.hc_enter(
                 flat, self.norm_weight, self.w_beta, self.w_m, self.w_r, self.s_alpha, self.s_beta,
                 self.b_static, self.am_static, self.ar_static, dynamic=c.hc_dynamic, use_tanh=c.hc_tanh,
+                u_dtype=self.branch_dtype(),
             )
         f = self.run_branch(u.view(*lead, C))
         out = ops.stream_post_res(xt, f.view(-1, C), h_post, h_res)
