@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 
 from .. import reference
+from ..reference import in_dtype
 from ..options import DEFAULT_OPTIONS, EXACT_AXES, RES_LAYOUTS, MHCOptions
 from ..reference.coefficients import mhc_logit_count
 from . import ops
@@ -68,16 +69,12 @@ def _vec3(alpha: torch.Tensor) -> torch.Tensor:
 
 def _u_written(x: torch.Tensor, u_dtype: Optional[torch.dtype]) -> Optional[torch.dtype]:
     """The dtype the op itself writes u in: u_dtype (the branch's) in eager mode, where the kernels round u to x's dtype
-    and store it wider, which spares torch's cast each way (ops.CONFIG "u"); else None (x's dtype, and `_as` casts
-    after the op: under torch.compile inductor fuses that cast into the branch's norm)."""
+    and store it wider, which spares torch's cast each way (ops.CONFIG "u"); else None (x's dtype, and `in_dtype`
+    casts after the op: under torch.compile inductor fuses that cast into the branch's norm)."""
     if (u_dtype is None or u_dtype == x.dtype or u_dtype not in _DTYPES or not ops.CONFIG["u"]["branch_dtype"]
             or torch.compiler.is_compiling()):
         return None
     return u_dtype
-
-
-def _as(u: torch.Tensor, u_dtype: Optional[torch.dtype]) -> torch.Tensor:
-    return u if u_dtype is None or u.dtype == u_dtype else u.to(u_dtype)
 
 
 def _coefs_out(phi, lead, n, h_pre, h_post, h_res):
@@ -107,10 +104,10 @@ def mhc_pre(
     args = _coef_args(x, phi, bias, alpha, opts)
     if args is None:  # same composition as the reference, each part fused where it can be
         h_pre, h_post, h_res = mhc_coefficients(x, phi, bias, alpha, opts)
-        return _as(stream_pre(x, h_pre), u_dtype), h_pre, h_post, h_res
+        return in_dtype(stream_pre(x, h_pre), u_dtype), h_pre, h_post, h_res
     lead = x.shape[:-2]
     u, h_pre, h_post, h_res, _, _ = ops.eager.mhc_pre(_flat(x), phi, bias, _vec3(alpha), *args, _u_written(x, u_dtype))
-    return (_as(u if len(lead) == 1 else u.reshape(*lead, x.shape[-1]), u_dtype),
+    return (in_dtype(u if len(lead) == 1 else u.reshape(*lead, x.shape[-1]), u_dtype),
             *_coefs_out(phi, lead, x.shape[-2], h_pre, h_post, h_res))
 
 
@@ -129,7 +126,7 @@ def mhc_enter(
     lead = x.shape[:-2]
     xt, u, h_pre, h_post, h_res, _, _ = ops.eager.mhc_enter(_flat(x), phi, bias, _vec3(alpha), *args,
                                                             _u_written(x, u_dtype))
-    return (_handed_on(xt, x), _as(u if len(lead) == 1 else u.reshape(*lead, x.shape[-1]), u_dtype),
+    return (_handed_on(xt, x), in_dtype(u if len(lead) == 1 else u.reshape(*lead, x.shape[-1]), u_dtype),
             *_coefs_out(phi, lead, x.shape[-2], h_pre, h_post, h_res))
 
 
@@ -182,11 +179,11 @@ def mhc_boundary(
     if x.dim() == 3:  # flat already (the model's chain): no reshapes
         x_next, u, h_pre, h_post2, h_res2, _, _ = ops.eager.boundary(
             x, f, h_post, _res3(x, h_res), phi, bias, _vec3(alpha), *args, written)
-        return (x_next, _as(u, u_dtype), *_coefs_out(phi, lead, n, h_pre, h_post2, h_res2))
+        return (x_next, in_dtype(u, u_dtype), *_coefs_out(phi, lead, n, h_pre, h_post2, h_res2))
     x3 = x.reshape(-1, n, c)
     x_next, u, h_pre, h_post2, h_res2, _, _ = ops.eager.boundary(
         x3, f.reshape(-1, c), h_post.reshape(-1, n), _res3(x3, h_res), phi, bias, _vec3(alpha), *args, written)
-    return (x_next.reshape(x.shape), _as(u.reshape(*lead, c), u_dtype),
+    return (x_next.reshape(x.shape), in_dtype(u.reshape(*lead, c), u_dtype),
             *_coefs_out(phi, lead, n, h_pre, h_post2, h_res2))
 
 
@@ -283,7 +280,7 @@ def hc_enter(
     params = (norm_weight, w_beta, w_m, w_r, s_alpha, s_beta, b_static, am_static, ar_static)
     if not _hc_fusable(x, norm_weight, w_beta, w_m, w_r, b_static, ar_static, dynamic):
         h_pre, h_post, h_res = hc_coefficients(x, *params, dynamic=dynamic, use_tanh=use_tanh, norm_eps=norm_eps)
-        return x, _as(stream_pre(x, h_pre), u_dtype), h_pre, h_post, h_res
+        return x, in_dtype(stream_pre(x, h_pre), u_dtype), h_pre, h_post, h_res
     written = _u_written(x, u_dtype)
     if _folds_hc_operands(x, params):
         xt, u, h_pre, h_post, h_res, _, _ = ops.HCEnterFolded.apply(_flat(x), *params, float(norm_eps),
@@ -296,7 +293,7 @@ def hc_enter(
     h_pre, h_post = h_pre.view(*lead, n), h_post.view(*lead, n)  # the ops give them per (token, stream) row
     if len(lead) != 1:
         u, h_res = u.reshape(*lead, c), h_res.reshape(*lead, n, n)
-    return _handed_on(xt, x), _as(u, u_dtype), h_pre, h_post, h_res
+    return _handed_on(xt, x), in_dtype(u, u_dtype), h_pre, h_post, h_res
 
 
 def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int):

@@ -12,14 +12,18 @@ from .coefficients import hc_coefficients, mhc_coefficients
 from .streams import stream_pre
 
 
+def in_dtype(u: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """u as its branch takes it (the ops' u_dtype): cast to dtype, or as it is for None."""
+    return u if dtype is None else u.to(dtype)
+
+
 def mhc_pre(
     x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, opts: MHCOptions = DEFAULT_OPTIONS,
     u_dtype: Optional[torch.dtype] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """(u, h_pre, h_post, h_res | None). u_dtype: u as the branch takes it, u in x's dtype then cast (None: x's)."""
     h_pre, h_post, h_res = mhc_coefficients(x, phi, bias, alpha, opts)
-    u = stream_pre(x, h_pre)
-    return (u if u_dtype is None else u.to(u_dtype)), h_pre, h_post, h_res
+    return in_dtype(stream_pre(x, h_pre), u_dtype), h_pre, h_post, h_res
 
 
 def mhc_enter(
@@ -39,5 +43,4 @@ def hc_enter(
     ... ar_static) and u = stream_pre(x, h_pre) (cast to u_dtype, as in `mhc_pre`), with x handed on for the
     write-back as in `mhc_enter`."""
     h_pre, h_post, h_res = hc_coefficients(x, *params, dynamic=dynamic, use_tanh=use_tanh, norm_eps=norm_eps)
-    u = stream_pre(x, h_pre)
-    return x, (u if u_dtype is None else u.to(u_dtype)), h_pre, h_post, h_res
+    return x, in_dtype(stream_pre(x, h_pre), u_dtype), h_pre, h_post, h_res

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from ..diagnostics import stream_spread
 from ..kernels import MHCOptions, get_ops
-from ..kernels.reference import mhc_logit_count
+from ..kernels.reference import in_dtype, mhc_logit_count
 from .config import BIAS_INITS, HyperConfig
 
 # Between two chained sublayers: (stream x, the sublayer's input u, its h_pre, h_post, h_res | None). After `enter`
@@ -106,8 +106,7 @@ class HyperConnection(nn.Module):
         """F(u) in the branch's parameter dtype. The stream may be narrower (GPTConfig.stream_dtype): the branch
         then sees the dtype it would see with a full-precision stream, and autocast still casts its matmuls. The mHC
         ops hand u over in that dtype already (their u_dtype: the fused kernels write it so, no cast each way)."""
-        dtype = self.branch_dtype()
-        return self.branch(u if dtype is None else u.to(dtype))
+        return self.branch(in_dtype(u, self.branch_dtype()))
 
     def remember(self, h_pre: torch.Tensor, h_post: torch.Tensor, h_res: Optional[torch.Tensor],
                  out: torch.Tensor, lead: Optional[tuple] = None) -> None:
