@@ -26,7 +26,6 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from mhc_lightning.kernels.fused import ops
-from mhc_lightning.kernels.fused.boundary import _bnd_fwd
 from mhc_lightning.kernels.fused.coefficients import (DOT_NATIVE, DOT_TF32, _coef_bwd_tok, _coef_bwd_x, _coef_fwd,
                                                      _coef_tail, _hc_tail_bwd)
 from mhc_lightning.kernels.fused.stream_post_res import _post_bwd_2d, _post_fwd
@@ -124,10 +123,6 @@ def cases():
         ("boundary bwd 2-D pass", _post_bwd_2d,
          dict(NS=NS, HAS_RES=True, COEF=True, M=M, MP=MP, **grad_dots("bnd_bwd"), **_tiles("bnd_bwd", "BT", "BC")),
          {"x_ptr", "f_ptr", "g_ptr", "dx_ptr", "df_ptr", "xn_ptr", "du_ptr", "phi_ptr"}, "bnd_bwd"),
-        ("boundary fwd in one pass (fp32 phi pairs)", _bnd_fwd,
-         dict(NS=NS, M=M, MP=MP, HAS_RES=True, NEXT_RES=True, T_IN=True, T_OUT=False, DOT=DOT_NATIVE, SPLIT=2,
-              LOOP_STAGES=ops.CONFIG["bnd_fwd"]["loop_stages"], **_tiles("bnd_fwd", "BT", "BC")),
-         {"x_ptr", "f_ptr", "out_ptr", "phi_ptr"}, "bnd_fwd"),
         ("stream_post_res fwd", _post_fwd, dict(NS=NS, HAS_RES=True, **_tiles("post_fwd", "BT", "BC")),
          {"x_ptr", "f_ptr", "out_ptr"}, "post_fwd"),
         ("stream_post_res bwd", _post_bwd_2d,

@@ -29,8 +29,6 @@ def bytes_per_token(c: int, n: int, iters: int, stream_bytes: int = 2, u_bytes: 
     return {
         "_post_fwd": s + u + (n + n * n) * f32 + s,  # x, f, h_post, H^res -> x_next
         "_coef_fwd": s + (m + 1) * f32 + gates,  # x -> logits, 1/r, the gates
-        # the chain's boundary forward in one pass: x, f, h_post, H^res -> x_next, and its logits, 1/r, the gates
-        "_bnd_fwd": s + u + (n + n * n) * f32 + s + (m + 1) * f32 + gates,
         "_pre_fwd": s + n * f32 + uw,  # x, h_pre -> u
         "_post_bwd_2d": 2 * s + u + (n + n * n) * f32 + s + u + (n + n * n) * f32,  # G, x, f, gates -> dx, df, dgates
         "_coef_bwd_tok": uw + narrow + s + (m + 1 + n + n * n) * f32 + (m + 1) * f32 + 2 * (2 * iters - 1) * n * f32,

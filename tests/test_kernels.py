@@ -941,32 +941,6 @@ def test_boundary_backward_by_the_x_pass(monkeypatch):
             assert seen == expected, (xpass, seen)
 
 
-@pytest.mark.parametrize("n", [1, 2, 4, 8])
-def test_boundary_forward_in_one_pass(n, monkeypatch):
-    """CONFIG bnd_fwd fused: x_next made, stored and projected by one kernel (`_bnd_fwd`). x_next is the two-kernel
-    path's to the bit (the same operations in the same order); the coefficients, u and every gradient against
-    float64, for fp32 and bf16 streams, phi in fp32 (as 16-bit parts) and in bf16, H^res = I on either side."""
-    torch.manual_seed(97 + n)
-    launched = []
-    real = ops._bnd_fwd
-    monkeypatch.setattr(ops, "_bnd_fwd", type("Counted", (), {
-        "__getitem__": lambda self, grid: launched.append(grid) or real[grid]})())
-    lead, c = SHAPES[1]
-    cases = [(torch.float32, torch.float32, True, True), (torch.bfloat16, torch.float32, True, True),
-             (torch.bfloat16, torch.bfloat16, False, True), (torch.float32, torch.float32, True, False)]
-    for dtype, phi_dtype, prev_res, next_res in cases:
-        inputs = _boundary_inputs(lead, c, n, dtype, prev_res, next_res, phi_dtype=phi_dtype)
-        opts = MHCOptions(sinkhorn_iters=ITERS)
-        with torch.no_grad():
-            two = fused.mhc_boundary(*inputs, opts)
-            with config_changed("bnd_fwd", fused=True):
-                one = fused.mhc_boundary(*inputs, opts)
-        assert torch.equal(one[0], two[0])
-        with config_changed("bnd_fwd", fused=True):
-            _run_boundary(inputs, dtype, sinkhorn_iters=ITERS)
-    assert len(launched) == 2 * len(cases)
-
-
 def _u_ops():
     """(name, call(inputs, u_dtype) -> outputs, inputs) for the ops that hand a branch its input u, at the trainer's
     dtypes (bf16 stream, fp32 parameters); HC's with its operands made inside the op and by torch."""

@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import boundary, coefficients, parameters, rope, stream_ends, stream_post_res, stream_pre
+from . import coefficients, parameters, rope, stream_ends, stream_post_res, stream_pre
 from .coefficients import DOT_IEEE, DOT_NATIVE, DOT_TF32
 from .launch import Launcher, descriptor
 
@@ -120,10 +120,9 @@ CONFIG = {
     # 8 warps: 2 CTAs per SM). Its token blocks walked in post_bwd's pipelined loop (2 stages, 2 programs per SM, round
     # 26): 503.8 us per call, so the 2-D pass keeps one token block per program
     "bnd_bwd": dict(BT=16, BC=128, num_warps=8, dl_split=False, xpass=True),
-    # the boundary's forward in one pass (`_bnd_fwd`, kernels/fused/boundary.py): x_next made one stream at a time in
-    # 2-D tiles, stored and projected (a dot of K = BC per stream), u after it by `_pre_fwd`. fused false: `_post_fwd`,
-    # then `_coef_fwd` reading x_next back (round 25's one-pass kernel, a [BT, n, BC] tile, ran at 23 % of copy)
-    "bnd_fwd": dict(fused=False, BT=64, BC=32, num_warps=4, loop_stages=3),
+    # The boundary's forward stays two kernels (`_post_fwd` writes x_next, `_coef_fwd` reads it back). In one pass it
+    # was slower twice (docs/benchmarks.md): round 25's [BT, n, BC] tile 320 us per call, round 29's per-stream 2-D
+    # tiles with a dot per stream 174.7 us (208 registers at BC 16, 42 % of copy), against 75.8 + 48.0 us
     # the per-sublayer parameter passes (kernels/fused/parameters.py): BL elements per program, BP partial rows per
     # step of the vectors' program; not swept (a few microseconds each)
     "param_sum": dict(BL=256, BP=256, num_warps=4),
@@ -168,7 +167,6 @@ _coef_bwd_tok, _coef_bwd_x, _coef_fwd, _coef_tail, _hc_tail_bwd = map(_launcher,
 _hc_operand_grads, _hc_operands, _param_grad_sum, _phi_pairs = map(_launcher, (
     parameters._hc_operand_grads, parameters._hc_operands, parameters._param_grad_sum, parameters._phi_pairs))
 _post_bwd_2d, _post_fwd = map(_launcher, (stream_post_res._post_bwd_2d, stream_post_res._post_fwd))
-_bnd_fwd = _launcher(boundary._bnd_fwd)
 _pre_bwd, _pre_fwd = map(_launcher, (stream_pre._pre_bwd, stream_pre._pre_fwd))
 _rope_bwd, _rope_fwd = map(_launcher, (rope._rope_bwd, rope._rope_fwd))
 _expand, _sum_streams = map(_launcher, (stream_ends._expand, stream_ends._sum_streams))
@@ -945,35 +943,9 @@ def _bnd_fwd_body(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """x [N, n, C], f [N, C], h_post [N, n], h_res [N, n, n] or [N, 0, 0] (H^res = I) of sublayer l -> x_next, then
     u (u_dtype, None: x.dtype), h_pre, h_post, h_res, raw logits, 1/r of sublayer l + 1 (as mhc_pre on x_next)."""
-    if CONFIG["bnd_fwd"]["fused"] and x.shape[0] > 0:
-        return _bnd_fused(x, f, h_post, h_res, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult,
-                          u_dtype)
     x_next = _post_fwd_body(x, f, h_post, h_res)  # its own streaming kernel; the coefficients read it back
     return (x_next, *_fwd(x_next, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult, True,
                           u_dtype))
-
-
-def _bnd_fused(x, f, h_post, h_res, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult, u_dtype):
-    """`_bnd_fwd`: x_next and the next coefficients in one pass (kernels/fused/boundary.py); then u by `_pre_fwd`."""
-    N, n, C = x.shape
-    M = phi.shape[1]
-    dev = x.device
-    x_next = _new((N, n, C), x.dtype, dev)
-    h_pre2, h_post2 = _new((N, n), torch.float32, dev), _new((N, n), torch.float32, dev)
-    h_res2 = _new((N, n, n) if M == n * n + 2 * n else (N, 0, 0), torch.float32, dev)
-    lg, rinv = _new((N, M), torch.float32, dev), _new((N,), torch.float32, dev)
-    u = _new((N, C), u_dtype or x.dtype, dev)
-    x, f = _c_contig(x), _c_contig(f)
-    phi, phi_lo, dot, two = _projection(x, _c_contig(phi))
-    cfg = _cfg("bnd_fwd", BC=_np2(C, 16))
-    _bnd_fwd[(_cdiv(N, cfg["BT"]),)](
-        x, f, h_post.contiguous(), h_res.contiguous(), x_next, phi, phi_lo, bias.contiguous(), alpha.contiguous(), lg,
-        rinv, h_pre2, h_post2, h_res2, N, C, x.stride(0), x.stride(1), f.stride(0), phi.stride(0), iters, eps, rms_eps,
-        pre_eps, post_mult, NS=n, M=M, MP=_np2(M, 16), HAS_RES=h_res.shape[-1] != 0, NEXT_RES=M == n * n + 2 * n,
-        T_IN=t_in, T_OUT=t_out, DOT=dot, BT=cfg["BT"], BC=cfg["BC"], SPLIT=two, LOOP_STAGES=cfg.get("loop_stages"),
-        **_launch(cfg))
-    _pre_launch(x_next, h_pre2, u)
-    return x_next, u, h_pre2, h_post2, h_res2, lg, rinv
 
 
 bnd_fwd = _op("mhc_boundary", _bnd_fwd_body)
