@@ -160,3 +160,16 @@ def test_only_evaluation_runs_is_a_clear_error(mlflow_uri, tmp_path, capsys):
     assert compare_main(["--experiment", "evals", "--tracking-uri", mlflow_uri, "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "only evaluation runs" in err and "--include-eval" in err
+
+
+def test_the_best_run_is_drawn_over_a_run_that_trains_alike(tmp_path):
+    """Two runs with the same curve (round 29's CI: residual and mHC at one Sinkhorn iteration, the same lr): the
+    first listed, the best, is the one seen; drawn in list order it was hidden under the second."""
+    from mhc_lightning.reports import plots
+
+    steps, values = [2, 4, 6], [4.1, 3.3, 3.16]
+    path = plots.curves([("best", steps, values, None), ("alike", steps, values, None)], "t", "val/loss",
+                        tmp_path / "c.png")
+    img = mpimg.imread(path)[..., :3]
+    px = [int((np.abs(img - np.array(rgb)).max(axis=-1) < 0.06).sum()) for rgb in ((0.12, 0.47, 0.71), (1.0, 0.50, 0.05))]
+    assert px[0] > 500 and px[1] < px[0] // 10, px

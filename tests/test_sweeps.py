@@ -113,6 +113,9 @@ def check_resume(sweep):
     study = optuna.load_study(study_name="smoke", storage=sweep["storage"])
     done = [t for t in study.trials if t.state.is_finished() and t.state != optuna.trial.TrialState.FAIL]
     assert len(study.trials) == 5 and len(done) == 5
+    # both launches ran in this process, one worker each: the second drew from a stream of its own, not a replay
+    first, second = {t.user_attrs["sampler_seed"] for t in study.trials[:4]}, study.trials[4].user_attrs["sampler_seed"]
+    assert len(first) == 1 and second not in first
     parents, children = _children(MlflowClient(sweep["uri"]))
     assert len(parents) == 1 and len(children) == 5
 

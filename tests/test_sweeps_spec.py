@@ -136,10 +136,11 @@ def test_set_overrides_and_yaml_file(tmp_path):
 
 def test_storages_seeds_and_urls(tmp_path):
     spec = parse_spec(minimal(sampler={"name": "tpe", "seed": 10}))
-    # every worker process its own seed (host:pid:start-time), the same for the same worker
+    # every worker process its own seed (host:pid:start-time) in every launch, the same for the same worker and launch
     wids = [f"host{m}:{pid}:1700000000" for m in range(2) for pid in (100, 101, 102)]
-    seeds = {worker_seed(10, w) for w in wids}
-    assert len(seeds) == 6 and worker_seed(10, wids[0]) == worker_seed(10, wids[0]) and worker_seed(None, wids[0]) is None
+    seeds = {worker_seed(10, w, launch) for w in wids for launch in (1700000001.5, 1700000002.25)}
+    assert len(seeds) == 12 and worker_seed(10, wids[0], 1.5) == worker_seed(10, wids[0], 1.5)
+    assert worker_seed(None, wids[0], 1.5) is None
     assert factories.default_storage(f"sqlite:///{tmp_path}/mlflow.db") == f"sqlite:///{tmp_path}/sweeps.db"
     assert factories.normalize_db_url("postgresql://u:p@h/db") == "postgresql+psycopg2://u:p@h/db"
     assert factories.normalize_db_url("postgres://u@h/db") == "postgresql+psycopg2://u@h/db"

@@ -84,7 +84,9 @@ def diagnostics_figure(per_layer: dict, title: str):
 
 def curves(lines: Sequence[tuple[str, Sequence[int], Sequence[float], Optional[tuple]]], title: str, ylabel: str,
            path: Path, logy: bool = False) -> Optional[Path]:
-    """Metric histories over optimizer steps: (label, steps, values, band or None); band = (low, high) per step."""
+    """Metric histories over optimizer steps: (label, steps, values, band or None); band = (low, high) per step.
+    The first line is drawn on top, the last at the bottom: callers list the best run (or group) first, and a later
+    run whose curve matches it (two configurations that train alike) must not hide it."""
     plt = _pyplot()
     from matplotlib.ticker import MaxNLocator
 
@@ -92,8 +94,9 @@ def curves(lines: Sequence[tuple[str, Sequence[int], Sequence[float], Optional[t
         return None
     with plt.style.context("default"):
         fig, ax = plt.subplots(figsize=(9, 5), constrained_layout=True)
-        for label, steps, values, band in lines:
-            ax.plot(steps, values, marker="o" if len(steps) < 12 else None, ms=3, lw=1.5, label=label)
+        for i, (label, steps, values, band) in enumerate(lines):
+            ax.plot(steps, values, marker="o" if len(steps) < 12 else None, ms=3, lw=1.5, label=label,
+                    zorder=2 + len(lines) - i)  # lines default to zorder 2, the bands (1) stay below them
             if band is not None:
                 ax.fill_between(steps, band[0], band[1], alpha=0.2)
         ax.set_xlabel("optimizer step")

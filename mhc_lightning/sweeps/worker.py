@@ -19,11 +19,13 @@ POLL_S = 2.0
 MAX_DUPLICATES = 10  # proposals in a row that the study already has: the sampler has run out of new points
 
 
-def worker_seed(base: Optional[int], wid: str) -> Optional[int]:
-    """A seed of its own for every worker process, derived from the sweep file's seed and the worker's id
-    (host:pid:start-time). Seeds from the worker's index alone repeat: a re-run after a crash, or a second launcher
-    on the same host, would propose the trials of the first again."""
-    return None if base is None else zlib.crc32(f"{base}:{wid}".encode()) & 0x7FFFFFFF
+def worker_seed(base: Optional[int], wid: str, launch: float) -> Optional[int]:
+    """A seed of its own for every worker and launch, derived from the sweep file's seed, the worker's id
+    (host:pid:start-time) and the launch's start time. Seeds from the worker's index alone repeat: a re-run after a
+    crash, or a second launcher on the same host, would propose the trials of the first again; from the id alone, so
+    would a second launch in the same process (`mhc sweep` run twice from Python, one worker each: the sampler's
+    random stream replayed, and the continued study's new trials drew the first launch's values again)."""
+    return None if base is None else zlib.crc32(f"{base}:{wid}:{launch!r}".encode()) & 0x7FFFFFFF
 
 
 def run_worker(sweep: Sweep, index: int, machine: int, threads: Optional[int] = None,
@@ -43,7 +45,8 @@ def run_worker(sweep: Sweep, index: int, machine: int, threads: Optional[int] = 
     spec = sweep.spec
     check_callbacks(spec)  # same skipped-parameter decisions as the launcher
     wid = worker_id()
-    seed = worker_seed(spec.sampler.get("seed"), wid)
+    since = time.time() if since is None else since
+    seed = worker_seed(spec.sampler.get("seed"), wid, since)
     study = sweep.study(sampler=make_sampler(spec, seed))
     tracker = sweep.tracker()
     tracker.ensure_parent(study)
@@ -53,7 +56,6 @@ def run_worker(sweep: Sweep, index: int, machine: int, threads: Optional[int] = 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM between trials: same clean path as Ctrl-C
     deadline = time.monotonic() + spec.timeout_s if spec.timeout_s else None
-    since = time.time() if since is None else since
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     me = f"[worker {machine}.{index}]"
     print(f"{me} {wid} seed={seed} study={spec.name} storage={sweep.storage_label}", flush=True)
