@@ -141,9 +141,10 @@ WRAPPER = "mhc_lightning.model.hyper_connection.HyperConnection"  # the model's 
 L_R = {"1": 2, "2": 2}  # recompute block per shape key (set in main)
 
 
-def hyper_layer(branch, c, index, backend, mode="mhc"):
+def hyper_layer(branch, c, index, backend, mode="mhc", rebuild=False):
     cfg = HyperConfig(residual_mode=mode, n_streams=N_STREAMS, kernel_backend=backend, phi_init="normal",
-                      bias_init="a6" if mode != "hc" else "hc_identity", sinkhorn_iters=SINKHORN_ITERS)
+                      bias_init="a6" if mode != "hc" else "hc_identity", sinkhorn_iters=SINKHORN_ITERS,
+                      rebuild_branch_input=rebuild)
     return HyperConnection(branch, c, index, cfg)
 
 
@@ -151,9 +152,9 @@ class Hyper(nn.Module):
     """chained: the model's loop (boundary op between sublayers, optional selective recompute); otherwise each
     sublayer on its own (HyperConnection.forward: fused pre op, branch, write-back)."""
 
-    def __init__(self, c, heads, blocks, backend, chained=True, recompute=0, mode="mhc"):
+    def __init__(self, c, heads, blocks, backend, chained=True, recompute=0, mode="mhc", rebuild=False):
         super().__init__()
-        self.layers = nn.ModuleList(hyper_layer(f, c, i, backend, mode)
+        self.layers = nn.ModuleList(hyper_layer(f, c, i, backend, mode, rebuild)
                                     for i, f in enumerate(sublayers(c, heads, blocks)))
         self.chained = chained
         for layer in self.layers:  # the model's switch (HyperConfig.chain_sublayers)
@@ -756,6 +757,7 @@ def main():
             (f"ours+compile, recompute L_r={L_R[key]}",
              lambda: torch.compile(hyper(c, heads, blocks, "triton", recompute=L_R[key]))),
             (f"ours, recompute L_r={L_R[key]}", lambda: hyper(c, heads, blocks, "triton", recompute=L_R[key])),
+            ("ours (u rebuilt)", lambda: hyper(c, heads, blocks, "triton", rebuild=True)),
             ("hc (hc_enter + write-back)",
              lambda: hyper(c, heads, blocks, "triton", chained=False, mode="hc")),
             ("liger 0.8.5", lambda: Liger(c, heads, blocks).to(DEV, DT)),

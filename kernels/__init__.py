@@ -18,6 +18,9 @@ Both backends expose the same functions with the same signatures and conventions
     expand_streams(h, n, dtype=None) -> x_0                              (the embedding into n streams)
     sum_streams(x, dtype=None) -> the streams summed                     (the "sum" collapse)
     stream_pre(x, h_pre) -> u
+    rebuild_u(x, h_pre, u_dtype=None) -> u          (no autograd: u as the ops above handed it to the branch, bitwise)
+    request_u(x, h_pre, u_dtype=None) -> request | None   (fused: the backward of the write-back reading x sets
+                                                  request.u to that u, from tiles it reads anyway; reference: None)
     stream_post_res(x, f, h_post, h_res | None) -> x_next
     rope_qkv(qkv, cos, sin, n_heads) -> (q, k, v)                      (the attention's RoPE, any residual mode)
 """

@@ -87,7 +87,8 @@ def check_fused(fused: Optional[bool], precision) -> None:
 def check_compile(arch: GPTConfig, compile: bool, compile_mode: str = "default") -> None:
     """Refuse what is known not to compile: the chained mHC stack under torch.compile did not finish its first step
     within 150 s on an H200 in three runs (docs/benchmarks.md, round 4), while one sublayer at a time compiles (what
-    chain_sublayers auto traces under torch.compile).
+    chain_sublayers auto traces under torch.compile); the branch input's rebuild (saved-tensor hooks, which dynamo
+    refuses to trace).
     compile_mode: one of torch.compile's modes (the list is torch's own)."""
     modes = list(torch._inductor.list_mode_options())
     if compile_mode not in modes:
@@ -95,6 +96,10 @@ def check_compile(arch: GPTConfig, compile: bool, compile_mode: str = "default")
     if compile and arch.hyper.chain_sublayers is True and arch.hyper.residual_mode in ("mhc", "identity"):
         raise ValueError("model.compile=true with model.arch.hyper.chain_sublayers=true is refused: the chained stack "
                          "does not finish compiling (docs/benchmarks.md, round 4); set one of them to false")
+    if compile and arch.hyper.rebuild_branch_input and arch.hyper.residual_mode != "residual":
+        raise ValueError("model.compile=true with model.arch.hyper.rebuild_branch_input=true is refused: dynamo does not "
+                         "trace the saved-tensor hooks that drop the branch's input (the compiler chooses what to keep); "
+                         "set one of them to false")
 
 
 class LitLM(L.LightningModule):

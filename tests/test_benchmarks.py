@@ -35,7 +35,7 @@ def test_bench_mhc_smoke_checks_and_times_every_wiring(tmp_path):
     data = json.loads((tmp_path / "bench_mhc.json").read_text())
     assert all(c["ok"] for c in data["checks"].values()), data["checks"]
     rows = {r["variant"]: r for r in data["stack"]}
-    assert {"residual", "ours (fused)", "ours (per-sublayer ops)", "ours (per-sublayer, dx summed)",
+    assert {"residual", "ours (fused)", "ours (per-sublayer ops)", "ours (per-sublayer, dx summed)", "ours (u rebuilt)",
             "hc (hc_enter + write-back)"} == rows.keys()
     for r in rows.values():
         assert r["ms"] > 0 and r["host_ms"] > 0

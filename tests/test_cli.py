@@ -153,6 +153,10 @@ def test_interpolation_follows_later_overrides(tmp_path, monkeypatch):
     ("--model.compile=true --model.arch.hyper.chain_sublayers=true",
      "model.compile=true with model.arch.hyper.chain_sublayers=true is refused"),
     ("--model.arch.hyper.chain_sublayers=sometimes", "chain_sublayers"),
+    ("--model.compile=true --model.arch.hyper.rebuild_branch_input=true",
+     "model.compile=true with model.arch.hyper.rebuild_branch_input=true is refused"),
+    ("--model.arch.recompute_block=2 --model.arch.hyper.rebuild_branch_input=true",
+     "recompute_block=2 with hyper.rebuild_branch_input=true is refused"),
     ("--model.compile_mode=fast", "model.compile_mode: 'fast' is not a torch.compile mode; allowed: default,"),
 ])
 def test_bad_values_fail_at_parse_time(arg, message, capsys):

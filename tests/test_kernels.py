@@ -1345,6 +1345,85 @@ def test_model_hands_each_branch_its_input_without_a_cast(mode, chain):
         assert ((a - b).norm() / b.norm()).item() < 1e-2
 
 
+def test_rebuilt_u_is_the_ops_u_bitwise(monkeypatch):
+    """`rebuild_u` and the write-back's backward on request (`request_u`; HyperConfig.rebuild_branch_input) give the u
+    each op handed its branch, bit for bit, in the stream's dtype and in the branch's fp32: u made by stream_pre's
+    streaming kernel (phi in fp32, the trainer's), by the sum in `_coef_fwd`'s own loop (phi in bf16 at C <= 1024:
+    HAS_U, checked taken), and HC's."""
+    torch.manual_seed(93)
+    lead, c = SHAPES[1]
+    opts = MHCOptions(sinkhorn_iters=ITERS)
+    in_gemm = []
+    _on_launch(monkeypatch, ("_coef_fwd",), lambda name, kw: in_gemm.append(kw["HAS_U"]))
+    bf16_phi = [("mhc_enter, bf16 phi", lambda i, d: fused.mhc_enter(*i, opts, d),
+                 _coef_inputs(lead, c, 4, torch.bfloat16, phi_dtype=torch.bfloat16)),
+                ("mhc_boundary, bf16 phi", lambda i, d: fused.mhc_boundary(*i, opts, d),
+                 _boundary_inputs(lead, c, 4, torch.bfloat16, phi_dtype=torch.bfloat16))]
+    for name, call, inputs in _u_ops() + bf16_phi:
+        for u_dtype in (None, torch.float32):
+            in_gemm.clear()
+            with torch.no_grad():
+                out = call(inputs, u_dtype)
+            if name == "mhc_pre":
+                x, u, h_pre = inputs[0], out[0], out[1]
+            else:  # the stream u came from: the op's input, or the boundary's x_next
+                x, u, h_pre = (out[0] if name.startswith("mhc_boundary") else inputs[0]), out[1], out[2]
+            again = fused.rebuild_u(x, h_pre, u_dtype)
+            assert again.dtype == u.dtype == (u_dtype or torch.bfloat16) and torch.equal(again, u), (name, u_dtype)
+            if "bf16 phi" in name:
+                assert in_gemm == [True], (name, in_gemm)
+            # the same u from the backward of a write-back that reads this stream (`request_u`), H^res given or I
+            n = x.shape[-2]
+            flat, h_flat = x.detach().reshape(-1, n, c), h_pre.reshape(-1, n)
+            for h_res in (torch.rand(flat.shape[0], n, n, device=DEV), None):
+                req = fused.request_u(flat, h_flat, u_dtype)
+                f = torch.randn(flat.shape[0], c, device=DEV, dtype=flat.dtype, requires_grad=True)
+                out = fused.stream_post_res(flat, f, torch.rand(flat.shape[0], n, device=DEV), h_res)
+                out.backward(torch.randn_like(out))
+                assert req.u is not None and torch.equal(R.in_dtype(req.u, u_dtype), u.reshape(-1, c)), (name, u_dtype)
+
+
+@pytest.mark.parametrize("mode,chain,via", [("mhc", True, "write-back"), ("mhc", False, "write-back"),
+                                            ("hc", "auto", "write-back"), ("identity", True, "write-back"),
+                                            ("mhc", True, "rebuild_u")])
+def test_model_rebuilds_the_branch_input_bitwise_and_keeps_less(mode, chain, via, monkeypatch):
+    """HyperConfig.rebuild_branch_input under the trainer's bf16-mixed: the step (loss, every gradient) is bitwise the
+    one that keeps u, and what autograd keeps between forward and backward is smaller by exactly one fp32 u per
+    sublayer (C * 4 bytes per token): the branch's norm held u and nothing else did. u comes from the write-back's
+    backward (`request_u`: no `rebuild_u` call, every request served), or without requests from `rebuild_u`."""
+    import torch.nn.functional as F
+
+    from mhc_lightning.model import GPT, GPTConfig, HyperConfig
+    from mhc_lightning.model.recompute import live_activation_bytes
+
+    rebuilt, real_rebuild = [], fused.rebuild_u
+    monkeypatch.setattr(fused, "rebuild_u", lambda *a: rebuilt.append(1) or real_rebuild(*a))
+    if via == "rebuild_u":
+        monkeypatch.setattr(fused, "request_u", lambda *a: None)
+
+    def step(rebuild):
+        torch.manual_seed(0)
+        cfg = GPTConfig(n_layers=2, d_model=32, n_heads=2, context=16, stream_dtype="bfloat16", hyper=HyperConfig(
+            residual_mode=mode, sinkhorn_iters=ITERS, phi_init="normal", kernel_backend="triton",
+            chain_sublayers=chain, rebuild_branch_input=rebuild))
+        model = GPT(cfg).to(DEV)
+        idx = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(1)).to(DEV)
+        with torch.autocast(DEV, dtype=torch.bfloat16):
+            with live_activation_bytes(exclude=list(model.parameters()) + list(model.buffers())) as kept:
+                logits = model(idx[:, :-1])
+                loss = F.cross_entropy(logits.float().flatten(0, 1), idx[:, 1:].flatten())
+            loss.backward()
+        return loss, {k: p.grad for k, p in model.named_parameters()}, kept["bytes"]
+
+    loss, grads, kept = step(True)
+    assert len(rebuilt) == (4 if via == "rebuild_u" else 0) and len(ops._REQUESTS) == 0, (rebuilt, dict(ops._REQUESTS))
+    loss_kept, grads_kept, kept_u = step(False)
+    assert torch.equal(loss, loss_kept)
+    for name, g in grads_kept.items():
+        assert torch.equal(grads[name], g), name
+    assert kept_u - kept == 4 * 32 * 4 * 16 * 2, (kept_u, kept)  # sublayers * C * fp32 * tokens
+
+
 @pytest.mark.parametrize("mode", ["mhc", "identity", "hc", "residual"])
 def test_model_step_under_bf16_autocast_matches_float64(mode):
     """A training step as the trainer runs it under bf16-mixed (autocast, bf16 stream) on the fused kernels, against

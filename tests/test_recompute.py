@@ -268,3 +268,36 @@ def test_config_values_and_cli(tmp_path, monkeypatch):
     assert cli.model.arch.recompute_block == "auto" and cli.model.arch.stream_dtype == "bfloat16"
     assert cli.model.model.recompute_block == optimal_block(8, 4)
     assert build_cli(base + ["--model.arch.recompute_block=3"], run=False).model.model.recompute_block == 3
+
+
+@pytest.mark.parametrize("mode", ["mhc", "identity", "hc"])
+def test_rebuilt_branch_input_same_step_less_memory(mode):
+    """HyperConfig.rebuild_branch_input on the reference ops in fp32: the loss and every gradient bitwise those of the
+    model that keeps u, and autograd keeps exactly one u per sublayer less (C fp32 values per token). The fused kernels
+    under bf16-mixed: tests/test_kernels.py."""
+    idx, L, C = tokens(), 4, 32
+    base = randomized(model(mode))
+    loss0, grads0 = loss_and_grads(base, idx)
+    lean = model(mode, rebuild_branch_input=True)
+    lean.load_state_dict(base.state_dict())
+    loss, grads = loss_and_grads(lean, idx)
+    assert torch.equal(loss, loss0)
+    for name, g in grads.items():
+        assert torch.equal(g, grads0[name]), name
+    assert saved_bytes(base, idx) - saved_bytes(lean, idx) == L * C * 4 * idx.numel()
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16 stream: the reference keeps an fp32 copy of x, not x
+        lean.cfg.stream_dtype = base.cfg.stream_dtype = "bfloat16"
+        assert saved_bytes(lean, idx) == saved_bytes(base, idx)  # so holding x for a rebuild would cost more: off
+
+
+def test_rebuilt_branch_input_refused_with_recompute_or_compile():
+    from mhc_lightning.module import check_compile
+
+    with pytest.raises(ValueError, match="recompute_block=2 with hyper.rebuild_branch_input=true is refused"):
+        model(block=2, rebuild_branch_input=True)
+    assert model("residual", block=2, rebuild_branch_input=True).recompute_block == 0  # residual: both are no-ops
+    with pytest.raises(ValueError, match="model.compile=true with model.arch.hyper.rebuild_branch_input=true"):
+        check_compile(model(rebuild_branch_input=True).cfg, True)
+    check_compile(model(rebuild_branch_input=True).cfg, False)
+    with pytest.raises(ValueError, match=r"rebuild_branch_input must be one of \[True, False\], got 'yes'"):
+        HyperConfig(rebuild_branch_input="yes")

@@ -16,7 +16,7 @@ from ..reference.coefficients import mhc_logit_count
 from . import ops
 
 __all__ = ["expand_streams", "hc_coefficients", "hc_enter", "mhc_coefficients", "mhc_pre", "mhc_enter", "mhc_boundary",
-           "rms_proj", "rope_qkv", "stream_pre", "stream_post_res", "sum_streams"]
+           "rebuild_u", "request_u", "rms_proj", "rope_qkv", "stream_pre", "stream_post_res", "sum_streams"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -185,6 +185,26 @@ def mhc_boundary(
         x3, f.reshape(-1, c), h_post.reshape(-1, n), _res3(x3, h_res), phi, bias, _vec3(alpha), *args, written)
     return (x_next.reshape(x.shape), in_dtype(u.reshape(*lead, c), u_dtype),
             *_coefs_out(phi, lead, n, h_pre, h_post2, h_res2))
+
+
+def rebuild_u(x: torch.Tensor, h_pre: torch.Tensor, u_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """u as the enter / boundary ops handed it to the branch, without autograd (reference.rebuild_u): stream_pre's
+    streaming kernel, the one the ops write u with (or the same sum in `_coef_fwd`'s loop), so the bits agree."""
+    if not (_fusable(x) and h_pre.shape == x.shape[:-1] and h_pre.device == x.device):
+        return reference.rebuild_u(x, h_pre, u_dtype)
+    n, c = x.shape[-2], x.shape[-1]
+    u = ops.pre_u(_flat(x), h_pre.reshape(-1, n), _u_written(x, u_dtype))
+    return in_dtype(u if x.dim() == 3 else u.reshape(*x.shape[:-2], c), u_dtype)
+
+
+def request_u(x: torch.Tensor, h_pre: torch.Tensor, u_dtype: Optional[torch.dtype] = None):
+    """Ask the backward of the write-back that reads the flat stream x [N, n, C] (`stream_post_res`, `mhc_boundary`,
+    eager) to write u as `rebuild_u` would, from the stream tiles it reads anyway; returns the request, whose .u
+    (in the dtype the ops write u in; `in_dtype` gives the branch's) is set there, or None where no fused write-back
+    will read x."""
+    if not (_fusable(x) and x.dim() == 3 and h_pre.shape == x.shape[:-1] and h_pre.device == x.device):
+        return None
+    return ops.request_u(x, h_pre, _u_written(x, u_dtype) or x.dtype)
 
 
 def stream_pre(x: torch.Tensor, h_pre: torch.Tensor) -> torch.Tensor:

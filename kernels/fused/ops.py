@@ -9,6 +9,7 @@ to the reference for what the kernels do not cover.
 import functools
 import json
 import os
+import weakref
 from types import SimpleNamespace
 from typing import NamedTuple, Optional
 
@@ -108,9 +109,10 @@ CONFIG = {
     # per token block. The rows tiles since round 23, the trainer profiled in one process: 120.1 us per call at 2
     # stages and 7 programs per SM (72 registers, 18.6 KB shared: all 7 resident), 125.1 at 3 stages and 6, against
     # 135.1 one row per program (94 / 91 / 84 % of copy; docs/benchmarks.md). The partials' tiles (C > rows_max_c):
-    # not timed, unlooped
-    "post_bwd": dict(BT=4, BC=256, num_warps=4, rows_max_c=1024, loop_stages=0, programs_per_sm=8,
-                     rows=dict(BT=1, BC=1024, num_warps=4, loop_stages=2, programs_per_sm=7)),
+    # not timed, unlooped. u_programs_per_sm: with u written on request (HyperConfig.rebuild_branch_input) the rows
+    # tile takes 96 registers (Triton 3.6, sm_90): 5 CTAs per SM resident
+    "post_bwd": dict(BT=4, BC=256, num_warps=4, rows_max_c=1024, loop_stages=0, programs_per_sm=8, u_programs_per_sm=8,
+                     rows=dict(BT=1, BC=1024, num_warps=4, loop_stages=2, programs_per_sm=7, u_programs_per_sm=5)),
     # post_bwd with COEF (the boundary op's dx pass); BT >= 16 for tl.dot. dl_split: dL phi^T on 16-bit parts as in
     # coef_bwd_x (tested against float64), off: 351 vs 346 us with a bf16 phi, 437 vs 354 with fp32 (round 7 sweeps).
     # xpass: the boundary's backward by the per-sublayer wiring's kernels instead (the x pass writes x_next's whole
@@ -789,11 +791,16 @@ def _pre_launch(x: Tensor, h_pre: Tensor, u: Tensor) -> None:
     _pre_fwd[grid](x, h_pre, u, N, C, x.stride(0), x.stride(1), NS=n, BT=cfg["BT"], BC=cfg["BC"], **_launch(cfg))
 
 
-def _pre_fwd_body(x: Tensor, h_pre: Tensor) -> Tensor:
-    u = _new((x.shape[0], x.shape[2]), x.dtype, x.device)
+def pre_u(x: Tensor, h_pre: Tensor, u_dtype: Optional[torch.dtype] = None) -> Tensor:
+    """u [N, C] of x [N, n, C] by the streaming kernel, stored in u_dtype (None: x's), no autograd."""
+    u = _new((x.shape[0], x.shape[2]), u_dtype or x.dtype, x.device)
     if x.shape[0] > 0:
         _pre_launch(x, h_pre, u)
     return u
+
+
+def _pre_fwd_body(x: Tensor, h_pre: Tensor) -> Tensor:
+    return pre_u(x, h_pre)
 
 
 pre_fwd = _op("stream_pre", _pre_fwd_body)
@@ -864,9 +871,10 @@ def _(x, f, h_post, h_res, route=None):
     return _like(x)
 
 
-def _post_bwd_run(g, x, f, h_post, h_res, coef=None):
+def _post_bwd_run(g, x, f, h_post, h_res, coef=None, hu=None, u_out=None):
     """Launch `_post_bwd_2d`: (dx, df, dh_post, dh_res). coef = (x_next, du, dL, d(sum x^2), h_pre_next, phi): the
-    boundary op's backward, whose dx also carries what x_next received through the next coefficients and u."""
+    boundary op's backward, whose dx also carries what x_next received through the next coefficients and u.
+    hu, u_out: this sublayer's h_pre [N, n] and a [N, C] buffer the kernel writes its u into (`request_u`)."""
     N, n, C = x.shape
     has_res = h_res.shape[-1] != 0
     dev = x.device
@@ -894,20 +902,28 @@ def _post_bwd_run(g, x, f, h_post, h_res, coef=None):
         xn, du, hpre, phi = _rows(xn), du.contiguous(), hpre.contiguous(), _c_contig(phi)
         M, dots = phi.shape[1], _grad_dots(x.dtype, phi.dtype, cfg)
     blocks, stages = _cdiv(N, cfg["BT"]), cfg.get("loop_stages") or 0
+    has_u = u_out is not None
     if stages:
-        blocks = min(blocks, max(1, cfg["programs_per_sm"] * _num_sms(dev) // n_cblk))
+        per_sm = cfg["u_programs_per_sm" if has_u else "programs_per_sm"]
+        blocks = min(blocks, max(1, per_sm * _num_sms(dev) // n_cblk))
+    hu, u_out = (hu.contiguous(), u_out) if has_u else (g, g)  # unused pointers without u
     _post_bwd_2d[(blocks, n_cblk)](
-        x, f, h_post.contiguous(), h_res.contiguous(), g, dx, df, php, phr, xn, du, dl, dss, hpre, phi,
+        x, f, h_post.contiguous(), h_res.contiguous(), g, dx, df, php, phr, xn, du, dl, dss, hpre, phi, hu, u_out,
         N, C, x.stride(0), x.stride(1), f.stride(0), phi.stride(0),
         NS=n, HAS_RES=has_res, COEF=coef is not None, M=M, MP=_np2(M, 16), BT=cfg["BT"], BC=cfg["BC"], **dots,
-        LOOP_STAGES=stages, **_launch(cfg))
+        LOOP_STAGES=stages, HAS_U=has_u, **_launch(cfg))
     if n_cblk > 1:  # the per-C-block partials summed in one launch
         _sum_partials(php, dhp, wpart2=phr if has_res else None, dw2=dhr if has_res else None)
     return dx, df, dhp, dhr
 
 
 def _post_bwd_body(g: Tensor, x: Tensor, f: Tensor, h_post: Tensor, h_res: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    dx, df, dhp, dhr = _post_bwd_run(g, x, f, h_post, h_res)
+    return _post_bwd_u(g, x, f, h_post, h_res)
+
+
+def _post_bwd_u(g, x, f, h_post, h_res, hu=None, u_out=None):
+    """The write-back's backward; hu, u_out (eager only, `request_u`): also this sublayer's u into u_out."""
+    dx, df, dhp, dhr = _post_bwd_run(g, x, f, h_post, h_res, hu=hu, u_out=u_out)
     return dx, df, dhp.to(h_post.dtype), dhr.to(h_res.dtype)
 
 
@@ -919,6 +935,37 @@ def _(g, x, f, h_post, h_res):
     return _like(x), _like(f), _like(h_post), _like(h_res)
 
 
+class URequest:
+    """A branch's request (HyperConfig.rebuild_branch_input): the backward of the write-back that reads the stream x
+    also writes the branch's input u = sum_j h_pre_j x_j (stored in `dtype`), into `u`, from the stream tiles it reads
+    anyway. The branch's saved-tensor recipe holds the request; `_REQUESTS` only a weak reference."""
+
+    __slots__ = ("h_pre", "dtype", "u", "__weakref__")
+
+    def __init__(self, h_pre: Tensor, dtype: torch.dtype):
+        self.h_pre, self.dtype, self.u = h_pre, dtype, None
+
+
+_REQUESTS: "weakref.WeakValueDictionary[int, URequest]" = weakref.WeakValueDictionary()
+
+
+def request_u(x: Tensor, h_pre: Tensor, dtype: torch.dtype) -> URequest:
+    """x [N, n, C]: the stream a write-back op will read (keyed by its address, unique while its graph holds it)."""
+    req = _REQUESTS[x.data_ptr()] = URequest(h_pre, dtype)
+    return req
+
+
+def _requested_u(ctx, x: Tensor) -> tuple:
+    """In an eager write-back's backward: (hu, u_out) when a branch asked for the u of this stream x, else ()."""
+    if not _REQUESTS or not getattr(ctx, "eager", False):
+        return ()
+    req = _REQUESTS.pop(x.data_ptr(), None)
+    if req is None or tuple(req.h_pre.shape) != tuple(x.shape[:2]):
+        return ()
+    req.u = _new((x.shape[0], x.shape[2]), req.dtype, x.device)
+    return req.h_pre, req.u
+
+
 def _post_setup(ctx, inputs, output):
     ctx.save_for_backward(*inputs[:4])
     ctx.inputs, ctx.routed = len(inputs), len(inputs) > 4 and inputs[4] is not None
@@ -926,7 +973,9 @@ def _post_setup(ctx, inputs, output):
 
 def _post_backward(ctx, g):
     x, f, h_post, h_res = ctx.saved_tensors
-    dx, df, dhp, dhr = _impl(ctx, post_bwd)(g, x, f, h_post, h_res)
+    wanted = _requested_u(ctx, x)  # eager only: the plain body, with the u buffer
+    dx, df, dhp, dhr = (_post_bwd_u(g, x, f, h_post, h_res, *wanted) if wanted else
+                        _impl(ctx, post_bwd)(g, x, f, h_post, h_res))
     return ((None, df, dhp, dhr, dx) if ctx.routed else (dx, df, dhp, dhr, None))[:ctx.inputs]
 
 
@@ -964,20 +1013,28 @@ def _bnd_bwd_body(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dx, df, dh_post, dh_res, dphi, dbias, dalpha): one dx, from the per-token coefficient backward (dL, d(sum x^2))
     and one 2-D pass that builds x_next's whole gradient in registers and runs the write-back's backward on it."""
+    return _bnd_bwd_u(x, f, h_post, h_res, phi, bias, alpha, x_next, lg, rinv, h_pre2, g, du, d_pre, d_post, d_res,
+                      iters, eps, t_in, t_out, post_mult)
+
+
+def _bnd_bwd_u(x, f, h_post, h_res, phi, bias, alpha, x_next, lg, rinv, h_pre2, g, du, d_pre, d_post, d_res, iters,
+               eps, t_in, t_out, post_mult, hu=None, u_out=None):
+    """`_bnd_bwd_body`; hu, u_out (eager only, `request_u`): the write-back's pass also writes sublayer l's u."""
     if x.shape[0] == 0:
-        dx, df, dhp, dhr = _post_bwd_run(g, x, f, h_post, h_res)
+        dx, df, dhp, dhr = _post_bwd_run(g, x, f, h_post, h_res, hu=hu, u_out=u_out)
         return dx, df, dhp, dhr, torch.zeros_like(phi), torch.zeros_like(bias), torch.zeros_like(alpha)
     if CONFIG["bnd_bwd"]["xpass"]:
         # the per-sublayer wiring's kernels: x_next's whole gradient by the x pass (g added in), then the write-back's
         G, dphi, dbias, dalpha = _bwd(x_next, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out,
                                       post_mult, h_pre=h_pre2, du=du, dx_in=g)
-        dx, df, dhp, dhr = _post_bwd_run(G, x, f, h_post, h_res)
+        dx, df, dhp, dhr = _post_bwd_run(G, x, f, h_post, h_res, hu=hu, u_out=u_out)
         return dx, df, dhp.to(h_post.dtype), dhr.to(h_res.dtype), dphi, dbias, dalpha
     x_next, phi = _rows(x_next), _c_contig(phi)
     dl, dss, part, du = bwd_tok(x_next, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out,
                                 post_mult, du=du)
     dphi_part = bwd_x(x_next, phi, dl, dss)
-    dx, df, dhp, dhr = _post_bwd_run(g, x, f, h_post, h_res, coef=(x_next, du, dl, dss, h_pre2, phi))
+    dx, df, dhp, dhr = _post_bwd_run(g, x, f, h_post, h_res, coef=(x_next, du, dl, dss, h_pre2, phi), hu=hu,
+                                     u_out=u_out)
     return (dx, df, dhp.to(h_post.dtype), dhr.to(h_res.dtype), *_param_grads(phi, bias, alpha, dphi_part, part))
 
 
@@ -1004,7 +1061,9 @@ def _bnd_backward(ctx, g, du, d_pre, d_post, d_res, _dlg, _drinv):
     dh = _dh_zeros(x_next, phi, d_pre, d_post, d_res)
     g = torch.zeros_like(x_next) if g is None else g
     du = torch.zeros((x.shape[0], x.shape[2]), dtype=x.dtype, device=x.device) if du is None else du
-    grads = _impl(ctx, bnd_bwd)(x, f, h_post, h_res, phi, bias, alpha, x_next, lg, rinv, h_pre2, g, du, *dh, *ctx.opts)
+    args = (x, f, h_post, h_res, phi, bias, alpha, x_next, lg, rinv, h_pre2, g, du, *dh, *ctx.opts)
+    wanted = _requested_u(ctx, x)  # eager only: the plain body, with the u buffer
+    grads = _bnd_bwd_u(*args, *wanted) if wanted else _impl(ctx, bnd_bwd)(*args)
     return (*grads, None, None, None, None, None, None, None, None)
 
 

@@ -9,6 +9,9 @@ With COEF it is the sublayer boundary op's backward when CONFIG bnd_bwd xpass is
 also fed the next sublayer's coefficients and input, so the gradient reaching it is G_i = dx_next_i + (dL phi^T)_i
 + 2 x_next_i d(sum x^2) + h_pre_i du, built in registers from the coefficient backward's per-token dL, d(sum x^2);
 dx is written once.
+With HAS_U the backward also writes u = sum_j h_pre_j x_j of the sublayer whose write-back this is (its own h_pre):
+the stream tiles it reads anyway, so a branch that dropped its input (HyperConfig.rebuild_branch_input) gets it back
+without reading x again (docs/design.md §9).
 """
 import triton
 import triton.language as tl
@@ -48,11 +51,11 @@ def _post_fwd(
 @triton.jit(do_not_specialize=["N"])
 def _post_bwd_2d(
     x_ptr, f_ptr, hp_ptr, hr_ptr, g_ptr, dx_ptr, df_ptr, dhp_ptr, dhr_ptr,
-    xn_ptr, du_ptr, dl_ptr, dss_ptr, hpre_ptr, phi_ptr,
+    xn_ptr, du_ptr, dl_ptr, dss_ptr, hpre_ptr, phi_ptr, hu_ptr, u_ptr,
     N, C, stride_xt, stride_xn, stride_ft, stride_phi,
     NS: tl.constexpr, HAS_RES: tl.constexpr, COEF: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,
     DOT: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SPLIT: tl.constexpr = False, PHI_LO: tl.constexpr = False,
-    LOOP_STAGES: tl.constexpr = 0,
+    LOOP_STAGES: tl.constexpr = 0, HAS_U: tl.constexpr = False,
 ):
     """Backward on the forward's 2-D grid (token block x C block), no C loop: every stream sum is a broadcast
     multiply-add and the only reductions are over this C block. dH [.., n, n] and dh_post [.., n] go to
@@ -63,24 +66,27 @@ def _post_bwd_2d(
     on bf16 parts, dL = hi + lo and phi's hi (+ lo with PHI_LO), as `_coef_bwd_x` SPLIT does.
     LOOP_STAGES > 0: fewer programs than token blocks, each walking token blocks pid, pid + programs, ... in a loop
     pipelined that deep (tl.range num_stages: the next blocks' loads are async copies in flight while this one is
-    reduced and stored); 0: one token block per program."""
+    reduced and stored); 0: one token block per program.
+    HAS_U: also u [N, C] (u_ptr's dtype, rounded through x's as the forward ops round it) = sum_j h_j x_j with this
+    sublayer's h_pre [N, n] (hu_ptr), summed in `_pre_fwd`'s order."""
     if LOOP_STAGES > 0:
         for tb in tl.range(tl.program_id(0), tl.cdiv(N, BT), tl.num_programs(0), num_stages=LOOP_STAGES):
             _post_bwd_tile(tb, x_ptr, f_ptr, hp_ptr, hr_ptr, g_ptr, dx_ptr, df_ptr, dhp_ptr, dhr_ptr, xn_ptr, du_ptr,
-                           dl_ptr, dss_ptr, hpre_ptr, phi_ptr, N, C, stride_xt, stride_xn, stride_ft, stride_phi,
-                           NS, HAS_RES, COEF, M, MP, DOT, BT, BC, SPLIT, PHI_LO)
+                           dl_ptr, dss_ptr, hpre_ptr, phi_ptr, hu_ptr, u_ptr, N, C, stride_xt, stride_xn, stride_ft,
+                           stride_phi, NS, HAS_RES, COEF, M, MP, DOT, BT, BC, SPLIT, PHI_LO, HAS_U)
     else:
         _post_bwd_tile(tl.program_id(0), x_ptr, f_ptr, hp_ptr, hr_ptr, g_ptr, dx_ptr, df_ptr, dhp_ptr, dhr_ptr, xn_ptr,
-                       du_ptr, dl_ptr, dss_ptr, hpre_ptr, phi_ptr, N, C, stride_xt, stride_xn, stride_ft, stride_phi,
-                       NS, HAS_RES, COEF, M, MP, DOT, BT, BC, SPLIT, PHI_LO)
+                       du_ptr, dl_ptr, dss_ptr, hpre_ptr, phi_ptr, hu_ptr, u_ptr, N, C, stride_xt, stride_xn,
+                       stride_ft, stride_phi, NS, HAS_RES, COEF, M, MP, DOT, BT, BC, SPLIT, PHI_LO, HAS_U)
 
 
 @triton.jit
 def _post_bwd_tile(
     tb, x_ptr, f_ptr, hp_ptr, hr_ptr, g_ptr, dx_ptr, df_ptr, dhp_ptr, dhr_ptr, xn_ptr, du_ptr, dl_ptr, dss_ptr,
-    hpre_ptr, phi_ptr, N, C, stride_xt, stride_xn, stride_ft, stride_phi,
+    hpre_ptr, phi_ptr, hu_ptr, u_ptr, N, C, stride_xt, stride_xn, stride_ft, stride_phi,
     NS: tl.constexpr, HAS_RES: tl.constexpr, COEF: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,
     DOT: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SPLIT: tl.constexpr, PHI_LO: tl.constexpr,
+    HAS_U: tl.constexpr,
 ):
     """`_post_bwd_2d` on token block tb and this program's C block."""
     rows = tb * BT + tl.arange(0, BT)
@@ -124,6 +130,7 @@ def _post_bwd_tile(
     tl.store(df_ptr + rows64[:, None] * C + cc[None, :], tl.sum(hp[:, :, None] * g, axis=1).to(df_ptr.dtype.element_ty),
              mask=m2)
     tl.store(dhp_ptr + prow[:, None] * NS + ii[None, :], tl.sum(g * f[:, None, :], axis=2), mask=tokn)
+    u = tl.zeros([BT, BC], dtype=tl.float32)
     if HAS_RES:
         for j in tl.static_range(NS):
             # column j of H: dx_j = sum_i H_ij G_i, dH_ij = <G_i, x_j> over this C block
@@ -133,5 +140,14 @@ def _post_bwd_tile(
             xj = tl.load(x_ptr + rows64[:, None] * stride_xt + j * stride_xn + cc[None, :], mask=m2, other=0.0)
             tl.store(dhr_ptr + prow[:, None] * (NS * NS) + ii[None, :] * NS + j,
                      tl.sum(g * xj.to(tl.float32)[:, None, :], axis=2), mask=tokn)
+            if HAS_U:
+                u += tl.load(hu_ptr + rows64 * NS + j, mask=rmask, other=0.0).to(tl.float32)[:, None] * xj.to(tl.float32)
     else:
         tl.store(dx_ptr + off3, g.to(dx_ptr.dtype.element_ty), mask=m3)
+        if HAS_U:  # H^res = I reads no x: the stream tiles for u alone
+            for j in tl.static_range(NS):
+                xj = tl.load(x_ptr + rows64[:, None] * stride_xt + j * stride_xn + cc[None, :], mask=m2, other=0.0)
+                u += tl.load(hu_ptr + rows64 * NS + j, mask=rmask, other=0.0).to(tl.float32)[:, None] * xj.to(tl.float32)
+    if HAS_U:
+        tl.store(u_ptr + rows64[:, None] * C + cc[None, :], u.to(x_ptr.dtype.element_ty).to(u_ptr.dtype.element_ty),
+                 mask=m2)

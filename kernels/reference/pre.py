@@ -17,6 +17,18 @@ def in_dtype(u: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
     return u if dtype is None else u.to(dtype)
 
 
+def rebuild_u(x: torch.Tensor, h_pre: torch.Tensor, u_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """u as `mhc_pre` / `mhc_enter` / `mhc_boundary` / `hc_enter` handed it to the branch (the same values, in u_dtype),
+    without autograd: for a branch that dropped its saved input until the backward (HyperConfig.rebuild_branch_input)."""
+    with torch.no_grad():
+        return in_dtype(stream_pre(x, h_pre), u_dtype)
+
+
+def request_u(x: torch.Tensor, h_pre: torch.Tensor, u_dtype: Optional[torch.dtype] = None) -> None:
+    """The fused ops' write-back can hand u over from its backward (fused.request_u); these ops cannot: None."""
+    return None
+
+
 def mhc_pre(
     x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, opts: MHCOptions = DEFAULT_OPTIONS,
     u_dtype: Optional[torch.dtype] = None,

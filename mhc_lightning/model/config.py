@@ -67,6 +67,11 @@ class HyperConfig:
     chain_sublayers: Union[bool, Literal["auto"]] = "auto"
     # Run an init that keeps the streams identical anyway (the degenerate baseline); refused otherwise.
     allow_identical_streams: bool = False
+    # Multi-stream modes, training in eager mode: each branch's pre-norm does not keep its input u = H^pre x_l (C per
+    # token in the branch's dtype, fp32 under bf16-mixed) until the backward, which rebuilds it from the stream the ops
+    # keep anyway: one more read of x_l per sublayer for C values per token per sublayer less memory (docs/design.md
+    # §9, model/branch_input.py). Not with recompute_block or model.compile (refused).
+    rebuild_branch_input: bool = False
 
     def __post_init__(self) -> None:
         _one_of("residual_mode", self.residual_mode, RESIDUAL_MODES)
@@ -83,6 +88,7 @@ class HyperConfig:
         _one_of("kernel_backend", self.kernel_backend, KERNEL_BACKENDS)
         _at_least("res_gap", self.res_gap, 0.0)
         _at_least("pre_gap", self.pre_gap, 0.0)
+        _one_of("rebuild_branch_input", self.rebuild_branch_input, (True, False))
         if self.identical_streams and not self.allow_identical_streams:
             raise ValueError(
                 f"bias_init={self.bias_init} with phi_init=zeros keeps all {self.n_streams} streams identical for the "
@@ -139,6 +145,10 @@ class GPTConfig:
         rb = self.recompute_block
         if rb != "auto" and (isinstance(rb, bool) or not isinstance(rb, int) or rb < 0):
             raise ValueError(f"recompute_block must be 'auto' or an int >= 0 (0 = off), got {rb!r}")
+        if rb != 0 and self.hyper.rebuild_branch_input and self.hyper.residual_mode != "residual":
+            raise ValueError(f"recompute_block={rb!r} with hyper.rebuild_branch_input=true is refused: the recompute "
+                             "drops the branch's input already; set recompute_block to 0 or rebuild_branch_input to "
+                             "false")
         for name in ("vocab_size", "n_layers", "d_model", "n_heads", "context"):
             _at_least(name, getattr(self, name), 1)
         if self.d_model % self.n_heads:

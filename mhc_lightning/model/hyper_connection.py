@@ -16,7 +16,9 @@ import torch.nn as nn
 
 from ..diagnostics import stream_spread
 from ..kernels import MHCOptions, get_ops
-from ..kernels.reference import in_dtype, mhc_logit_count
+from ..kernels import reference
+from ..kernels.reference import compute_dtype, in_dtype, mhc_logit_count
+from .branch_input import rebuilt_in_backward
 from .config import BIAS_INITS, HyperConfig
 
 # Between two chained sublayers: (stream x, the sublayer's input u, its h_pre, h_post, h_res | None). After `enter`
@@ -102,11 +104,31 @@ class HyperConnection(nn.Module):
         p = next(self.branch.parameters(), None)
         return p.dtype if p is not None and p.is_floating_point() else None
 
-    def run_branch(self, u: torch.Tensor) -> torch.Tensor:
+    def run_branch(self, u: torch.Tensor, x: Optional[torch.Tensor] = None,
+                   h_pre: Optional[torch.Tensor] = None) -> torch.Tensor:
         """F(u) in the branch's parameter dtype. The stream may be narrower (GPTConfig.stream_dtype): the branch
         then sees the dtype it would see with a full-precision stream, and autocast still casts its matmuls. The mHC
-        ops hand u over in that dtype already (their u_dtype: the fused kernels write it so, no cast each way)."""
-        return self.branch(in_dtype(u, self.branch_dtype()))
+        ops hand u over in that dtype already (their u_dtype: the fused kernels write it so, no cast each way).
+        x, h_pre: the flat stream and coefficients u came from; with rebuild_branch_input the branch's saved copy of u
+        is dropped and rebuilt from them in the backward (model/branch_input.py)."""
+        dtype = self.branch_dtype()
+        v = in_dtype(u, dtype)
+        if x is None or not (self.cfg.rebuild_branch_input and torch.is_grad_enabled()):
+            return self.branch(v)
+        ops = get_ops(self.cfg.kernel_backend, v.device)
+        if ops is reference and compute_dtype(x.dtype) != x.dtype:
+            # the reference ops then keep their fp32 copy of x, not x: holding x for the rebuild would cost n C
+            return self.branch(v)
+        # the fused write-back's backward, which runs first and reads x anyway, writes u on request; else u is
+        # rebuilt from x by itself (one more read of x)
+        request, shape = ops.request_u(x, h_pre, dtype), v.shape  # not v itself: the recipe outlives the forward
+
+        def rebuild() -> torch.Tensor:
+            u = request.u if request is not None and request.u is not None else ops.rebuild_u(x, h_pre, dtype)
+            return in_dtype(u, dtype).view(shape)
+
+        with rebuilt_in_backward(v, rebuild):
+            return self.branch(v)
 
     def remember(self, h_pre: torch.Tensor, h_post: torch.Tensor, h_res: Optional[torch.Tensor],
                  out: torch.Tensor, lead: Optional[tuple] = None) -> None:
@@ -139,7 +161,7 @@ class HyperConnection(nn.Module):
         x, u, h_pre, h_post, h_res = carry
         lead, C = u.shape[:-1], u.shape[-1]
         ops = get_ops(self.cfg.kernel_backend, u.device)
-        f = self.run_branch(u).reshape(-1, C)
+        f = self.run_branch(u, x, h_pre).reshape(-1, C)
         if nxt is None:
             out = ops.stream_post_res(x, f, h_post, h_res)
             self.remember(h_pre, h_post, h_res, out, lead)
@@ -168,7 +190,7 @@ class HyperConnection(nn.Module):
                 self.b_static, self.am_static, self.ar_static, dynamic=c.hc_dynamic, use_tanh=c.hc_tanh,
                 u_dtype=self.branch_dtype(),
             )
-        f = self.run_branch(u.view(*lead, C))
+        f = self.run_branch(u.view(*lead, C), xt, h_pre)
         out = ops.stream_post_res(xt, f.view(-1, C), h_post, h_res)
         self.remember(h_pre, h_post, h_res, out, lead)
         return out.view(*lead, n, C)

@@ -1,0 +1,51 @@
+"""The branch's input u, dropped after the forward and rebuilt from the stream in the backward
+(HyperConfig.rebuild_branch_input, docs/design.md §9).
+
+A multi-stream sublayer hands its branch u = sum_j h_pre_j x_j. The branch's pre-norm saves u for its backward (C per
+token in the branch's dtype: fp32 under bf16-mixed), while the op that made u keeps the stream x_l and h_pre for its
+own backward anyway. Under `saved_tensors_hooks` autograd keeps a recipe in u's place instead, and the first unpack in
+the backward runs it: u rebuilt by the kernel that wrote it (the op's `rebuild_u`), so the backward sees the same bits.
+"""
+import weakref
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional
+
+import torch
+
+
+class _Rebuilt:
+    """What autograd keeps in u's place. The first unpack rebuilds u; every other op that saved u (the CPU's composite
+    rms_norm saves it twice) gets the same tensor, which goes when the last of them has run its backward."""
+
+    __slots__ = ("make", "u")
+
+    def __init__(self, make: Callable[[], torch.Tensor]):
+        self.make: Callable[[], torch.Tensor] = make
+        self.u: Optional[torch.Tensor] = None
+
+    def __call__(self) -> torch.Tensor:
+        if self.u is None:
+            with torch.no_grad():
+                self.u = self.make()
+        return self.u
+
+
+@contextmanager
+def rebuilt_in_backward(u: torch.Tensor, make: Callable[[], torch.Tensor]) -> Iterator[None]:
+    """Inside this block, an op that saves u itself keeps `make` instead (make() must return u's values, shape and
+    dtype; it must not hold u). Other saved tensors, views of u among them, are kept as they are.
+
+    Not inside a non-reentrant checkpoint: its own hooks would be bypassed (GPTConfig refuses recompute_block with it).
+    """
+    token = _Rebuilt(make)
+    # a weak reference: every saved tensor keeps these hooks, so a closure over u itself would keep u alive
+    ref = weakref.ref(u)
+
+    def pack(t: torch.Tensor):
+        return token if t is ref() else t
+
+    def unpack(packed):
+        return packed() if isinstance(packed, _Rebuilt) else packed
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
