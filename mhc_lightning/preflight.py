@@ -23,7 +23,8 @@ EVAL_COMMANDS = ("validate", "test")
 CKPT_KEYWORDS = ("last", "best", "hpc")
 # How the same weights are computed, not which weights: may differ between training and evaluation
 # (e.g. Triton kernels when training on a GPU, the torch reference when evaluating on a CPU).
-RUNTIME_ARCH_KEYS = frozenset({"hyper.kernel_backend", "hyper.fused_pre", "recompute_block", "stream_dtype"})
+RUNTIME_ARCH_KEYS = frozenset({"hyper.kernel_backend", "hyper.fused_pre", "hyper.chain_sublayers",
+                               "hyper.rebuild_branch_input", "recompute_block", "stream_dtype"})
 # Architecture keys set through another key (CLI links): name the one the user sets
 LINKED_FROM = {"context": "data.seq_len"}
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")

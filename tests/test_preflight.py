@@ -150,9 +150,11 @@ def test_the_printed_fix_runs(trained, mlflow_uri, tmp_path, capsys):
 
 def test_arch_mismatches_ignores_runtime_keys_and_compares_floats_loosely():
     trained = {"n_layers": 2, "mlp_ratio": 8 / 3, "stream_dtype": "bfloat16", "recompute_block": "auto",
-               "hyper": {"kernel_backend": "triton", "fused_pre": True, "n_streams": 4}}
+               "hyper": {"kernel_backend": "triton", "fused_pre": True, "n_streams": 4, "chain_sublayers": True,
+                         "rebuild_branch_input": True}}
     config = {"n_layers": 2, "mlp_ratio": 2.666666666666667, "stream_dtype": "auto", "recompute_block": 0,
-              "hyper": {"kernel_backend": "torch", "fused_pre": False, "n_streams": 4}}
+              "hyper": {"kernel_backend": "torch", "fused_pre": False, "n_streams": 4, "chain_sublayers": "auto",
+                        "rebuild_branch_input": False}}
     assert arch_mismatches(config, trained) == []
     config["hyper"]["n_streams"] = 2
     assert arch_mismatches(config, trained) == [("model.arch.hyper.n_streams", 2, 4)]

@@ -4,7 +4,9 @@
 A multi-stream sublayer hands its branch u = sum_j h_pre_j x_j. The branch's pre-norm saves u for its backward (C per
 token in the branch's dtype: fp32 under bf16-mixed), while the op that made u keeps the stream x_l and h_pre for its
 own backward anyway. Under `saved_tensors_hooks` autograd keeps a recipe in u's place instead, and the first unpack in
-the backward runs it: u rebuilt by the kernel that wrote it (the op's `rebuild_u`), so the backward sees the same bits.
+the backward runs it (HyperConnection.run_branch gives the recipe): the u the fused write-back's backward wrote on
+request (`request_u`: it ran first and read x_l anyway), or u made again by the forward's kernel (`rebuild_u`). Either
+way the backward sees the same bits.
 """
 import weakref
 from contextlib import contextmanager
