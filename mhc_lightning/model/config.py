@@ -68,9 +68,10 @@ class HyperConfig:
     # Run an init that keeps the streams identical anyway (the degenerate baseline); refused otherwise.
     allow_identical_streams: bool = False
     # Multi-stream modes, training in eager mode: each branch's pre-norm does not keep its input u = H^pre x_l (C per
-    # token in the branch's dtype, fp32 under bf16-mixed) until the backward, which rebuilds it from the stream the ops
-    # keep anyway: one more read of x_l per sublayer for C values per token per sublayer less memory (docs/design.md
-    # §9, model/branch_input.py). Not with recompute_block or model.compile (refused).
+    # token in the branch's dtype, fp32 under bf16-mixed) until the backward, which gets it back bitwise from the
+    # stream the ops keep anyway (the fused write-back's backward writes it: C more values per token per sublayer
+    # written, +0.55 ms per trainer step on an H200, round 30; docs/design.md §9, model/branch_input.py). Not with
+    # recompute_block or model.compile (refused).
     rebuild_branch_input: bool = False
 
     def __post_init__(self) -> None:
