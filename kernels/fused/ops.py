@@ -46,8 +46,11 @@ CONFIG = {
     "coef_fwd": dict(BT=64, BK=128, num_warps=8, num_stages=3, BC=16, split_tail=True, phi_split="interleaved",
                      u_inside_max_c=1024, tf32=dict(BT=128, BK=64, num_warps=4, u_inside_max_c=0),
                      split=dict(BT=64, BK=64, num_warps=4, num_stages=5, u_inside_max_c=0, split_tail=False)),
-    # HC's projection (`_coef_fwd`, one stream per row, K = C, no tail): the tile HC was measured with (round 5)
-    "rms_proj": dict(BT=64, BK=64, num_warps=4, num_stages=3),
+    # HC's projection (`_coef_fwd`, one stream per row, K = C, no tail; with HC's tail in `hc_coef` / `hc_enter`).
+    # Round 31, the HC trainer profiled (one run per tile): BT 128 at 8 warps, 3 stages, 50.5 us per call against 57.1
+    # for round 5's BT 64 at 4 warps (65 against 58 % of copy; 512 programs, all resident at 4 CTAs per SM); BT 64 at
+    # BK 128 55.7, at 2 stages 61.3, at BK 32 65.2; BT 32 138 (docs/benchmarks.md)
+    "rms_proj": dict(BT=128, BK=64, num_warps=8, num_stages=3),
     # HC's tail backward (`_hc_tail_bwd`, per row, a few floats each; BC: C tile of hc_enter's <du, x_i>): not swept
     "hc_tail_bwd": dict(BT=128, num_warps=4, BC=64),
     "coef_tail": dict(BT=8, num_warps=2),
