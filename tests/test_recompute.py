@@ -290,6 +290,41 @@ def test_rebuilt_branch_input_same_step_less_memory(mode):
         assert saved_bytes(lean, idx) == saved_bytes(base, idx)  # so holding x for a rebuild would cost more: off
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_activation_checkpointing_from_outside_is_honoured(backend):
+    """Activation checkpointing applied from outside, as Lightning's FSDPStrategy(activation_checkpointing_policy=...)
+    applies it (`apply_activation_checkpointing` wraps each sublayer): the step is bitwise the plain model's, and autograd
+    keeps only what the checkpoints keep. Two ways it was defeated without a word: the fused backend's chain called the
+    wrapped sublayers' `chain` through the wrapper (no checkpoint ran at all), and rebuild_branch_input's hooks, entered
+    inside the checkpoint, took over from its own and kept every activation of the branch."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    from mhc_lightning.model.hyper_connection import HyperConnection
+
+    idx, base = tokens(), randomized(model(kernel_backend=backend))
+    plain_bytes = saved_bytes(base, idx)
+    loss0, grads0 = loss_and_grads(base, idx)
+    kept = {}
+    for rebuild in (False, True):
+        m = model(kernel_backend=backend, rebuild_branch_input=rebuild)
+        m.load_state_dict(base.state_dict())
+        apply_activation_checkpointing(m, check_fn=lambda mod: isinstance(mod, HyperConnection))
+        assert type(m.sublayers[0]).__name__ == "CheckpointWrapper" and m.sublayers[0].chains  # attributes pass through
+        assert not recompute._chains(list(m.sublayers), torch.randn(B, T, 4, 32))
+        loss, grads = loss_and_grads(m, idx)
+        assert torch.equal(loss, loss0)
+        for name, g in grads.items():
+            assert torch.equal(g, grads0[name.replace("._checkpoint_wrapped_module", "")]), name
+        kept[rebuild] = saved_bytes(m, idx)
+    assert kept[True] == kept[False] < plain_bytes / 3, (kept, plain_bytes)
+    # forward hooks on a sublayer (the composable checkpoint's, FSDP2's) keep it out of the chain too
+    hooked = model(kernel_backend=backend)
+    handle = hooked.sublayers[1].register_forward_pre_hook(lambda mod, args: None)
+    assert not recompute._chains(list(hooked.sublayers), torch.randn(B, T, 4, 32))
+    handle.remove()
+    assert recompute._chains(list(hooked.sublayers), torch.randn(B, T, 4, 32)) == (backend == "triton")
+
+
 def test_rebuilt_branch_input_refused_with_recompute_or_compile():
     from mhc_lightning.module import check_compile
 

@@ -32,12 +32,21 @@ class _Rebuilt:
         return self.u
 
 
+def others_keep_saved_tensors() -> bool:
+    """Saved-tensor hooks are active already: an outer non-reentrant checkpoint (FSDP's or Lightning's activation
+    checkpointing, `torch.utils.checkpoint` around a block) or `save_on_cpu`. They decide how the branch's tensors are
+    kept, u among them, and hooks entered inside them would take that over for the whole branch: its activations
+    would stay in memory instead of being dropped or offloaded (docs/design.md §9). The branch then runs as it is."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
+
+
 @contextmanager
 def rebuilt_in_backward(u: torch.Tensor, make: Callable[[], torch.Tensor]) -> Iterator[None]:
     """Inside this block, an op that saves u itself keeps `make` instead (make() must return u's values, shape and
     dtype; it must not hold u). Other saved tensors, views of u among them, are kept as they are.
 
-    Not inside a non-reentrant checkpoint: its own hooks would be bypassed (GPTConfig refuses recompute_block with it).
+    Not inside other saved-tensor hooks (`others_keep_saved_tensors`): theirs would be bypassed (GPTConfig refuses
+    recompute_block with it; HyperConnection.run_branch steps aside under anyone else's).
     """
     token = _Rebuilt(make)
     # a weak reference: every saved tensor keeps these hooks, so a closure over u itself would keep u alive

@@ -18,7 +18,7 @@ from ..diagnostics import stream_spread
 from ..kernels import MHCOptions, get_ops
 from ..kernels import reference
 from ..kernels.reference import compute_dtype, in_dtype, mhc_logit_count
-from .branch_input import rebuilt_in_backward
+from .branch_input import others_keep_saved_tensors, rebuilt_in_backward
 from .config import BIAS_INITS, HyperConfig
 
 # Between two chained sublayers: (stream x, the sublayer's input u, its h_pre, h_post, h_res | None). After `enter`
@@ -110,10 +110,12 @@ class HyperConnection(nn.Module):
         then sees the dtype it would see with a full-precision stream, and autocast still casts its matmuls. The mHC
         ops hand u over in that dtype already (their u_dtype: the fused kernels write it so, no cast each way).
         x, h_pre: the flat stream and coefficients u came from; with rebuild_branch_input the branch's saved copy of u
-        is dropped and rebuilt from them in the backward (model/branch_input.py)."""
+        is dropped and rebuilt from them in the backward (model/branch_input.py), unless other saved-tensor hooks (an
+        outer checkpoint) already decide what the branch keeps."""
         dtype = self.branch_dtype()
         v = in_dtype(u, dtype)
-        if x is None or not (self.cfg.rebuild_branch_input and torch.is_grad_enabled()):
+        if (x is None or not (self.cfg.rebuild_branch_input and torch.is_grad_enabled())
+                or others_keep_saved_tensors()):
             return self.branch(v)
         ops = get_ops(self.cfg.kernel_backend, v.device)
         if ops is reference and compute_dtype(x.dtype) != x.dtype:

@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from ..kernels import get_ops, reference
+from .hyper_connection import HyperConnection
 
 try:  # torch >= 2.5
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -92,9 +93,17 @@ def _not_recording(layers: list[nn.Module]) -> Iterator[None]:
 
 
 def _chains(layers: Sequence[nn.Module], x: torch.Tensor) -> bool:
-    """True when the layers run as one chain of boundary ops on stream x: every one can, and its config asks for it
-    (HyperConfig.chain_sublayers: true, or auto where the boundary op is the fused kernels' in eager mode)."""
-    return len(layers) > 0 and all(getattr(layer, "chains", False) and _asks_chain(layer.cfg, x) for layer in layers)
+    """True when the layers run as one chain of boundary ops on stream x: every one is a plain sublayer that can, and
+    its config asks for it (HyperConfig.chain_sublayers: true, or auto where the boundary op is the fused kernels' in
+    eager mode)."""
+    return len(layers) > 0 and all(_plain(layer) and layer.chains and _asks_chain(layer.cfg, x) for layer in layers)
+
+
+def _plain(layer: nn.Module) -> bool:
+    """A HyperConnection that nothing else runs: the chain calls its `enter` / `chain`, not its forward, so a wrapper
+    that forwards attributes to it (FSDP's or Lightning's activation-checkpoint wrapper) or forward hooks (the
+    composable checkpoint, FSDP2) would be skipped without a word. Such a layer runs through its forward instead."""
+    return isinstance(layer, HyperConnection) and not (layer._forward_hooks or layer._forward_pre_hooks)
 
 
 def _asks_chain(cfg, x: torch.Tensor) -> bool:
