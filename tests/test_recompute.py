@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import CONF
-from mhc_lightning.model import GPT, GPTConfig, HyperConfig
+from mhc_lightning.model import GPT, GPTConfig, HyperConfig, hyper_connections
 from mhc_lightning.model import recompute
 from mhc_lightning.model.recompute import live_activation_bytes, optimal_block, run_sublayers, saved_tensor_bytes
 
@@ -317,6 +317,15 @@ def test_activation_checkpointing_from_outside_is_honoured(backend):
             assert torch.equal(g, grads0[name.replace("._checkpoint_wrapped_module", "")]), name
         kept[rebuild] = saved_bytes(m, idx)
     assert kept[True] == kept[False] < plain_bytes / 3, (kept, plain_bytes)
+    # flags and counts reach the wrapped sublayers themselves (writes through a wrapper stay on the wrapper)
+    assert hyper_connections(m) == [w._checkpoint_wrapped_module for w in m.sublayers]
+    for net in (base, m):
+        with torch.no_grad(), net.recording():
+            net(idx)
+    rec, rec0 = m.recorded(), base.recorded()
+    assert rec.keys() == rec0.keys() == {"h_pre", "h_post", "h_res", "spread"}
+    for k in rec:
+        assert torch.equal(rec[k], rec0[k]), k
     # forward hooks on a sublayer (the composable checkpoint's, FSDP2's) keep it out of the chain too
     hooked = model(kernel_backend=backend)
     handle = hooked.sublayers[1].register_forward_pre_hook(lambda mod, args: None)

@@ -30,6 +30,7 @@ from typing import Optional
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
+from ..model import hyper_connections
 from .events import channel_of, check_number, log_metrics
 
 # Detector / snapshot event kinds that mean "the constraint must tighten".
@@ -126,7 +127,7 @@ class SinkhornScheduler(Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         self._seen_events = 0
         model = getattr(pl_module, "model", None)
-        self._layers = [l for l in getattr(model, "sublayers", []) if getattr(l, "mode", None) == "mhc"]
+        self._layers = [l for l in hyper_connections(model) if l.mode == "mhc"] if model is not None else []
         if not self._layers:
             self._active = False
             rank_zero_warn(f"{type(self).__name__}: the model has no mHC (Sinkhorn) sublayers; nothing to schedule.")

@@ -35,6 +35,7 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from ..model import hyper_connections
 from .events import StabilityEvent, channel_of, check_choice, check_number, log_metrics
 from .snapshot_files import SnapshotFiles
 from .snapshot_state import Snapshot, copy_state, fingerprint, rng_state, set_rng_state, tensors
@@ -395,7 +396,7 @@ class GradientSnapshots(Callback):
 
     def _direct_sinkhorn_cooldown(self, pl_module, cooling: bool) -> None:
         """Without a SinkhornScheduler, hold the iterations at the cool-down minimum, then put them back."""
-        layers = [l for l in getattr(pl_module.model, "sublayers", []) if getattr(l, "mode", "") == "mhc"]
+        layers = [l for l in hyper_connections(pl_module.model) if l.mode == "mhc"]
         if cooling and self._sinkhorn_saved is None:
             self._sinkhorn_saved = [l.sinkhorn_iters for l in layers]
             for l in layers:

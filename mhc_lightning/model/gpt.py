@@ -13,7 +13,7 @@ import torch.nn as nn
 from ..kernels import get_ops
 from ..kernels.reference import head_weights, stream_pre
 from .config import GPTConfig
-from .hyper_connection import HyperConnection
+from .hyper_connection import HyperConnection, hyper_connections
 from .layers import Attention, RMSNorm, SwiGLU
 from .recompute import optimal_block, run_sublayers
 
@@ -92,18 +92,19 @@ class GPT(nn.Module):
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
         """Within this block, every sublayer keeps its first sequence's H_pre / H_post / H_res."""
-        for layer in self.sublayers:
+        layers = hyper_connections(self.sublayers)
+        for layer in layers:
             layer.record, layer.last = True, None
         try:
             yield
         finally:
-            for layer in self.sublayers:
+            for layer in layers:
                 layer.record = False
 
     def recorded(self) -> dict[str, torch.Tensor]:
         """Stacked coefficients of the last recorded forward: h_res [L, T, n, n], h_pre/h_post [L, T, n], and the
         relative spread of the streams each sublayer wrote, spread [L, T]."""
-        lasts = [layer.last for layer in self.sublayers]
+        lasts = [layer.last for layer in hyper_connections(self.sublayers)]
         if not self.multi_stream or any(l is None for l in lasts):
             return {}
         out = {k: torch.stack([l[k][0] for l in lasts]) for k in ("h_pre", "h_post", "spread")}

@@ -199,3 +199,10 @@ class HyperConnection(nn.Module):
 
     def extra_repr(self) -> str:
         return f"mode={self.mode}, layer={self.layer_index}, n={self.cfg.streams}, sinkhorn_iters={self.sinkhorn_iters}"
+
+
+def hyper_connections(module: nn.Module) -> list[HyperConnection]:
+    """The HyperConnection sublayers under `module`, in order, themselves: also where another tool wrapped them. A
+    wrapper (an activation-checkpoint or FSDP wrapper) forwards reads of attributes to the module it wraps but keeps
+    writes for itself, so a flag or a Sinkhorn count set through it would never reach the sublayer (docs/design.md §9)."""
+    return [m for m in module.modules() if isinstance(m, HyperConnection)]

@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from ..kernels import get_ops, reference
-from .hyper_connection import HyperConnection
+from .hyper_connection import HyperConnection, hyper_connections
 
 try:  # torch >= 2.5
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -80,16 +80,15 @@ def _context_fn():
 
 @contextmanager
 def _not_recording(layers: list[nn.Module]) -> Iterator[None]:
-    flags = [getattr(layer, "record", False) for layer in layers]
-    for layer in layers:
-        if hasattr(layer, "record"):
-            layer.record = False
+    inner = [m for layer in layers for m in hyper_connections(layer)]  # the sublayers themselves, not their wrappers
+    flags = [layer.record for layer in inner]
+    for layer in inner:
+        layer.record = False
     try:
         yield
     finally:
-        for layer, flag in zip(layers, flags):
-            if hasattr(layer, "record"):
-                layer.record = flag
+        for layer, flag in zip(inner, flags):
+            layer.record = flag
 
 
 def _chains(layers: Sequence[nn.Module], x: torch.Tensor) -> bool:
