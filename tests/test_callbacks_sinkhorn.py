@@ -54,6 +54,21 @@ def test_converged_sinkhorn_goes_down_and_is_logged_per_layer(tiny_corpus):
     assert logger.metrics["sinkhorn/tol"][0][1] == pytest.approx(1e-2)
 
 
+def test_counts_reach_sublayers_under_an_activation_checkpoint_wrapper(tiny_corpus):
+    """Sublayers wrapped by `apply_activation_checkpointing` (what FSDPStrategy's activation_checkpointing_policy applies):
+    the counts reach the sublayers themselves, not the wrappers, which keep attributes written through them."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    from mhc_lightning.model import HyperConnection, hyper_connections
+
+    module = tiny_module("mhc")
+    apply_activation_checkpointing(module.model, check_fn=lambda m: isinstance(m, HyperConnection))
+    sched = SinkhornScheduler(every=2, min_iters=16, max_iters=30)
+    tiny_fit(tiny_corpus, [sched], steps=8, module=module)
+    assert [c[0] for _, c in sched.history] == [19, 18, 17, 16]
+    assert [l.sinkhorn_iters for l in hyper_connections(module.model)] == [16] * 4
+
+
 def test_tightened_tolerance_goes_up_within_bounds(tiny_corpus):
     """intensity 8: tol = 1e-10, below the eps-limited residual (~1e-6): counts rise, capped at max_iters."""
     sched = SinkhornScheduler(intensity=8, every=2, init_iters=6, min_iters=4, max_iters=12, per_layer=False)
