@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from ..diagnostics import stream_spread
+from ..distributed import param_compute_dtype
 from ..kernels import MHCOptions, get_ops
 from ..kernels import reference
 from ..kernels.reference import compute_dtype, in_dtype, mhc_logit_count
@@ -100,9 +101,9 @@ class HyperConnection(nn.Module):
         )
 
     def branch_dtype(self) -> Optional[torch.dtype]:
-        """The dtype the branch takes its input in: its parameters' (None: it has no floating ones)."""
-        p = next(self.branch.parameters(), None)
-        return p.dtype if p is not None and p.is_floating_point() else None
+        """The dtype the branch takes its input in: the one it computes in (its parameters', or FSDP's mixed-precision
+        param_dtype where FSDP wraps it; None: no floating parameters)."""
+        return param_compute_dtype(self.branch)
 
     def run_branch(self, u: torch.Tensor, x: Optional[torch.Tensor] = None,
                    h_pre: Optional[torch.Tensor] = None) -> torch.Tensor:
