@@ -67,6 +67,32 @@ class CorruptBatchOnRanks(L.Callback):
             batch[1].zero_()
 
 
+class CheckpointProbe(L.Callback):
+    """On one GPU under FSDP: the loss of every step, how many sublayers an activation-checkpoint wrapper holds and
+    how often each branch ran per training step (twice where a checkpoint recomputed it; validation not counted) -> <dirpath>/checkpoint-probe.json."""
+
+    def __init__(self, dirpath: str):
+        self.dirpath, self.losses, self.calls = Path(dirpath), [], 0
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        from mhc_lightning.model import hyper_connections
+
+        self.sublayers = hyper_connections(pl_module.model)
+        for hc in self.sublayers:
+            hc.branch.register_forward_hook(lambda *_: setattr(self, "calls", self.calls + torch.is_grad_enabled()))
+        self.wrapped = sum(type(m).__name__ == "CheckpointWrapper" for m in pl_module.model.modules())
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(outputs["loss"]) if isinstance(outputs, dict) and outputs.get("loss") is not None
+                           else float("nan"))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.dirpath.mkdir(parents=True, exist_ok=True)
+        record = {"losses": self.losses, "wrapped": self.wrapped, "sublayers": len(self.sublayers),
+                  "branch_calls_per_step": self.calls / len(self.losses)}
+        (self.dirpath / "checkpoint-probe.json").write_text(json.dumps(record))
+
+
 # ---- helpers -------------------------------------------------------------------------------------
 def _callback_arg(cls: str, **init_args) -> str:
     return "--trainer.callbacks+=" + json.dumps({"class_path": cls, "init_args": init_args})
@@ -262,3 +288,32 @@ def test_fsdp_preset_builds_its_wrap_policy():
     assert isinstance(strategy, FSDPStrategy)
     assert strategy.kwargs["auto_wrap_policy"]._module_classes == {Attention, SwiGLU}
     assert strategy.kwargs["use_orig_params"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Lightning's FSDPStrategy needs a GPU")
+def test_fsdp_activation_checkpointing_policy_on_one_gpu(tiny_corpus, mlflow_uri, tmp_path):
+    """FSDPStrategy(activation_checkpointing_policy={HyperConnection}) through `mhc fit` with the fused kernels: the
+    sublayers are wrapped, every branch runs again in the backward (the checkpoint is not bypassed by the fused
+    chain), and the losses are the unwrapped run's, with and without rebuild_branch_input (docs/distributed.md).
+    bf16-mixed, as the preset: FSDP then computes each branch in bf16, the case where the recomputation once saved
+    other tensors than the forward and torch's checkpoint stopped the fit."""
+    policy = "--trainer.strategy.init_args.activation_checkpointing_policy=[mhc_lightning.model.HyperConnection]"
+    variants = {"plain": [], "checkpointed": [policy],
+                "checkpointed_rebuilt": [policy, "--model.arch.hyper.rebuild_branch_input=true"]}
+    probes = {}
+    for name, extra in variants.items():
+        args = tiny_fit_args(tiny_corpus, mlflow_uri, tmp_path / name, mode="mhc", steps=4, experiment=name,
+                             run_name=name)
+        args += ["-c", str(CONF / "machine" / "fsdp.yaml"), "--trainer.devices=1",
+                 "--data.shuffle=false", "--model.arch.hyper.kernel_backend=triton", *extra,
+                 _callback_arg("test_distributed.CheckpointProbe", dirpath=str(tmp_path / name))]
+        log = tmp_path / f"{name}.log"
+        _wait(_start(args, tmp_path, log), log)
+        probes[name] = json.loads((tmp_path / name / "checkpoint-probe.json").read_text())
+    plain = probes.pop("plain")
+    assert plain["wrapped"] == 0 and plain["branch_calls_per_step"] == plain["sublayers"] == 4
+    for name, p in probes.items():
+        assert p["wrapped"] == 4 and p["branch_calls_per_step"] == 2 * p["sublayers"], (name, p)
+        # the same kernels forward; the chain's backward and each sublayer's own may sum in another order (bf16)
+        assert p["losses"][0] == pytest.approx(plain["losses"][0], rel=1e-6), (name, p["losses"], plain["losses"])
+        assert p["losses"] == pytest.approx(plain["losses"], rel=1e-3), (name, p["losses"], plain["losses"])
