@@ -69,7 +69,8 @@ class CorruptBatchOnRanks(L.Callback):
 
 class CheckpointProbe(L.Callback):
     """On one GPU under FSDP: the loss of every step, how many sublayers an activation-checkpoint wrapper holds and
-    how often each branch ran per training step (twice where a checkpoint recomputed it; validation not counted) -> <dirpath>/checkpoint-probe.json."""
+    how often each branch ran per training step (twice where a checkpoint recomputed it; validation not counted)
+    -> <dirpath>/checkpoint-probe.json."""
 
     def __init__(self, dirpath: str):
         self.dirpath, self.losses, self.calls = Path(dirpath), [], 0
