@@ -7,3 +7,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 [ -e mhc_lightning/kernels ] || ln -sfn ../kernels mhc_lightning/kernels
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 MHC_CACHE_DIR=$PWD/.cache/corpus
 export PATH=/tmp/site/bin:$PATH
+# The `mhc` command, where the tests that start `mhc fit` look for it (beside the interpreter: tests/test_distributed.py)
+# and on PATH; the repo is not pip-installed there, so it runs the CLI module (round 32)
+MHC_BIN=$(python3 -c 'import os, sys; print(os.path.dirname(sys.executable))')
+mkdir -p /tmp/site/bin
+printf '#!/bin/sh\nexec %s/python3 -m mhc_lightning.cli "$@"\n' "$MHC_BIN" > /tmp/site/bin/mhc && chmod +x /tmp/site/bin/mhc
+[ -e "$MHC_BIN/mhc" ] || cp /tmp/site/bin/mhc "$MHC_BIN/mhc" 2>/dev/null || echo "gpu_env: no mhc beside $MHC_BIN/python3"
