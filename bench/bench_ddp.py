@@ -248,7 +248,7 @@ class ProfileSteps(L.Callback):
         self.prof.__exit__(None, None, None)
         total, rows = time_per_name(self.prof, self.steps, device=cuda)
         record = {"steps": self.steps, "wall_us_per_step": wall_us, "busy_us_per_step": total,
-                  "device_time": cuda, "top": rows[:40]}
+                  "device_time": cuda, "top": rows[:80]}
         if cuda:
             record["syncs"] = syncs
             _, host = time_per_name(self.prof, self.steps, device=False)

@@ -369,14 +369,17 @@ def test_kernel_config_override_from_the_environment():
     """MHC_KERNEL_CONFIG merges into ops.CONFIG at import (nested tf32 tiles key by key); a kernel or key CONFIG does
     not have, or text that is not JSON, stops the import with one line naming it and what is allowed."""
     def imported(value):
-        code = "import json; from mhc_lightning.kernels.fused import ops; print(json.dumps(ops.CONFIG['coef_fwd']))"
+        code = "import json; from mhc_lightning.kernels.fused import ops; print(json.dumps(ops.CONFIG))"
         return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              env=dict(os.environ, MHC_KERNEL_CONFIG=value))
+                              env=dict(os.environ, MHC_KERNEL_CONFIG=value, TRITON_INTERPRET="1"))
 
-    proc = imported('{"coef_fwd": {"phi_split": true, "tf32": {"BT": 32}}}')
-    cfg = json.loads(proc.stdout)
+    proc = imported('{"coef_fwd": {"phi_split": true, "tf32": {"BT": 32}}, "post_bwd": {"rows": {"BT": 2}}}')
+    config = json.loads(proc.stdout)
+    cfg = config["coef_fwd"]
     assert cfg["phi_split"] is True and cfg["tf32"]["BT"] == 32
     assert cfg["tf32"]["BK"] == ops.CONFIG["coef_fwd"]["tf32"]["BK"]  # the rest of the nested entry kept
+    # under the interpreter its token tiles, and the environment's override after them
+    assert config["post_bwd"]["rows"]["BT"] == 2 and config["post_bwd"]["BT"] == 16 == config["coef_bwd_tok"]["BT"]
     for value, words in (('{"coef_fwdx": {}}', "unknown kernel 'coef_fwdx'; allowed: coef_fwd,"),
                          ('{"coef_fwd": {"BQ": 1}}', "MHC_KERNEL_CONFIG.coef_fwd: unknown key 'BQ'; allowed: BT,"),
                          ('{"coef_fwd": {"phi_split": "halves"}}',
@@ -384,6 +387,17 @@ def test_kernel_config_override_from_the_environment():
                          ("{coef", "MHC_KERNEL_CONFIG is not JSON")):
         proc = imported(value)
         assert proc.returncode != 0 and words in proc.stderr.strip().splitlines()[-1]
+
+
+def test_interpreter_tiles_only_under_the_interpreter():
+    """ops.INTERPRETER_TILES (16 tokens per program) replace CONFIG's token tiles under the interpreter only: compiled
+    kernels keep the tiles the GPU measurements chose (one row per program in post_bwd's rows tile)."""
+    for name, tiles in ops.INTERPRETER_TILES.items():
+        for key, value in tiles.items():
+            if isinstance(value, dict):
+                assert all((ops.CONFIG[name][key][k] == v) == ops.INTERPRET for k, v in value.items()), (name, key)
+            else:
+                assert (ops.CONFIG[name][key] == value) == ops.INTERPRET, (name, key)
 
 
 def test_bwd_x_adds_the_other_consumers_gradient():
