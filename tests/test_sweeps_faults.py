@@ -130,12 +130,18 @@ def test_two_launchers_on_a_fresh_sqlite_store_propose_no_duplicates(corpus, tmp
     assert len(set(again)) == len(again) and set(first) < set(again)
 
 
-PREPARE = """import sys, time
+PREPARE = """import os, sys, time
+from pathlib import Path
 from mhc_lightning.loggers.store import check_tracking, ensure_experiment
 from mhc_lightning.sweeps.factories import make_storage
 from mlflow import MlflowClient
-for uri, storage, start in zip(*[iter(sys.argv[1:])] * 3):
-    time.sleep(max(0.0, float(start) - time.time()))  # every process starts each round at the same moment
+gate, procs, rounds = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+for r, (uri, storage) in enumerate(zip(*[iter(rounds)] * 2)):
+    # a barrier: every process starts the round at the same moment, once all of them are ready for it
+    (gate / f"{r}-{os.getpid()}").touch()
+    while len(ready := list(gate.glob(f"{r}-*"))) < procs:
+        time.sleep(0.01)
+    time.sleep(max(0.0, max(p.stat().st_mtime for p in ready) + 0.2 - time.time()))
     check_tracking(uri)
     ensure_experiment(MlflowClient(uri), "race")
     make_storage(storage, {"heartbeat_interval": 5, "grace_period": 10, "max_retry": 1})
@@ -147,14 +153,14 @@ def test_parallel_first_access_to_fresh_sqlite_stores(tmp_path):
     """What a launcher does first (tracking store, experiment, Optuna storage), by 4 processes at the same moment on
     fresh SQLite files, 3 rounds: every process succeeds and the stores stay usable (alembic's temporary tables used to
     collide and could leave the store unusable)."""
-    start = time.time() + 15  # after the imports of every process; then a round every 5 s
-    rounds = [(f"sqlite:///{tmp_path / f'm{r}.db'}", f"sqlite:///{tmp_path / f's{r}.db'}", f"{start + 5 * r:.3f}")
-              for r in range(3)]
-    procs = [subprocess.Popen([sys.executable, "-c", PREPARE, *[a for rnd in rounds for a in rnd]], env=_env(),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(4)]
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    rounds = [(f"sqlite:///{tmp_path / f'm{r}.db'}", f"sqlite:///{tmp_path / f's{r}.db'}") for r in range(3)]
+    procs = [subprocess.Popen([sys.executable, "-c", PREPARE, str(gate), "4", *[a for rnd in rounds for a in rnd]],
+                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(4)]
     outs = [p.communicate(timeout=240)[0] for p in procs]
     assert [p.returncode for p in procs] == [0] * 4, outs
-    for uri, storage, _ in rounds:
+    for uri, storage in rounds:
         client = MlflowClient(uri)
         assert [e.name for e in client.search_experiments()].count("race") == 1
         client.create_run(client.get_experiment_by_name("race").experiment_id)  # usable
