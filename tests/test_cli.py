@@ -105,18 +105,6 @@ def test_validate_and_test_subcommands_open_their_own_runs(tiny_corpus, mlflow_u
     assert "mhc.source_run_id" not in by_stage["fit"].data.tags
 
 
-@pytest.mark.slow
-def test_console_script_subprocess(tiny_corpus, mlflow_uri, tmp_path):
-    """The installed `mhc` entry point, as a user runs it."""
-    exe = Path(sys.executable).with_name("mhc")
-    args = tiny_fit_args(tiny_corpus, mlflow_uri, tmp_path / "root", mode="mhc", steps=2)
-    out = subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "MLflow run" in out.stdout and "val/bpb=" in out.stdout
-    _, runs = runs_of(mlflow_uri)
-    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
-
-
 SHIPPED = sorted(p for p in CONF.rglob("*.yaml") if "experiments" not in p.parts)
 
 
@@ -270,8 +258,9 @@ def _free_port(low: int = 5400, high: int = 5500) -> int:
 
 @pytest.mark.slow
 def test_printed_ui_hint_runs_as_printed(tiny_corpus, tmp_path):
-    """`mhc fit` in one folder with the default relative ./mlflow.db; its `view it:` command, run exactly as
-    printed from another folder, with no venv on PATH, serves that run."""
+    """The installed `mhc` entry point, as a user runs it: `mhc fit` in one folder with the default relative
+    ./mlflow.db; its `view it:` command, run exactly as printed from another folder, with no venv on PATH, serves
+    that run, FINISHED."""
     work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
     work.mkdir(), elsewhere.mkdir()
     exe = Path(sys.executable).with_name("mhc")
@@ -279,6 +268,7 @@ def test_printed_ui_hint_runs_as_printed(tiny_corpus, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     fit = subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=300, cwd=work, env=env)
     assert fit.returncode == 0, fit.stderr[-3000:]
+    assert "val/bpb=" in fit.stdout
     run_id = fit.stdout.split("MLflow run ", 1)[1].split()[0]
     hint = next(ln for ln in fit.stdout.splitlines() if ln.startswith("view it:"))
     command = hint[len("view it:"):].split("   (then open")[0].strip()
