@@ -1,13 +1,9 @@
-"""Shared pieces of the stability-callback tests: a tiny in-process fit and fault injectors.
-
-Importable without pytest (the subprocess of the kill test loads PauseAt from here).
-"""
+"""Shared pieces of the stability-callback tests: a tiny in-process fit and fault injectors."""
 from __future__ import annotations
 
 import contextlib
 import math
 import os
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -101,15 +97,3 @@ class StepRecorder(L.Callback):
 
     def final_loss(self) -> float:
         return next(v for _, v in sorted(self.loss.items(), reverse=True) if v is not None and math.isfinite(v))
-
-
-class PauseAt(L.Callback):
-    """For the kill test: at step k, write `marker` and wait to be killed."""
-
-    def __init__(self, step: int, marker: str):
-        self.step, self.marker = step, marker
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if trainer.global_step == self.step:
-            Path(self.marker).write_text(str(self.step))
-            time.sleep(600)

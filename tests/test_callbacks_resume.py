@@ -1,12 +1,10 @@
-"""The stability preset through the real CLI: composition from YAML, and a SIGKILLed fit resumed from `last`."""
+"""The stability preset through the real CLI: composition from YAML, and a SIGKILLed fit resumed from `last`
+(README's resume command, with the preset)."""
 from __future__ import annotations
 
-import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -52,60 +50,15 @@ def test_bad_action_in_yaml_is_rejected_naming_the_field(tiny_corpus, mlflow_uri
     assert "on_loss_spike" in err and "explode" in err
 
 
-@pytest.mark.slow
-def test_killed_fit_resumes_from_last_and_equals_uninterrupted(tiny_corpus, mlflow_uri, tmp_path):
-    """SIGKILL a `python -m mhc_lightning.cli fit` with the stability preset at step 7 (last checkpoint: step 6,
-    debug preset validates and checkpoints every 2 steps), resume with --ckpt_path last, compare with a
-    straight 12-step run: same weights and optimizer state, bit for bit."""
-    steps, killed_root, full_root = 12, tmp_path / "killed", tmp_path / "full"
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "mhc_lightning.cli"]
-    marker = tmp_path / "paused"
-    pause = "--trainer.callbacks+=" + json.dumps(
-        {"class_path": "test_callbacks_common.PauseAt", "init_args": {"step": 7, "marker": str(marker)}})
-
-    with open(tmp_path / "killed.log", "w") as log:
-        proc = subprocess.Popen(cmd + _args(tiny_corpus, mlflow_uri, killed_root, steps) + [pause], cwd=tmp_path,
-                                env=env, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 240
-        while not marker.exists():
-            assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
-            assert time.time() < deadline, "the fit never reached step 7"
-            time.sleep(0.2)
-        os.kill(proc.pid, signal.SIGKILL)
-        assert proc.wait(timeout=60) == -signal.SIGKILL
-    (ckpt_dir,) = killed_root.glob("*/*/checkpoints")
-    assert torch.load(ckpt_dir / "last.ckpt", weights_only=False)["global_step"] == 6  # lost: step 6 only
-
-    resume = _args(tiny_corpus, mlflow_uri, killed_root, steps, run_id=ckpt_dir.parent.name) + ["--ckpt_path", "last"]
-    done = subprocess.run(cmd + resume, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    assert f"resuming MLflow run {ckpt_dir.parent.name}" in done.stderr and "not resumable" not in done.stderr
-
-    with one_thread():  # the straight run, in-process (same thread count as the subprocesses)
-        build_cli(_args(tiny_corpus, mlflow_uri, full_root, steps, experiment="straight"))
-
-    (full_dir,) = full_root.glob("*/*/checkpoints")
-    a = torch.load(full_dir / "last.ckpt", weights_only=False)
-    b = torch.load(ckpt_dir / "last.ckpt", weights_only=False)
-    assert a["global_step"] == b["global_step"] == steps
-    assert a["state_dict"].keys() == b["state_dict"].keys()
-    assert all(torch.equal(a["state_dict"][k], b["state_dict"][k]) for k in a["state_dict"])
-    sa, sb = a["optimizer_states"][0]["state"], b["optimizer_states"][0]["state"]
-    assert all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
-    assert a["callbacks"]["SinkhornScheduler"]["iters"] == b["callbacks"]["SinkhornScheduler"]["iters"]
-    assert a["callbacks"]["InstabilityDetector"]["losses"] == b["callbacks"]["InstabilityDetector"]["losses"]
-
-
 # ---- the documented resume command (issue 14, item 2) ----------------------------------------------------------------
 QUICKSTART = str(CONF / "quickstart.yaml")
 
 
 def _quickstart(corpus, uri: str, root: Path, *extra: str) -> list[str]:
-    """`mhc fit -c conf/quickstart.yaml` made tiny: 12 steps, validation and checkpoint every 4, every step logged."""
-    return [str(Path(sys.executable).with_name("mhc")), "fit", "-c", QUICKSTART, f"--data.corpus={corpus}",
-            "--data.seq_len=32", "--data.batch_size=4", "--model.arch.n_layers=1", "--model.arch.d_model=32",
+    """`mhc fit -c conf/quickstart.yaml` with the stability preset, made tiny: 12 steps, validation and checkpoint every
+    4, every step logged."""
+    return [str(Path(sys.executable).with_name("mhc")), "fit", "-c", QUICKSTART, "-c", STABILITY,
+            f"--data.corpus={corpus}", "--data.seq_len=32", "--data.batch_size=4", "--model.arch.n_layers=1", "--model.arch.d_model=32",
             "--model.arch.n_heads=2", "--trainer.max_steps=12", "--trainer.val_check_interval=4",
             "--trainer.limit_val_batches=2", "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false",
             "--trainer.enable_model_summary=false", f"--trainer.default_root_dir={root}",
@@ -117,13 +70,16 @@ def _history(client, run_id: str, key: str) -> list[tuple[int, float]]:
 
 
 @pytest.mark.slow
-def test_killed_quickstart_resumes_the_same_run_with_ckpt_path_last(tiny_corpus, tmp_path, capsys):
-    """SIGKILL `mhc fit -c conf/quickstart.yaml` before step 7 (last checkpoint: step 4), then run the same command with
-    `--ckpt_path last`: the same MLflow run continues and ends FINISHED, no metric step is logged twice, and every
-    logged value equals an uninterrupted run's (so the data order continued where the checkpoint stopped)."""
+def test_killed_quickstart_resumes_the_same_run_with_ckpt_path_last(tiny_corpus, tmp_path, capsys, monkeypatch):
+    """SIGKILL `mhc fit -c conf/quickstart.yaml -c conf/presets/stability.yaml` before step 7 (last checkpoint: step 4),
+    then run the same command with `--ckpt_path last`: the same MLflow run continues and ends FINISHED, no metric step
+    is logged twice, every logged value equals an uninterrupted run's (so the data order continued where the
+    checkpoint stopped), and the final weights, optimizer state and stability callbacks' state equal it bit for bit.
+    (One killed fit for both the documented command and the stability preset: each `mhc fit` costs CI its start-up.)"""
     import mlflow
 
     from helpers import handshake_arg, wait_for
+    from mhc_lightning.cli import main
 
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
@@ -137,13 +93,13 @@ def test_killed_quickstart_resumes_the_same_run_with_ckpt_path_last(tiny_corpus,
     finally:
         proc.kill()
         proc.wait(timeout=60)
+    (ckpt_dir,) = (tmp_path / "runs").glob("*/*/checkpoints")
+    assert torch.load(ckpt_dir / "last.ckpt", weights_only=False)["global_step"] == 4  # lost: steps 5-6
 
     killed = mlflow.MlflowClient(uri).search_runs([mlflow.MlflowClient(uri).get_experiment_by_name("quickstart")
                                                    .experiment_id])[0]
     # steps 4-6 were logged after the step-4 checkpoint: the resumed run trains them again and must not log them twice
     assert [s for s, _ in _history(mlflow.MlflowClient(uri), killed.info.run_id, "train/loss")] == list(range(7))
-
-    from mhc_lightning.cli import main
 
     with pytest.raises(SystemExit) as stopped:  # in-process: the same `main` as the `mhc` script
         main(_quickstart(tiny_corpus, uri, tmp_path / "elsewhere", "--ckpt_path", "last",
@@ -157,9 +113,9 @@ def test_killed_quickstart_resumes_the_same_run_with_ckpt_path_last(tiny_corpus,
                              env=env, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming MLflow run" in resumed.stderr and "not resumable" not in resumed.stdout + resumed.stderr
-    straight = subprocess.run(_quickstart(tiny_corpus, straight_uri, tmp_path / "straight"), cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=300)
-    assert straight.returncode == 0, straight.stderr[-3000:]
+    monkeypatch.chdir(tmp_path)  # where the subprocesses ran: MLflow's artifacts go under ./mlruns
+    with one_thread():  # the uninterrupted run, in-process (same thread count as the subprocesses)
+        main(_quickstart(tiny_corpus, straight_uri, tmp_path / "straight")[1:])
 
     client, reference = mlflow.MlflowClient(uri), mlflow.MlflowClient(straight_uri)
     (run,) = client.search_runs([client.get_experiment_by_name("quickstart").experiment_id])
@@ -170,6 +126,17 @@ def test_killed_quickstart_resumes_the_same_run_with_ckpt_path_last(tiny_corpus,
         assert [s for s, _ in got] == [s for s, _ in want], key  # each step once, none missing
         assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-6), key
     assert [s for s, _ in _history(client, run.info.run_id, "train/loss")] == list(range(12))
+
+    (full_dir,) = (tmp_path / "straight").glob("*/*/checkpoints")
+    a = torch.load(full_dir / "last.ckpt", weights_only=False)
+    b = torch.load(ckpt_dir / "last.ckpt", weights_only=False)
+    assert a["global_step"] == b["global_step"] == 12
+    assert a["state_dict"].keys() == b["state_dict"].keys()
+    assert all(torch.equal(a["state_dict"][k], b["state_dict"][k]) for k in a["state_dict"])
+    sa, sb = a["optimizer_states"][0]["state"], b["optimizer_states"][0]["state"]
+    assert all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
+    assert a["callbacks"]["SinkhornScheduler"]["iters"] == b["callbacks"]["SinkhornScheduler"]["iters"]
+    assert a["callbacks"]["InstabilityDetector"]["losses"] == b["callbacks"]["InstabilityDetector"]["losses"]
     print("[figures] resume: killed before step 7, checkpoint of step 4; 12/12 steps once each, values = straight run")
 
 
