@@ -168,6 +168,45 @@ def test_parallel_first_access_to_fresh_sqlite_stores(tmp_path):
     print("[figures] parallel first access: 3 rounds x 4 processes, 0 failures")
 
 
+def test_only_the_studys_creator_makes_its_parent_run(tmp_path):
+    """Launchers that start at once on a fresh store: only the one whose create_study made the study creates the MLflow
+    parent run; the other waits for its id in the study's user attrs (round 34's CI saw two parent runs when each
+    launcher made one and saw the other's only after deciding), and makes a run of its own only if none comes."""
+    import threading
+
+    from mhc_lightning.sweeps.settings import Sweep
+    from mhc_lightning.sweeps.spec import load_spec
+
+    spec = load_spec(derived_spec(tmp_path / "p.yaml", f"parent-{uuid.uuid4().hex[:6]}", enqueue=[]))
+    storage, uri = f"sqlite:///{tmp_path / 'sweeps.db'}", f"sqlite:///{tmp_path / 'mlflow.db'}"
+    first, second = (Sweep(spec, storage, uri, str(tmp_path / "spool")) for _ in range(2))
+    studies = [first.study(), second.study()]
+    assert (first.created, second.created) == (True, False)
+    got = {}
+    waiter = threading.Thread(target=lambda: got.setdefault("second", second.tracker().ensure_parent(
+        studies[1], creator=second.created)))
+    waiter.start()
+    time.sleep(1.0)  # the other launcher is waiting when the creator makes the run
+    assert waiter.is_alive()
+    got["first"] = first.tracker().ensure_parent(studies[0], spec, creator=first.created)
+    waiter.join(timeout=60)
+    assert got["first"] == got["second"]
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name(spec.mlflow["experiment"])
+    assert len(client.search_runs([exp.experiment_id], "tags.`optuna.role` = 'study'")) == 1
+
+    # a study whose creator never recorded a parent (it died first): the wait ends, and a run is found or made
+    orphan = Sweep(load_spec(derived_spec(tmp_path / "o.yaml", f"orphan-{uuid.uuid4().hex[:6]}", enqueue=[])),
+                   storage, uri, str(tmp_path / "spool"))
+    orphan.study()
+    late = Sweep(orphan.spec, storage, uri, str(tmp_path / "spool"))
+    study = late.study()
+    assert not late.created
+    with pytest.warns(RuntimeWarning, match="recorded no MLflow parent run within 1 s"):
+        pid = late.tracker().ensure_parent(study, creator=late.created, wait_s=1.0)
+    assert optuna.load_study(study_name=orphan.spec.name, storage=storage).user_attrs["mlflow_parent_run_id"] == pid
+
+
 # ---- item 5: a study stopped by max_failed continues once the cause is fixed -----------------------------------------
 @pytest.mark.slow
 def test_study_stopped_by_max_failed_continues_after_the_fix(corpus, tmp_path, capsys):

@@ -38,7 +38,7 @@ def prepare(sweep: Sweep):
     for point in sweep.spec.enqueue:
         study.enqueue_trial(point, skip_if_exists=True)
     tracker = sweep.tracker()
-    tracker.ensure_parent(study, sweep.spec)
+    tracker.ensure_parent(study, sweep.spec, creator=sweep.created)
     return study, tracker
 
 

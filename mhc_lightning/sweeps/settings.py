@@ -15,6 +15,7 @@ STOP_ATTR = "mhc_stopped"
 class Sweep:
     def __init__(self, spec: SweepSpec, storage_url: str, tracking_uri: str, spool_dir: str):
         self.spec, self.storage_url, self.tracking_uri, self.spool_dir = spec, storage_url, tracking_uri, spool_dir
+        self.created = False  # set by study(): whether this process created the study
 
     @property
     def storage_label(self) -> str:
@@ -26,11 +27,18 @@ class Sweep:
         return make_storage(self.storage_url, self.spec.storage)
 
     def study(self, sampler=None, storage=None):
+        """The sweep's study, created by the first caller and loaded by every other. `self.created` says whether this
+        call created it: creating a study is atomic in every Optuna storage, so of several launchers started at once
+        exactly one creates it, and that one makes the study's MLflow parent run (SweepTracker.ensure_parent)."""
         import optuna
 
         directions = [o.direction for o in self.spec.objectives]
-        study = optuna.create_study(storage=storage or self.storage(), study_name=self.spec.name, directions=directions,
-                                    sampler=sampler, pruner=make_pruner(self.spec), load_if_exists=True)
+        kw = dict(storage=storage or self.storage(), study_name=self.spec.name, directions=directions, sampler=sampler,
+                  pruner=make_pruner(self.spec))
+        try:
+            study, self.created = optuna.create_study(**kw), True
+        except optuna.exceptions.DuplicatedStudyError:
+            study, self.created = optuna.create_study(**kw, load_if_exists=True), False
         have = [d.name.lower() for d in study.directions]
         if have != directions:
             raise SpecError(f"study {self.spec.name!r} in {self.storage_label} was created with directions {have}, "

@@ -18,6 +18,7 @@ from ..loggers.store import ensure_experiment, is_outage, redact, use_fast_http_
 
 PARENT_TAG, TRIAL_TAG, STUDY_TAG, ROLE_TAG, STATE_TAG = (
     "mlflow.parentRunId", "optuna.trial", "optuna.study_name", "optuna.role", "optuna.state")
+PARENT_WAIT_S = 30.0  # how long a process that did not create the study waits for its creator's parent run
 
 def _safe_key(key: str) -> str:
     return re.sub(r"[^a-zA-Z0-9_/. -]+", "_", key)
@@ -50,9 +51,22 @@ class SweepTracker:
         runs = self.raw.search_runs([self.experiment_id], flt, max_results=50)
         return sorted(runs, key=lambda r: (r.info.start_time, r.info.run_id))
 
-    def ensure_parent(self, study, spec=None) -> str:
-        """The study's parent run: from the study's user attrs, else by tags, else a new one (race-safe)."""
+    def ensure_parent(self, study, spec=None, creator: bool = True, wait_s: float = PARENT_WAIT_S) -> str:
+        """The study's parent run: from the study's user attrs, else by tags, else a new one.
+
+        creator: whether this process created the study (Sweep.created). Launchers started at the same moment on a
+        fresh store would each create a parent run, and which ones they see of each other's depends on when each
+        store commit lands (two parents, round 34's CI). So only the study's creator makes one; every other process
+        waits (up to wait_s) for the creator's run id in the study's user attrs, and falls back to the search by tags,
+        then to a new run, only if the creator died before recording it."""
         pid = study.user_attrs.get("mlflow_parent_run_id")
+        deadline = time.monotonic() + (0.0 if creator else wait_s)
+        while not pid and time.monotonic() < deadline:
+            time.sleep(0.25)
+            pid = study.user_attrs.get("mlflow_parent_run_id")
+            if not pid and time.monotonic() >= deadline:
+                warnings.warn(f"study {self.study_name!r}: its creator recorded no MLflow parent run within "
+                              f"{wait_s:.0f} s; looking for one by tags", RuntimeWarning)
         if pid:
             try:
                 if self.raw.get_run(pid).info.lifecycle_stage == "active":

@@ -49,7 +49,7 @@ def run_worker(sweep: Sweep, index: int, machine: int, threads: Optional[int] = 
     seed = worker_seed(spec.sampler.get("seed"), wid, since)
     study = sweep.study(sampler=make_sampler(spec, seed))
     tracker = sweep.tracker()
-    tracker.ensure_parent(study)
+    tracker.ensure_parent(study, creator=sweep.created)
     runner = TrialRunner(spec, tracker, sweep.tracking_uri, {"id": wid, "index": index, "machine": machine, "seed": seed},
                          sweep.spool_dir, sweep.storage_url)
     journal = is_journal(sweep.storage_url)
