@@ -173,3 +173,18 @@ def test_the_best_run_is_drawn_over_a_run_that_trains_alike(tmp_path):
     img = mpimg.imread(path)[..., :3]
     px = [int((np.abs(img - np.array(rgb)).max(axis=-1) < 0.06).sum()) for rgb in ((0.12, 0.47, 0.71), (1.0, 0.50, 0.05))]
     assert px[0] > 500 and px[1] < px[0] // 10, px
+
+
+def test_amax_plot_keeps_the_default_colours_in_another_style(tmp_path):
+    """Optuna's plots switch the process's style to ggplot (a sweep's summary runs them before `mhc compare` in the
+    same process: round 34's test order caught it). The Amax figure is drawn (saved) after its own style context has
+    ended, so its line colours must be fixed inside it, not looked up as "C<i>" at draw time."""
+    import matplotlib.pyplot as plt
+
+    from mhc_lightning.reports import plots
+
+    series = [("flat", {"composite_fwd_max": [1.0, 1.0, 1.0], "composite_bwd_max": [1.0, 1.0, 1.0]}),
+              ("growing", {"composite_fwd_max": [30.0, 8.0, 2.0], "composite_bwd_max": [2.0, 8.0, 30.0]})]
+    with plt.style.context("ggplot"):
+        path = plots.save(plots.amax_vs_layer(series), tmp_path / "amax.png")
+    assert colour_pixels(path, TAB[0]) > 300 and colour_pixels(path, TAB[1]) > 300

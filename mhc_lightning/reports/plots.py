@@ -45,6 +45,7 @@ def amax_vs_layer(series: Sequence[tuple[str, dict]], kinds: Sequence[str] = ("c
     """Amax gain per sublayer l, one panel per kind (single H_res, composite product l..L-1) and direction, one colour
     per series (a run, or a group's mean), one line style per statistic. Returns the figure."""
     plt = _pyplot()
+    from matplotlib.colors import to_rgba
     from matplotlib.ticker import MaxNLocator
 
     with plt.style.context("default"):
@@ -61,7 +62,10 @@ def amax_vs_layer(series: Sequence[tuple[str, dict]], kinds: Sequence[str] = ("c
                         continue
                     style, what = STAT_STYLE[stat]
                     name = label if len(stats) == 1 else (f"{label} ({what})" if label else what)
-                    ax.plot(range(len(ys)), ys, style, color=f"C{i}", ms=3, lw=1.5, label=name)
+                    # "C<i>" resolved here, in the default style: a "C<i>" string is looked up when the figure is
+                    # drawn, which for this returned figure is after the style context, in whatever style the
+                    # caller's process has (ggplot's colours after Optuna's plots)
+                    ax.plot(range(len(ys)), ys, style, color=to_rgba(f"C{i}"), ms=3, lw=1.5, label=name)
                     values += list(ys)
             ax.axhline(1.0, color="grey", lw=0.8, ls="--")
             _scale(ax, values)
