@@ -196,6 +196,11 @@ def _apply_overrides(text: str) -> None:
                          '\'{"coef_fwd": {"phi_split": true}}\'') from None
     if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
         raise ValueError("MHC_KERNEL_CONFIG must be an object of objects, {kernel: {key: value}}")
+    _merge_config(data)
+
+
+def _merge_config(data: dict) -> None:
+    """{kernel: {key: value}} into CONFIG, checked as MHC_KERNEL_CONFIG is (its errors name it)."""
     for name, changes in data.items():
         if name not in CONFIG:
             raise ValueError(f"MHC_KERNEL_CONFIG: unknown kernel {name!r}; allowed: {', '.join(CONFIG)}")
@@ -218,7 +223,7 @@ INTERPRETER_TILES = {"post_bwd": dict(BT=32, rows=dict(BT=32)), "coef_bwd_tok": 
                      "pre_bwd": dict(BT=32), "post_fwd": dict(BT=32), "coef_tail": dict(BT=32),
                      "stream_ends": dict(BT=32)}
 if INTERPRET:
-    _apply_overrides(json.dumps(INTERPRETER_TILES))
+    _merge_config(INTERPRETER_TILES)
 if os.environ.get("MHC_KERNEL_CONFIG"):
     _apply_overrides(os.environ["MHC_KERNEL_CONFIG"])
 

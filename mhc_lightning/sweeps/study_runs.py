@@ -64,9 +64,9 @@ class SweepTracker:
         while not pid and time.monotonic() < deadline:
             time.sleep(0.25)
             pid = study.user_attrs.get("mlflow_parent_run_id")
-            if not pid and time.monotonic() >= deadline:
-                warnings.warn(f"study {self.study_name!r}: its creator recorded no MLflow parent run within "
-                              f"{wait_s:.0f} s; looking for one by tags", RuntimeWarning)
+        if not pid and not creator:
+            warnings.warn(f"study {self.study_name!r}: its creator recorded no MLflow parent run within "
+                          f"{wait_s:.0f} s; looking for one by tags", RuntimeWarning)
         if pid:
             try:
                 if self.raw.get_run(pid).info.lifecycle_stage == "active":
