@@ -19,6 +19,7 @@ Writes bench_ddp.json and bench_ddp_logs.txt (the runs' logs) to --out (default 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -79,7 +80,9 @@ class Throughput(L.Callback):
     above CPU time with many switches means the thread was preempted (a busy host); wall close to CPU time means the
     thread ran the whole phase (its own work, or spinning in a launch that waits for room in the device's queue).
     And the kernel launches that took Triton's own path in the timed steps (a launch key the fused ops had not kept,
-    kernels/fused/launch.py): 0 in a steady state.
+    kernels/fused/launch.py): 0 in a steady state. And Python's cyclic garbage collections in the timed steps, by
+    generation, with their time: a full collection of a large heap stalls the host (and a host-bound step with it).
+    Per step too (`phase_steps`, gc's `ms_per_step`), so that a bimodal run can be attributed step by step.
     """
 
     def __init__(self, warmup: int, out: str):
@@ -89,6 +92,14 @@ class Throughput(L.Callback):
         self.tokens_per_step = 0
         self.marks: list[dict] = []  # per timed step: mark -> (perf_counter, event | None, thread CPU s, switches)
         self.misses_at_warmup: Optional[int] = None
+        self.gc_events: list[tuple[int, int, float]] = []  # (timed step, generation, ms)
+        self._gc_t0 = 0.0
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        elif self.marks:
+            self.gc_events.append((len(self.marks) - 1, info["generation"], 1e3 * (time.perf_counter() - self._gc_t0)))
 
     def _mark(self, trainer, pl_module, name: str) -> None:
         if trainer.global_step < self.warmup:
@@ -99,6 +110,7 @@ class Throughput(L.Callback):
             return
         if self.misses_at_warmup is None:
             self.misses_at_warmup = launcher_misses()
+            gc.callbacks.append(self._on_gc)
         ev = None
         if pl_module.device.type == "cuda":
             ev = torch.cuda.Event(enable_timing=True)
@@ -114,9 +126,9 @@ class Throughput(L.Callback):
     def on_after_backward(self, trainer, pl_module) -> None:
         self._mark(trainer, pl_module, "after_backward")
 
-    def phase_ms(self) -> dict:
+    def phase_ms(self) -> tuple[dict, dict]:
         """Median host ms (wall and the main thread's CPU) and device ms per phase over the timed steps (after the
-        events have completed)."""
+        events have completed), and the same per step."""
         host: dict = {k: [] for k in PHASES}
         cpu: dict = {k: [] for k in PHASES}
         dev: dict = {k: [] for k in PHASES}
@@ -130,8 +142,22 @@ class Throughput(L.Callback):
                 if a[1] is not None:
                     dev[name].append(a[1].elapsed_time(b[1]))
         med = lambda v: statistics.median(v) if v else None  # noqa: E731
-        return {name: {"host_ms": med(host[name]), "host_cpu_ms": med(cpu[name]), "device_ms": med(dev[name])}
-                for name in PHASES}
+        return ({name: {"host_ms": med(host[name]), "host_cpu_ms": med(cpu[name]), "device_ms": med(dev[name])}
+                 for name in PHASES},
+                {name: {"host_ms": host[name], "device_ms": dev[name] or None} for name in PHASES})
+
+    def gc_record(self) -> dict:
+        """The timed steps' collections: count and ms by generation, the longest, and ms per step."""
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+        per_step = [0.0] * len(self.marks)
+        by_gen: dict = {}
+        for step, gen, ms in self.gc_events:
+            per_step[step] += ms
+            n, total = by_gen.get(str(gen), (0, 0.0))
+            by_gen[str(gen)] = (n + 1, total + ms)
+        return {"collections": {g: n for g, (n, _) in by_gen.items()}, "ms": {g: t for g, (_, t) in by_gen.items()},
+                "longest_ms": max((ms for _, _, ms in self.gc_events), default=0.0), "ms_per_step": per_step}
 
     def preempted_per_step(self) -> Optional[float]:
         """Median involuntary context switches of the main thread per timed step (None where not counted)."""
@@ -159,8 +185,10 @@ class Throughput(L.Callback):
             times = [a.elapsed_time(b) for a, b in zip(self.events, self.events[1:])]
         else:
             times = [1e3 * (b - a) for a, b in zip(self.walls, self.walls[1:])]
+        collections = self.gc_record()
         if trainer.global_rank != 0 or not times:
             return
+        phases, phase_steps = self.phase_ms()
         mean = sum(times) / len(times)
         med = statistics.median(times)
         cfg = pl_module.arch
@@ -175,7 +203,9 @@ class Throughput(L.Callback):
             "tokens_per_s": self.tokens_per_step / (mean / 1e3),
             "tokens_per_s_median_step": self.tokens_per_step / (med / 1e3),
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-            "phases": self.phase_ms(),
+            "phases": phases,
+            "phase_steps": phase_steps,
+            "gc": collections,
             "preempted_per_step": self.preempted_per_step(),
             "launcher_misses": None if self.misses_at_warmup is None else launcher_misses() - self.misses_at_warmup,
             "step_ms": times,
@@ -431,11 +461,12 @@ def _headline(runs: list[dict]) -> dict:
     with every run's times beside it: on a shared host a process's step time varies by 10 % or more."""
     ok = sorted((r for r in runs if "step_ms_mean" in r), key=lambda r: r["step_ms_mean"])
     head = dict(ok[(len(ok) - 1) // 2]) if ok else dict(runs[-1])
-    head.pop("step_ms", None)
-    # every run's phase times too: an outlier run (round 13: 101 ms among 78.5 ms runs) can then be attributed
+    # every run's times and phases too: an outlier run (round 13: 101 ms among 78.5 ms runs) can then be attributed
     head["repeats"] = [{k: r.get(k) for k in ("step_ms_mean", "step_ms_median", "exit", "seconds", "phases",
-                                                      "preempted_per_step", "launcher_misses") if k in r}
-                       for r in runs]
+                                              "preempted_per_step", "launcher_misses", "step_ms", "phase_steps", "gc")
+                        if k in r} for r in runs]
+    for k in ("step_ms", "phase_steps", "gc"):  # kept once, with the run they belong to
+        head.pop(k, None)
     return head
 
 
@@ -476,7 +507,8 @@ def bench_phase(args, work: Path, corpus: Path, results: dict, save, profiles: d
                     print("    host / device ms: " + ", ".join(
                         f"{k} {v['host_ms'] or 0:.1f} (cpu {v['host_cpu_ms'] or 0:.1f}) / {v['device_ms'] or 0:.1f}"
                         for k, v in rec["phases"].items()) + f"; preempted {rec.get('preempted_per_step')} per step, "
-                        f"{rec.get('launcher_misses')} launcher misses", flush=True)
+                        f"{rec.get('launcher_misses')} launcher misses; gc {rec['gc']['collections']} in "
+                        f"{sum(rec['gc']['ms'].values()):.1f} ms (longest {rec['gc']['longest_ms']:.1f})", flush=True)
     if args.profile:
         print(f"profile: {args.profile} steps after {args.warmup} warm-up steps, one more run per variant", flush=True)
         for variant in args.modes:

@@ -110,6 +110,13 @@ def test_bench_ddp_repeats_alternate_runs_kernel_config_variants_and_profiles(tm
     assert all(0 < p["host_cpu_ms"] <= p["host_ms"] + 1.0 for p in head["phases"].values())
     assert head["preempted_per_step"] >= 0 and head["launcher_misses"] == 0
     assert all(set(r["phases"]) == set(head["phases"]) for r in head["repeats"])  # every run's, not only the headline's
+    # and every run's steps one by one: step times, phases per step, garbage collections (count, ms, per step)
+    for r in head["repeats"]:
+        steps = len(r["step_ms"])  # a step's phases end at the next step's start: one fewer of them
+        assert steps > 1 and all(len(r["phase_steps"][k]["host_ms"]) == steps - 1 for k in head["phases"])
+        assert len(r["gc"]["ms_per_step"]) == steps and r["gc"]["longest_ms"] >= 0
+        assert sum(r["gc"]["ms"].values()) == pytest.approx(sum(r["gc"]["ms_per_step"]))
+    assert "step_ms" not in head and "gc" not in head  # kept once, with their run
     assert data["environment"]["mhc_kernel_config"] == override == head["kernel_config"]
     assert {p.name for p in (tmp_path / "work").glob("residual-1-r*.log")} == {"residual-1-r0.log", "residual-1-r1.log"}
     # --profile: one more run, its ops' own time per step (host time on this CPU) beside the wall time
