@@ -4,8 +4,12 @@
     python bench/bench_host.py --real [...]     # on a GPU: the real launches, timed apart (where the host time goes)
     python bench/bench_host.py --forward [...]  # the forward alone (the trainer's eager forward is where the host
                                                 # can fall behind the GPU: docs/benchmarks.md, round 15)
-    python bench/bench_host.py --model [--real] # the whole GPT's forward under bf16 autocast, residual against mHC,
-                                                # and where mHC's extra host time goes (cProfile, own time)
+    python bench/bench_host.py --model [--real] [--compile]
+                                                # the whole GPT's forward under bf16 autocast, residual against mHC,
+                                                # and where mHC's extra host time goes (cProfile, own time);
+                                                # --compile: both compiled (the fused ops then run as custom ops)
+    python bench/bench_host.py --dispatch [--real] # each fused op of a sublayer called as its registered custom op
+                                                # (what a torch.compile graph calls) against its body alone
 
 An eager training step issues its kernel launches from Python; when the host needs longer per sublayer than the
 GPU, the GPU waits (docs/benchmarks.md, "Eager host overhead"). This measures that host cost on any machine: the
@@ -122,23 +126,27 @@ SPENT: dict = {}  # kernel -> (host seconds in its launches, launches), this ste
 
 def model_forward(args) -> dict:
     """--model: host ms of the whole GPT's forward (autograd recording, bf16 autocast, the trainer's model at --real:
-    C = 1024, 12 blocks, 16 heads, B = 8, T = 2048; tiny on the CPU), residual and mHC alternating, the device idle
+    C = 1024, 12 blocks, 16 heads, B = 8, T = 2048; tiny on the CPU, --sublayers / 2 blocks), residual and mHC alternating, the device idle
     at each forward's start (synchronised before, not inside). Then one cProfile'd forward batch per mode: own time
-    per function, and mHC's top functions beside the residual's time in the same function."""
+    per function, and mHC's top functions beside the residual's time in the same function. --compile: both models
+    compiled (`model/compiled.py`), so the fused ops run as the custom ops a compiled graph calls."""
     import cProfile
     import pstats
 
+    from mhc_lightning.model.compiled import compile_model
     from mhc_lightning.model.config import GPTConfig
     from mhc_lightning.model.gpt import GPT
 
     dev = "cuda" if REAL else "cpu"
     torch.set_flush_denormal(True)  # stubbed kernels leave memory unwritten: no denormal slow paths on the CPU
-    c, layers, heads, batch, seq = (1024, 12, 16, 8, 2048) if REAL else (args.c, 12, 2, 1, 16)
+    c, layers, heads, batch, seq = (1024, 12, 16, 8, 2048) if REAL else (args.c, max(1, args.sublayers // 2), 2, 1, 16)
     models = {}
     for mode in ("residual", "mhc"):
         hyper = HyperConfig(residual_mode=mode, n_streams=4, kernel_backend="triton", bias_init="home"
                             if mode == "mhc" else "a6")
         models[mode] = GPT(GPTConfig(n_layers=layers, d_model=c, n_heads=heads, context=seq, hyper=hyper)).to(dev)
+        if args.compile:  # as `model.compile: true` compiles it; the first calls (untimed) trace and compile
+            models[mode] = compile_model(models[mode], fullgraph=True)
     idx = torch.randint(0, 256, (batch, seq), device=dev)
 
     def forward(model) -> float:
@@ -173,8 +181,58 @@ def model_forward(args) -> dict:
     print("mHC's extra host time by function (own ms per forward under cProfile, mHC / residual):")
     for name, ms in extra:
         print(f"  {name:<60} {ms:7.2f} / {own['residual'].get(name, 0.0):7.2f}")
-    return dict(rows=rows, shape=dict(c=c, blocks=layers, heads=heads, batch=batch, seq=seq),
+    return dict(rows=rows, compiled=args.compile, shape=dict(c=c, blocks=layers, heads=heads, batch=batch, seq=seq),
                 own_ms_top=[dict(function=k, mhc=v, residual=own["residual"].get(k, 0.0)) for k, v in extra])
+
+
+def dispatch_cost(runs: dict, x, params, steps: int) -> dict:
+    """--dispatch: host us per call of every fused op the given wirings call (the ones their eager path reaches by
+    `op.plain`; routed `mhc_enter` beside `mhc_pre`, whose arguments it takes), through its registered custom op (the
+    call a torch.compile graph makes: dispatcher, the custom op's autograd and backend wrappers, then the body) against
+    the body alone (the eager path's call), without grad, on the arguments of the op's first call in one forward +
+    backward of each wiring. The difference is what the compiled graph pays per op call on top of the eager path."""
+    first: dict = {}
+    registered = {name: op for name, op in vars(ops).items() if hasattr(op, "plain") and callable(op)}
+    bodies = {name: op.plain for name, op in registered.items()}
+
+    def spy(name):
+        def recorded(*a, **kw):
+            first.setdefault(name, (a, kw))
+            return bodies[name](*a, **kw)
+        return recorded
+
+    for name, op in registered.items():
+        op.plain = spy(name)
+    try:
+        for run in runs.values():
+            for p in params:
+                p.grad = None
+            run(x).float().sum().backward()
+    finally:
+        for name, op in registered.items():
+            op.plain = bodies[name]
+    if "mhc_pre_fwd" in first:  # under compile the enter op runs routed (ops.Routed): the same arguments
+        first["mhc_enter_fwd"] = first["mhc_pre_fwd"]
+    rows = {}
+    with torch.no_grad():
+        for name, (a, kw) in sorted(first.items()):
+            calls = {"custom op": lambda: registered[name](*a, **kw), "body": lambda: bodies[name](*a, **kw)}
+            best = {}
+            for i in range(3 + steps):  # alternating; the best of the rounds after 3 warm-up rounds
+                for how, call in calls.items():
+                    if REAL:
+                        torch.cuda.synchronize()
+                    t = time.perf_counter()
+                    for _ in range(20):
+                        call()
+                    us = 1e6 * (time.perf_counter() - t) / 20
+                    if i >= 3:
+                        best[how] = min(best.get(how, us), us)
+            rows[name] = dict(custom_op_us=best["custom op"], body_us=best["body"],
+                              dispatch_us=best["custom op"] - best["body"])
+            print(f"{name:<22} custom op {best['custom op']:7.1f} us, body {best['body']:7.1f} us: "
+                  f"{best['custom op'] - best['body']:6.1f} us more per call", flush=True)
+    return rows
 
 
 def main():
@@ -186,6 +244,10 @@ def main():
     p.add_argument("--real", action="store_true", help="CUDA, real launches, each timed (read before import)")
     p.add_argument("--c", type=int, default=64, help="channels: 1024 takes the trainer's launch configs (C blocks)")
     p.add_argument("--model", action="store_true", help="the whole GPT's forward, residual against mHC (model_forward)")
+    p.add_argument("--dispatch", action="store_true",
+                   help="each fused op as its registered custom op against its body alone (dispatch_cost)")
+    p.add_argument("--compile", action="store_true",
+                   help="--model: both models under torch.compile (fullgraph), as `model.compile: true` runs them")
     p.add_argument("--top", type=int, default=25, help="--model: functions listed by mHC's extra own time")
     p.add_argument("--bf16", action="store_true", help="bf16 streams, as the trainer's (always with --real): phi then "
                    "enters as 16-bit parts, with that path's launches")
@@ -270,6 +332,13 @@ def main():
             "HC, operands by torch ops outside the op (hc_operands fold false; A/B)": hc_operands_by_torch,
             "HC, hc_coef + stream_pre + stream_post_res (round 7's wiring; A/B)": hc_coef_then_stream_pre,
             "HC, parameter operands built outside the step (bound for folding them into the op)": hc_operands_prebuilt}
+    if args.dispatch:
+        rows = dispatch_cost({"one sublayer at a time": one_at_a_time}, x, params, args.steps)
+        info.update(c=args.c, streams="bf16" if bf16 else "fp32")
+        if args.out:
+            with open(args.out, "w") as fh:
+                json.dump(dict(info=info, dispatch=rows), fh, indent=1)
+        return
     rows = {}
     for name, (ms, launch_ms, us_per_launch) in paired_step_ms(runs, x, params, args.steps, args.forward).items():
         rows[name] = dict(step_ms=ms, per_sublayer_ms=ms / args.sublayers)

@@ -67,6 +67,13 @@ def test_bench_host_times_every_wiring(tmp_path):
     assert fwd["info"]["forward_only"] is True and set(fwd["rows"]) == set(rows)
     assert all(r["per_sublayer_ms"] > 0 for r in fwd["rows"].values())
     assert sum(r["per_sublayer_ms"] for r in fwd["rows"].values()) < sum(r["per_sublayer_ms"] for r in rows.values())
+    # --dispatch: each op of mHC's sublayer as the compiled graph calls it (its custom op) and as eager does (its body),
+    # both ways of the sublayer, the routed enter op too
+    disp_path = tmp_path / "host_dispatch.json"
+    _run(["bench/bench_host.py", "--sublayers", "2", "--steps", "2", "--dispatch", "--out", str(disp_path)], tmp_path)
+    disp = json.loads(disp_path.read_text())["dispatch"]
+    assert set(disp) == {"mhc_pre_fwd", "mhc_enter_fwd", "mhc_pre_bwd", "post_fwd", "post_bwd"}
+    assert all(r["custom_op_us"] > 0 and r["body_us"] > 0 for r in disp.values())
 
 
 def test_bench_host_model_times_both_forwards_and_names_mhcs_functions(tmp_path):
@@ -78,6 +85,14 @@ def test_bench_host_model_times_both_forwards_and_names_mhcs_functions(tmp_path)
     assert set(data["rows"]) == {"residual", "mhc"} and all(r["forward_ms"] > 0 for r in data["rows"].values())
     top = {r["function"]: r for r in data["own_ms_top"]}
     assert "ops.py:_fwd" in top and top["ops.py:_fwd"]["mhc"] > 0 == top["ops.py:_fwd"]["residual"]
+    # --compile: both compiled; mHC's fused ops then run as custom ops, whose wrappers are among mHC's extra functions
+    path = tmp_path / "model_compiled.json"
+    _run(["bench/bench_host.py", "--model", "--compile", "--sublayers", "2", "--steps", "2", "--top", "60",
+          "--out", str(path)], tmp_path)
+    data = json.loads(path.read_text())
+    assert data["compiled"] is True and data["shape"]["blocks"] == 1
+    top = {r["function"]: r for r in data["own_ms_top"]}
+    assert "ops.py:_fwd" in top and any(name.startswith("custom_ops.py:") for name in top)  # torch.library's
 
 
 def test_bench_host_real_needs_a_gpu(tmp_path):
