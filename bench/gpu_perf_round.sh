@@ -17,6 +17,8 @@
 #   TRAINER_COMPILE=1: also the trainer rows with `model.compile: true` (residual and mHC; about two minutes; with
 #   PROFILE=1 or TRAINER_ARGS, the same extra arguments as the eager rows). TRAINER_COMPILE_MODE: their
 #   model.compile_mode (default "default"; "reduce-overhead": CUDA graphs, round 13).
+#   HOST=1: also the host's side of the compiled step (`bench_host.py --real`): both compiled models' forwards with
+#   mHC's extra functions, and each fused op as the compiled graph calls it against its body (round 35; ~2 minutes).
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT/trainer" "$OUT/trainer_chain" "$OUT/compile" "$OUT/phi_fp32"
@@ -84,7 +86,15 @@ if [ "${TRAINER_COMPILE:-0}" = 1 ]; then
     | grep -E "^\| |kernels|exit [^0]" | tail -8
 fi
 
+if [ "${HOST:-0}" = 1 ]; then
+  echo "== host time: the compiled forwards, the fused ops as custom ops against their bodies"
+  mkdir -p "$OUT/host"
+  timeout 240 python3 bench/bench_host.py --real --model --compile --steps 20 --top 20 \
+    --out "$OUT/host/model_compiled.json" 2>&1 | tail -23
+  timeout 120 python3 bench/bench_host.py --real --dispatch --steps 30 --out "$OUT/host/dispatch.json" 2>&1 | tail -5
+fi
+
 # The device returns at most 8 files: the sub-runs' JSON and logs travel as one archive (tar xzf round.tgz)
-subdirs=$(cd "$OUT" && ls -d trainer trainer_chain trainer_compile compile phi_fp32 ncu 2>/dev/null)
+subdirs=$(cd "$OUT" && ls -d trainer trainer_chain trainer_compile compile phi_fp32 ncu host 2>/dev/null)
 tar czf "$OUT/round.tgz" -C "$OUT" $subdirs && (cd "$OUT" && rm -r $subdirs)
 ls "$OUT"
