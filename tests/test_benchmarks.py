@@ -68,7 +68,7 @@ def test_bench_host_times_every_wiring(tmp_path):
     assert all(r["per_sublayer_ms"] > 0 for r in fwd["rows"].values())
     assert sum(r["per_sublayer_ms"] for r in fwd["rows"].values()) < sum(r["per_sublayer_ms"] for r in rows.values())
     # --dispatch: each op of mHC's sublayer as the compiled graph calls it (its custom op) and as eager does (its body),
-    # both ways of the sublayer, the routed enter op too
+    # forward and backward, the routed enter op too
     disp_path = tmp_path / "host_dispatch.json"
     _run(["bench/bench_host.py", "--sublayers", "2", "--steps", "2", "--dispatch", "--out", str(disp_path)], tmp_path)
     disp = json.loads(disp_path.read_text())["dispatch"]
