@@ -127,9 +127,10 @@ SPENT: dict = {}  # kernel -> (host seconds in its launches, launches), this ste
 def model_forward(args) -> dict:
     """--model: host ms of the whole GPT's forward (autograd recording, bf16 autocast, the trainer's model at --real:
     C = 1024, 12 blocks, 16 heads, B = 8, T = 2048; tiny on the CPU, --sublayers / 2 blocks), residual and mHC
-    alternating, the device idle at each forward's start (synchronised before, not inside). Then one cProfile'd forward batch per mode: own time
-    per function, and mHC's top functions beside the residual's time in the same function. --compile: both models
-    compiled (`model/compiled.py`), so the fused ops run as the custom ops a compiled graph calls."""
+    alternating, the device idle at each forward's start (synchronised before, not inside). Then one cProfile'd
+    forward batch per mode: own time per function, and mHC's top functions beside the residual's time in the same
+    function. --compile: both models compiled (`model/compiled.py`), so the fused ops run as the custom ops a compiled
+    graph calls."""
     import cProfile
     import pstats
 
