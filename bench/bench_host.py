@@ -4,7 +4,7 @@
     python bench/bench_host.py --real [...]     # on a GPU: the real launches, timed apart (where the host time goes)
     python bench/bench_host.py --forward [...]  # the forward alone (the trainer's eager forward is where the host
                                                 # can fall behind the GPU: docs/benchmarks.md, round 15)
-    python bench/bench_host.py --model [--real] [--compile]
+    python bench/bench_host.py --model [--real] [--compile] [--chain]
                                                 # the whole GPT's forward under bf16 autocast, residual against mHC,
                                                 # and where mHC's extra host time goes (cProfile, own time);
                                                 # --compile: both compiled (the fused ops then run as custom ops)
@@ -130,7 +130,7 @@ def model_forward(args) -> dict:
     alternating, the device idle at each forward's start (synchronised before, not inside). Then one cProfile'd
     forward batch per mode: own time per function, and mHC's top functions beside the residual's time in the same
     function. --compile: both models compiled (`model/compiled.py`), so the fused ops run as the custom ops a compiled
-    graph calls."""
+    graph calls; --chain: mHC's sublayers chained under compile too (which `model.compile` refuses: round 4)."""
     import cProfile
     import pstats
 
@@ -144,7 +144,7 @@ def model_forward(args) -> dict:
     models = {}
     for mode in ("residual", "mhc"):
         hyper = HyperConfig(residual_mode=mode, n_streams=4, kernel_backend="triton", bias_init="home"
-                            if mode == "mhc" else "a6")
+                            if mode == "mhc" else "a6", chain_sublayers=True if args.chain and mode == "mhc" else "auto")
         models[mode] = GPT(GPTConfig(n_layers=layers, d_model=c, n_heads=heads, context=seq, hyper=hyper)).to(dev)
         if args.compile:  # as `model.compile: true` compiles it; the first calls (untimed) trace and compile
             models[mode] = compile_model(models[mode], fullgraph=True)
@@ -161,12 +161,13 @@ def model_forward(args) -> dict:
         return ms
 
     times = {m: [] for m in models}
-    for i in range(args.steps + 3):
+    first = {m: forward(model) for m, model in models.items()}  # compiled: the trace and compile
+    for i in range(args.steps + 2):
         for mode, model in models.items():
             ms = forward(model)
-            if i >= 3:
+            if i >= 2:
                 times[mode].append(ms)
-    rows = {m: dict(forward_ms=statistics.median(v)) for m, v in times.items()}
+    rows = {m: dict(forward_ms=statistics.median(v), first_call_s=first[m] / 1e3) for m, v in times.items()}
     own = {}
     for mode, model in models.items():
         prof = cProfile.Profile()
@@ -178,11 +179,11 @@ def model_forward(args) -> dict:
         own[mode] = {f"{os.path.basename(k[0])}:{k[2]}": 1e3 * v[2] / args.steps for k, v in stats.items()}
     extra = sorted(own["mhc"].items(), key=lambda kv: kv[1] - own["residual"].get(kv[0], 0.0), reverse=True)[:args.top]
     for mode, r in rows.items():
-        print(f"{mode:<10} forward {r['forward_ms']:8.2f} ms host", flush=True)
+        print(f"{mode:<10} forward {r['forward_ms']:8.2f} ms host (first call {r['first_call_s']:.1f} s)", flush=True)
     print("mHC's extra host time by function (own ms per forward under cProfile, mHC / residual):")
     for name, ms in extra:
         print(f"  {name:<60} {ms:7.2f} / {own['residual'].get(name, 0.0):7.2f}")
-    return dict(rows=rows, compiled=args.compile, shape=dict(c=c, blocks=layers, heads=heads, batch=batch, seq=seq),
+    return dict(rows=rows, compiled=args.compile, chained=args.chain, shape=dict(c=c, blocks=layers, heads=heads, batch=batch, seq=seq),
                 own_ms_top=[dict(function=k, mhc=v, residual=own["residual"].get(k, 0.0)) for k, v in extra])
 
 
@@ -249,6 +250,8 @@ def main():
                    help="each fused op as its registered custom op against its body alone (dispatch_cost)")
     p.add_argument("--compile", action="store_true",
                    help="--model: both models under torch.compile (fullgraph), as `model.compile: true` runs them")
+    p.add_argument("--chain", action="store_true",
+                   help="--model: mHC's sublayers chained (chain_sublayers true; auto chains only in eager mode)")
     p.add_argument("--top", type=int, default=25, help="--model: functions listed by mHC's extra own time")
     p.add_argument("--bf16", action="store_true", help="bf16 streams, as the trainer's (always with --real): phi then "
                    "enters as 16-bit parts, with that path's launches")

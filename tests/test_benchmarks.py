@@ -85,14 +85,18 @@ def test_bench_host_model_times_both_forwards_and_names_mhcs_functions(tmp_path)
     assert set(data["rows"]) == {"residual", "mhc"} and all(r["forward_ms"] > 0 for r in data["rows"].values())
     top = {r["function"]: r for r in data["own_ms_top"]}
     assert "ops.py:_fwd" in top and top["ops.py:_fwd"]["mhc"] > 0 == top["ops.py:_fwd"]["residual"]
-    # --compile: both compiled; mHC's fused ops then run as custom ops, whose wrappers are among mHC's extra functions
-    path = tmp_path / "model_compiled.json"
-    _run(["bench/bench_host.py", "--model", "--compile", "--sublayers", "2", "--steps", "2", "--top", "60",
-          "--out", str(path)], tmp_path)
-    data = json.loads(path.read_text())
-    assert data["compiled"] is True and data["shape"]["blocks"] == 1
-    top = {r["function"]: r for r in data["own_ms_top"]}
-    assert "ops.py:_fwd" in top and any(name.startswith("custom_ops.py:") for name in top)  # torch.library's
+    # --compile: both compiled; mHC's fused ops then run as custom ops, whose wrappers are among mHC's extra functions;
+    # --chain: mHC's sublayers chained under compile too, through the boundary op
+    for chain in ([], ["--chain"]):
+        path = tmp_path / f"model_compiled{len(chain)}.json"
+        _run(["bench/bench_host.py", "--model", "--compile", *chain, "--sublayers", "2", "--steps", "2", "--top", "80",
+              "--out", str(path)], tmp_path)
+        data = json.loads(path.read_text())
+        assert data["compiled"] is True and data["chained"] is bool(chain) and data["shape"]["blocks"] == 1
+        assert all(r["first_call_s"] > 0 for r in data["rows"].values())
+        top = {r["function"]: r for r in data["own_ms_top"]}
+        assert "ops.py:_fwd" in top and any(name.startswith("custom_ops.py:") for name in top)  # torch.library's
+        assert ("ops.py:_bnd_fwd_body" in top) is bool(chain)
 
 
 def test_bench_host_real_needs_a_gpu(tmp_path):
