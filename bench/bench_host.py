@@ -187,12 +187,12 @@ def model_forward(args) -> dict:
                 own_ms_top=[dict(function=k, mhc=v, residual=own["residual"].get(k, 0.0)) for k, v in extra])
 
 
-def dispatch_cost(runs: dict, x, params, steps: int) -> dict:
-    """--dispatch: host us per call of every fused op the given wirings call (the ones their eager path reaches by
+def dispatch_cost(run, x, params, steps: int) -> dict:
+    """--dispatch: host us per call of every fused op the wiring `run` calls (the ones its eager path reaches by
     `op.plain`; routed `mhc_enter` beside `mhc_pre`, whose arguments it takes), through its registered custom op (the
     call a torch.compile graph makes: dispatcher, the custom op's autograd and backend wrappers, then the body) against
     the body alone (the eager path's call), without grad, on the arguments of the op's first call in one forward +
-    backward of each wiring. The difference is what the compiled graph pays per op call on top of the eager path."""
+    backward of the wiring. The difference is what the compiled graph pays per op call on top of the eager path."""
     first: dict = {}
     registered = {name: op for name, op in vars(ops).items() if hasattr(op, "plain") and callable(op)}
     bodies = {name: op.plain for name, op in registered.items()}
@@ -206,10 +206,9 @@ def dispatch_cost(runs: dict, x, params, steps: int) -> dict:
     for name, op in registered.items():
         op.plain = spy(name)
     try:
-        for run in runs.values():
-            for p in params:
-                p.grad = None
-            run(x).float().sum().backward()
+        for p in params:
+            p.grad = None
+        run(x).float().sum().backward()
     finally:
         for name, op in registered.items():
             op.plain = bodies[name]
@@ -235,6 +234,12 @@ def dispatch_cost(runs: dict, x, params, steps: int) -> dict:
             print(f"{name:<22} custom op {best['custom op']:7.1f} us, body {best['body']:7.1f} us: "
                   f"{best['custom op'] - best['body']:6.1f} us more per call", flush=True)
     return rows
+
+
+def write_json(path, data: dict) -> None:
+    if path:
+        with open(path, "w") as fh:
+            json.dump(data, fh, indent=1)
 
 
 def main():
@@ -269,9 +274,7 @@ def main():
         info.update(triton=triton.__version__, gpu=torch.cuda.get_device_name())
     if args.model:
         result = model_forward(args)
-        if args.out:
-            with open(args.out, "w") as fh:
-                json.dump(dict(info=info, **result), fh, indent=1)
+        write_json(args.out, dict(info=info, **result))
         return
     c, n = args.c, 4
     cfg = HyperConfig(residual_mode="mhc", n_streams=n, kernel_backend="triton", phi_init="normal", bias_init="a6")
@@ -337,11 +340,9 @@ def main():
             "HC, hc_coef + stream_pre + stream_post_res (round 7's wiring; A/B)": hc_coef_then_stream_pre,
             "HC, parameter operands built outside the step (bound for folding them into the op)": hc_operands_prebuilt}
     if args.dispatch:
-        rows = dispatch_cost({"one sublayer at a time": one_at_a_time}, x, params, args.steps)
+        rows = dispatch_cost(one_at_a_time, x, params, args.steps)
         info.update(c=args.c, streams="bf16" if bf16 else "fp32")
-        if args.out:
-            with open(args.out, "w") as fh:
-                json.dump(dict(info=info, dispatch=rows), fh, indent=1)
+        write_json(args.out, dict(info=info, dispatch=rows))
         return
     rows = {}
     for name, (ms, launch_ms, us_per_launch) in paired_step_ms(runs, x, params, args.steps, args.forward).items():
@@ -352,9 +353,7 @@ def main():
             line += f", of which {1e3 * launch_ms / args.sublayers:5.0f} us in Triton launches"
         print(line, flush=True)
     info.update(sublayers=args.sublayers, c=args.c, forward_only=args.forward, streams="bf16" if bf16 else "fp32")
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(dict(info=info, rows=rows), fh, indent=1)
+    write_json(args.out, dict(info=info, rows=rows))
 
 
 if __name__ == "__main__":
