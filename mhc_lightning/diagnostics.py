@@ -7,6 +7,20 @@ import torch
 
 from .kernels.reference import gain_report, sinkhorn_residuals
 
+# A grad norm (after warmup) above this many times the run's median counts as a spike (module.py logs the count over
+# every step; reports count it on the logged curve of runs from before that).
+GRAD_SPIKE_FACTOR = 4.0
+
+
+def grad_norm_summary(norms: torch.Tensor, warmup: int) -> dict[str, float]:
+    """Max and spike count of the per-step grad norms [steps] from `warmup` on (early steps are large by design)."""
+    gn = norms[warmup:].double()
+    if gn.numel() == 0:
+        return {}
+    median = gn.median()
+    return {"train/grad_norm_max": gn.max().item(),
+            "train/grad_spikes": float((gn > GRAD_SPIKE_FACTOR * median).sum().item())}
+
 
 def stream_spread(x: torch.Tensor) -> torch.Tensor:
     """Relative spread of the streams, max_i ||x_i - mean_j x_j|| / ||mean_j x_j||: [..., n, C] -> [...].
@@ -38,7 +52,10 @@ def summarize(recorded: dict[str, torch.Tensor]) -> tuple[dict[str, float], dict
         "amax/composite_bwd_max": report["composite_bwd_max"].max().item(),
         "amax/composite_fwd_tokmean": report["composite_fwd_tokmean"].max().item(),
         "amax/composite_bwd_tokmean": report["composite_bwd_tokmean"].max().item(),
-        "amax/composite_min_colsum": report["composite_min_colsum_max"].min().item(),
+        # the smallest column sum of any token's composite product, and of the token-mean product (the paper's
+        # reading, as the _tokmean gains above); below 1 a gradient through the stack is attenuated
+        "amax/composite_min_colsum_worst": report["composite_min_colsum_min"].min().item(),
+        "amax/composite_min_colsum_tokmean": report["composite_min_colsum_tokmean"].min().item(),
         "amax/composite_max_abs_log_colsum": report["composite_max_abs_log_colsum_max"].max().item(),
         "amax/single_fwd_max": report["single_fwd_max"].max().item(),
         "amax/single_bwd_max": report["single_bwd_max"].max().item(),
@@ -52,6 +69,10 @@ def summarize(recorded: dict[str, torch.Tensor]) -> tuple[dict[str, float], dict
         "coef/h_post_max": recorded["h_post"].max().item(),
         "coef/h_res_min": h_res.min().item(),
     }
+    if "logit_range" in recorded:  # mHC: how far Sinkhorn's start is from flat (exp(range): largest / smallest)
+        logit_range = recorded["logit_range"].double()  # [L, T]
+        scalars["sinkhorn/logit_range_max"] = logit_range.max().item()
+        scalars["sinkhorn/logit_range_mean"] = logit_range.mean().item()
     if "spread" in recorded:
         spread = recorded["spread"].double()  # [L, T]: the streams each sublayer wrote
         d_eye, d_uniform = (d.mean(dim=1) for d in h_res_distances(h_res))  # [L], token means
@@ -65,6 +86,8 @@ def summarize(recorded: dict[str, torch.Tensor]) -> tuple[dict[str, float], dict
     per_layer["sinkhorn_row_residual_max"] = row_res.amax(dim=1).tolist()
     per_layer["sinkhorn_col_residual_max"] = col_res.amax(dim=1).tolist()
     per_layer["h_res_tokmean"] = h_res.mean(dim=1).tolist()
+    if "logit_range" in recorded:
+        per_layer["res_logit_range_max"] = recorded["logit_range"].double().amax(dim=1).tolist()
     if "spread" in recorded:
         per_layer["stream_spread"] = recorded["spread"].double().mean(dim=1).tolist()
         per_layer["h_res_dist_identity"], per_layer["h_res_dist_uniform"] = (

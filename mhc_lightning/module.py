@@ -13,7 +13,7 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from torchmetrics import MeanMetric
 from torchmetrics.text import Perplexity
 
-from .diagnostics import summarize
+from .diagnostics import grad_norm_summary, summarize
 from .distributed import reduce_diagnostics
 from .model import GPT, GPTConfig
 from .model.compiled import compile_model
@@ -147,6 +147,9 @@ class LitLM(L.LightningModule):
         self._diagnostics_requested = False
         self._grad_norms: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self._grad_groups: Optional[tuple[list[torch.nn.Parameter], torch.Tensor]] = None
+        # every step's pre-clip grad norm, on the device (written without a host sync): the max and spike count over
+        # every step, which the logged curve (every log_every_n_steps-th step) would miss
+        self._grad_norm_steps: Optional[torch.Tensor] = None
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         if self._graph_steps:
@@ -272,12 +275,44 @@ class LitLM(L.LightningModule):
         total = self.grad_norms()[0]
         self._last_grad_norm = total.detach()
         self.log("train/grad_norm", total, on_step=True, on_epoch=False)
+        self._keep_grad_norm(self._last_grad_norm)
         if self.skip_optimizer_step:
             # A stability callback vetoed this update (runs after the callbacks' hooks): with no gradients,
             # AdamW leaves parameters and moments untouched; the step counter and LR schedule still advance.
             self.skip_optimizer_step = False
             optimizer.zero_grad(set_to_none=True)
             self.log("train/skipped_step", host_scalar(1.0), on_step=True, on_epoch=False)
+
+    def _keep_grad_norm(self, norm: torch.Tensor) -> None:
+        step, kept = self.global_step, self._grad_norm_steps
+        if kept is None or kept.device != norm.device or step >= kept.numel():
+            size = max(step + 1, int(self.trainer.max_steps) if self.trainer.max_steps > 0 else 2 * (step + 1))
+            grown = torch.full((size,), float("nan"), device=norm.device)
+            if kept is not None:
+                grown[:min(kept.numel(), size)] = kept[:size].to(norm.device)
+            self._grad_norm_steps = kept = grown
+        kept[step] = norm.float()
+
+    def _log_grad_norm_summary(self) -> None:
+        """train/grad_norm_max and train/grad_spikes over every step so far (rank 0; the norm is global, the same on
+        every rank). Called after each validation, where the host waits for the device anyway; every fit ends with one
+        (FinalValidation)."""
+        kept = self._grad_norm_steps
+        if kept is None or not self.trainer.is_global_zero:
+            return
+        norms = kept[: self.global_step]
+        summary = grad_norm_summary(norms[~norms.isnan()], self.optim.warmup_steps)
+        if summary:
+            for lg in self.trainer.loggers:
+                lg.log_metrics(summary, step=self.global_step)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self._grad_norm_steps is not None:
+            checkpoint["grad_norm_steps"] = self._grad_norm_steps[: self.global_step].cpu()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if "grad_norm_steps" in checkpoint:
+            self._grad_norm_steps = checkpoint["grad_norm_steps"].clone()
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         """Norm clipping by the global norm `grad_norms` computed for this step's log (on_before_optimizer_step runs
@@ -334,6 +369,7 @@ class LitLM(L.LightningModule):
         self._eval_epoch_end("val")
         if not self.trainer.sanity_checking:
             self._log_per_layer_artifacts()
+            self._log_grad_norm_summary()
 
     def on_test_epoch_end(self) -> None:
         self._eval_epoch_end("test")

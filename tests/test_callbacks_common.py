@@ -39,13 +39,14 @@ ACCELERATOR = os.environ.get("MHC_TEST_ACCELERATOR", "cpu")
 
 
 def tiny_fit(corpus: Path, callbacks: list, steps: int, module=None, logger=False, ckpt_path=None,
-             seed: int = 0, **trainer_kwargs):
-    """Fit a tiny model in-process for `steps` optimizer steps; returns (trainer, module)."""
+             seed: int = 0, data_seed: Optional[int] = 1234, **trainer_kwargs):
+    """Fit a tiny model in-process for `steps` optimizer steps; returns (trainer, module). data_seed: the data
+    order, held fixed by default so that the callback tests' trajectories do not move with `seed` (None: follow it)."""
     from mhc_lightning.data import ByteTextDataModule
 
     module = module if module is not None else tiny_module(seed=seed)
     L.seed_everything(seed, verbose=False)
-    dm = ByteTextDataModule(corpus=str(corpus), seq_len=32, batch_size=4)
+    dm = ByteTextDataModule(corpus=str(corpus), seq_len=32, batch_size=4, seed=data_seed)
     kw = dict(max_steps=steps, accelerator=ACCELERATOR, devices=1, logger=logger, enable_checkpointing=False,
               enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
     kw.update(trainer_kwargs)

@@ -270,6 +270,15 @@ def test_printed_ui_hint_runs_as_printed(tiny_corpus, tmp_path):
     assert fit.returncode == 0, fit.stderr[-3000:]
     assert "val/bpb=" in fit.stdout
     run_id = fit.stdout.split("MLflow run ", 1)[1].split()[0]
+    # started from a folder outside the checkout: the run still names the code it ran (callbacks/provenance.py)
+    from mhc_lightning.provenance import code_state
+
+    run = mlflow.MlflowClient(f"sqlite:///{work / 'mlflow.db'}").get_run(run_id)
+    tags, params = run.data.tags, run.data.params
+    # the data seed followed seed_everything (conf/base.yaml: 1234), and the logged hyperparameter says so
+    assert params["seed"] == params["data/seed"] == params["seed_everything"] == "1234"
+    assert tags["mhc.git.commit"] == code_state().commit and tags["mhc.code"] == code_state().label
+    assert tags["mhc.env.torch"] and tags["mhc.data.train_sha256"]
     hint = next(ln for ln in fit.stdout.splitlines() if ln.startswith("view it:"))
     command = hint[len("view it:"):].split("   (then open")[0].strip()
     port = _free_port()

@@ -154,6 +154,29 @@ def test_train_order_deterministic_per_seed(text_file: Path):
     assert a.shape != c.shape or not torch.equal(a, c)
 
 
+def test_data_seed_follows_seed_everything_unless_set(text_file: Path, monkeypatch):
+    """A seed spread must vary the data: with data.seed unset the order follows seed_everything (PL_GLOBAL_SEED),
+    and an explicit data.seed holds the data fixed whatever the global seed."""
+    import lightning as L
+
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    unseeded = _dm(text_file)
+    assert (unseeded.hparams.seed, unseeded.seed_source) == (1234, "fallback")
+    orders = {}
+    for seed in (1, 2):
+        L.seed_everything(seed, verbose=False)
+        dm = _dm(text_file)
+        assert (dm.hparams.seed, dm.seed_source) == (seed, "seed_everything")
+        orders[seed] = torch.cat([x for x, _ in dm.train_dataloader()])
+    assert not torch.equal(orders[1], orders[2])
+    assert torch.equal(orders[1], _order(text_file, 1))  # the same order as data.seed=1 given explicitly
+    L.seed_everything(2, verbose=False)
+    fixed = _dm(text_file, seed=1)
+    assert (fixed.hparams.seed, fixed.seed_source) == (1, "data.seed")
+    data = text_file.read_bytes()
+    assert fixed.train_sha256 == hashlib.sha256(data[:fixed.train_bytes]).hexdigest()
+
+
 def test_too_short_corpus(tmp_path: Path):
     p = tmp_path / "short.txt"
     p.write_text(make_text(400))
@@ -166,7 +189,8 @@ def test_too_short_corpus(tmp_path: Path):
         _dm(p, seq_len=32, batch_size=2, val_fraction=0.05)
 
 
-@pytest.mark.parametrize("kw", [{"seq_len": 0}, {"batch_size": 0}, {"val_fraction": 1.0}, {"val_works": 0}])
+@pytest.mark.parametrize("kw", [{"seq_len": 0}, {"batch_size": 0}, {"val_fraction": 1.0}, {"val_works": 0},
+                                {"seed": -1}, {"seed": 1.5}])
 def test_bad_arguments(kw):
     with pytest.raises(ValueError, match=next(iter(kw))):
         ByteTextDataModule(**kw)

@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import make_text
+from mhc_lightning.kernels import reference
 from mhc_lightning.kernels.reference import gain_report
 from mhc_lightning.model import GPT, GPTConfig, HyperConfig
 
@@ -124,6 +125,33 @@ def test_recorded_mhc_coefficients():
         ident(text_batch()[:, :-1])
     assert torch.equal(ident.recorded()["h_res"][0, 0], torch.eye(4))
     assert GPT(tiny("residual")).recorded() == {}
+    assert "logit_range" not in ident.recorded()
+
+
+@pytest.mark.parametrize("chain", [False, True])
+def test_recorded_logit_range_is_the_res_logits_range(chain):
+    """At init (phi = 0) the res logits are the bias, res_gap * I: every token's range is res_gap, in either wiring.
+    With phi moved off zero the range is what the reference computes from the sublayer's input stream."""
+    m = GPT(tiny("mhc", n_layers=2, chain_sublayers=chain, res_gap=5.0))
+    idx = text_batch()[:, :-1]
+    with m.recording(), torch.no_grad():
+        m(idx)
+    assert m.recorded()["logit_range"].shape == (4, 32)
+    assert torch.allclose(m.recorded()["logit_range"], torch.full((4, 32), 5.0))
+    first = m.sublayers[0]
+    torch.manual_seed(0)
+    with torch.no_grad():
+        first.phi.normal_(std=0.5)
+    inputs = {}
+    handle = first.register_forward_pre_hook(lambda mod, args: inputs.setdefault("x", args[0]))
+    with m.recording(), torch.no_grad():
+        m(idx)
+    handle.remove()
+    if "x" in inputs:  # one sublayer at a time: the hook saw sublayer 0's input stream
+        z = reference.mhc_res_logits(inputs["x"][:1], first.phi, first.bias, first.alpha, first.options())
+        expected = (z.amax(dim=(-2, -1)) - z.amin(dim=(-2, -1)))[0]
+        assert torch.allclose(m.recorded()["logit_range"][0], expected, atol=1e-5)
+    assert not torch.allclose(m.recorded()["logit_range"][0], torch.full((32,), 5.0))
 
 
 @pytest.mark.parametrize("mode", MODES)

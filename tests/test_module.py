@@ -196,3 +196,34 @@ def test_optimizer_implementation_follows_model_optim_fused(tiny_corpus, fused, 
     assert trainer.global_step == 2
     assert any(not torch.equal(a, b) for a, b in zip(before, module.parameters()))
     assert all(bool(torch.isfinite(p).all()) for p in module.parameters())
+
+
+def test_grad_norm_max_and_spikes_cover_every_step(tiny_corpus):
+    """train/grad_norm_max is the max over every step after warmup, not over the logged ones (every 5th here)."""
+    from lightning.pytorch.loggers.logger import Logger
+
+    class Collect(Logger):
+        name, version = "collect", "0"
+        metrics: list = []
+
+        def log_metrics(self, metrics, step=None):
+            self.metrics.append((step, dict(metrics)))
+
+        def log_hyperparams(self, *args, **kwargs):
+            pass
+
+    class Norms(L.Callback):
+        seen: dict = {}
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self.seen[trainer.global_step - 1] = pl_module.last_grad_norm  # the step just taken
+
+    logger, norms = Collect(), Norms()
+    tiny_fit(tiny_corpus, [norms], steps=12, logger=logger, log_every_n_steps=5, limit_val_batches=1,
+             val_check_interval=6)
+    summaries = [(step, m) for step, m in logger.metrics if "train/grad_norm_max" in m]
+    assert [step for step, _ in summaries] == [6, 12]  # after each validation
+    after_warmup = [v for step, v in norms.seen.items() if step >= 5]  # tiny_module: warmup_steps=5
+    assert summaries[-1][1]["train/grad_norm_max"] == pytest.approx(max(after_warmup), rel=1e-6)
+    assert summaries[-1][1]["train/grad_spikes"] == sum(v > 4 * torch.tensor(after_warmup).median().item()
+                                                        for v in after_warmup)

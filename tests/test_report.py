@@ -54,12 +54,12 @@ def test_report_groups_over_seeds(mlflow_uri, tmp_path, capsys):
     table = (out / "groups.md").read_text().splitlines()
     assert len(table) == 2 + 4  # header, rule, 4 groups; the FAILED run is not counted
     hc4 = next(l for l in table if l.startswith("| hc | 4 |"))
-    cells = [c.strip() for c in hc4.strip("|").split("|")]
-    assert cells[2] == "2"  # runs
-    assert cells[3] == f"2.1500 ± {math.sqrt(0.005):.4f}"  # val bpb 2.1 and 2.2: mean, sample std
-    assert cells[4].startswith("37 ± 0")  # peak Amax 1 + 9 * 4 = 37
     header = [c.strip() for c in table[0].strip("|").split("|")]
-    spikes = cells[next(i for i, h in enumerate(header) if h.startswith("grad spikes"))]
+    cells = dict(zip(header, (c.strip() for c in hc4.strip("|").split("|"))))
+    assert cells["runs"] == "2" and cells["code"] == "unknown"  # runs without provenance tags
+    assert cells["val bits/byte"] == f"2.1500 ± {math.sqrt(0.005):.4f}"  # val bpb 2.1 and 2.2: mean, sample std
+    assert cells["composite Amax fwd (worst token, peak)"].startswith("37 ± 0")  # peak Amax 1 + 9 * 4 = 37
+    spikes = next(v for h, v in cells.items() if h.startswith("grad spikes"))
     assert "1 ± 0" in spikes or "1 ±" in spikes  # one grad spike in each hc run
     mhc2 = next(l for l in table if l.startswith("| mhc | 2 |"))
     assert "| 1 ± 0 |" in mhc2
@@ -76,3 +76,64 @@ def test_report_names_missing_group_tags(mlflow_uri, tmp_path, capsys):
               "--out", str(tmp_path / "r")])
     assert exc.value.code == 2
     assert "depth" in capsys.readouterr().err
+
+
+def make_effect_runs(uri: str, code: dict[str, str] = None):
+    """residual / mhc / hc at one depth over 6 seeds: mhc lower by 0.03 under a seed spread of 0.05, hc equal to the
+    residual; `code` gives some runs (by name) another mhc.code tag."""
+    import random
+
+    rng, client = random.Random(5), mlflow.MlflowClient(uri)
+    exp = client.create_experiment("effects")
+    for seed in range(1, 7):
+        shared = rng.gauss(0, 0.05)
+        for variant, effect in (("residual", 0.0), ("mhc", -0.03), ("hc", 0.0)):
+            name = f"{variant}-s{seed}"
+            tags = {"variant": variant, "model.arch.n_layers": "4", "seed_everything": str(seed),
+                    "mhc.code": (code or {}).get(name, "abc123def")}
+            rid = client.create_run(exp, run_name=name, tags=tags).info.run_id
+            client.log_metric(rid, "val/bpb", 2.0 + shared + effect + rng.gauss(0, 0.003), step=10)
+            client.set_terminated(rid, "FINISHED")
+
+
+def test_report_baseline_prints_paired_intervals(mlflow_uri, tmp_path, capsys):
+    make_effect_runs(mlflow_uri)
+    out, rep = tmp_path / "r", tmp_path / "report.md"
+    with pytest.raises(SystemExit) as exc:
+        main(["report", "--experiment", "effects", "--group-by", "variant,model.arch.n_layers", "--baseline",
+              "residual", "--tracking-uri", mlflow_uri, "--out", str(out), "--report", str(rep)])
+    assert exc.value.code == 0
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
+            for line in (out / "vs_residual.md").read_text().splitlines()[2:]}
+    assert set(rows) == {"hc", "mhc"}
+    mhc, hc = rows["mhc"], rows["hc"]
+    assert mhc[-1] == "lower" and "paired by seed, n=6" in mhc and float(mhc[3]) < 0
+    low, high = (float(x) for x in mhc[4].strip("[]").split(","))
+    assert low < -0.03 < high < 0
+    assert hc[-1] == "cannot tell apart"
+    assert "abc123def" in (out / "groups.md").read_text()  # the code each group ran
+    printed = capsys.readouterr().out
+    assert "difference in val_bpb to residual" in printed and "cannot tell apart" in printed
+    text = rep.read_text()
+    assert "paired by seed" in text and "data order" in text
+
+
+def test_report_refuses_to_pool_runs_of_different_code(mlflow_uri, tmp_path, capsys):
+    make_effect_runs(mlflow_uri, code={"mhc-s2": "abc123def+1234abcd", "mhc-s5": "0f0f0f0f0"})
+    args = ["report", "--experiment", "effects", "--group-by", "variant,model.arch.n_layers", "--tracking-uri",
+            mlflow_uri, "--out", str(tmp_path / "r")]
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "mhc-s2 (abc123def+1234abcd)" in err and "mhc-s5 (0f0f0f0f0)" in err and "--allow-mixed-code" in err
+    with pytest.raises(SystemExit) as exc:
+        main(args + ["--allow-mixed-code"])
+    assert exc.value.code == 0
+
+
+def test_baseline_needs_group_by(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["compare", "--experiment", "x", "--baseline", "residual"])
+    assert exc.value.code == 2 and "--baseline needs --group-by" in capsys.readouterr().err

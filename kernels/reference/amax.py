@@ -34,7 +34,8 @@ def gain_report(h_res: torch.Tensor) -> dict[str, torch.Tensor]:
     """All aggregations for h_res [L, T, n, n], each a [L] tensor, keyed '<single|composite>_<metric>_<agg>'.
 
     agg A ('tokmean'): metric of the token-averaged matrix (paper Fig. 8);
-    agg B ('mean', 'max'): metric per token, then mean / max over tokens (Fig. 3; max shows spikes).
+    agg B ('mean', 'max', 'min'): metric per token, then mean / max / min over tokens (Fig. 3; max shows spikes, min
+    the worst token of a metric where small is bad, such as min_colsum).
     """
     h = h_res.double()
     out: dict[str, torch.Tensor] = {}
@@ -44,4 +45,5 @@ def gain_report(h_res: torch.Tensor) -> dict[str, torch.Tensor]:
         for name, v in gain_metrics(p).items():
             out[f"{kind}_{name}_mean"] = v.mean(dim=1)
             out[f"{kind}_{name}_max"] = v.amax(dim=1)
+            out[f"{kind}_{name}_min"] = v.amin(dim=1)
     return out

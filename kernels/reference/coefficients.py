@@ -35,6 +35,29 @@ def mhc_logit_count(n: int, with_res: bool = True) -> int:
     return 2 * n + (n * n if with_res else 0)
 
 
+def _mhc_logits(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, opts: MHCOptions
+                ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """(pre logits [..., n], post logits [..., n], res logits [..., n, n] in H^res's orientation, or None for
+    identity-HC): everything before the squashing functions (docs/design.md §2)."""
+    n = x.shape[-2]
+    with_res = phi.shape[-1] == mhc_logit_count(n, True)
+    if not with_res and phi.shape[-1] != mhc_logit_count(n, False):
+        raise ValueError(f"phi has {phi.shape[-1]} columns; expected {mhc_logit_count(n)} or {2 * n} for n={n}")
+    if opts.res_layout not in RES_LAYOUTS:
+        raise ValueError(f"res_layout must be one of {list(RES_LAYOUTS)}, got {opts.res_layout!r}")
+    cd = compute_dtype(x.dtype)
+    flat = x.flatten(-2).to(cd)
+    logits = flat @ phi.to(cd)
+    rinv = torch.rsqrt(flat.square().mean(dim=-1, keepdim=True) + opts.rms_eps)
+    a, b = alpha.to(cd), bias.to(cd)
+    pre = a[0] * rinv * logits[..., :n] + b[:n]
+    post = a[1] * rinv * logits[..., n : 2 * n] + b[n : 2 * n]
+    if not with_res:
+        return pre, post, None
+    r = (a[2] * rinv * logits[..., 2 * n :] + b[2 * n :]).unflatten(-1, (n, n))
+    return pre, post, r.transpose(-1, -2) if opts.res_layout == "src_dst" else r
+
+
 @no_autocast
 def mhc_coefficients(
     x: torch.Tensor,
@@ -49,25 +72,20 @@ def mhc_coefficients(
     column count; alpha: [3] gates (pre, post, res). The res block is read row-major as R;
     res_layout "src_dst" (DeepSeek, canonical) means H^res = R^T, "dst_src" (Liger) means H^res = R.
     """
-    n = x.shape[-2]
-    with_res = phi.shape[-1] == mhc_logit_count(n, True)
-    if not with_res and phi.shape[-1] != mhc_logit_count(n, False):
-        raise ValueError(f"phi has {phi.shape[-1]} columns; expected {mhc_logit_count(n)} or {2 * n} for n={n}")
-    if opts.res_layout not in RES_LAYOUTS:
-        raise ValueError(f"res_layout must be one of {list(RES_LAYOUTS)}, got {opts.res_layout!r}")
-    cd = compute_dtype(x.dtype)
-    flat = x.flatten(-2).to(cd)
-    logits = flat @ phi.to(cd)
-    rinv = torch.rsqrt(flat.square().mean(dim=-1, keepdim=True) + opts.rms_eps)
-    a, b = alpha.to(cd), bias.to(cd)
-    h_pre = torch.sigmoid(a[0] * rinv * logits[..., :n] + b[:n]) + opts.pre_eps
-    h_post = opts.post_mult * torch.sigmoid(a[1] * rinv * logits[..., n : 2 * n] + b[n : 2 * n])
-    if not with_res:
+    pre, post, z = _mhc_logits(x, phi, bias, alpha, opts)
+    h_pre = torch.sigmoid(pre) + opts.pre_eps
+    h_post = opts.post_mult * torch.sigmoid(post)
+    if z is None:
         return h_pre, h_post, None
-    r = (a[2] * rinv * logits[..., 2 * n :] + b[2 * n :]).unflatten(-1, (n, n))
-    z = r.transpose(-1, -2) if opts.res_layout == "src_dst" else r
-    h_res = sinkhorn(z, opts.sinkhorn_iters, opts.sinkhorn_eps, opts.exact_axis, opts.start)
-    return h_pre, h_post, h_res
+    return h_pre, h_post, sinkhorn(z, opts.sinkhorn_iters, opts.sinkhorn_eps, opts.exact_axis, opts.start)
+
+
+@no_autocast
+def mhc_res_logits(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor,
+                   opts: MHCOptions = DEFAULT_OPTIONS) -> Optional[torch.Tensor]:
+    """The res logits Sinkhorn starts from, [..., n, n] in H^res's orientation (None for identity-HC). Their range
+    per token says how saturated the projection is: exp(range) is the ratio of its largest to smallest start entry."""
+    return _mhc_logits(x, phi, bias, alpha, opts)[2]
 
 
 @no_autocast

@@ -1,6 +1,8 @@
 """Byte-level language-modelling data: fixed-length windows over the train / val splits of a corpus."""
 from __future__ import annotations
 
+import hashlib
+import os
 import warnings
 from typing import Optional
 
@@ -15,6 +17,20 @@ from .resumable_sampler import ResumableRandomSampler
 
 # torchdata 0.11 calls a deprecated torch function in every StatefulDataLoader: harmless noise
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+
+# The data seed when neither data.seed nor seed_everything gives one (seeding switched off).
+FALLBACK_DATA_SEED = 1234
+
+
+def resolve_data_seed(seed: Optional[int]) -> tuple[int, str]:
+    """(seed, where it came from): data.seed when set, else the seed that `seed_everything` (LightningCLI's
+    `seed_everything`, or a call from Python) put in PL_GLOBAL_SEED, so that a seed spread covers the data order."""
+    if seed is not None:
+        return seed, "data.seed"
+    env = os.environ.get("PL_GLOBAL_SEED")
+    if env is not None:
+        return int(env), "seed_everything"
+    return FALLBACK_DATA_SEED, "fallback"
 
 
 class ByteWindows(Dataset):
@@ -39,6 +55,8 @@ class ByteTextDataModule(L.LightningDataModule):
     """Bytes of ``corpus`` ("shakespeare" or a local text file / folder) as (x, y) int64 batches of shape (batch_size, seq_len).
 
     batch_size is per process: under DDP / FSDP the global batch is world_size x batch_size.
+    seed: the train windows' start offset and shuffle order; null (default) follows `seed_everything`, so runs that
+    differ in seed also differ in the data they see (resolve_data_seed); set it to hold the data fixed across seeds.
     shuffle: shuffle the train windows (seeded); false = corpus order (reproducible comparisons across device counts).
     allow_binary: train on files that do not look like text (refused by default: usually a wrong path).
     pin_memory: batches in page-locked host memory; null (default) pins when the trainer runs on a CUDA device. Lightning
@@ -55,7 +73,7 @@ class ByteTextDataModule(L.LightningDataModule):
         val_works: int = 4,
         val_fraction: float = 0.05,
         num_workers: int = 0,
-        seed: int = 1234,
+        seed: Optional[int] = None,
         shuffle: bool = True,
         allow_binary: bool = False,
         pin_memory: Optional[bool] = None,
@@ -74,14 +92,22 @@ class ByteTextDataModule(L.LightningDataModule):
         for name, value in (("shuffle", shuffle), ("allow_binary", allow_binary)):
             if not isinstance(value, bool):
                 raise ConfigError(f"data.{name} must be true or false, got {value!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise ConfigError(f"data.seed must be an integer >= 0 or null (follow seed_everything), got {seed!r}")
         if pin_memory is not None and not isinstance(pin_memory, bool):
             raise ConfigError(f"data.pin_memory must be true, false or null (pin on CUDA), got {pin_memory!r}")
+        seed, self.seed_source = resolve_data_seed(seed)
         self.save_hyperparameters()
+        # LightningCLI hands save_hyperparameters its parsed config (seed: null), not this frame: record the seed
+        # used, in the hyperparameters and in the initial copy that the loggers log.
+        self.save_hyperparameters({**self.hparams, "seed": seed})
         self.vocab_size = 256  # byte-level tokens; the CLI links this to the model at instantiation
         self.train_bytes: Optional[int] = None
         self.val_bytes: Optional[int] = None
         self.train_dataset: Optional[ByteWindows] = None
         self.val_dataset: Optional[ByteWindows] = None
+        self.train_sha256: Optional[str] = None  # digests of the bytes trained and validated on (run provenance)
+        self.val_sha256: Optional[str] = None
 
     def prepare_data(self) -> None:
         # Runs on one process per node: only the download belongs here, not state.
@@ -100,6 +126,7 @@ class ByteTextDataModule(L.LightningDataModule):
         hp = self.hparams
         train, val = load_corpus(hp.corpus, hp.cache_dir, hp.val_works, hp.val_fraction, hp.allow_binary)
         self.train_bytes, self.val_bytes = len(train), len(val)
+        self.train_sha256, self.val_sha256 = hashlib.sha256(train).hexdigest(), hashlib.sha256(val).hexdigest()
         self._check_lengths(len(train), len(val))
         # A seeded start offset so train windows do not share boundaries with the val layout (offset 0).
         # It is capped by the slack beyond the last full batch, so it never costs the one batch we require.

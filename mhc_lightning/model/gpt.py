@@ -103,11 +103,14 @@ class GPT(nn.Module):
 
     def recorded(self) -> dict[str, torch.Tensor]:
         """Stacked coefficients of the last recorded forward: h_res [L, T, n, n], h_pre/h_post [L, T, n], and the
-        relative spread of the streams each sublayer wrote, spread [L, T]."""
+        relative spread of the streams each sublayer wrote, spread [L, T]; for mHC the range of each token's res
+        logits before Sinkhorn, logit_range [L, T]."""
         lasts = [layer.last for layer in hyper_connections(self.sublayers)]
         if not self.multi_stream or any(l is None for l in lasts):
             return {}
         out = {k: torch.stack([l[k][0] for l in lasts]) for k in ("h_pre", "h_post", "spread")}
+        if all("logit_range" in l for l in lasts):
+            out["logit_range"] = torch.stack([l["logit_range"][0] for l in lasts])
         if lasts[0]["h_res"] is not None:
             out["h_res"] = torch.stack([l["h_res"][0] for l in lasts])
         else:  # identity-HC: H_res = I by construction

@@ -134,17 +134,24 @@ class HyperConnection(nn.Module):
             return self.branch(v)
 
     def remember(self, h_pre: torch.Tensor, h_post: torch.Tensor, h_res: Optional[torch.Tensor],
-                 out: torch.Tensor, lead: Optional[tuple] = None) -> None:
+                 out: torch.Tensor, lead: Optional[tuple] = None, x_in: Optional[torch.Tensor] = None) -> None:
         """Keep the first sequence's coefficients for diagnostics while `record` is set; out is the stream this
-        sublayer wrote. lead: the stream's leading dims when the tensors come flat ([tokens, ...], `forward`)."""
+        sublayer wrote, x_in the one it read. lead: the stream's leading dims when the tensors come flat
+        ([tokens, ...], `forward`). For mHC also the range of the res logits Sinkhorn started from (its saturation),
+        recomputed by the reference on that one sequence: the ops return H^res, not its logits."""
         if self.record:
             if lead is not None:
                 n = out.shape[-2]
                 h_pre, h_post, out = h_pre.view(*lead, n), h_post.view(*lead, n), out.view(*lead, *out.shape[-2:])
                 h_res = None if h_res is None else h_res.view(*lead, n, n)
+                x_in = None if x_in is None else x_in.view(*lead, *x_in.shape[-2:])
             self.last = {"h_pre": h_pre[:1].detach(), "h_post": h_post[:1].detach(),
                          "h_res": None if h_res is None else h_res[:1].detach(),
                          "spread": stream_spread(out[:1].detach())}
+            if self.mode == "mhc" and x_in is not None:
+                with torch.no_grad():
+                    z = reference.mhc_res_logits(x_in[:1].detach(), self.phi, self.bias, self.alpha, self.options())
+                self.last["logit_range"] = (z.amax(dim=(-2, -1)) - z.amin(dim=(-2, -1))).detach()
 
     def enter(self, x: torch.Tensor) -> Carry:
         """The first sublayer of a chain: its coefficients and input u from the stream x (one read of x), and the stream
@@ -167,11 +174,11 @@ class HyperConnection(nn.Module):
         f = self.run_branch(u, x, h_pre).reshape(-1, C)
         if nxt is None:
             out = ops.stream_post_res(x, f, h_post, h_res)
-            self.remember(h_pre, h_post, h_res, out, lead)
+            self.remember(h_pre, h_post, h_res, out, lead, x)
             return out.view(*lead, *out.shape[-2:])
         x_next, u_next, *coefs = ops.mhc_boundary(x, f, h_post, h_res, nxt.phi, nxt.bias, nxt.alpha, nxt.options(),
                                                   nxt.branch_dtype())
-        self.remember(h_pre, h_post, h_res, x_next, lead)
+        self.remember(h_pre, h_post, h_res, x_next, lead, x)
         return (x_next, u_next.view(*lead, C), *coefs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -195,7 +202,7 @@ class HyperConnection(nn.Module):
             )
         f = self.run_branch(u.view(*lead, C), xt, h_pre)
         out = ops.stream_post_res(xt, f.view(-1, C), h_post, h_res)
-        self.remember(h_pre, h_post, h_res, out, lead)
+        self.remember(h_pre, h_post, h_res, out, lead, flat)
         return out.view(*lead, n, C)
 
     def extra_repr(self) -> str:

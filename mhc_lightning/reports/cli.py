@@ -4,6 +4,7 @@
     mhc compare --experiment mhc_lightning --tracking-uri http://localhost:5000 --out reports/today
     mhc compare --runs 1a2b... 3c4d... --no-log
     mhc compare --experiment stability --group-by variant,model.arch.n_layers --report docs/results.md ...
+    mhc report --experiment stability --group-by variant,model.arch.n_layers --baseline residual
 """
 from __future__ import annotations
 
@@ -14,6 +15,10 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import UserError
+
+# run_summary's keys (grouped.py) that --metric may name; kept here so that --help needs no pandas or mlflow
+METRICS = ["val_bpb", "val_loss", "amax_fwd_peak", "amax_bwd_peak", "amax_bwd_tokmean_peak", "min_colsum",
+           "min_colsum_tokmean", "logit_range_peak", "grad_norm_max", "grad_spikes", "tokens_per_sec"]
 
 
 def _default_uri() -> str:
@@ -41,6 +46,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--report", help="with --group-by: write a markdown report here")
     g.add_argument("--notes", help="with --group-by: markdown appended to the report")
     g.add_argument("--context", help="with --group-by: text file (GPU, versions) quoted in the report")
+    g.add_argument("--baseline", metavar="VALUE",
+                   help="with --group-by: each group's difference to the group whose first key has this value (same "
+                        "other keys), with a 95%% CI, n and p, paired by seed where the seeds pair (Welch otherwise)")
+    g.add_argument("--metric", default="val_bpb", choices=METRICS,
+                   help="with --baseline: the per-run value compared (default: val_bpb, the final val bits/byte)")
+    g.add_argument("--allow-mixed-code", action="store_true",
+                   help="with --group-by: pool runs of different commits or uncommitted changes in one group "
+                        "(refused by default; tag mhc.code)")
     return p
 
 
@@ -48,10 +61,13 @@ def grouped_command(args, uri: str) -> list[str]:
     """The canonical `mhc compare` arguments of a grouped report, as its header quotes them."""
     cmd = ["--experiment", args.experiment, "--group-by", args.group_by, "--tracking-uri", uri]
     for flag, value in (("--out", args.out), ("--report", args.report), ("--notes", args.notes),
-                        ("--context", args.context)):
+                        ("--context", args.context), ("--baseline", args.baseline)):
         if value:
             cmd += [flag, str(value)]
-    return cmd + (["--include-eval"] if args.include_eval else [])
+    if args.baseline and args.metric != "val_bpb":
+        cmd += ["--metric", args.metric]
+    return (cmd + (["--include-eval"] if args.include_eval else [])
+            + (["--allow-mixed-code"] if args.allow_mixed_code else []))
 
 
 def _grouped(args, uri: str) -> int:
@@ -60,9 +76,14 @@ def _grouped(args, uri: str) -> int:
     out = Path(args.out or "reports/grouped")
     res = report(uri, args.experiment, args.group_by.split(","), out, Path(args.report) if args.report else None,
                  Path(args.notes) if args.notes else None, Path(args.context) if args.context else None,
-                 "mhc compare " + " ".join(grouped_command(args, uri)), args.include_eval)
+                 "mhc compare " + " ".join(grouped_command(args, uri)), args.include_eval, args.baseline,
+                 args.metric, args.allow_mixed_code)
     print(f"{res['runs']} runs in {res['groups']} groups -> {res['table']}")
     print(Path(res["table"]).read_text())
+    if res["differences"] is not None:
+        print(f"difference in {args.metric} to {args.baseline} (95% CI; paired by seed where seeds pair) "
+              f"-> {res['differences']}")
+        print(Path(res["differences"]).read_text())
     return 0
 
 
@@ -87,6 +108,9 @@ def main(argv: Optional[list[str]] = None, prog: str = "mhc compare") -> int:
     args = parser.parse_args(argv)
     if args.group_by and not args.experiment:
         parser.error("--group-by needs --experiment")
+    for flag, value in (("--baseline", args.baseline), ("--allow-mixed-code", args.allow_mixed_code)):
+        if value and not args.group_by:
+            parser.error(f"{flag} needs --group-by (the groups it compares)")
     uri = args.tracking_uri or _default_uri()
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one bar per downloaded file otherwise
     try:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from . import plots
-from .runs import COMPARISON_TAG, CompareError, RunData, load, search
+from .runs import COMPARISON_TAG, CompareError, RunData, code_label, load, search
 from .tables import fmt, frame, write_table
 
 FINAL_METRICS = ["val/loss", "val/bpb", "train/loss", "train/grad_norm", "amax/composite_fwd_max", "amax/composite_bwd_max"]
@@ -31,7 +31,7 @@ def table_rows(data: list[RunData]) -> list[dict[str, Any]]:
     cols = differing_columns(configs)
     rows = []
     for d, cfg in zip(data, configs):
-        row = {"run": d.name, "run_id": d.run_id, "status": d.status}
+        row = {"run": d.name, "run_id": d.run_id, "status": d.status, "code": code_label(d)}
         if any(x.evaluation for x in data):
             row["stage"] = d.stage
         if "optuna.trial" in d.tags:

@@ -1,11 +1,13 @@
-"""Grouped results report: runs aggregated over seeds (mean +- std) into markdown tables and plots.
+"""Grouped results report: runs aggregated over seeds (mean +- std) into markdown tables and plots, and each group's
+difference to a baseline group with a paired confidence interval (stats.py).
 
-    mhc compare --experiment stability --group-by variant,model.arch.n_layers \
+    mhc compare --experiment stability --group-by variant,model.arch.n_layers --baseline residual \
         --tracking-uri http://127.0.0.1:5000 --out docs/results --report docs/results.md \
         --notes docs/results_notes.md --context docs/results/context.txt
 
 Groups come from run tags (the grid runner tags every run with its variant and axis values); only FINISHED
-training runs count. Reads local stores and servers alike (runs.py).
+training runs count. A group pools runs of one code state only (tag `mhc.code`: commit, and a digest of any
+uncommitted change), unless allow_mixed_code is set. Reads local stores and servers alike (runs.py).
 """
 from __future__ import annotations
 
@@ -17,18 +19,24 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Optional
 
+from ..diagnostics import GRAD_SPIKE_FACTOR as SPIKE_FACTOR
 from . import plots
-from .runs import CompareError, RunData, load, search
+from .runs import CompareError, RunData, code_label, load, search, seed_of
+from .stats import difference, format_difference
 from .tables import frame, write_table
 
 HISTORIES = ["val/loss", "val/bpb", "train/grad_norm", "train/tokens_per_sec",
-             "amax/composite_fwd_max", "amax/composite_bwd_max", "amax/composite_min_colsum", "hres/dist_identity_max"]
-SPIKE_FACTOR = 4.0  # a logged grad norm (after warmup) above 4x the run's median counts as a spike
+             "amax/composite_fwd_max", "amax/composite_bwd_max", "amax/composite_bwd_tokmean",
+             "amax/composite_min_colsum_worst", "amax/composite_min_colsum_tokmean", "hres/dist_identity_max",
+             "sinkhorn/logit_range_max"]
 COLUMNS = [  # (summary key, header, format)
     ("val_bpb", "val bits/byte", "{:.4f}"),
-    ("amax_fwd_peak", "composite Amax fwd (peak)", "{:.4g}"),
-    ("amax_bwd_peak", "composite Amax bwd (peak)", "{:.4g}"),
-    ("min_colsum", "min column sum", "{:.3g}"),
+    ("amax_fwd_peak", "composite Amax fwd (worst token, peak)", "{:.4g}"),
+    ("amax_bwd_peak", "composite Amax bwd (worst token, peak)", "{:.4g}"),
+    ("amax_bwd_tokmean_peak", "composite Amax bwd (token mean, peak)", "{:.4g}"),
+    ("min_colsum", "min column sum (worst token)", "{:.3g}"),
+    ("min_colsum_tokmean", "min column sum (token mean)", "{:.3g}"),
+    ("logit_range_peak", "res logit range (peak)", "{:.3g}"),
     # is the mechanism engaged at all (docs/design.md §6-7): streams that differ, an H_res that moves
     ("stream_spread", "stream spread (last sublayer)", "{:.3g}"),
     ("hres_dist_identity", "‖H_res − I‖ (final, layer mean)", "{:.3g}"),
@@ -40,27 +48,39 @@ COLUMNS = [  # (summary key, header, format)
 
 
 def run_summary(d: RunData) -> dict[str, float]:
-    """Per-run scalars: final validation, the worst gains seen over training, spikes, throughput."""
+    """Per-run scalars: final validation, the extreme gains seen over training, spikes, throughput.
+
+    Grad-norm maxima and spikes come from the run's every-step summary (`train/grad_norm_max`, `train/grad_spikes`,
+    logged by the module) where it has one; older runs only have the logged curve, every log_every_n_steps-th step.
+    """
     def peak(key):
         vals = [v for _, v in d.curves.get(key, [])]
         return max(vals) if vals else math.nan  # residual: one stream, no H_res ("–" in the table)
+
+    def lowest(key):
+        vals = [v for _, v in d.curves.get(key, [])]
+        return min(vals) if vals else math.nan
 
     warmup = int(d.params.get("optim/warmup_steps", 0))  # early steps are large by design, not spikes
     gn = [v for step, v in d.curves.get("train/grad_norm", []) if step >= warmup]
     med = st.median(gn) if gn else math.nan
     tps = [v for _, v in d.curves.get("train/tokens_per_sec", [])]
-    colsum = [v for _, v in d.curves.get("amax/composite_min_colsum", [])]
+    every_step = "train/grad_norm_max" in d.metrics
     return {
         "val_bpb": d.metrics.get("val/bpb", math.nan),
         "val_loss": d.metrics.get("val/loss", math.nan),
         "amax_fwd_peak": peak("amax/composite_fwd_max"),
         "amax_bwd_peak": peak("amax/composite_bwd_max"),
-        "min_colsum": min(colsum) if colsum else math.nan,
+        "amax_bwd_tokmean_peak": peak("amax/composite_bwd_tokmean"),
+        "min_colsum": lowest("amax/composite_min_colsum_worst"),
+        "min_colsum_tokmean": lowest("amax/composite_min_colsum_tokmean"),
+        "logit_range_peak": peak("sinkhorn/logit_range_max"),
         "stream_spread": d.metrics.get("streams/spread_last", math.nan),
         "hres_dist_identity": d.metrics.get("hres/dist_identity", math.nan),
         "hres_dist_identity_peak": peak("hres/dist_identity_max"),
-        "grad_norm_max": max(gn) if gn else math.nan,
-        "grad_spikes": float(sum(v > SPIKE_FACTOR * med for v in gn)) if gn else math.nan,
+        "grad_norm_max": d.metrics["train/grad_norm_max"] if every_step else (max(gn) if gn else math.nan),
+        "grad_spikes": d.metrics.get("train/grad_spikes", math.nan) if every_step else (
+            float(sum(v > SPIKE_FACTOR * med for v in gn)) if gn else math.nan),
         "tokens_per_sec": st.median(tps) if tps else math.nan,
     }
 
@@ -73,6 +93,16 @@ def _num(v: str):
             return float(v)
         except ValueError:
             return v
+
+
+def check_one_code(groups: dict[tuple, list[RunData]]) -> None:
+    """Refuse a group that pools runs of different code (commits, or uncommitted changes): one line naming them."""
+    for gk, runs in groups.items():
+        labels = {d.run_id: code_label(d) for d in runs}
+        if len(set(labels.values())) > 1 or any("," in v for v in labels.values()):
+            named = ", ".join(f"{d.name} ({labels[d.run_id]})" for d in runs)
+            raise CompareError(f"group {' '.join(map(str, gk))} pools runs of different code: {named}; compare runs "
+                               "of one commit (rerun them), or pass --allow-mixed-code to pool them anyway")
 
 
 def group(data: list[RunData], keys: list[str]) -> dict[tuple, list[RunData]]:
@@ -98,7 +128,9 @@ def tables(groups, keys):
     records, cells = [], []
     for gk, runs in groups.items():
         sums = [run_summary(d) for d in runs]
-        rec, row = dict(zip(keys, gk), runs=len(runs)), {**{k: str(v) for k, v in zip(keys, gk)}, "runs": str(len(runs))}
+        code = ",".join(sorted({code_label(d) for d in runs}))
+        rec = dict(zip(keys, gk), runs=len(runs), code=code)
+        row = {**{k: str(v) for k, v in zip(keys, gk)}, "runs": str(len(runs)), "code": code}
         for key, header, f in COLUMNS:
             m, s = mean_std([x[key] for x in sums])
             rec[key], rec[key + "_std"] = m, s
@@ -106,6 +138,26 @@ def tables(groups, keys):
         records.append(rec)
         cells.append(row)
     return frame(records), frame(cells)
+
+
+def baseline_differences(groups: dict[tuple, list[RunData]], keys: list[str], baseline: str,
+                         metric: str = "val_bpb"):
+    """Each group's difference in `metric` to the group that has `baseline` as its first key and the same other keys:
+    paired by seed where seeds pair, Welch otherwise (stats.difference). Returns the DataFrame of rows."""
+    if not any(str(gk[0]) == baseline for gk in groups):
+        raise CompareError(f"--baseline {baseline!r}: no group has {keys[0]}={baseline}; "
+                           f"groups: {sorted({str(gk[0]) for gk in groups})}")
+    by_key = {tuple(str(x) for x in gk): runs for gk, runs in groups.items()}
+    rows = []
+    for gk, runs in groups.items():
+        if str(gk[0]) == baseline:
+            continue
+        base = by_key.get((baseline, *(str(x) for x in gk[1:])))
+        if base is None:
+            continue
+        pairs = [[(seed_of(d), run_summary(d)[metric]) for d in rs] for rs in (runs, base)]
+        rows.append({**{k: str(v) for k, v in zip(keys, gk)}, "vs": baseline, **format_difference(difference(*pairs))})
+    return frame(rows)
 
 
 def _at_deepest(groups, at):
@@ -163,15 +215,25 @@ def make_plots(groups, keys, out: Path) -> dict[str, Path]:
     return {k: v for k, v in result.items() if v is not None}
 
 
+SEED_NOTE = ("A seed sets the initialisation and, unless data.seed is set, the data order (the windows' offset and "
+             "shuffle); the ± spread covers both.")
+
+
 def report(tracking_uri: str, experiment: str, keys: list[str], out: Path, report_path: Optional[Path],
-           notes: Optional[Path], context: Optional[Path], command: str, include_evaluation: bool = False) -> dict:
+           notes: Optional[Path], context: Optional[Path], command: str, include_evaluation: bool = False,
+           baseline: Optional[str] = None, metric: str = "val_bpb", allow_mixed_code: bool = False) -> dict:
     data = load(tracking_uri, search(tracking_uri, experiment=experiment, include_evaluation=include_evaluation,
                                      finished_only=True), HISTORIES)
     if not data:
         raise CompareError(f"experiment {experiment!r} has no FINISHED runs")
     groups = group(data, keys)
+    if not allow_mixed_code:
+        check_one_code(groups)
     numbers, text = tables(groups, keys)
     md_path, _ = write_table(numbers, out, "groups", md_df=text)
+    diff_path = None
+    if baseline is not None:
+        diff_path, _ = write_table(baseline_differences(groups, keys, baseline, metric), out, f"vs_{baseline}")
     figures = make_plots(groups, keys, out)
     if report_path:
         rel = os.path.relpath(out, report_path.parent)
@@ -180,9 +242,13 @@ def report(tracking_uri: str, experiment: str, keys: list[str], out: Path, repor
         if context and context.exists():
             parts.append("Context:\n\n" + "".join(f"    {line}\n" for line in context.read_text().splitlines()) + "\n")
         parts.append(f"{len(data)} finished runs, grouped by {', '.join(keys)}; mean ± std over the runs of each "
-                     f"group.\n\n" + md_path.read_text())
+                     f"group. {SEED_NOTE}\n\n" + md_path.read_text())
+        if diff_path is not None:
+            parts.append(f"Difference in {metric} to `{baseline}` (group − {baseline}; 95 % confidence interval, paired "
+                         "by seed where both groups ran the same seeds, Welch otherwise; \"cannot tell apart\": the "
+                         "interval holds 0):\n\n" + diff_path.read_text())
         parts.append("\n".join(f"![{k}]({rel}/{p.name})" for k, p in figures.items()) + "\n")
         if notes and notes.exists():
             parts.append(notes.read_text())
         report_path.write_text("\n".join(parts))
-    return {"runs": len(data), "groups": len(groups), "table": md_path, "plots": figures}
+    return {"runs": len(data), "groups": len(groups), "table": md_path, "plots": figures, "differences": diff_path}

@@ -87,6 +87,23 @@ class RunData:
         return statistics.median(vals) if vals else self.metrics.get("train/tokens_per_sec")
 
 
+CODE_TAG = "mhc.code"  # commit[:9] (+ digest of the uncommitted change), set by callbacks/provenance.py
+
+
+def code_label(d: RunData) -> str:
+    """The code a run ran, as `mhc compare` shows and groups it: the provenance tag; for a run from before it,
+    MLflow's own commit guess marked '?' (it never knew about uncommitted changes), else 'unknown'."""
+    if CODE_TAG in d.tags:
+        return d.tags[CODE_TAG]
+    guess = d.tags.get("mlflow.source.git.commit")
+    return f"{guess[:9]}?" if guess else "unknown"
+
+
+def seed_of(d: RunData) -> Optional[str]:
+    """The run's seed_everything: the grid's axis tag, else the logged param; None when neither exists."""
+    return d.tags.get("seed_everything") or d.params.get("seed_everything")
+
+
 def _quote(value: str) -> str:
     return "'" + value.replace("'", "\\'") + "'"
 

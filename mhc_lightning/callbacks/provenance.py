@@ -1,0 +1,98 @@
+"""RunProvenance: every run (fit, validate, test; each grid point and sweep trial) records what it ran.
+
+- tags `mhc.git.commit`, `mhc.git.dirty`, `mhc.git.diff_sha256` (and MLflow's own `mlflow.source.git.commit`,
+  overwritten with the real one), `mhc.code` (the label `mhc compare` groups by), `mhc.env.*` (Python, library, CUDA
+  and GPU versions), `mhc.data.train_sha256` / `mhc.data.val_sha256` / `mhc.data.seed_source`;
+- params `seed_everything`, `data/seed` and the trainer settings that change results (`trainer/*`);
+- artifacts `provenance/environment.json` and, for a dirty checkout, `provenance/uncommitted.diff`.
+
+A resumed run (`--ckpt_path last`) may run other code or settings than its first part: MLflow params cannot change,
+so a changed one is kept as its first value and the tag `mhc.changed_on_resume.<param>` says `first -> now`; the
+code tags list every commit the run ran under, comma-separated, so that `mhc compare` keeps it out of clean pools.
+Loggers other than MLflow get the same values as hyperparameters.
+"""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import MLFlowLogger
+
+from ..provenance import code_state, environment
+
+CODE_TAG = "mhc.code"
+COMMIT_TAG = "mhc.git.commit"
+DIRTY_TAG = "mhc.git.dirty"
+DIFF_TAG = "mhc.git.diff_sha256"
+CHANGED_PREFIX = "mhc.changed_on_resume."
+
+
+def trainer_settings(trainer) -> dict[str, str]:
+    """The Trainer settings that change a result, as params."""
+    return {
+        "trainer/precision": str(trainer.precision),
+        "trainer/devices": str(trainer.num_devices),
+        "trainer/num_nodes": str(trainer.num_nodes),
+        "trainer/strategy": type(trainer.strategy).__name__,
+        "trainer/max_steps": str(trainer.max_steps),
+        "trainer/accumulate_grad_batches": str(trainer.accumulate_grad_batches),
+        "trainer/gradient_clip_val": str(trainer.gradient_clip_val),
+        "trainer/gradient_clip_algorithm": str(trainer.gradient_clip_algorithm),
+        "trainer/deterministic": str(torch.are_deterministic_algorithms_enabled()),
+    }
+
+
+def _merged(old: str, new: str) -> str:
+    """A comma-separated history of values, each once, in order."""
+    seen = [v for v in old.split(",") if v] if old else []
+    return ",".join(seen + [v for v in new.split(",") if v and v not in seen])
+
+
+class RunProvenance(Callback):
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if not trainer.is_global_zero:
+            return
+        code = code_state()
+        params = {"seed_everything": os.environ.get("PL_GLOBAL_SEED", "off"), **trainer_settings(trainer)}
+        tags = {COMMIT_TAG: code.commit, DIRTY_TAG: "unknown" if code.dirty is None else str(code.dirty).lower(),
+                DIFF_TAG: code.diff_sha256, CODE_TAG: code.label}
+        dm = trainer.datamodule
+        if dm is not None and getattr(dm, "train_sha256", None):
+            params["data/seed"] = str(dm.hparams.seed)
+            tags.update({"mhc.data.train_sha256": dm.train_sha256, "mhc.data.val_sha256": dm.val_sha256,
+                         "mhc.data.seed_source": str(dm.seed_source)})
+        env = environment(trainer.strategy.root_device)
+        tags.update({f"mhc.env.{k}": v for k, v in env.items()})
+        for lg in trainer.loggers:
+            if isinstance(lg, MLFlowLogger):
+                self._to_mlflow(lg, params, tags, env, code)
+            else:
+                lg.log_hyperparams({**params, **tags})
+
+    @staticmethod
+    def _to_mlflow(lg: MLFlowLogger, params: dict[str, str], tags: dict[str, str], env: dict, code) -> None:
+        client, run_id = lg.experiment, lg.run_id
+        run = client.get_run(run_id)
+        before_params, before_tags = run.data.params, run.data.tags
+        for key in (COMMIT_TAG, DIRTY_TAG, DIFF_TAG, CODE_TAG):  # a resumed run keeps the history of its code
+            if before_tags.get(key) and before_tags[key] != tags[key]:
+                tags[key] = _merged(before_tags[key], tags[key]) if key != DIRTY_TAG else (
+                    "true" if "true" in (before_tags[key], tags[key]) else tags[key])
+        for key, value in params.items():
+            if key in before_params and before_params[key] != value:
+                tags[CHANGED_PREFIX + key] = f"{before_params[key]} -> {value}"
+                warnings.warn(f"resumed run {run_id}: {key} was {before_params[key]}, now {value} "
+                              f"(recorded in the tag {CHANGED_PREFIX}{key})", stacklevel=2)
+        new_params = {k: v for k, v in params.items() if k not in before_params}
+        if new_params:
+            lg.log_hyperparams(new_params)
+        if code.commit != "unknown":
+            tags["mlflow.source.git.commit"] = code.commit
+        for key, value in tags.items():
+            client.set_tag(run_id, key, value)
+        client.log_text(run_id, json.dumps(env, indent=1, sort_keys=True), "provenance/environment.json")
+        if code.dirty:
+            client.log_text(run_id, code.diff, f"provenance/uncommitted-{code.diff_sha256[:12]}.diff")

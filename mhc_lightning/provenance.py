@@ -1,0 +1,103 @@
+"""What a run ran: the code (commit, dirty flag, a digest of the uncommitted change), the software and hardware, and
+the settings that change results. Read once per process; `callbacks/provenance.py` writes it into every run.
+
+The code is located from this package's own files, not from the command line or the working directory: MLflow's
+guess (`mlflow.source.git.commit`, from `sys.argv[0]`) records nothing when the `mhc` entry point lives in a venv
+outside the checkout, in Docker or in conda, and a wrong commit when the checkout holds uncommitted code.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.metadata
+import platform
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+UNKNOWN = "unknown"
+# The libraries whose versions can change a result; a missing one is recorded as absent.
+LIBRARIES = ("torch", "triton", "lightning", "mlflow", "optuna", "numpy")
+
+
+@dataclass(frozen=True)
+class CodeState:
+    """commit: HEAD of the checkout this package is imported from (UNKNOWN for an installed copy or without git);
+    dirty: whether tracked files differ from it or untracked, non-ignored files exist (None: unknown);
+    diff_sha256: digest of that difference (the `git diff HEAD` bytes, then each untracked file's name and bytes);
+    diff: the difference as text, kept with the run so that the code can be rebuilt."""
+
+    commit: str
+    dirty: Optional[bool]
+    diff_sha256: str = ""
+    diff: str = ""
+    checkout: str = ""
+
+    @property
+    def label(self) -> str:
+        """commit[:9], with '+<digest[:8]>' when dirty: two runs of one label ran the same code."""
+        if self.commit == UNKNOWN:
+            return UNKNOWN
+        return self.commit[:9] + (f"+{self.diff_sha256[:8]}" if self.dirty else "")
+
+
+def _git(root: Path, *args: str) -> bytes:
+    return subprocess.run(["git", "-C", str(root), *args], capture_output=True, check=True, timeout=60).stdout
+
+
+@functools.lru_cache(maxsize=None)
+def code_state(start: Path = PACKAGE_DIR) -> CodeState:
+    """The code behind `start` (this package by default); cached: one read per process."""
+    if shutil.which("git") is None:
+        return CodeState(UNKNOWN, None)
+    try:
+        root = Path(_git(start, "rev-parse", "--show-toplevel").decode().strip())
+        commit = _git(root, "rev-parse", "HEAD").decode().strip()
+    except (subprocess.SubprocessError, OSError):
+        return CodeState(UNKNOWN, None)  # an installed copy: no checkout around it
+    try:
+        diff = _git(root, "diff", "HEAD", "--binary")
+        untracked = [p for p in _git(root, "ls-files", "--others", "--exclude-standard", "-z").split(b"\0") if p]
+    except (subprocess.SubprocessError, OSError):
+        return CodeState(commit, None, checkout=str(root))
+    digest = hashlib.sha256(diff)
+    listing = []
+    for name in sorted(untracked):
+        path = root / name.decode(errors="surrogateescape")
+        digest.update(b"\0untracked\0" + name + b"\0")
+        try:
+            digest.update(path.read_bytes())
+        except OSError:
+            pass  # vanished or unreadable: its name still counts
+        listing.append(name.decode(errors="replace"))
+    dirty = bool(diff) or bool(untracked)
+    text = diff.decode(errors="replace")
+    if listing:
+        text += "".join(f"# untracked: {name}\n" for name in listing)
+    return CodeState(commit, dirty, digest.hexdigest() if dirty else "", text if dirty else "", str(root))
+
+
+def _version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
+
+
+def environment(device: Optional[torch.device] = None) -> dict[str, str]:
+    """Versions of Python and the libraries in LIBRARIES, the mhc_lightning install, CUDA, and the GPU in use."""
+    env = {"python": platform.python_version(), "platform": platform.platform(), "mhc_lightning": _version(
+        "mhc-lightning"), **{name: _version(name) for name in LIBRARIES}, "torch_build": torch.__version__}
+    env["cuda"] = torch.version.cuda or "none"
+    if device is not None and device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["gpu_count"] = str(torch.cuda.device_count())
+        env["cudnn"] = str(torch.backends.cudnn.version())
+    else:
+        env["gpu"] = "none"
+    return env

@@ -1,0 +1,104 @@
+"""Run provenance (mhc_lightning/provenance.py, callbacks/provenance.py): the code, environment, data and settings
+every run records, wherever it was started from."""
+from __future__ import annotations
+
+import hashlib
+import subprocess
+from pathlib import Path
+
+import mlflow
+import pytest
+
+from mhc_lightning import provenance
+from mhc_lightning.callbacks.provenance import RunProvenance
+from mhc_lightning.loggers import ResilientMLFlowLogger
+from test_callbacks_common import tiny_fit
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _git(root: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def _repo(path: Path) -> Path:
+    path.mkdir()
+    _git(path, "init", "-q")
+    (path / "pkg").mkdir()
+    (path / "pkg" / "a.py").write_text("x = 1\n")
+    (path / ".gitignore").write_text("ignored/\n")
+    _git(path, "add", ".")
+    _git(path, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q", "-m", "init")
+    return path
+
+
+def test_code_state_follows_the_checkout_not_the_working_directory(tmp_path, monkeypatch):
+    root = _repo(tmp_path / "repo")
+    monkeypatch.chdir(tmp_path)  # outside the checkout
+    clean = provenance.code_state.__wrapped__(root / "pkg")
+    assert clean.commit == _git(root, "rev-parse", "HEAD") and clean.dirty is False and clean.label == clean.commit[:9]
+    (root / "ignored").mkdir()
+    (root / "ignored" / "out.db").write_text("runs write here")
+    assert provenance.code_state.__wrapped__(root / "pkg").dirty is False  # ignored files are not code
+    (root / "pkg" / "a.py").write_text("x = 2\n")
+    edited = provenance.code_state.__wrapped__(root / "pkg")
+    assert edited.dirty and "+x = 2" in edited.diff and edited.label == f"{clean.commit[:9]}+{edited.diff_sha256[:8]}"
+    (root / "pkg" / "b.py").write_text("y = 1\n")
+    more = provenance.code_state.__wrapped__(root / "pkg")
+    assert more.dirty and more.diff_sha256 != edited.diff_sha256 and "# untracked: pkg/b.py" in more.diff
+    alone = tmp_path / "installed"
+    alone.mkdir()
+    assert provenance.code_state.__wrapped__(alone) == provenance.CodeState("unknown", None)
+
+
+def test_environment_names_the_libraries():
+    env = provenance.environment()
+    assert env["torch"] != "absent" and env["lightning"] != "absent" and env["gpu"] == "none"
+    assert set(provenance.LIBRARIES) <= set(env)
+
+
+def _run(uri: str, run_id: str):
+    return mlflow.MlflowClient(uri).get_run(run_id)
+
+
+def test_every_run_records_code_environment_data_and_settings(tiny_corpus, mlflow_uri, tmp_path):
+    logger = ResilientMLFlowLogger(experiment_name="prov", tracking_uri=mlflow_uri)
+    trainer, _ = tiny_fit(tiny_corpus, [RunProvenance()], steps=2, logger=logger, seed=3, data_seed=None,
+                          gradient_clip_val=0.5,
+                          accumulate_grad_batches=2, precision="32-true", default_root_dir=tmp_path)
+    run = _run(mlflow_uri, logger.run_id)
+    tags, params = run.data.tags, run.data.params
+    code = provenance.code_state()
+    assert tags["mhc.git.commit"] == code.commit == tags["mlflow.source.git.commit"]
+    assert tags["mhc.git.dirty"] == str(code.dirty).lower() and tags["mhc.code"] == code.label
+    if code.commit != "unknown" and (REPO / ".git").exists():
+        assert code.commit == _git(REPO, "rev-parse", "HEAD")
+        assert code.dirty == bool(_git(REPO, "status", "--porcelain"))
+    for lib in ("python", "torch", "triton", "lightning", "mlflow", "cuda", "gpu"):
+        assert tags[f"mhc.env.{lib}"]
+    dm = trainer.datamodule
+    train = tiny_corpus.read_bytes()[: dm.train_bytes]
+    assert tags["mhc.data.train_sha256"] == hashlib.sha256(train).hexdigest()
+    assert tags["mhc.data.seed_source"] == "seed_everything"
+    assert params["seed_everything"] == "3" and params["data/seed"] == "3"
+    assert params["trainer/precision"] == "32-true" and params["trainer/accumulate_grad_batches"] == "2"
+    assert params["trainer/gradient_clip_val"] == "0.5" and params["trainer/max_steps"] == "2"
+    assert params["trainer/devices"] == "1" and params["trainer/strategy"] == "SingleDeviceStrategy"
+    artifacts = {a.path for a in mlflow.MlflowClient(mlflow_uri).list_artifacts(logger.run_id, "provenance")}
+    assert "provenance/environment.json" in artifacts
+    assert any(p.endswith(".diff") for p in artifacts) == bool(code.dirty)
+
+
+def test_a_resumed_run_keeps_the_history_of_its_code_and_settings(tiny_corpus, mlflow_uri, tmp_path, monkeypatch):
+    first = ResilientMLFlowLogger(experiment_name="prov", tracking_uri=mlflow_uri)
+    tiny_fit(tiny_corpus, [RunProvenance()], steps=1, logger=first, default_root_dir=tmp_path)
+    other = provenance.CodeState("f" * 40, True, "e" * 64, "diff --git a/x b/x\n")
+    monkeypatch.setattr("mhc_lightning.callbacks.provenance.code_state", lambda: other)
+    again = ResilientMLFlowLogger(experiment_name="prov", tracking_uri=mlflow_uri, run_id=first.run_id)
+    with pytest.warns(UserWarning, match="trainer/max_steps was 1, now 2"):
+        tiny_fit(tiny_corpus, [RunProvenance()], steps=2, logger=again, default_root_dir=tmp_path)
+    tags, params = (lambda r: (r.data.tags, r.data.params))(_run(mlflow_uri, first.run_id))
+    before = provenance.code_state()
+    assert tags["mhc.git.commit"] == f"{before.commit},{'f' * 40}"
+    assert tags["mhc.code"] == f"{before.label},{other.label}" and tags["mhc.git.dirty"] == "true"
+    assert params["trainer/max_steps"] == "1" and tags["mhc.changed_on_resume.trainer/max_steps"] == "1 -> 2"
