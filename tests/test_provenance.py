@@ -10,7 +10,7 @@ import mlflow
 import pytest
 
 from mhc_lightning import provenance
-from mhc_lightning.callbacks.provenance import RunProvenance
+from mhc_lightning.callbacks.provenance import RunProvenance, weights_digest
 from mhc_lightning.loggers import ResilientMLFlowLogger
 from test_callbacks_common import tiny_fit
 
@@ -63,7 +63,7 @@ def _run(uri: str, run_id: str):
 
 def test_every_run_records_code_environment_data_and_settings(tiny_corpus, mlflow_uri, tmp_path):
     logger = ResilientMLFlowLogger(experiment_name="prov", tracking_uri=mlflow_uri)
-    trainer, _ = tiny_fit(tiny_corpus, [RunProvenance()], steps=2, logger=logger, seed=3, data_seed=None,
+    trainer, module = tiny_fit(tiny_corpus, [RunProvenance()], steps=2, logger=logger, seed=3, data_seed=None,
                           gradient_clip_val=0.5,
                           accumulate_grad_batches=2, precision="32-true", default_root_dir=tmp_path)
     run = _run(mlflow_uri, logger.run_id)
@@ -71,6 +71,7 @@ def test_every_run_records_code_environment_data_and_settings(tiny_corpus, mlflo
     code = provenance.code_state()
     assert tags["mhc.git.commit"] == code.commit == tags["mlflow.source.git.commit"]
     assert tags["mhc.git.dirty"] == str(code.dirty).lower() and tags["mhc.code"] == code.label
+    assert tags["mhc.weights_sha256"] == weights_digest(module)
     if code.commit != "unknown" and (REPO / ".git").exists():
         assert code.commit == _git(REPO, "rev-parse", "HEAD")
         assert code.dirty == bool(_git(REPO, "status", "--porcelain"))

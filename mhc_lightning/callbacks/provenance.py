@@ -4,7 +4,9 @@
   overwritten with the real one), `mhc.code` (the label `mhc compare` groups by), `mhc.env.*` (Python, library, CUDA
   and GPU versions), `mhc.data.train_sha256` / `mhc.data.val_sha256` / `mhc.data.seed_source`;
 - params `seed_everything`, `data/seed` and the trainer settings that change results (`trainer/*`);
-- artifacts `provenance/environment.json` and, for a dirty checkout, `provenance/uncommitted.diff`.
+- artifacts `provenance/environment.json` and, for a dirty checkout, `provenance/uncommitted-<digest>.diff`;
+- at the end of a fit, the tag `mhc.weights_sha256`: a digest of the final weights, so that replicates (same code,
+  config and seed) can be checked for bitwise identity from the store alone.
 
 A resumed run (`--ckpt_path last`) may run other code or settings than its first part: MLflow params cannot change,
 so a changed one is kept as its first value and the tag `mhc.changed_on_resume.<param>` says `first -> now`; the
@@ -13,6 +15,7 @@ Loggers other than MLflow get the same values as hyperparameters.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import warnings
@@ -27,6 +30,7 @@ CODE_TAG = "mhc.code"
 COMMIT_TAG = "mhc.git.commit"
 DIRTY_TAG = "mhc.git.dirty"
 DIFF_TAG = "mhc.git.diff_sha256"
+WEIGHTS_TAG = "mhc.weights_sha256"
 CHANGED_PREFIX = "mhc.changed_on_resume."
 
 
@@ -43,6 +47,16 @@ def trainer_settings(trainer) -> dict[str, str]:
         "trainer/gradient_clip_algorithm": str(trainer.gradient_clip_algorithm),
         "trainer/deterministic": str(torch.are_deterministic_algorithms_enabled()),
     }
+
+
+def weights_digest(module) -> str:
+    """sha256 over every parameter and buffer, by name, in the order of the state dict (dtype and bytes)."""
+    digest = hashlib.sha256()
+    for name, t in module.state_dict().items():
+        t = t.detach().cpu().contiguous()
+        digest.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()
 
 
 def _merged(old: str, new: str) -> str:
@@ -71,6 +85,15 @@ class RunProvenance(Callback):
                 self._to_mlflow(lg, params, tags, env, code)
             else:
                 lg.log_hyperparams({**params, **tags})
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        if trainer.is_global_zero:
+            digest = weights_digest(pl_module)
+            for lg in trainer.loggers:
+                if isinstance(lg, MLFlowLogger):
+                    lg.experiment.set_tag(lg.run_id, WEIGHTS_TAG, digest)
+                else:
+                    lg.log_hyperparams({WEIGHTS_TAG: digest})
 
     @staticmethod
     def _to_mlflow(lg: MLFlowLogger, params: dict[str, str], tags: dict[str, str], env: dict, code) -> None:
