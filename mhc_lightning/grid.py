@@ -4,6 +4,8 @@ A grid file names base configs, named variants (sets of overrides) and axes (lis
 one `mhc fit` process, so a grid run is exactly what the CLI would run.
     mhc grid conf/experiments/stability_grid.yaml --parallel 8 [--dry-run] [--set KEY=VALUE ...]
 Runs get the tags variant / <axis> / grid so that `mhc compare --group-by` can group them (mean +- std over seeds).
+`repeats: k` runs every point k times (names end in -r1 .. -rk, tag `replicate`): the same code, config and seed
+again, to measure the run-to-run spread that a seed spread is compared against.
 
 Not an Optuna sweep with a grid sampler: a grid has no objective to report, its runs are plain `mhc fit` runs named
 and tagged for the grouped report (docs/results.md reads those tags), and a study storage would add nothing to that.
@@ -22,7 +24,7 @@ import yaml
 
 from .errors import UserError
 
-AXIS_SHORT = {"model.arch.n_layers": "L", "seed_everything": "s"}
+AXIS_SHORT = {"model.arch.n_layers": "L", "seed_everything": "s", "trainer.deterministic": "det"}
 
 
 class GridError(UserError):
@@ -39,6 +41,9 @@ def load_grid(path: Path) -> dict:
     if not isinstance(spec["variants"], dict) or not spec["variants"]:
         raise GridError(f"{path}: 'variants' must be a non-empty mapping of name -> overrides")
     spec.setdefault("axes", {})
+    repeats = spec.setdefault("repeats", 1)
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise GridError(f"{path}: 'repeats' must be an integer >= 1 (runs per grid point), got {repeats!r}")
     return spec
 
 
@@ -55,14 +60,17 @@ def expand(spec: dict, root: Path, extra: list[str]) -> list[tuple[str, dict, li
     keys = list(axes)[::-1]
     for values in itertools.product(*(axes[k] for k in keys)):
         point = dict(sorted(zip(keys, values), key=lambda kv: list(axes).index(kv[0])))
-        for variant, overrides in spec["variants"].items():
-            name = "-".join([variant] + [f"{AXIS_SHORT.get(k, k.split('.')[-1])}{v}" for k, v in point.items()])
-            tags = {"grid": spec["experiment"], "variant": variant, **{k: str(v) for k, v in point.items()}}
-            argv = ["fit"] + [a for c in spec["configs"] for a in ("-c", str(root / c))]
-            argv += [_flag(k, v) for k, v in {**(overrides or {}), **point}.items()]
-            argv += [f"--trainer.logger.init_args.experiment_name={spec['experiment']}",
-                     f"--trainer.logger.init_args.run_name={name}"] + extra
-            runs.append((name, tags, argv))
+        for repeat in range(1, spec.get("repeats", 1) + 1):
+            for variant, overrides in spec["variants"].items():
+                name = "-".join([variant] + [f"{AXIS_SHORT.get(k, k.split('.')[-1])}{v}" for k, v in point.items()])
+                tags = {"grid": spec["experiment"], "variant": variant, **{k: str(v) for k, v in point.items()}}
+                if spec.get("repeats", 1) > 1:
+                    name, tags["replicate"] = f"{name}-r{repeat}", str(repeat)
+                argv = ["fit"] + [a for c in spec["configs"] for a in ("-c", str(root / c))]
+                argv += [_flag(k, v) for k, v in {**(overrides or {}), **point}.items()]
+                argv += [f"--trainer.logger.init_args.experiment_name={spec['experiment']}",
+                         f"--trainer.logger.init_args.run_name={name}"] + extra
+                runs.append((name, tags, argv))
     return runs
 
 

@@ -97,3 +97,16 @@ def test_killed_grid_takes_its_runs_along(tiny_corpus, tmp_path):
         grid.wait()
     gone, alive = psutil.wait_procs(children, timeout=30)
     assert not alive, [p.cmdline()[:3] for p in alive]
+
+
+def test_repeats_run_each_point_again_under_its_own_name(tmp_path):
+    grid = tmp_path / "g.yaml"
+    grid.write_text(json.dumps({**TINY_GRID, "repeats": 2}))
+    runs = expand(load_grid(grid), REPO, [])
+    assert [(name, tags["replicate"]) for name, tags, _ in runs] == [
+        ("mhc-s1-r1", "1"), ("hc-s1-r1", "1"), ("mhc-s1-r2", "2"), ("hc-s1-r2", "2")]
+    assert runs[0][2] == runs[2][2][:-1] + [runs[0][2][-1]]  # the same command but for the run name
+    for bad in (0, "2", True):
+        grid.write_text(json.dumps({**TINY_GRID, "repeats": bad}))
+        with pytest.raises(GridError, match="'repeats' must be an integer >= 1"):
+            load_grid(grid)

@@ -137,3 +137,35 @@ def test_baseline_needs_group_by(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["compare", "--experiment", "x", "--baseline", "residual"])
     assert exc.value.code == 2 and "--baseline needs --group-by" in capsys.readouterr().err
+
+
+def test_lr_scan_report_compares_each_variant_at_its_best_lr(mlflow_uri, tmp_path):
+    """Known curves: the residual is best at 2e-3 and diverges at 8e-3; mHC is best at 4e-3 and trains at 8e-3."""
+    client = mlflow.MlflowClient(mlflow_uri)
+    exp = client.create_experiment("lrs")
+    curve = {"residual": {1e-3: 2.10, 2e-3: 2.00, 4e-3: 2.05, 8e-3: 7.5},
+             "mhc": {1e-3: 2.12, 2e-3: 2.02, 4e-3: 1.96, 8e-3: 2.20}}
+    for variant, by_lr in curve.items():
+        for lr, bpb in by_lr.items():
+            for seed in (1, 2, 3):
+                rid = client.create_run(exp, run_name=f"{variant}-lr{lr}-s{seed}", tags={
+                    "variant": variant, "model.optim.lr": str(lr), "seed_everything": str(seed)}).info.run_id
+                client.log_metric(rid, "val/bpb", bpb + 0.01 * seed, step=5)
+                client.set_terminated(rid, "FINISHED")
+    out, rep = tmp_path / "r", tmp_path / "r.md"
+    with pytest.raises(SystemExit) as exc:
+        main(["report", "--experiment", "lrs", "--group-by", "variant,model.optim.lr", "--baseline", "residual",
+              "--tracking-uri", mlflow_uri, "--out", str(out), "--report", str(rep)])
+    assert exc.value.code == 0
+    lines = (out / "lr_sensitivity.md").read_text().splitlines()
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = {r["variant"]: r for r in (dict(zip(header, (c.strip() for c in ln.strip("|").split("|"))))
+                                     for ln in lines[2:])}
+    assert rows["residual"]["best lr"] == "0.002" and rows["residual"]["highest lr that trains"] == "0.004"
+    assert rows["residual"]["diverged at"] == "0.008"
+    assert rows["mhc"]["best lr"] == "0.004" and rows["mhc"]["highest lr that trains"] == "0.008"
+    assert rows["mhc"]["val bits/byte at best lr"] == "1.9800 ± 0.0100"
+    diff = (out / "vs_residual.md").read_text()  # mhc at 4e-3 against the residual at 2e-3, paired by seed
+    assert "-0.0400" in diff and "paired by seed, n=3" in diff
+    assert (out / "lr_sensitivity.png").stat().st_size > 5000 and (out / "at_best_lr.md").exists()
+    assert "Learning-rate sensitivity" in rep.read_text()

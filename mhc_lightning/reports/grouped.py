@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..diagnostics import GRAD_SPIKE_FACTOR as SPIKE_FACTOR
-from . import plots
+from . import plots, sensitivity
 from .runs import CompareError, RunData, code_label, load, search, seed_of
 from .stats import difference, format_difference
 from .tables import frame, write_table
@@ -123,14 +123,36 @@ def mean_std(vals: list[float]) -> tuple[float, float]:
     return st.fmean(vals), (st.stdev(vals) if len(vals) > 1 else 0.0)
 
 
+def replicate_sd(runs: list[RunData], metric: str = "val_bpb") -> float:
+    """The pooled standard deviation between runs of the same seed (replicates: same code, config and seed); NaN
+    when no seed ran twice. It is the run-to-run floor under the seed spread."""
+    by_seed: dict = defaultdict(list)
+    for d in runs:
+        v = run_summary(d)[metric]
+        if not math.isnan(v):
+            by_seed[seed_of(d)].append(v)
+    sq, dof = 0.0, 0
+    for vals in by_seed.values():
+        if len(vals) > 1:
+            m = st.fmean(vals)
+            sq += sum((v - m) ** 2 for v in vals)
+            dof += len(vals) - 1
+    return math.sqrt(sq / dof) if dof else math.nan
+
+
 def tables(groups, keys):
     """(numbers: mean and std columns, for the CSV; text: 'mean ± std' cells under readable headers, for markdown)."""
     records, cells = [], []
+    replicated = any(len({seed_of(d) for d in runs}) < len(runs) for runs in groups.values())
     for gk, runs in groups.items():
         sums = [run_summary(d) for d in runs]
         code = ",".join(sorted({code_label(d) for d in runs}))
         rec = dict(zip(keys, gk), runs=len(runs), code=code)
         row = {**{k: str(v) for k, v in zip(keys, gk)}, "runs": str(len(runs)), "code": code}
+        if replicated:  # the same seed run more than once: the run-to-run spread beside the seed spread
+            rec["replicate_sd"] = replicate_sd(runs)
+            row["replicate SD of val bits/byte"] = "–" if math.isnan(rec["replicate_sd"]) else (
+                f"{rec['replicate_sd']:.4f}")
         for key, header, f in COLUMNS:
             m, s = mean_std([x[key] for x in sums])
             rec[key], rec[key + "_std"] = m, s
@@ -231,10 +253,24 @@ def report(tracking_uri: str, experiment: str, keys: list[str], out: Path, repor
         check_one_code(groups)
     numbers, text = tables(groups, keys)
     md_path, _ = write_table(numbers, out, "groups", md_df=text)
+    figures, lr_path, best_path = {}, None, None
+    compared, compared_keys = groups, keys
+    if sensitivity.LR_KEY in keys:  # an lr scan: compare each variant at its own best lr
+        value = lambda d: run_summary(d)["val_bpb"]  # noqa: E731
+        lr_path, _ = write_table(sensitivity.lr_table(groups, keys, value), out, "lr_sensitivity")
+        figure = sensitivity.lr_figure(groups, keys, value, out / "lr_sensitivity.png")
+        if figure is not None:
+            figures["lr_sensitivity"] = figure
+        compared, compared_keys = sensitivity.at_best_lr(groups, keys, value)
+        if compared:
+            best_numbers, best_text = tables(compared, compared_keys)
+            best_path, _ = write_table(best_numbers, out, "at_best_lr", md_df=best_text)
     diff_path = None
     if baseline is not None:
-        diff_path, _ = write_table(baseline_differences(groups, keys, baseline, metric), out, f"vs_{baseline}")
-    figures = make_plots(groups, keys, out)
+        diff_path, _ = write_table(baseline_differences(compared, compared_keys, baseline, metric), out,
+                                   f"vs_{baseline}")
+    if compared:
+        figures.update(make_plots(compared, compared_keys, out))
     if report_path:
         rel = os.path.relpath(out, report_path.parent)
         parts = [f"# Results: experiment `{experiment}`\n",
@@ -243,6 +279,12 @@ def report(tracking_uri: str, experiment: str, keys: list[str], out: Path, repor
             parts.append("Context:\n\n" + "".join(f"    {line}\n" for line in context.read_text().splitlines()) + "\n")
         parts.append(f"{len(data)} finished runs, grouped by {', '.join(keys)}; mean ± std over the runs of each "
                      f"group. {SEED_NOTE}\n\n" + md_path.read_text())
+        if lr_path is not None:
+            parts.append(f"Learning-rate sensitivity (a run at or above {sensitivity.DIVERGED_BPB:g} val bits/byte "
+                         "counts as diverged; the best lr is chosen among those where no seed diverged):\n\n"
+                         + lr_path.read_text())
+        if best_path is not None:
+            parts.append("Each group at its best lr:\n\n" + best_path.read_text())
         if diff_path is not None:
             parts.append(f"Difference in {metric} to `{baseline}` (group − {baseline}; 95 % confidence interval, paired "
                          "by seed where both groups ran the same seeds, Welch otherwise; \"cannot tell apart\": the "
@@ -251,4 +293,5 @@ def report(tracking_uri: str, experiment: str, keys: list[str], out: Path, repor
         if notes and notes.exists():
             parts.append(notes.read_text())
         report_path.write_text("\n".join(parts))
-    return {"runs": len(data), "groups": len(groups), "table": md_path, "plots": figures, "differences": diff_path}
+    return {"runs": len(data), "groups": len(groups), "table": md_path, "plots": figures, "differences": diff_path,
+            "lr_sensitivity": lr_path}

@@ -123,6 +123,32 @@ def errorbars(series: dict[str, list[tuple[float, float, float]]], xlabel: str, 
         return save(fig, path)
 
 
+def lr_sensitivity(panels: dict[str, dict[str, list[tuple[float, float, float, bool]]]], ylabel: str, ceiling: float,
+                   path: Path) -> Path:
+    """One panel per title, one line per series of (lr, mean, std, diverged) points on a log lr axis; a point where
+    a run diverged is drawn as an x at `ceiling` (its value would flatten every other line)."""
+    plt = _pyplot()
+    with plt.style.context("default"):
+        fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.2), squeeze=False,
+                                 constrained_layout=True, sharey=True)
+        for ax, (title, series) in zip(axes[0], panels.items()):
+            for i, (name, pts) in enumerate(series.items()):
+                colour = f"C{i}"
+                ok = sorted((x, m, s) for x, m, s, bad in pts if not bad)
+                if ok:
+                    xs, ms, ss = zip(*ok)
+                    ax.errorbar(xs, ms, yerr=ss, marker="o", capsize=3, color=colour, label=str(name))
+                bad = [x for x, _, _, b in pts if b]
+                if bad:
+                    ax.scatter(bad, [ceiling] * len(bad), marker="x", s=60, color=colour,
+                               label=None if ok else str(name))
+            ax.set_xscale("log")
+            ax.set_xlabel("learning rate")
+            ax.axhline(ceiling, color="grey", lw=0.8, ls=":")
+            _finish(ax, title, ylabel, False)
+        return save(fig, path)
+
+
 def throughput(bars: Sequence[tuple[str, float, tuple[float, float]]], path: Path) -> Optional[Path]:
     """Horizontal bars: (label, median tokens/s, (below, above) interquartile distances)."""
     plt = _pyplot()
