@@ -17,7 +17,7 @@ from .callbacks.final_validation import FinalValidation
 from .configs import parser_kwargs
 from .data import ByteTextDataModule
 from .errors import EXIT_USER_ERROR, UserError, one_line
-from .launcher import die_with_parent
+from .child_processes import die_with_parent
 from .model import GPTConfig, HyperConfig
 from .module import LitLM, OptimConfig, check_compile, check_fused
 from .preflight import check_inputs

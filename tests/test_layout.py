@@ -116,7 +116,7 @@ def test_sweeps_use_no_private_optuna_api():
 OWNED_TEXT = ["mhc_lightning/sweeps", "mhc_lightning/reports", "mhc_lightning/loggers",
               "mhc_lightning/callbacks/snapshots.py", "mhc_lightning/callbacks/snapshot_state.py",
               "mhc_lightning/callbacks/snapshot_files.py", "mhc_lightning/callbacks/rank_consistency.py",
-              "mhc_lightning/launcher.py", "mhc_lightning/grid.py", "mhc_lightning/resume.py",
+              "mhc_lightning/child_processes.py", "mhc_lightning/grid.py", "mhc_lightning/resume.py",
               "mhc_lightning/distributed.py", "conf", "sweeps", "docs/sweeps.md", "docs/stability.md",
               "docs/distributed.md"]
 

@@ -7,7 +7,7 @@ and every DDP rank Lightning starts from it, to the sweep's Optuna trial.
   value at each validation and asks should_prune; at the end of fit it writes the recorded history, the prune step
   and the logged metric names to `result_path`, where the sweep worker reduces them as for an in-process trial.
 - MLflow is written by rank 0 only, by the trial's logger (Lightning's rank-zero logging), into the trial's run.
-- Every rank dies with its parent process (`mhc` calls launcher.die_with_parent first thing), so that a sweep worker
+- Every rank dies with its parent process (`mhc` calls child_processes.die_with_parent first thing), so that a sweep worker
   killed with SIGKILL leaves no rank behind.
 """
 from __future__ import annotations

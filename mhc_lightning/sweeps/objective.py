@@ -161,7 +161,7 @@ class TrialRunner:
         the recorded metrics in a result file. Its output is logged to the trial's run as trial.log."""
         import os
 
-        from ..launcher import ChildFailed, mhc_command, run
+        from ..child_processes import ChildFailed, mhc_command, run
 
         spec = self.spec
         with tempfile.TemporaryDirectory(prefix=f"mhc-trial-{trial.number}-") as tmp:
