@@ -96,7 +96,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     from ..errors import UserError
     from ..loggers.spool import replay_spool
-    from .launch import dry_run, launch, status
+    from .supervisor import dry_run, launch, status
     from .worker import run_worker
 
     # heartbeats, fail_stale_trials and the retry callback are marked experimental; we rely on them knowingly

@@ -1,6 +1,6 @@
 """A sweep worker: trials one at a time until the study holds `budget.n_trials` COMPLETE + PRUNED trials.
 
-Run in the launcher's process (`--workers 1`) or as `python -m mhc_lightning.sweeps worker ...` (launch.py).
+Run in the launcher's process (`--workers 1`) or as `python -m mhc_lightning.sweeps worker ...` (supervisor.py).
 """
 from __future__ import annotations
 
