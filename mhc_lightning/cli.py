@@ -20,7 +20,7 @@ from .errors import EXIT_USER_ERROR, UserError, one_line
 from .child_processes import die_with_parent
 from .model import GPTConfig, HyperConfig
 from .module import LitLM, OptimConfig, check_compile, check_fused
-from .preflight import check_inputs
+from .input_checks import check_inputs
 from .resume import resolve_last
 from .tracking import MLflowSaveConfig, announce_run, label_runs
 

@@ -2,7 +2,7 @@
 
 - spec.py: sweep files -> SweepSpec (validation); trial_args.py: a trial's values -> `mhc fit` arguments;
 - factories.py: storages, samplers, pruners (the launcher, its workers and link.py build them alike);
-- preflight.py: the sweep's arguments through the `mhc fit` parser, before any trial;
+- trial_args_check.py: the sweep's arguments through the `mhc fit` parser, before any trial;
 - settings.py: the resolved sweep (spec, storage, tracking URI) and the study's counts;
 - supervisor.py: the launcher (checks, worker processes, supervision, summary; status, --dry-run);
   worker.py: one worker's loop; liveness.py: which workers are alive, failing the trials of dead ones;

@@ -23,7 +23,7 @@ def prepare(sweep: Sweep):
     parameters resolved, every `mhc fit` key of the sweep accepted by the parser, sampler options valid; then the
     study (with its enqueued points) and its MLflow parent run."""
     from ..loggers.store import check_tracking
-    from .preflight import check_trial_args
+    from .trial_args_check import check_trial_args
     from .trial_args import check_callbacks
 
     check_tracking(sweep.tracking_uri)
@@ -207,7 +207,7 @@ def dry_run(sweep: Sweep) -> int:
     import optuna
 
     from .objective import fit_command
-    from .preflight import check_trial_args
+    from .trial_args_check import check_trial_args
     from .trial_args import check_callbacks, sample, trial_args
 
     for w in check_callbacks(sweep.spec):
