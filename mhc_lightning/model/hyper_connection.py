@@ -14,13 +14,13 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from ..diagnostics import stream_spread
-from ..distributed import param_compute_dtype
 from ..kernels import MHCOptions, get_ops
 from ..kernels import reference
 from ..kernels.reference import compute_dtype, in_dtype, mhc_logit_count
 from .branch_input import others_keep_saved_tensors, rebuilt_in_backward
 from .config import BIAS_INITS, HyperConfig
+from .fsdp_dtype import param_compute_dtype
+from .stream_spread import stream_spread
 
 # Between two chained sublayers: (stream x, the sublayer's input u, its h_pre, h_post, h_res | None). After `enter`
 # under torch.compile, x is the fused ops' Routed pair (x and its gradient's route to the enter op; read only by the
