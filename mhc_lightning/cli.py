@@ -14,6 +14,7 @@ from jsonargparse import set_parsing_settings
 from lightning.pytorch.cli import LightningCLI
 
 from .callbacks.final_validation import FinalValidation
+from .callbacks.per_layer_artifacts import PerLayerArtifacts
 from .configs import parser_kwargs
 from .data import ByteTextDataModule
 from .errors import EXIT_USER_ERROR, UserError, one_line
@@ -135,7 +136,7 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True, exit_on_error:
     kwargs.setdefault("save_config_callback", MLflowSaveConfig)
     defaults = dict(kwargs.pop("trainer_defaults", None) or {})
     given = defaults.get("callbacks") or []
-    defaults["callbacks"] = [FinalValidation(), *(given if isinstance(given, list) else [given])]
+    defaults["callbacks"] = [FinalValidation(), PerLayerArtifacts(), *(given if isinstance(given, list) else [given])]
     pk = parser_kwargs({"parser_mode": "omegaconf+", "default_env": False, "exit_on_error": exit_on_error}, run,
                        TRAINER_COMMANDS)
     pk["prog"] = "mhc"

@@ -134,12 +134,12 @@ class LitLM(L.LightningModule):
         self._graph_steps = compile and torch._inductor.list_mode_options(compile_mode).get("triton.cudagraphs", False)
         self.val_loss = MeanMetric()
         self.val_ppl = Perplexity()
-        self.last_per_layer: Optional[dict[str, list[float]]] = None
         self._last_grad_norm: Optional[torch.Tensor] = None  # on the device; `last_grad_norm` reads it on demand
         self._t_last: Optional[float] = None
-        # ---- hooks for the stability callbacks (mhc_lightning/callbacks); inert unless a callback sets them ----
+        # ---- hooks for the callbacks (mhc_lightning/callbacks); inert unless a callback reads or sets them ----
         self.last_loss: Optional[torch.Tensor] = None  # detached loss of the latest training_step (None: skipped)
         self.last_diagnostics: dict[str, float] = {}  # scalars of the latest diagnostics step
+        self.last_per_layer: Optional[dict[str, list[float]]] = None  # its curves per layer (PerLayerArtifacts)
         self.last_diagnostics_step: int = -1  # global_step at which last_diagnostics / last_per_layer were taken
         self.skip_batch = False  # set in on_train_batch_start: training_step returns None (no backward, no update)
         self.skip_optimizer_step = False  # set in on_before_optimizer_step: gradients dropped, no parameter update
@@ -332,28 +332,9 @@ class LitLM(L.LightningModule):
 
     def on_validation_epoch_end(self) -> None:
         self._eval_epoch_end("val")
-        if not self.trainer.sanity_checking:
-            self._log_per_layer_artifacts()
 
     def on_test_epoch_end(self) -> None:
         self._eval_epoch_end("test")
-
-    def _log_per_layer_artifacts(self) -> None:
-        if not self.last_per_layer or self.trainer.global_rank != 0:
-            return
-        from lightning.pytorch.loggers import MLFlowLogger
-
-        for lg in self.trainer.loggers:
-            if isinstance(lg, MLFlowLogger):
-                step = self.last_diagnostics_step  # the step the per-layer values were recorded at
-                lg.experiment.log_dict(lg.run_id, self.last_per_layer, f"diagnostics/per_layer_step{step:07d}.json")
-                from .reports.plots import diagnostics_figure
-
-                fig = diagnostics_figure(self.last_per_layer, f"{self.arch.hyper.residual_mode}, step {step}")
-                lg.experiment.log_figure(lg.run_id, fig, f"diagnostics/amax_per_layer_step{step:07d}.png")
-                import matplotlib.pyplot as plt
-
-                plt.close(fig)
 
     # ---- optimisation ---------------------------------------------------------------------
     def param_groups(self) -> list[dict[str, Any]]:
