@@ -23,7 +23,8 @@ from .model import GPTConfig, HyperConfig
 from .module import LitLM, OptimConfig, check_compile, check_fused
 from .input_checks import check_inputs
 from .resume import resolve_last
-from .loggers.mlflow_runs import MLflowSaveConfig, announce_run, label_runs
+from .loggers.mlflow_runs import announce_run, label_runs
+from .loggers.save_config import MLflowSaveConfig
 
 # The Trainer entry points `mhc` offers. `predict` is left out: the byte LM has no prediction data or
 # writer, so Lightning's `predict` could only fail.

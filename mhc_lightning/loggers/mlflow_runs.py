@@ -1,45 +1,20 @@
-"""MLflow glue that Lightning lacks: the resolved config as a run artifact, stage tags and run names,
-the producing run recorded in each checkpoint, and how to open a run.
-
-The stock SaveConfigCallback asserts on trainer.log_dir, which is None for sqlite:/http: tracking
-URIs (Lightning issues #19441, #16310, #20273); MLflowSaveConfig writes the config into the run instead.
+"""The MLflow runs of `mhc fit|validate|test` as Lightning meets them: the trainer's MLflow loggers, the logger
+configs that will create them (named and tagged by stage before they exist), and where a finished run went.
 """
 from __future__ import annotations
 
 import importlib
-import shlex
-import sys
-from pathlib import Path
 from typing import Any, Optional
 
-from lightning.pytorch.cli import SaveConfigCallback
 from lightning.pytorch.loggers import MLFlowLogger
 
-STAGE_TAG = "stage"  # fit / validate / test: `mhc compare` keeps evaluation runs apart from training runs by it
-SOURCE_RUN_TAG = "mhc.source_run_id"  # on an evaluation run: the MLflow run that wrote the checkpoint
-CHECKPOINT_TAG = "mhc.checkpoint"  # on an evaluation run: the checkpoint file it evaluated
-CHECKPOINT_RUN_KEY = "mlflow_run"  # in a checkpoint: {"run_id", "experiment_id"} of the run that saved it
+from .store import absolute_store_uri, is_server, ui_hint
+from .tags import CHECKPOINT_TAG, SOURCE_RUN_TAG, STAGE_TAG
 
 
 def mlflow_loggers(trainer) -> list[MLFlowLogger]:
+    """The trainer's MLflow loggers: where the callbacks and the CLI write files and tags."""
     return [lg for lg in trainer.loggers if isinstance(lg, MLFlowLogger)]
-
-
-class MLflowSaveConfig(SaveConfigCallback):
-    def __init__(self, *args, save_to_log_dir: bool = False, **kwargs):
-        super().__init__(*args, save_to_log_dir=save_to_log_dir, **kwargs)
-
-    def save_config(self, trainer, pl_module, stage: str) -> None:
-        text = self.parser.dump(self.config, skip_none=False)
-        for lg in mlflow_loggers(trainer):
-            lg.experiment.log_text(lg.run_id, text, "config.yaml")
-            lg.experiment.set_tag(lg.run_id, STAGE_TAG, getattr(stage, "value", stage))
-
-    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
-        # So that `mhc validate/test` can tag its run with the run this checkpoint came from, wherever the file
-        # was moved to. Plain strings: Lightning reads checkpoints with weights_only=True.
-        for lg in mlflow_loggers(trainer)[:1]:
-            checkpoint[CHECKPOINT_RUN_KEY] = {"run_id": str(lg.run_id), "experiment_id": str(lg.experiment_id)}
 
 
 def _class_of(class_path: str) -> Optional[type]:
@@ -50,6 +25,13 @@ def _class_of(class_path: str) -> Optional[type]:
         return None
 
 
+def mlflow_logger_configs(logger_cfg) -> list[Any]:
+    """The entries of a parsed `trainer.logger` (one, a list, None or a bool) whose class is an MLFlowLogger."""
+    configs = logger_cfg if isinstance(logger_cfg, list) else [logger_cfg]
+    return [cfg for cfg in configs if hasattr(cfg, "class_path") and cfg.get("init_args") is not None
+            and isinstance(cls := _class_of(cfg.class_path), type) and issubclass(cls, MLFlowLogger)]
+
+
 def label_runs(logger_cfg, stage: str, source_run_id: Optional[str] = None,
                checkpoint: Optional[str] = None) -> None:
     """Name and tag, in the parsed logger config (before the loggers exist), the MLflow run(s) `stage` creates.
@@ -58,13 +40,9 @@ def label_runs(logger_cfg, stage: str, source_run_id: Optional[str] = None,
     checkpoint it evaluates and, when known, the run that wrote it. A logger resuming a given run_id is
     left as it is.
     """
-    configs = logger_cfg if isinstance(logger_cfg, list) else [logger_cfg]
-    for cfg in configs:
-        if not hasattr(cfg, "class_path") or cfg.get("init_args") is None:
-            continue
-        cls = _class_of(cfg.class_path)
+    for cfg in mlflow_logger_configs(logger_cfg):
         init = cfg.init_args
-        if not (isinstance(cls, type) and issubclass(cls, MLFlowLogger)) or init.get("run_id"):
+        if init.get("run_id"):
             continue
         tags = dict(init.get("tags") or {})
         tags[STAGE_TAG] = stage
@@ -75,29 +53,6 @@ def label_runs(logger_cfg, stage: str, source_run_id: Optional[str] = None,
             if source_run_id:
                 tags[SOURCE_RUN_TAG] = source_run_id
         init.tags = tags
-
-
-def mlflow_command() -> str:
-    """How to start MLflow's CLI from this interpreter, whether or not its venv is activated."""
-    exe = Path(sys.executable).with_name("mlflow")
-    return shlex.quote(str(exe)) if exe.is_file() else f"{shlex.quote(sys.executable)} -m mlflow"
-
-
-def absolute_store_uri(uri: str) -> str:
-    """sqlite:///relative.db -> sqlite:////abs/relative.db, so that a printed command works from any folder."""
-    prefix = "sqlite:///"
-    if uri.startswith(prefix) and not uri[len(prefix):].startswith("/") and ":memory:" not in uri:
-        return prefix + str(Path(uri[len(prefix):]).resolve())
-    return uri
-
-
-def is_server(uri: str) -> bool:
-    return uri.startswith(("http://", "https://"))
-
-
-def ui_hint(uri: str) -> str:
-    """The command that opens a local store in the MLflow UI."""
-    return f"{mlflow_command()} ui --backend-store-uri {shlex.quote(absolute_store_uri(uri))}"
 
 
 def announce_run(trainer, stage: str) -> None:

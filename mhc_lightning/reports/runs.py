@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..errors import UserError
+from ..loggers.tags import STAGE_TAG
 
 # Config columns: (column, MLflow param keys to try). Lightning logs the module's hparams flattened with
 # "/", the sweep logs the trial's values as trial.<cli key>.
@@ -33,7 +34,6 @@ SINKHORN_ONLY = ("sinkhorn_iters", "intensity")
 UNUSED_BY_MODE = {"residual": SINKHORN_ONLY + ("n_streams", "alpha_init", "bias_init"),
                   "hc": SINKHORN_ONLY + ("bias_init",), "identity": SINKHORN_ONLY}
 COMPARISON_TAG = "mhc.kind"  # on the runs `mhc compare` creates to hold its files
-STAGE_TAG = "stage"  # fit / validate / test, set on every `mhc` run (tracking.MLflowSaveConfig)
 EVALUATION_STAGES = ("validate", "test")
 
 

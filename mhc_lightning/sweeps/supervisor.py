@@ -162,6 +162,8 @@ def _run_workers(sweep: Sweep, study, args, machine: int, since: float) -> int:
 
 
 def _print_summary(sweep: Sweep, tracker, summary: dict, complete: bool, c: dict, stopped: Optional[str]) -> None:
+    from ..loggers.store import ui_hint
+
     counts_ = summary.get("counts", c)
     if complete:
         state = "complete"
@@ -181,7 +183,7 @@ def _print_summary(sweep: Sweep, tracker, summary: dict, complete: bool, c: dict
         print(f"[mhc sweep] Pareto front: trials {[t['trial'] for t in summary['pareto_front']]}")
     print(f"[mhc sweep] MLflow parent run {tracker.parent_id} at {tracker.uri}")
     if sweep.tracking_uri.startswith("sqlite:"):
-        print(f"[mhc sweep] view:  {Path(sys.executable).with_name('mlflow')} ui --backend-store-uri {sweep.tracking_uri}")
+        print(f"[mhc sweep] view:  {ui_hint(sweep.tracking_uri)}")
     if not is_journal(sweep.storage_url):
         print(f"[mhc sweep] dashboard:  optuna-dashboard {sweep.storage_label}")
 
