@@ -20,7 +20,7 @@ class MLflowSaveConfig(SaveConfigCallback):
         super().__init__(*args, save_to_log_dir=save_to_log_dir, **kwargs)
 
     def save_config(self, trainer, pl_module, stage: str) -> None:
-        text = self.parser.dump(self.config, skip_none=False)
+        text = self.parser.dump(self.config, skip_unset=False)  # keep null values: the config as it ran
         for lg in mlflow_loggers(trainer):
             lg.experiment.log_text(lg.run_id, text, "config.yaml")
             lg.experiment.set_tag(lg.run_id, STAGE_TAG, getattr(stage, "value", stage))
