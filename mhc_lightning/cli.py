@@ -15,16 +15,16 @@ from lightning.pytorch.cli import LightningCLI
 
 from .callbacks.final_validation import FinalValidation
 from .callbacks.per_layer_artifacts import PerLayerArtifacts
+from .child_processes import die_with_parent
 from .configs import parser_kwargs
 from .data import ByteTextDataModule
 from .errors import EXIT_USER_ERROR, UserError, one_line
-from .child_processes import die_with_parent
-from .model import GPTConfig, HyperConfig
-from .module import LitLM, OptimConfig, check_compile, check_fused
 from .input_checks import check_inputs
-from .resume import resolve_last
 from .loggers.mlflow_runs import announce_run, label_runs
 from .loggers.save_config import MLflowSaveConfig
+from .model import GPTConfig, HyperConfig
+from .module import LitLM, OptimConfig, check_compile, check_fused
+from .resume import resolve_last
 
 # The Trainer entry points `mhc` offers. `predict` is left out: the byte LM has no prediction data or
 # writer, so Lightning's `predict` could only fail.

@@ -17,7 +17,8 @@ Collectives must be called by every rank in the same order: only call them under
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -38,7 +39,9 @@ def rank() -> int:
 def _collective_device(device: Optional[torch.device]) -> torch.device:
     # NCCL only moves CUDA tensors; gloo only CPU ones. Follow the backend, not the caller's guess.
     if dist_ready() and dist.get_backend() == "nccl":
-        return device if device is not None and device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
+        if device is not None and device.type == "cuda":
+            return device
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 

@@ -92,14 +92,15 @@ def check_compile(arch: GPTConfig, compile: bool, compile_mode: str = "default")
     compile_mode: one of torch.compile's modes (the list is torch's own)."""
     modes = list(torch._inductor.list_mode_options())
     if compile_mode not in modes:
-        raise ValueError(f"model.compile_mode: {compile_mode!r} is not a torch.compile mode; allowed: {', '.join(modes)}")
+        raise ValueError(f"model.compile_mode: {compile_mode!r} is not a torch.compile mode; "
+                         f"allowed: {', '.join(modes)}")
     if compile and arch.hyper.chain_sublayers is True and arch.hyper.residual_mode in ("mhc", "identity"):
         raise ValueError("model.compile=true with model.arch.hyper.chain_sublayers=true is refused: the chained stack "
                          "does not finish compiling (docs/benchmarks.md, round 4); set one of them to false")
     if compile and arch.hyper.rebuild_branch_input and arch.hyper.residual_mode != "residual":
-        raise ValueError("model.compile=true with model.arch.hyper.rebuild_branch_input=true is refused: dynamo does not "
-                         "trace the saved-tensor hooks that drop the branch's input (the compiler chooses what to keep); "
-                         "set one of them to false")
+        raise ValueError("model.compile=true with model.arch.hyper.rebuild_branch_input=true is refused: dynamo does "
+                         "not trace the saved-tensor hooks that drop the branch's input (the compiler chooses what to "
+                         "keep); set one of them to false")
 
 
 class LitLM(L.LightningModule):
@@ -111,8 +112,9 @@ class LitLM(L.LightningModule):
 
     def __init__(
         self,
-        arch: GPTConfig = GPTConfig(),  # never mutated: copied below
-        optim: OptimConfig = OptimConfig(),
+        # instances as defaults, so that the CLI reads them from the signature; never mutated: copied below
+        arch: GPTConfig = GPTConfig(),  # noqa: B008
+        optim: OptimConfig = OptimConfig(),  # noqa: B008
         diagnostics_every: int = 25,
         compile: bool = False,
         compile_mode: str = "default",
@@ -287,7 +289,8 @@ class LitLM(L.LightningModule):
         other strategies and value clipping go to Lightning."""
         clip = self.trainer.gradient_clip_val if gradient_clip_val is None else gradient_clip_val
         algorithm = (gradient_clip_algorithm or self.trainer.gradient_clip_algorithm or "norm").lower()
-        if not clip or algorithm != "norm" or not isinstance(self.trainer.strategy, (SingleDeviceStrategy, DDPStrategy)):
+        whole_gradients = isinstance(self.trainer.strategy, (SingleDeviceStrategy, DDPStrategy))
+        if not clip or algorithm != "norm" or not whole_gradients:
             return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         if grads:  # as clip_grad_norm_: scale by clip / (norm + 1e-6) where that is below 1

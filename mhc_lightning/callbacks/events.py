@@ -47,7 +47,7 @@ def check_number(owner: str, name: str, value: Any, *, low: Optional[float] = No
         raise ValueError(f"{owner}.{name} must be {what} {rng}{none}, got {value!r}")
 
 
-def norm_sum(tensors: list) -> "torch.Tensor":
+def norm_sum(tensors: list) -> torch.Tensor:
     """Sum of the 2-norms of `tensors` as a float32 scalar on the first one's device: finite iff every value is.
 
     Half-precision norms are computed in float32 (an fp16 norm overflows long before its values do). Tensors on

@@ -26,8 +26,17 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
-from .events import (ACTIONS, StabilityEvent, channel_of, check_choice, check_number, log_metrics, norm_sum, set_tag,
-                     stronger)
+from .events import (
+    ACTIONS,
+    StabilityEvent,
+    channel_of,
+    check_choice,
+    check_number,
+    log_metrics,
+    norm_sum,
+    set_tag,
+    stronger,
+)
 
 Action = Literal["log", "skip", "rollback", "stop"]
 KINDS = ("loss_spike", "grad_explosion", "layer_grad_explosion", "nonfinite_loss", "nonfinite_grad",

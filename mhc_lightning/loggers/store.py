@@ -119,7 +119,8 @@ def check_tracking(uri: str, timeout: float = 5.0) -> None:
         hint = (" (add this host name to the server's --allowed-hosts / MLFLOW_ALLOWED_HOSTS)"
                 if "Invalid Host header" in str(err) else "")
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise TrackingUnreachable(f"MLflow tracking store {redact(uri)} refused the connection: {first}{hint}") from None
+        raise TrackingUnreachable(
+            f"MLflow tracking store {redact(uri)} refused the connection: {first}{hint}") from None
 
 
 def lock_path(db: Path) -> str:

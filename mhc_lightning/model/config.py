@@ -2,8 +2,16 @@
 from dataclasses import dataclass, field
 from typing import Literal, Union
 
-from ..kernels.options import EXACT_AXES, KERNEL_BACKENDS, RES_LAYOUTS, STARTS, ExactAxis, KernelBackend, ResLayout
-from ..kernels.options import SinkhornStart
+from ..kernels.options import (
+    EXACT_AXES,
+    KERNEL_BACKENDS,
+    RES_LAYOUTS,
+    STARTS,
+    ExactAxis,
+    KernelBackend,
+    ResLayout,
+    SinkhornStart,
+)
 
 ResidualMode = Literal["residual", "hc", "mhc", "identity"]
 RESIDUAL_MODES = ("residual", "hc", "mhc", "identity")

@@ -14,8 +14,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from ..kernels import MHCOptions, get_ops
-from ..kernels import reference
+from ..kernels import MHCOptions, get_ops, reference
 from ..kernels.reference import compute_dtype, in_dtype, mhc_logit_count
 from .branch_input import others_keep_saved_tensors, rebuilt_in_backward
 from .config import BIAS_INITS, HyperConfig
@@ -205,5 +204,6 @@ class HyperConnection(nn.Module):
 def hyper_connections(module: nn.Module) -> list[HyperConnection]:
     """The HyperConnection sublayers under `module`, in order, themselves: also where another tool wrapped them. A
     wrapper (an activation-checkpoint or FSDP wrapper) forwards reads of attributes to the module it wraps but keeps
-    writes for itself, so a flag or a Sinkhorn count set through it would never reach the sublayer (docs/design.md §9)."""
+    writes for itself, so a flag or a Sinkhorn count set through it would never reach the sublayer
+    (docs/design.md §9)."""
     return [m for m in module.modules() if isinstance(m, HyperConnection)]

@@ -6,8 +6,9 @@ the Agg backend (no display needed).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 DIRECTIONS = (("fwd", "forward"), ("bwd", "backward"))
 STAT_STYLE = {"max": ("-o", "max over tokens"), "tokmean": ("--", "token-mean matrix")}
