@@ -82,8 +82,8 @@ def group(data: list[RunData], keys: list[str]) -> dict[tuple, list[RunData]]:
         if missing:
             raise CompareError(f"run {d.name} has no tag(s) {missing}; group by tags the runs carry: {sorted(d.tags)}")
         groups[tuple(_num(d.tags[k]) for k in keys)].append(d)
-    return dict(sorted(groups.items(), key=lambda kv: tuple((isinstance(x, str), x if not isinstance(x, str) else 0, str(x))
-                                                               for x in kv[0])))
+    return dict(sorted(groups.items(), key=lambda kv: tuple(
+        (isinstance(x, str), x if not isinstance(x, str) else 0, str(x)) for x in kv[0])))
 
 
 def mean_std(vals: list[float]) -> tuple[float, float]:
@@ -98,7 +98,8 @@ def tables(groups, keys):
     records, cells = [], []
     for gk, runs in groups.items():
         sums = [run_summary(d) for d in runs]
-        rec, row = dict(zip(keys, gk), runs=len(runs)), {**{k: str(v) for k, v in zip(keys, gk)}, "runs": str(len(runs))}
+        rec = dict(zip(keys, gk), runs=len(runs))
+        row = {**{k: str(v) for k, v in zip(keys, gk)}, "runs": str(len(runs))}
         for key, header, f in COLUMNS:
             m, s = mean_std([x[key] for x in sums])
             rec[key], rec[key + "_std"] = m, s
@@ -141,7 +142,8 @@ def make_plots(groups, keys, out: Path) -> dict[str, Path]:
         layers = {k: [d.per_layer[k] for d in runs if d.per_layer and k in d.per_layer]
                   for k in ("composite_fwd_max", "composite_bwd_max")}
         if all(layers.values()):
-            layer_series.append((" ".join(map(str, gk)), {k: [st.fmean(v) for v in zip(*ls)] for k, ls in layers.items()}))
+            means = {k: [st.fmean(v) for v in zip(*ls)] for k, ls in layers.items()}
+            layer_series.append((" ".join(map(str, gk)), means))
     layers = None
     if layer_series:
         layers = plots.save(plots.amax_vs_layer(layer_series, title="composite Amax gain at the last diagnostics "
