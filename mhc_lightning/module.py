@@ -22,7 +22,7 @@ from .model.compiled import compile_model
 def host_scalar(value: float) -> torch.Tensor:
     """A Python number as a CPU tensor for `self.log`. Lightning turns a plain number into a tensor on the module's
     device, a blocking host-to-device copy: on a GPU every such log waits for the queued step to finish, and the
-    next step then starts on an idle GPU (docs/benchmarks.md, round 9). A CPU tensor is logged as it is."""
+    next step then starts on an idle GPU (docs/benchmarks.md). A CPU tensor is logged as it is."""
     return torch.tensor(float(value), dtype=torch.float32)
 
 
@@ -37,7 +37,7 @@ class OptimConfig:
     warmup_steps: int = 50
     min_lr_ratio: float = 0.1
     # AdamW's implementation: None picks torch's fused kernel when every parameter is on a CUDA device (one pass over
-    # parameters, gradients and moments instead of a dozen foreach passes; docs/benchmarks.md, round 20), else its
+    # parameters, gradients and moments instead of a dozen foreach passes; docs/benchmarks.md), else its
     # default (foreach); true / false force fused / foreach
     fused: Optional[bool] = None
 
@@ -85,10 +85,9 @@ def check_fused(fused: Optional[bool], precision) -> None:
 
 
 def check_compile(arch: GPTConfig, compile: bool, compile_mode: str = "default") -> None:
-    """Refuse what is known not to compile: the chained mHC stack under torch.compile did not finish its first step
-    within 150 s on an H200 in three runs (docs/benchmarks.md, round 4), while one sublayer at a time compiles (what
-    chain_sublayers auto traces under torch.compile); the branch input's rebuild (saved-tensor hooks, which dynamo
-    refuses to trace).
+    """Refuse what is known not to compile: the chained mHC stack under torch.compile, which does not finish its first
+    step on a GPU (docs/benchmarks.md), while one sublayer at a time compiles (what chain_sublayers auto traces under
+    torch.compile); the branch input's rebuild (saved-tensor hooks, which dynamo refuses to trace).
     compile_mode: one of torch.compile's modes (the list is torch's own)."""
     modes = list(torch._inductor.list_mode_options())
     if compile_mode not in modes:
@@ -96,7 +95,7 @@ def check_compile(arch: GPTConfig, compile: bool, compile_mode: str = "default")
                          f"allowed: {', '.join(modes)}")
     if compile and arch.hyper.chain_sublayers is True and arch.hyper.residual_mode in ("mhc", "identity"):
         raise ValueError("model.compile=true with model.arch.hyper.chain_sublayers=true is refused: the chained stack "
-                         "does not finish compiling (docs/benchmarks.md, round 4); set one of them to false")
+                         "does not finish compiling (docs/benchmarks.md); set one of them to false")
     if compile and arch.hyper.rebuild_branch_input and arch.hyper.residual_mode != "residual":
         raise ValueError("model.compile=true with model.arch.hyper.rebuild_branch_input=true is refused: dynamo does "
                          "not trace the saved-tensor hooks that drop the branch's input (the compiler chooses what to "

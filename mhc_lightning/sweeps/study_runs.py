@@ -57,7 +57,7 @@ class SweepTracker:
 
         creator: whether this process created the study (Sweep.created). Launchers started at the same moment on a
         fresh store would each create a parent run, and which ones they see of each other's depends on when each
-        store commit lands (two parents, round 34's CI). So only the study's creator makes one; every other process
+        store commit lands (CI once saw two parents). So only the study's creator makes one; every other process
         waits (up to wait_s) for the creator's run id in the study's user attrs, and falls back to the search by tags,
         then to a new run, only if the creator died before recording it."""
         pid = study.user_attrs.get("mlflow_parent_run_id")
