@@ -1,4 +1,4 @@
-"""The package's layout: no import cycles between its modules, imports that go one way only (docs/design.md, "Layers"),
+"""The package's layout: no import cycles between its modules, imports that go one way only (docs/design.md §14),
 module names that say one thing, every module imports in a fresh interpreter, no private Optuna API in the sweeps, no
 citation of documents that are not in the repository."""
 from __future__ import annotations
