@@ -14,16 +14,18 @@ from jsonargparse import set_parsing_settings
 from lightning.pytorch.cli import LightningCLI
 
 from .callbacks.final_validation import FinalValidation
-from .callbacks.provenance import RunProvenance
+from .callbacks.per_layer_artifacts import PerLayerArtifacts
+from .callbacks.run_provenance import RunProvenance
+from .child_processes import die_with_parent
 from .configs import parser_kwargs
 from .data import ByteTextDataModule
 from .errors import EXIT_USER_ERROR, UserError, one_line
-from .launcher import die_with_parent
+from .input_checks import check_inputs
+from .loggers.mlflow_runs import announce_run, label_runs
+from .loggers.save_config import MLflowSaveConfig
 from .model import GPTConfig, HyperConfig
 from .module import LitLM, OptimConfig, check_compile, check_fused
-from .preflight import check_inputs
 from .resume import resolve_last
-from .tracking import MLflowSaveConfig, announce_run, label_runs
 
 # The Trainer entry points `mhc` offers. `predict` is left out: the byte LM has no prediction data or
 # writer, so Lightning's `predict` could only fail.
@@ -136,7 +138,8 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True, exit_on_error:
     kwargs.setdefault("save_config_callback", MLflowSaveConfig)
     defaults = dict(kwargs.pop("trainer_defaults", None) or {})
     given = defaults.get("callbacks") or []
-    defaults["callbacks"] = [FinalValidation(), RunProvenance(), *(given if isinstance(given, list) else [given])]
+    defaults["callbacks"] = [FinalValidation(), PerLayerArtifacts(), RunProvenance(),
+                            *(given if isinstance(given, list) else [given])]
     pk = parser_kwargs({"parser_mode": "omegaconf+", "default_env": False, "exit_on_error": exit_on_error}, run,
                        TRAINER_COMMANDS)
     pk["prog"] = "mhc"

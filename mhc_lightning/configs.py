@@ -7,8 +7,10 @@ explicitly, as older commands do, changes nothing.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Optional
+
 
 def conf_dir() -> Optional[Path]:
     """conf/ of the source tree this package runs from (editable install), else ./conf (e.g. the Docker image)."""

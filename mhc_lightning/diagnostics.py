@@ -22,16 +22,6 @@ def grad_norm_summary(norms: torch.Tensor, warmup: int) -> dict[str, float]:
             "train/grad_spikes": float((gn > GRAD_SPIKE_FACTOR * median).sum().item())}
 
 
-def stream_spread(x: torch.Tensor) -> torch.Tensor:
-    """Relative spread of the streams, max_i ||x_i - mean_j x_j|| / ||mean_j x_j||: [..., n, C] -> [...].
-
-    Exactly 0 while the streams are bitwise identical (the symmetric trap of docs/design.md §6).
-    """
-    x = x.double()
-    mean = x.mean(dim=-2, keepdim=True)
-    return (x - mean).norm(dim=-1).amax(dim=-1) / mean.squeeze(-2).norm(dim=-1).clamp_min(1e-30)
-
-
 def h_res_distances(h_res: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Frobenius distance of each H_res [..., n, n] from I and from J/n (every entry 1/n)."""
     n = h_res.shape[-1]

@@ -9,7 +9,6 @@ Lightning owns process management; this module only answers questions that need 
   numbers (so callbacks that act on them decide the same way, and rank 0 logs the worst over all ranks);
 - `digest` / `state_digests` / `ranks_in_sync`: every rank holds bitwise the same weights (and optimizer state), the
   invariant DDP keeps and that a rollback must keep (checked by callbacks/rank_consistency.py);
-- `param_compute_dtype`: the dtype a module computes in when FSDP may have cast its parameters for the forward.
 
 Every helper is a no-op returning the local answer when torch.distributed is not initialised (single process).
 Collectives must be called by every rank in the same order: only call them under rank-uniform conditions
@@ -18,8 +17,8 @@ Collectives must be called by every rank in the same order: only call them under
 from __future__ import annotations
 
 import hashlib
-import sys
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -40,7 +39,9 @@ def rank() -> int:
 def _collective_device(device: Optional[torch.device]) -> torch.device:
     # NCCL only moves CUDA tensors; gloo only CPU ones. Follow the backend, not the caller's guess.
     if dist_ready() and dist.get_backend() == "nccl":
-        return device if device is not None and device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
+        if device is not None and device.type == "cuda":
+            return device
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
@@ -159,26 +160,3 @@ def sharded(trainer) -> bool:
 
     s = trainer.strategy
     return not isinstance(s, (DDPStrategy, SingleDeviceStrategy)) or "DeepSpeed" in type(s).__name__
-
-
-def param_compute_dtype(module: torch.nn.Module) -> Optional[torch.dtype]:
-    """The dtype `module` computes in: where FSDP wraps it with a mixed-precision `param_dtype` (Lightning's
-    FSDPStrategy sets it to bf16 under bf16-mixed), that dtype; else its parameters' (None without floating ones).
-
-    Its parameters hold the computing dtype only while FSDP has them gathered for its forward or backward. Read from
-    outside (the mHC sublayer asks before running its branch) they show the stored dtype, or, during the backward, no
-    parameters or the gathered ones: an activation checkpoint's recomputation then saw another dtype than the
-    forward, and torch's checkpoint stopped on the mismatch (docs/distributed.md)."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing can be wrapped by it
-    if fsdp is not None:
-        if isinstance(module, fsdp.FullyShardedDataParallel):
-            if module.mixed_precision.param_dtype is not None:
-                return module.mixed_precision.param_dtype
-            if module.params:  # without mixed precision the flat parameters keep the original dtype in every state
-                return module.params[0].dtype
-        elif isinstance(module, getattr(fsdp, "FSDPModule", ())):  # fully_shard: the policy sits on its state
-            policy = getattr(module._get_fsdp_state(), "_mp_policy", None)
-            if getattr(policy, "param_dtype", None) is not None:
-                return policy.param_dtype
-    p = next(module.parameters(), None)
-    return p.dtype if p is not None and p.is_floating_point() else None

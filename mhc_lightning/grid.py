@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from .launcher import describe_exit, mhc_command, run_parallel
+    from .child_processes import describe_exit, mhc_command, run_parallel
     from .loggers.store import default_tracking_uri
 
     p = build_parser()

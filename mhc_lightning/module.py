@@ -22,7 +22,7 @@ from .model.compiled import compile_model
 def host_scalar(value: float) -> torch.Tensor:
     """A Python number as a CPU tensor for `self.log`. Lightning turns a plain number into a tensor on the module's
     device, a blocking host-to-device copy: on a GPU every such log waits for the queued step to finish, and the
-    next step then starts on an idle GPU (docs/benchmarks.md, round 9). A CPU tensor is logged as it is."""
+    next step then starts on an idle GPU (docs/benchmarks.md). A CPU tensor is logged as it is."""
     return torch.tensor(float(value), dtype=torch.float32)
 
 
@@ -37,7 +37,7 @@ class OptimConfig:
     warmup_steps: int = 50
     min_lr_ratio: float = 0.1
     # AdamW's implementation: None picks torch's fused kernel when every parameter is on a CUDA device (one pass over
-    # parameters, gradients and moments instead of a dozen foreach passes; docs/benchmarks.md, round 20), else its
+    # parameters, gradients and moments instead of a dozen foreach passes; docs/benchmarks.md), else its
     # default (foreach); true / false force fused / foreach
     fused: Optional[bool] = None
 
@@ -85,21 +85,21 @@ def check_fused(fused: Optional[bool], precision) -> None:
 
 
 def check_compile(arch: GPTConfig, compile: bool, compile_mode: str = "default") -> None:
-    """Refuse what is known not to compile: the chained mHC stack under torch.compile did not finish its first step
-    within 150 s on an H200 in three runs (docs/benchmarks.md, round 4), while one sublayer at a time compiles (what
-    chain_sublayers auto traces under torch.compile); the branch input's rebuild (saved-tensor hooks, which dynamo
-    refuses to trace).
+    """Refuse what is known not to compile: the chained mHC stack under torch.compile, which does not finish its first
+    step on a GPU (docs/benchmarks.md), while one sublayer at a time compiles (what chain_sublayers auto traces under
+    torch.compile); the branch input's rebuild (saved-tensor hooks, which dynamo refuses to trace).
     compile_mode: one of torch.compile's modes (the list is torch's own)."""
     modes = list(torch._inductor.list_mode_options())
     if compile_mode not in modes:
-        raise ValueError(f"model.compile_mode: {compile_mode!r} is not a torch.compile mode; allowed: {', '.join(modes)}")
+        raise ValueError(f"model.compile_mode: {compile_mode!r} is not a torch.compile mode; "
+                         f"allowed: {', '.join(modes)}")
     if compile and arch.hyper.chain_sublayers is True and arch.hyper.residual_mode in ("mhc", "identity"):
         raise ValueError("model.compile=true with model.arch.hyper.chain_sublayers=true is refused: the chained stack "
-                         "does not finish compiling (docs/benchmarks.md, round 4); set one of them to false")
+                         "does not finish compiling (docs/benchmarks.md); set one of them to false")
     if compile and arch.hyper.rebuild_branch_input and arch.hyper.residual_mode != "residual":
-        raise ValueError("model.compile=true with model.arch.hyper.rebuild_branch_input=true is refused: dynamo does not "
-                         "trace the saved-tensor hooks that drop the branch's input (the compiler chooses what to keep); "
-                         "set one of them to false")
+        raise ValueError("model.compile=true with model.arch.hyper.rebuild_branch_input=true is refused: dynamo does "
+                         "not trace the saved-tensor hooks that drop the branch's input (the compiler chooses what to "
+                         "keep); set one of them to false")
 
 
 class LitLM(L.LightningModule):
@@ -111,8 +111,9 @@ class LitLM(L.LightningModule):
 
     def __init__(
         self,
-        arch: GPTConfig = GPTConfig(),  # never mutated: copied below
-        optim: OptimConfig = OptimConfig(),
+        # instances as defaults, so that the CLI reads them from the signature; never mutated: copied below
+        arch: GPTConfig = GPTConfig(),  # noqa: B008
+        optim: OptimConfig = OptimConfig(),  # noqa: B008
         diagnostics_every: int = 25,
         compile: bool = False,
         compile_mode: str = "default",
@@ -134,12 +135,12 @@ class LitLM(L.LightningModule):
         self._graph_steps = compile and torch._inductor.list_mode_options(compile_mode).get("triton.cudagraphs", False)
         self.val_loss = MeanMetric()
         self.val_ppl = Perplexity()
-        self.last_per_layer: Optional[dict[str, list[float]]] = None
         self._last_grad_norm: Optional[torch.Tensor] = None  # on the device; `last_grad_norm` reads it on demand
         self._t_last: Optional[float] = None
-        # ---- hooks for the stability callbacks (mhc_lightning/callbacks); inert unless a callback sets them ----
+        # ---- hooks for the callbacks (mhc_lightning/callbacks); inert unless a callback reads or sets them ----
         self.last_loss: Optional[torch.Tensor] = None  # detached loss of the latest training_step (None: skipped)
         self.last_diagnostics: dict[str, float] = {}  # scalars of the latest diagnostics step
+        self.last_per_layer: Optional[dict[str, list[float]]] = None  # its curves per layer (PerLayerArtifacts)
         self.last_diagnostics_step: int = -1  # global_step at which last_diagnostics / last_per_layer were taken
         self.skip_batch = False  # set in on_train_batch_start: training_step returns None (no backward, no update)
         self.skip_optimizer_step = False  # set in on_before_optimizer_step: gradients dropped, no parameter update
@@ -322,7 +323,8 @@ class LitLM(L.LightningModule):
         other strategies and value clipping go to Lightning."""
         clip = self.trainer.gradient_clip_val if gradient_clip_val is None else gradient_clip_val
         algorithm = (gradient_clip_algorithm or self.trainer.gradient_clip_algorithm or "norm").lower()
-        if not clip or algorithm != "norm" or not isinstance(self.trainer.strategy, (SingleDeviceStrategy, DDPStrategy)):
+        whole_gradients = isinstance(self.trainer.strategy, (SingleDeviceStrategy, DDPStrategy))
+        if not clip or algorithm != "norm" or not whole_gradients:
             return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         if grads:  # as clip_grad_norm_: scale by clip / (norm + 1e-6) where that is below 1
@@ -368,28 +370,10 @@ class LitLM(L.LightningModule):
     def on_validation_epoch_end(self) -> None:
         self._eval_epoch_end("val")
         if not self.trainer.sanity_checking:
-            self._log_per_layer_artifacts()
             self._log_grad_norm_summary()
 
     def on_test_epoch_end(self) -> None:
         self._eval_epoch_end("test")
-
-    def _log_per_layer_artifacts(self) -> None:
-        if not self.last_per_layer or self.trainer.global_rank != 0:
-            return
-        from lightning.pytorch.loggers import MLFlowLogger
-
-        for lg in self.trainer.loggers:
-            if isinstance(lg, MLFlowLogger):
-                step = self.last_diagnostics_step  # the step the per-layer values were recorded at
-                lg.experiment.log_dict(lg.run_id, self.last_per_layer, f"diagnostics/per_layer_step{step:07d}.json")
-                from .reports.plots import diagnostics_figure
-
-                fig = diagnostics_figure(self.last_per_layer, f"{self.arch.hyper.residual_mode}, step {step}")
-                lg.experiment.log_figure(lg.run_id, fig, f"diagnostics/amax_per_layer_step{step:07d}.png")
-                import matplotlib.pyplot as plt
-
-                plt.close(fig)
 
     # ---- optimisation ---------------------------------------------------------------------
     def param_groups(self) -> list[dict[str, Any]]:

@@ -1,5 +1,5 @@
 """What a run ran: the code (commit, dirty flag, a digest of the uncommitted change), the software and hardware, and
-the settings that change results. Read once per process; `callbacks/provenance.py` writes it into every run.
+the settings that change results. Read once per process; `callbacks/run_provenance.py` writes it into every run.
 
 The code is located from this package's own files, not from the command line or the working directory: MLflow's
 guess (`mlflow.source.git.commit`, from `sys.argv[0]`) records nothing when the `mhc` entry point lives in a venv
@@ -50,7 +50,7 @@ def _git(root: Path, *args: str) -> bytes:
     return subprocess.run(["git", "-C", str(root), *args], capture_output=True, check=True, timeout=60).stdout
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def code_state(start: Path = PACKAGE_DIR) -> CodeState:
     """The code behind `start` (this package by default); cached: one read per process."""
     if shutil.which("git") is None:

@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .errors import UserError
+from .loggers.mlflow_runs import mlflow_logger_configs
+from .loggers.tags import STAGE_TAG
 
 LAST = "last"
 LOCAL_LAST = "last.ckpt"
@@ -28,15 +30,6 @@ class NoCheckpointToResume(UserError):
 
 def _get(ns: Any, key: str, default=None):
     return ns.get(key, default) if hasattr(ns, "get") else getattr(ns, key, default)
-
-
-def _mlflow_logger(trainer_cfg) -> Optional[Any]:
-    """The trainer's MLflow logger config (class_path + init_args), if it has one."""
-    logger = _get(trainer_cfg, "logger")
-    for lg in logger if isinstance(logger, list) else [logger]:
-        if lg is not None and not isinstance(lg, bool) and "MLFlowLogger" in str(_get(lg, "class_path", "")):
-            return lg
-    return None
 
 
 def _checkpoint_dirpath(trainer_cfg) -> Optional[str]:
@@ -55,9 +48,10 @@ def resolve_last(config, subcommand: Optional[str]) -> Optional[tuple[str, Path]
     cfg = config[subcommand] if subcommand else config
     if _get(cfg, "ckpt_path") != LAST:
         return None
-    logger = _mlflow_logger(cfg.trainer)
-    if logger is None:
+    loggers = mlflow_logger_configs(_get(cfg.trainer, "logger"))
+    if not loggers:
         return None  # Lightning's own `last` (a checkpoint folder it knows)
+    logger = loggers[0]
     init = logger.init_args
     uri, experiment, name = init.tracking_uri, init.experiment_name, _get(init, "run_name")
     run_id, ckpt = find_checkpoint(uri, experiment, name, _get(init, "run_id"),
@@ -86,7 +80,7 @@ def find_checkpoint(uri: Optional[str], experiment: str, run_name: Optional[str]
         flt = f"attributes.run_name = '{run_name}'" if run_name else ""
         candidates = [] if exp is None else [
             r for r in client.search_runs([exp.experiment_id], flt, order_by=["attributes.start_time DESC"])
-            if r.data.tags.get("stage", "fit") == "fit"]
+            if r.data.tags.get(STAGE_TAG, "fit") == "fit"]
         what = f"an earlier training run named {run_name!r} in experiment {experiment!r}"
     looked = []
     for run in candidates:

@@ -17,7 +17,7 @@ import yaml
 from helpers import CONF, tiny_fit_args
 from mhc_lightning.cli import TOOLS, TRAINER_COMMANDS, build_cli, main
 from mhc_lightning.errors import UserError
-from mhc_lightning.tracking import CHECKPOINT_TAG, SOURCE_RUN_TAG
+from mhc_lightning.loggers.tags import CHECKPOINT_TAG, SOURCE_RUN_TAG
 
 
 def runs_of(uri: str, experiment: str = "tests"):
@@ -270,7 +270,7 @@ def test_printed_ui_hint_runs_as_printed(tiny_corpus, tmp_path):
     assert fit.returncode == 0, fit.stderr[-3000:]
     assert "val/bpb=" in fit.stdout
     run_id = fit.stdout.split("MLflow run ", 1)[1].split()[0]
-    # started from a folder outside the checkout: the run still names the code it ran (callbacks/provenance.py)
+    # started from a folder outside the checkout: the run still names the code it ran (callbacks/run_provenance.py)
     from mhc_lightning.provenance import code_state
 
     run = mlflow.MlflowClient(f"sqlite:///{work / 'mlflow.db'}").get_run(run_id)

@@ -163,7 +163,7 @@ def test_only_evaluation_runs_is_a_clear_error(mlflow_uri, tmp_path, capsys):
 
 
 def test_the_best_run_is_drawn_over_a_run_that_trains_alike(tmp_path):
-    """Two runs with the same curve (round 29's CI: residual and mHC at one Sinkhorn iteration, the same lr): the
+    """Two runs with the same curve (as CI once had: residual and mHC at one Sinkhorn iteration, the same lr): the
     first listed, the best, is the one seen; drawn in list order it was hidden under the second."""
     from mhc_lightning.reports import plots
 
@@ -177,7 +177,7 @@ def test_the_best_run_is_drawn_over_a_run_that_trains_alike(tmp_path):
 
 def test_amax_plot_keeps_the_default_colours_in_another_style(tmp_path):
     """Optuna's plots switch the process's style to ggplot (a sweep's summary runs them before `mhc compare` in the
-    same process: round 34's test order caught it). The Amax figure is drawn (saved) after its own style context has
+    same process: a test order in CI caught it). The Amax figure is drawn (saved) after its own style context has
     ended, so its line colours must be fixed inside it, not looked up as "C<i>" at draw time."""
     import matplotlib.pyplot as plt
 

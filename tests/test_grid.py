@@ -78,7 +78,7 @@ def test_grid_runs_every_point_as_a_tagged_mhc_fit(tiny_corpus, tmp_path):
 
 @pytest.mark.slow
 def test_killed_grid_takes_its_runs_along(tiny_corpus, tmp_path):
-    """SIGKILL on `mhc grid` (no chance to clean up): its `mhc fit` children die with it (launcher.die_with_parent)."""
+    """SIGKILL on `mhc grid` (no chance to clean up): its `mhc fit` children die with it (child_processes.die_with_parent)."""
     import psutil
 
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}

@@ -1,9 +1,11 @@
-"""The package's layout: no import cycles between its modules, every module imports in a fresh interpreter, no
-private Optuna API in the sweeps, no citation of documents that are not in the repository."""
+"""The package's layout: no import cycles between its modules, imports that go one way only (docs/design.md §14),
+module names that say one thing, every module imports in a fresh interpreter, no private Optuna API in the sweeps, no
+citation of documents that are not in the repository."""
 from __future__ import annotations
 
 import ast
 import re
+from collections import defaultdict
 import subprocess
 import sys
 from pathlib import Path
@@ -87,10 +89,80 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_import_cycles():
-    mods = modules()
-    graph = {name: imports_of(name, path, set(mods)) for name, path in mods.items()}
+    graph = import_graph()
     assert graph["mhc_lightning.reports.compare"] >= {"mhc_lightning.reports.runs", "mhc_lightning.reports.plots"}
     assert cycles(graph) == []
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = modules()
+    return {name: imports_of(name, path, set(mods)) for name, path in mods.items()}
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module `start` imports, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        for dep in graph[todo.pop()] - seen:
+            seen.add(dep)
+            todo.append(dep)
+    return seen
+
+
+def within(name: str, *packages: str) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def test_training_does_not_import_reporting_or_tools():
+    """The LightningModule and all it imports stay below reports, sweeps, grid and the CLI: per-layer figures are
+    drawn by a callback (callbacks/per_layer_artifacts.py), never by the module."""
+    upper = ("mhc_lightning.reports", "mhc_lightning.sweeps", "mhc_lightning.grid", "mhc_lightning.cli",
+             "mhc_lightning.callbacks", "mhc_lightning.loggers")
+    assert sorted(m for m in reachable(import_graph(), "mhc_lightning.module") if within(m, *upper)) == []
+
+
+def external_imports(path: Path) -> set[str]:
+    """Top-level names of the absolute imports in a file (relative imports are the package's own)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name.partition(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            out.add((node.module or "").partition(".")[0])
+    return out - {"__future__"}
+
+
+@pytest.mark.parametrize("package, allowed_inside, allowed_outside", [
+    # the model: plain nn.Modules over the kernels, usable without Lightning, MLflow or the rest of the package
+    ("mhc_lightning.model", ("mhc_lightning.model", "mhc_lightning.kernels"), {"torch"}),
+    # the kernels: the reference ops and the fused Triton kernels, below everything else
+    ("mhc_lightning.kernels", ("mhc_lightning.kernels",), {"torch", "triton"}),
+])
+def test_lower_layers_import_only_what_is_below_them(package, allowed_inside, allowed_outside):
+    graph, mods = import_graph(), modules()
+    inside = {f"{name} imports {dep}" for name in graph if within(name, package)
+              for dep in graph[name] if not within(dep, *allowed_inside)}
+    outside = {f"{name} imports {top}" for name, path in mods.items() if within(name, package)
+               for top in external_imports(path) - allowed_outside - set(sys.stdlib_module_names)}
+    assert sorted(inside | outside) == []
+
+
+# Module names that may repeat, because each copy is the same job in another place: every command's argparse front
+# end is its package's cli.py; the fused kernels mirror the reference ops file by file.
+REPEATABLE = {"cli"}
+MIRRORS = ("mhc_lightning.kernels.reference", "mhc_lightning.kernels.fused")
+
+
+def test_module_names_say_one_thing():
+    """No two unrelated modules share a name (there were three called launch and two called preflight)."""
+    by_stem = defaultdict(list)
+    for name, path in modules().items():
+        if path.name not in ("__init__.py", "__main__.py"):
+            package, _, stem = name.rpartition(".")
+            by_stem[stem].append(package)
+    repeated = {stem: packages for stem, packages in by_stem.items() if len(packages) > 1 and stem not in REPEATABLE
+                and sorted(packages) != sorted(MIRRORS)}
+    assert repeated == {}
 
 
 def test_the_cycle_check_finds_a_cycle():
@@ -116,7 +188,7 @@ def test_sweeps_use_no_private_optuna_api():
 OWNED_TEXT = ["mhc_lightning/sweeps", "mhc_lightning/reports", "mhc_lightning/loggers",
               "mhc_lightning/callbacks/snapshots.py", "mhc_lightning/callbacks/snapshot_state.py",
               "mhc_lightning/callbacks/snapshot_files.py", "mhc_lightning/callbacks/rank_consistency.py",
-              "mhc_lightning/launcher.py", "mhc_lightning/grid.py", "mhc_lightning/resume.py",
+              "mhc_lightning/child_processes.py", "mhc_lightning/grid.py", "mhc_lightning/resume.py",
               "mhc_lightning/distributed.py", "conf", "sweeps", "docs/sweeps.md", "docs/stability.md",
               "docs/distributed.md"]
 

@@ -1,4 +1,4 @@
-"""Run provenance (mhc_lightning/provenance.py, callbacks/provenance.py): the code, environment, data and settings
+"""Run provenance (mhc_lightning/provenance.py, callbacks/run_provenance.py): the code, environment, data and settings
 every run records, wherever it was started from."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import mlflow
 import pytest
 
 from mhc_lightning import provenance
-from mhc_lightning.callbacks.provenance import RunProvenance, weights_digest
+from mhc_lightning.callbacks.run_provenance import RunProvenance, weights_digest
 from mhc_lightning.loggers import ResilientMLFlowLogger
 from test_callbacks_common import tiny_fit
 
@@ -94,7 +94,7 @@ def test_a_resumed_run_keeps_the_history_of_its_code_and_settings(tiny_corpus, m
     first = ResilientMLFlowLogger(experiment_name="prov", tracking_uri=mlflow_uri)
     tiny_fit(tiny_corpus, [RunProvenance()], steps=1, logger=first, default_root_dir=tmp_path)
     other = provenance.CodeState("f" * 40, True, "e" * 64, "diff --git a/x b/x\n")
-    monkeypatch.setattr("mhc_lightning.callbacks.provenance.code_state", lambda: other)
+    monkeypatch.setattr("mhc_lightning.callbacks.run_provenance.code_state", lambda: other)
     again = ResilientMLFlowLogger(experiment_name="prov", tracking_uri=mlflow_uri, run_id=first.run_id)
     with pytest.warns(UserWarning, match="trainer/max_steps was 1, now 2"):
         tiny_fit(tiny_corpus, [RunProvenance()], steps=2, logger=again, default_root_dir=tmp_path)

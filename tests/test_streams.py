@@ -7,8 +7,9 @@ from test_callbacks_common import tiny_fit, tiny_module
 
 from helpers import make_text
 from mhc_lightning.callbacks import InstabilityDetector, channel_of
-from mhc_lightning.diagnostics import h_res_distances, stream_spread, summarize
+from mhc_lightning.diagnostics import h_res_distances, summarize
 from mhc_lightning.model import GPT, GPTConfig, HyperConfig
+from mhc_lightning.model.stream_spread import stream_spread
 
 
 def quick_model(mode: str, **hyper) -> GPT:

@@ -190,7 +190,7 @@ def _survivors(pids: list[int], wait: float = 0.0) -> list[int]:
 # Stand-in for a rank: records its pid, calls die_with_parent (as `mhc` does first thing in every rank), starts the next
 # process of the chain (as rank 0 starts rank 1) and sleeps. argv ends with: directory, processes left.
 STAND_IN = """import os, subprocess, sys, time
-from mhc_lightning.launcher import die_with_parent
+from mhc_lightning.child_processes import die_with_parent
 die_with_parent()
 d, n = sys.argv[-2], int(sys.argv[-1])
 if n > 1:

@@ -170,7 +170,7 @@ def test_parallel_first_access_to_fresh_sqlite_stores(tmp_path):
 
 def test_only_the_studys_creator_makes_its_parent_run(tmp_path):
     """Launchers that start at once on a fresh store: only the one whose create_study made the study creates the MLflow
-    parent run; the other waits for its id in the study's user attrs (round 34's CI saw two parent runs when each
+    parent run; the other waits for its id in the study's user attrs (CI once saw two parent runs when each
     launcher made one and saw the other's only after deciding), and makes a run of its own only if none comes."""
     import threading
 

@@ -7,6 +7,9 @@
 - RankConsistencyCheck (rank_consistency.py): every DDP rank holds the same weights and optimizer state.
 
 They share one record (events.py) and work alone or together: conf/presets/stability.yaml, docs/stability.md.
+
+`mhc fit|validate|test` install two more by default (cli.build_cli): FinalValidation (final_validation.py: every fit
+ends with a validation) and PerLayerArtifacts (per_layer_artifacts.py: the per-layer diagnostics as MLflow artifacts).
 """
 from .events import StabilityChannel, StabilityEvent, channel_of
 from .instability import InstabilityDetector

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from lightning.pytorch.utilities import rank_zero_info
 
+from ..loggers.mlflow_runs import mlflow_loggers
+
 if TYPE_CHECKING:
     import torch
 
@@ -45,7 +47,7 @@ def check_number(owner: str, name: str, value: Any, *, low: Optional[float] = No
         raise ValueError(f"{owner}.{name} must be {what} {rng}{none}, got {value!r}")
 
 
-def norm_sum(tensors: list) -> "torch.Tensor":
+def norm_sum(tensors: list) -> torch.Tensor:
     """Sum of the 2-norms of `tensors` as a float32 scalar on the first one's device: finite iff every value is.
 
     Half-precision norms are computed in float32 (an fp16 norm overflows long before its values do). Tensors on
@@ -113,12 +115,9 @@ class StabilityChannel:
         rows = self.events[self._flushed:]
         if not rows or trainer.global_rank != 0:
             return
-        from lightning.pytorch.loggers import MLFlowLogger
-
         table = {k: [asdict(e)[k] for e in rows] for k in asdict(rows[0])}
-        for lg in trainer.loggers:
-            if isinstance(lg, MLFlowLogger):
-                lg.experiment.log_table(lg.run_id, data=table, artifact_file=EVENTS_ARTIFACT)
+        for lg in mlflow_loggers(trainer):
+            lg.experiment.log_table(lg.run_id, data=table, artifact_file=EVENTS_ARTIFACT)
         self._flushed = len(self.events)
 
 
@@ -140,10 +139,7 @@ def log_metrics(trainer, metrics: dict[str, float], step: int) -> None:
 
 
 def set_tag(trainer, key: str, value: str) -> None:
-    from lightning.pytorch.loggers import MLFlowLogger
-
     if trainer.global_rank != 0:
         return
-    for lg in trainer.loggers:
-        if isinstance(lg, MLFlowLogger):
-            lg.experiment.set_tag(lg.run_id, key, value)
+    for lg in mlflow_loggers(trainer):
+        lg.experiment.set_tag(lg.run_id, key, value)

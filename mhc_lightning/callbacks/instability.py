@@ -26,8 +26,17 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
-from .events import (ACTIONS, StabilityEvent, channel_of, check_choice, check_number, log_metrics, norm_sum, set_tag,
-                     stronger)
+from .events import (
+    ACTIONS,
+    StabilityEvent,
+    channel_of,
+    check_choice,
+    check_number,
+    log_metrics,
+    norm_sum,
+    set_tag,
+    stronger,
+)
 
 Action = Literal["log", "skip", "rollback", "stop"]
 KINDS = ("loss_spike", "grad_explosion", "layer_grad_explosion", "nonfinite_loss", "nonfinite_grad",
@@ -182,8 +191,8 @@ class InstabilityDetector(Callback):
         param_v = values[-1] if self.check_params else 0.0
 
         events = self._evaluate(trainer, pl_module, step, loss_v, grad_v, layer_v, param_v)
-        # What the detector sees, on the logging cadence. Straight to the loggers: self.log costs ~1 ms per key
-        # per step on a small CPU model, most of this callback's budget, and only every n-th value is kept.
+        # What the detector sees, on the logging cadence. Straight to the loggers: self.log per key per step would be
+        # most of this callback's budget (docs/stability.md, "Overhead"), and only every n-th value is kept.
         if self._seen and step % max(1, trainer.log_every_n_steps) == 0:
             log_metrics(trainer, self._seen, step)
         if events:

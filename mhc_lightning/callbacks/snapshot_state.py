@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import copy
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch

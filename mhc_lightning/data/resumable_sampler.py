@@ -8,7 +8,8 @@ torch's and adds only the state: the generator at the start of the epoch and the
 """
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from collections.abc import Iterator
+from typing import Optional
 
 import torch
 from torch.utils.data import RandomSampler

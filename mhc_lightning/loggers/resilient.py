@@ -17,16 +17,16 @@ server and resume"). Every shipped config uses it.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 
 from .spool import GuardedClient
-from .store import (TrackingUnreachable, check_tracking, ensure_experiment, is_outage, redact,
-                    use_fast_http_failures)
+from .store import TrackingUnreachable, check_tracking, ensure_experiment, is_outage, redact, use_fast_http_failures
 
 _STATUS = {"success": "FINISHED", "failed": "FAILED", "finished": "FINISHED"}
 

@@ -86,7 +86,8 @@ class GuardedClient:
         while not self.flush(force=True):
             if time.monotonic() >= deadline:
                 warnings.warn(
-                    f"MLflow server {redact(uri)} still unreachable: {self._pending} writes kept in {self._file.parent}. "
+                    f"MLflow server {redact(uri)} still unreachable: {self._pending} writes kept in "
+                    f"{self._file.parent}. "
                     f"Send them later with:  mhc sweep replay {self.spool_root} --tracking-uri {redact(uri)}",
                     RuntimeWarning, stacklevel=2)
                 return False
@@ -98,13 +99,14 @@ class GuardedClient:
     def _spool(self, name: str, args: tuple, kwargs: dict) -> None:
         run_id = kwargs.get("run_id", args[0] if args else "unknown")
         if self._file is None:
-            self._file = self.spool_root / str(run_id) / f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}.jsonl"
+            name = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}.jsonl"
+            self._file = self.spool_root / str(run_id) / name
         self._file.parent.mkdir(parents=True, exist_ok=True)
         try:
             record = _to_record(name, args, kwargs, self._file.parent / "files" / uuid.uuid4().hex[:12])
         except Exception as err:  # an object we cannot serialise: say so rather than fail the run
             self.dropped += 1
-            warnings.warn(f"could not keep MLflow call {name} for later ({err}); dropped", RuntimeWarning)
+            warnings.warn(f"could not keep MLflow call {name} for later ({err}); dropped", RuntimeWarning, stacklevel=1)
             return
         record["t"] = time.time()
         with open(self._file, "a") as f:
@@ -192,7 +194,7 @@ def replay_file(path: Optional[Path], client) -> int:
         except Exception as err:
             if not is_outage(err):
                 # a write the server refuses (e.g. a param logged twice on replay): skip it, keep going
-                warnings.warn(f"spooled MLflow call {rec['op']} refused: {err}", RuntimeWarning)
+                warnings.warn(f"spooled MLflow call {rec['op']} refused: {err}", RuntimeWarning, stacklevel=1)
             else:
                 break
         done += 1

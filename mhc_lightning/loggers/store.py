@@ -8,11 +8,14 @@
   (alembic's temporary tables), so the first access is serialised with a lock file beside the database.
 - `ensure_experiment`: the experiment, created if needed, tagged so that the MLflow UI opens it in its
   training-runs view (see TRAINING_KIND below).
+- `ui_hint`: the command that opens a local store in the MLflow UI, runnable from any folder.
 """
 from __future__ import annotations
 
 import os
 import re
+import shlex
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -75,9 +78,32 @@ def sqlite_path(uri: str) -> Optional[Path]:
     return Path(uri[len("sqlite:///"):]).expanduser().resolve()
 
 
+def mlflow_command() -> str:
+    """How to start MLflow's CLI from this interpreter, whether or not its venv is activated."""
+    exe = Path(sys.executable).with_name("mlflow")
+    return shlex.quote(str(exe)) if exe.is_file() else f"{shlex.quote(sys.executable)} -m mlflow"
+
+
+def absolute_store_uri(uri: str) -> str:
+    """sqlite:///relative.db -> sqlite:////abs/relative.db, so that a printed command works from any folder."""
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not uri[len(prefix):].startswith("/") and ":memory:" not in uri:
+        return prefix + str(Path(uri[len(prefix):]).resolve())
+    return uri
+
+
+def is_server(uri: str) -> bool:
+    return uri.startswith(("http://", "https://"))
+
+
+def ui_hint(uri: str) -> str:
+    """The command that opens a local store in the MLflow UI."""
+    return f"{mlflow_command()} ui --backend-store-uri {shlex.quote(absolute_store_uri(uri))}"
+
+
 def check_tracking(uri: str, timeout: float = 5.0) -> None:
     """Raise TrackingUnreachable (naming the URI) unless the tracking store answers; migrate a new SQLite store."""
-    if uri.startswith(("http://", "https://")):
+    if is_server(uri):
         import requests
 
         try:
@@ -93,7 +119,8 @@ def check_tracking(uri: str, timeout: float = 5.0) -> None:
         hint = (" (add this host name to the server's --allowed-hosts / MLFLOW_ALLOWED_HOSTS)"
                 if "Invalid Host header" in str(err) else "")
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise TrackingUnreachable(f"MLflow tracking store {redact(uri)} refused the connection: {first}{hint}") from None
+        raise TrackingUnreachable(
+            f"MLflow tracking store {redact(uri)} refused the connection: {first}{hint}") from None
 
 
 def lock_path(db: Path) -> str:

@@ -9,8 +9,9 @@ request (`request_u`: it ran first and read x_l anyway), or u made again by the 
 way the backward sees the same bits.
 """
 import weakref
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator, Optional
+from typing import Optional
 
 import torch
 

@@ -2,8 +2,16 @@
 from dataclasses import dataclass, field
 from typing import Literal, Union
 
-from ..kernels.options import EXACT_AXES, KERNEL_BACKENDS, RES_LAYOUTS, STARTS, ExactAxis, KernelBackend, ResLayout
-from ..kernels.options import SinkhornStart
+from ..kernels.options import (
+    EXACT_AXES,
+    KERNEL_BACKENDS,
+    RES_LAYOUTS,
+    STARTS,
+    ExactAxis,
+    KernelBackend,
+    ResLayout,
+    SinkhornStart,
+)
 
 ResidualMode = Literal["residual", "hc", "mhc", "identity"]
 RESIDUAL_MODES = ("residual", "hc", "mhc", "identity")
@@ -62,16 +70,15 @@ class HyperConfig:
     kernel_backend: KernelBackend = "auto"
     # Run consecutive mHC sublayers as one chain through the fused boundary op (post/res of l with the coefficients
     # and input of l + 1). auto: the chain where that op is the fused kernels' in eager mode (CUDA), one sublayer at a
-    # time elsewhere and under torch.compile. The chain's host time per sublayer is lower; on an H200 whose host is
-    # slow the eager step went 69.7 / 75.2 -> 63.6 / 64.5 ms, on a fast one they tie (docs/benchmarks.md, round 27).
+    # time elsewhere and under torch.compile. The chain's host time per sublayer is lower, so a slow host no longer
+    # holds back the eager step (docs/benchmarks.md).
     chain_sublayers: Union[bool, Literal["auto"]] = "auto"
     # Run an init that keeps the streams identical anyway (the degenerate baseline); refused otherwise.
     allow_identical_streams: bool = False
     # Multi-stream modes, training in eager mode: each branch's pre-norm does not keep its input u = H^pre x_l (C per
     # token in the branch's dtype, fp32 under bf16-mixed) until the backward, which gets it back bitwise from the
     # stream the ops keep anyway (the fused write-back's backward writes it: C more values per token per sublayer
-    # written, +0.55 ms per trainer step on an H200, round 30; docs/design.md §9, model/branch_input.py). Not with
-    # recompute_block or model.compile (refused).
+    # written; docs/design.md §9, model/branch_input.py). Not with recompute_block or model.compile (refused).
     rebuild_branch_input: bool = False
 
     def __post_init__(self) -> None:

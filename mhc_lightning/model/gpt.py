@@ -5,7 +5,8 @@ once before the final norm (docs/design.md §4): expanding per block would make 
 """
 import contextlib
 import math
-from typing import Iterator, Optional
+from collections.abc import Iterator
+from typing import Optional
 
 import torch
 import torch.nn as nn

@@ -14,13 +14,12 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from ..diagnostics import stream_spread
-from ..distributed import param_compute_dtype
-from ..kernels import MHCOptions, get_ops
-from ..kernels import reference
+from ..kernels import MHCOptions, get_ops, reference
 from ..kernels.reference import compute_dtype, in_dtype, mhc_logit_count
 from .branch_input import others_keep_saved_tensors, rebuilt_in_backward
 from .config import BIAS_INITS, HyperConfig
+from .fsdp_dtype import param_compute_dtype
+from .stream_spread import stream_spread
 
 # Between two chained sublayers: (stream x, the sublayer's input u, its h_pre, h_post, h_res | None). After `enter`
 # under torch.compile, x is the fused ops' Routed pair (x and its gradient's route to the enter op; read only by the
@@ -212,5 +211,6 @@ class HyperConnection(nn.Module):
 def hyper_connections(module: nn.Module) -> list[HyperConnection]:
     """The HyperConnection sublayers under `module`, in order, themselves: also where another tool wrapped them. A
     wrapper (an activation-checkpoint or FSDP wrapper) forwards reads of attributes to the module it wraps but keeps
-    writes for itself, so a flag or a Sinkhorn count set through it would never reach the sublayer (docs/design.md §9)."""
+    writes for itself, so a flag or a Sinkhorn count set through it would never reach the sublayer
+    (docs/design.md §9)."""
     return [m for m in module.modules() if isinstance(m, HyperConnection)]

@@ -17,9 +17,10 @@ SiLU) are replayed, as are the mHC ops.
 import gc
 import math
 import weakref
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.nn as nn

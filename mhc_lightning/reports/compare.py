@@ -16,7 +16,8 @@ from . import plots
 from .runs import COMPARISON_TAG, CompareError, RunData, code_label, load, search
 from .tables import fmt, frame, write_table
 
-FINAL_METRICS = ["val/loss", "val/bpb", "train/loss", "train/grad_norm", "amax/composite_fwd_max", "amax/composite_bwd_max"]
+FINAL_METRICS = ["val/loss", "val/bpb", "train/loss", "train/grad_norm", "amax/composite_fwd_max",
+                 "amax/composite_bwd_max"]
 CURVES = ["val/loss", "train/grad_norm", "train/tokens_per_sec"]
 
 

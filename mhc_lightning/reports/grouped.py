@@ -112,8 +112,8 @@ def group(data: list[RunData], keys: list[str]) -> dict[tuple, list[RunData]]:
         if missing:
             raise CompareError(f"run {d.name} has no tag(s) {missing}; group by tags the runs carry: {sorted(d.tags)}")
         groups[tuple(_num(d.tags[k]) for k in keys)].append(d)
-    return dict(sorted(groups.items(), key=lambda kv: tuple((isinstance(x, str), x if not isinstance(x, str) else 0, str(x))
-                                                               for x in kv[0])))
+    return dict(sorted(groups.items(), key=lambda kv: tuple(
+        (isinstance(x, str), x if not isinstance(x, str) else 0, str(x)) for x in kv[0])))
 
 
 def mean_std(vals: list[float]) -> tuple[float, float]:
@@ -215,7 +215,8 @@ def make_plots(groups, keys, out: Path) -> dict[str, Path]:
         layers = {k: [d.per_layer[k] for d in runs if d.per_layer and k in d.per_layer]
                   for k in ("composite_fwd_max", "composite_bwd_max")}
         if all(layers.values()):
-            layer_series.append((" ".join(map(str, gk)), {k: [st.fmean(v) for v in zip(*ls)] for k, ls in layers.items()}))
+            means = {k: [st.fmean(v) for v in zip(*ls)] for k, ls in layers.items()}
+            layer_series.append((" ".join(map(str, gk)), means))
     layers = None
     if layer_series:
         layers = plots.save(plots.amax_vs_layer(layer_series, title="composite Amax gain at the last diagnostics "
@@ -286,9 +287,9 @@ def report(tracking_uri: str, experiment: str, keys: list[str], out: Path, repor
         if best_path is not None:
             parts.append("Each group at its best lr:\n\n" + best_path.read_text())
         if diff_path is not None:
-            parts.append(f"Difference in {metric} to `{baseline}` (group − {baseline}; 95 % confidence interval, paired "
-                         "by seed where both groups ran the same seeds, Welch otherwise; \"cannot tell apart\": the "
-                         "interval holds 0):\n\n" + diff_path.read_text())
+            parts.append(f"Difference in {metric} to `{baseline}` (group − {baseline}; 95 % confidence interval, "
+                         "paired by seed where both groups ran the same seeds, Welch otherwise; \"cannot tell apart\": "
+                         "the interval holds 0):\n\n" + diff_path.read_text())
         parts.append("\n".join(f"![{k}]({rel}/{p.name})" for k, p in figures.items()) + "\n")
         if notes and notes.exists():
             parts.append(notes.read_text())

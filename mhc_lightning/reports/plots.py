@@ -6,8 +6,9 @@ the Agg backend (no display needed).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 DIRECTIONS = (("fwd", "forward"), ("bwd", "backward"))
 STAT_STYLE = {"max": ("-o", "max over tokens"), "tokmean": ("--", "token-mean matrix")}
@@ -70,7 +71,8 @@ def amax_vs_layer(series: Sequence[tuple[str, dict]], kinds: Sequence[str] = ("c
             ax.axhline(1.0, color="grey", lw=0.8, ls="--")
             _scale(ax, values)
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            ax.set_xlabel("sublayer l" + (" (product of H_res from l to the last sublayer)" if kind == "composite" else ""))
+            composite = " (product of H_res from l to the last sublayer)" if kind == "composite" else ""
+            ax.set_xlabel("sublayer l" + composite)
             ax.set_ylabel("Amax gain")
             ax.set_title(f"{kind} H_res, {word}")
             ax.grid(alpha=0.3, which="both")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..errors import UserError
+from ..loggers.tags import STAGE_TAG
 
 # Config columns: (column, MLflow param keys to try). Lightning logs the module's hparams flattened with
 # "/", the sweep logs the trial's values as trial.<cli key>.
@@ -33,7 +34,6 @@ SINKHORN_ONLY = ("sinkhorn_iters", "intensity")
 UNUSED_BY_MODE = {"residual": SINKHORN_ONLY + ("n_streams", "alpha_init", "bias_init"),
                   "hc": SINKHORN_ONLY + ("bias_init",), "identity": SINKHORN_ONLY}
 COMPARISON_TAG = "mhc.kind"  # on the runs `mhc compare` creates to hold its files
-STAGE_TAG = "stage"  # fit / validate / test, set on every `mhc` run (tracking.MLflowSaveConfig)
 EVALUATION_STAGES = ("validate", "test")
 
 
@@ -87,7 +87,7 @@ class RunData:
         return statistics.median(vals) if vals else self.metrics.get("train/tokens_per_sec")
 
 
-CODE_TAG = "mhc.code"  # commit[:9] (+ digest of the uncommitted change), set by callbacks/provenance.py
+CODE_TAG = "mhc.code"  # commit[:9] (+ digest of the uncommitted change), set by callbacks/run_provenance.py
 
 
 def code_label(d: RunData) -> str:

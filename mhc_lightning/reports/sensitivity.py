@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import math
 import statistics as st
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 from . import plots
 from .tables import frame

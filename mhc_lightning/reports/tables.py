@@ -1,8 +1,9 @@
 """The one table writer: a pandas DataFrame to CSV (full precision) and to a markdown table (values formatted)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 
 def fmt(v) -> str:

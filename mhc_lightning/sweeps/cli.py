@@ -96,7 +96,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     from ..errors import UserError
     from ..loggers.spool import replay_spool
-    from .launch import dry_run, launch, status
+    from .supervisor import dry_run, launch, status
     from .worker import run_worker
 
     # heartbeats, fail_stale_trials and the retry callback are marked experimental; we rely on them knowingly
@@ -112,7 +112,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.command == "status":
             return status(sweep)
         if args.command == "worker":
-            from ..launcher import die_with_parent
+            from ..child_processes import die_with_parent
 
             die_with_parent()
             return run_worker(sweep, args.index, args.machine_rank, args.threads, args.since)

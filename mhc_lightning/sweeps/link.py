@@ -7,8 +7,8 @@ and every DDP rank Lightning starts from it, to the sweep's Optuna trial.
   value at each validation and asks should_prune; at the end of fit it writes the recorded history, the prune step
   and the logged metric names to `result_path`, where the sweep worker reduces them as for an in-process trial.
 - MLflow is written by rank 0 only, by the trial's logger (Lightning's rank-zero logging), into the trial's run.
-- Every rank dies with its parent process (`mhc` calls launcher.die_with_parent first thing), so that a sweep worker
-  killed with SIGKILL leaves no rank behind.
+- Every rank dies with its parent process (`mhc` calls child_processes.die_with_parent first thing), so that a sweep
+  worker killed with SIGKILL leaves no rank behind.
 """
 from __future__ import annotations
 
@@ -70,7 +70,8 @@ class TrialLink(MetricRecorder):
         if trainer.global_rank != 0:
             return
         out = {"history": self.history, "missing": self.missing,
-               "pruned_at": self.pruning.pruned_at if self.pruning else None, "logged": sorted(trainer.callback_metrics)}
+               "pruned_at": self.pruning.pruned_at if self.pruning else None,
+               "logged": sorted(trainer.callback_metrics)}
         tmp = self.result_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(out))
         tmp.replace(self.result_path)  # the worker never reads half a file

@@ -52,7 +52,8 @@ def build_trial_cli(args: list[str], callbacks: list):
             return build_cli(args, run=False, trainer_defaults={"callbacks": callbacks})
     except SystemExit as exc:
         lines = [ln for ln in err.getvalue().splitlines() if ln.strip()]
-        raise TrialConfigError("mhc fit rejected the trial's arguments: " + (lines[-1] if lines else str(exc))) from None
+        raise TrialConfigError(
+            "mhc fit rejected the trial's arguments: " + (lines[-1] if lines else str(exc))) from None
 
 
 def fit_command(args: list[str]) -> str:
@@ -106,7 +107,8 @@ class TrialRunner:
         except BaseException as err:
             msg = f"{type(err).__name__}: {err}"
             interrupted = isinstance(err, (KeyboardInterrupt, SystemExit))
-            self.tracker.end_trial(run_id, "FAILED", error=msg, extra_tags={"optuna.interrupted": interrupted} if interrupted else None)
+            self.tracker.end_trial(run_id, "FAILED", error=msg,
+                                   extra_tags={"optuna.interrupted": interrupted} if interrupted else None)
             trial.set_user_attr("error", msg[:1000])
             if interrupted:
                 trial.set_user_attr("interrupted", True)
@@ -161,7 +163,7 @@ class TrialRunner:
         the recorded metrics in a result file. Its output is logged to the trial's run as trial.log."""
         import os
 
-        from ..launcher import ChildFailed, mhc_command, run
+        from ..child_processes import ChildFailed, mhc_command, run
 
         spec = self.spec
         with tempfile.TemporaryDirectory(prefix=f"mhc-trial-{trial.number}-") as tmp:

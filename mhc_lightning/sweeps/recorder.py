@@ -53,7 +53,7 @@ class MetricRecorder(Callback):
                 trainer.should_stop = True
 
     @classmethod
-    def from_result(cls, history: dict[str, list], missing: list[str]) -> "MetricRecorder":
+    def from_result(cls, history: dict[str, list], missing: list[str]) -> MetricRecorder:
         """A recorder holding what another process recorded (a subprocess trial's result file)."""
         rec = cls(list(history))
         rec.history = {m: [(int(step), float(v)) for step, v in h] for m, h in history.items()}

@@ -172,7 +172,8 @@ def parse_spec(data: Any, path: Optional[Path] = None, overrides: Optional[dict[
 
     space = _parse_space(at("space"), data.get("space"))
     objectives = _parse_objectives(at("objectives"), data.get("objectives"))
-    sampler = _parse_choice_block(at("sampler"), data.get("sampler") or {"name": "tpe"}, SAMPLERS, ("name", "seed", "options"))
+    sampler = _parse_choice_block(at("sampler"), data.get("sampler") or {"name": "tpe"}, SAMPLERS,
+                                  ("name", "seed", "options"))
     pruner = _parse_choice_block(at("pruner"), data.get("pruner") or {"name": "none"}, PRUNERS, ("name", "options"))
     if sampler.get("seed") is not None:
         _expect(at("sampler.seed"), sampler["seed"], int, "an integer (each worker adds its index) or null")
@@ -305,7 +306,8 @@ def _parse_space(where: str, raw) -> list[Param]:
                 raise _err(f"{w}.optional", "only callbacks.<Class>.<arg> parameters can be optional")
         if t == "categorical":
             if not isinstance(p.choices, list) or not p.choices:
-                raise _err(f"{w}.choices", f"a categorical parameter needs a non-empty list of choices, got {p.choices!r}")
+                raise _err(f"{w}.choices",
+                           f"a categorical parameter needs a non-empty list of choices, got {p.choices!r}")
             for extra in ("low", "high", "step"):
                 if d.get(extra) is not None:
                     raise _err(f"{w}.{extra}", "not used by a categorical parameter (give choices)")

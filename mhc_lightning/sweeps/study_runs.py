@@ -33,7 +33,8 @@ class SweepTracker:
         from mlflow import MlflowClient
 
         use_fast_http_failures()
-        self.uri, self.experiment_name, self.study_name, self.storage_label = tracking_uri, experiment, study_name, storage_label
+        self.uri, self.experiment_name = tracking_uri, experiment
+        self.study_name, self.storage_label = study_name, storage_label
         self.raw = MlflowClient(tracking_uri)
         self.client = GuardedClient(self.raw, spool_root, label=f" at {redact(tracking_uri)}")
         self._experiment_id: Optional[str] = None
@@ -56,7 +57,7 @@ class SweepTracker:
 
         creator: whether this process created the study (Sweep.created). Launchers started at the same moment on a
         fresh store would each create a parent run, and which ones they see of each other's depends on when each
-        store commit lands (two parents, round 34's CI). So only the study's creator makes one; every other process
+        store commit lands (CI once saw two parents). So only the study's creator makes one; every other process
         waits (up to wait_s) for the creator's run id in the study's user attrs, and falls back to the search by tags,
         then to a new run, only if the creator died before recording it."""
         pid = study.user_attrs.get("mlflow_parent_run_id")
@@ -66,7 +67,8 @@ class SweepTracker:
             pid = study.user_attrs.get("mlflow_parent_run_id")
         if not pid and not creator:
             warnings.warn(f"study {self.study_name!r}: its creator recorded no MLflow parent run within "
-                          f"{wait_s:.0f} s; looking for one by tags", RuntimeWarning)
+                          f"{wait_s:.0f} s; looking for one by tags", RuntimeWarning,
+                          stacklevel=1)
         if pid:
             try:
                 if self.raw.get_run(pid).info.lifecycle_stage == "active":
@@ -111,12 +113,14 @@ class SweepTracker:
         deadline = time.monotonic() + wait_s
         while True:
             try:
-                run = self.raw.create_run(self.experiment_id, run_name=f"{self.study_name}-t{trial.number:04d}", tags=tags)
+                run = self.raw.create_run(self.experiment_id, run_name=f"{self.study_name}-t{trial.number:04d}",
+                                          tags=tags)
                 break
             except Exception as err:
                 if not is_outage(err) or time.monotonic() > deadline:
                     raise
-                warnings.warn(f"MLflow {redact(self.uri)} unreachable before trial {trial.number}; retrying", RuntimeWarning)
+                warnings.warn(f"MLflow {redact(self.uri)} unreachable before trial {trial.number}; retrying",
+                              RuntimeWarning, stacklevel=1)
                 time.sleep(5)
         run_id = run.info.run_id
         trial.set_user_attr("mlflow_run_id", run_id)
@@ -195,7 +199,7 @@ class SweepTracker:
                 df.to_csv(Path(tmp) / "trials.csv", index=False)
                 self.client.log_artifact(pid, str(Path(tmp) / "trials.csv"))
             except Exception as err:  # pandas missing or an empty study
-                warnings.warn(f"trials.csv not written: {err}", RuntimeWarning)
+                warnings.warn(f"trials.csv not written: {err}", RuntimeWarning, stacklevel=1)
             skipped = self._log_plots(study, spec, Path(tmp))
         summary["plots_skipped"] = skipped
         self.client.set_tag(pid, "sweep.status", "complete" if complete else "incomplete")

@@ -1,6 +1,6 @@
 """A sweep worker: trials one at a time until the study holds `budget.n_trials` COMPLETE + PRUNED trials.
 
-Run in the launcher's process (`--workers 1`) or as `python -m mhc_lightning.sweeps worker ...` (launch.py).
+Run in the launcher's process (`--workers 1`) or as `python -m mhc_lightning.sweeps worker ...` (supervisor.py).
 """
 from __future__ import annotations
 
@@ -50,8 +50,8 @@ def run_worker(sweep: Sweep, index: int, machine: int, threads: Optional[int] = 
     study = sweep.study(sampler=make_sampler(spec, seed))
     tracker = sweep.tracker()
     tracker.ensure_parent(study, creator=sweep.created)
-    runner = TrialRunner(spec, tracker, sweep.tracking_uri, {"id": wid, "index": index, "machine": machine, "seed": seed},
-                         sweep.spool_dir, sweep.storage_url)
+    worker = {"id": wid, "index": index, "machine": machine, "seed": seed}
+    runner = TrialRunner(spec, tracker, sweep.tracking_uri, worker, sweep.spool_dir, sweep.storage_url)
     journal = is_journal(sweep.storage_url)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM between trials: same clean path as Ctrl-C

@@ -22,8 +22,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 PARENT_ENV = "MHC_PARENT_PID"  # pid of the process that started this one (launcher, worker, rank 0, ...)
 TAIL_CHARS = 900  # of a failed child's log, quoted in its error; the log file has it all

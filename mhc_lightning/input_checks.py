@@ -16,7 +16,7 @@ import torch
 
 from .data import ByteTextDataModule
 from .errors import UserError
-from .tracking import CHECKPOINT_RUN_KEY
+from .loggers.tags import CHECKPOINT_RUN_KEY
 
 EVAL_COMMANDS = ("validate", "test")
 # ckpt_path values that Lightning resolves itself at run time rather than paths to a file

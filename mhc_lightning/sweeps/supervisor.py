@@ -23,8 +23,8 @@ def prepare(sweep: Sweep):
     parameters resolved, every `mhc fit` key of the sweep accepted by the parser, sampler options valid; then the
     study (with its enqueued points) and its MLflow parent run."""
     from ..loggers.store import check_tracking
-    from .preflight import check_trial_args
     from .trial_args import check_callbacks
+    from .trial_args_check import check_trial_args
 
     check_tracking(sweep.tracking_uri)
     for w in check_callbacks(sweep.spec):
@@ -68,7 +68,8 @@ def launch(sweep: Sweep, args) -> int:
     machine = args.machine_rank or 0
     n = args.workers
     print(f"[mhc sweep] study {sweep.spec.name!r}: storage {sweep.storage_label}, MLflow {tracker.uri} "
-          f"(experiment {sweep.spec.mlflow['experiment']!r}, parent run {tracker.parent_id}), {n} worker(s)", flush=True)
+          f"(experiment {sweep.spec.mlflow['experiment']!r}, parent run {tracker.parent_id}), {n} worker(s)",
+          flush=True)
     if n == 1:
         code = run_worker(sweep, 0, machine, args.threads or None, since)
     else:
@@ -95,7 +96,7 @@ def launch(sweep: Sweep, args) -> int:
 def _run_workers(sweep: Sweep, study, args, machine: int, since: float) -> int:
     from optuna.trial import TrialState
 
-    from ..launcher import Child, describe_exit
+    from ..child_processes import Child, describe_exit
     from .liveness import fail_dead_local_trials, worker_id
 
     n = args.workers
@@ -162,14 +163,17 @@ def _run_workers(sweep: Sweep, study, args, machine: int, since: float) -> int:
 
 
 def _print_summary(sweep: Sweep, tracker, summary: dict, complete: bool, c: dict, stopped: Optional[str]) -> None:
+    from ..loggers.store import ui_hint
+
     counts_ = summary.get("counts", c)
     if complete:
         state = "complete"
     elif stopped:
         state = "stopped"
     elif c["errors"] > sweep.spec.max_failed:
-        state = (f"not complete: {c['errors']} trials failed in this launch (budget.max_failed={sweep.spec.max_failed});"
-                 " fix the cause (the failed runs' optuna.error tag), then run the same command again to continue")
+        state = (f"not complete: {c['errors']} trials failed in this launch "
+                 f"(budget.max_failed={sweep.spec.max_failed}); fix the cause (the failed runs' optuna.error tag), "
+                 "then run the same command again to continue")
     else:
         state = "not complete (run the same command again to continue)"
     print(f"[mhc sweep] study {sweep.spec.name!r} {state}: " + ", ".join(f"{k} {v}" for k, v in counts_.items()))
@@ -181,7 +185,7 @@ def _print_summary(sweep: Sweep, tracker, summary: dict, complete: bool, c: dict
         print(f"[mhc sweep] Pareto front: trials {[t['trial'] for t in summary['pareto_front']]}")
     print(f"[mhc sweep] MLflow parent run {tracker.parent_id} at {tracker.uri}")
     if sweep.tracking_uri.startswith("sqlite:"):
-        print(f"[mhc sweep] view:  {Path(sys.executable).with_name('mlflow')} ui --backend-store-uri {sweep.tracking_uri}")
+        print(f"[mhc sweep] view:  {ui_hint(sweep.tracking_uri)}")
     if not is_journal(sweep.storage_url):
         print(f"[mhc sweep] dashboard:  optuna-dashboard {sweep.storage_label}")
 
@@ -195,8 +199,8 @@ def status(sweep: Sweep) -> int:
         print(f"no study {sweep.spec.name!r} in {sweep.storage_label}")
         return 1
     c = counts(study)
-    print(f"study {sweep.spec.name!r} in {sweep.storage_label}: " + ", ".join(f"{k} {v}" for k, v in c.items() if k != "errors")
-          + f" (budget {sweep.spec.n_trials})")
+    shown = ", ".join(f"{k} {v}" for k, v in c.items() if k != "errors")
+    print(f"study {sweep.spec.name!r} in {sweep.storage_label}: {shown} (budget {sweep.spec.n_trials})")
     for t in study.get_trials(deepcopy=False):
         vals = t.values if t.values is not None else "-"
         print(f"  trial {t.number:4d} {t.state.name:8s} {vals} {t.params} run={t.user_attrs.get('mlflow_run_id', '-')}")
@@ -207,8 +211,8 @@ def dry_run(sweep: Sweep) -> int:
     import optuna
 
     from .objective import fit_command
-    from .preflight import check_trial_args
     from .trial_args import check_callbacks, sample, trial_args
+    from .trial_args_check import check_trial_args
 
     for w in check_callbacks(sweep.spec):
         print(f"# {w}")

@@ -16,7 +16,7 @@ from mlflow.entities import ViewType
 
 from helpers import CONF, make_text, tiny_fit_args
 from mhc_lightning.cli import main
-from mhc_lightning.preflight import arch_mismatches
+from mhc_lightning.input_checks import arch_mismatches
 
 
 def random_bytes(n: int) -> bytes:
