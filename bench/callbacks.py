@@ -1,4 +1,4 @@
-"""Step-time overhead of the stability callbacks at their defaults (conf/presets/stability.yaml).
+"""Step-time overhead of the stability callbacks at their defaults (conf/presets/stability.yaml), in paired blocks.
 
 Paired blocks inside one fit: the callbacks under test are switched on and off in blocks of `--block`
 optimizer steps (off, on, on, off, off, on, ...: an ABBA order, so a slow drift of the machine cancels), and
@@ -17,16 +17,13 @@ A snapshot every `every_n_steps` (default 500) is timed once in the steady state
 writes into the evicted snapshot's buffers) and amortised; the first `keep` snapshots of a fit also allocate
 their pinned buffers (reported apart). While switched off the
 callbacks see nothing; the Sinkhorn count the scheduler set stays in force, so off and on blocks do the same
-model work. Prints one table and writes JSON.
+model work. Generated text: no downloads.
 
-    python bench/bench_callbacks.py --threads 1                 # CPU, writes bench_callbacks_cpu.json
-    python bench/bench_callbacks.py --accelerator gpu --out bench_callbacks_gpu.json
+    python -m bench callbacks --threads 1 [--configs stability,detector]
+    python -m bench callbacks --accelerator gpu --block 5 --pairs 40
 """
 from __future__ import annotations
 
-import argparse
-import json
-import platform
 import statistics
 import tempfile
 import time
@@ -35,6 +32,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
+from bench import harness
 from mhc_lightning.callbacks import GradientSnapshots, InstabilityDetector, SinkhornScheduler
 from mhc_lightning.data import ByteTextDataModule
 from mhc_lightning.data.synthetic import english_like_text
@@ -186,8 +184,14 @@ def run(args, config: str, corpus: Path) -> dict:
     return out
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+COLUMNS = [("config", "configuration", ""), ("step_ms_off", "step off ms", ".2f"), ("step_ms_on", "step on ms", ".2f"),
+           ("overhead_pct", "overhead %", "+.2f"), ("iqr_pct", "IQR of pairs %", ""), ("hook_pct", "in hooks %", ".2f"),
+           ("snapshot_ms", "snapshot ms", ".0f"), ("snapshot_pct", "snapshot %", "+.2f"), ("total_pct", "total %", "+.2f"),
+           ("events", "events", "d")]
+
+
+def main(argv=None) -> int:
+    p = harness.parser("callbacks", __doc__)
     p.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"])
     p.add_argument("--precision", default=None, help="default: 32-true on cpu, bf16-mixed on gpu")
     p.add_argument("--layers", type=int, default=4)
@@ -206,8 +210,7 @@ def main() -> None:
     p.add_argument("--diagnostics-every", type=int, default=25, help="the module default")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--corpus", default=None, help="text file (default: generated)")
-    p.add_argument("--out", default=None, help="JSON path (default: bench_callbacks_<accelerator>.json)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     bad = [c for c in configs if c not in CONFIGS]
     if bad or not configs:
@@ -222,37 +225,28 @@ def main() -> None:
     args.precision = args.precision or ("bf16-mixed" if args.accelerator == "gpu" else "32-true")
     if args.threads:
         torch.set_num_threads(args.threads)
+    report = harness.Report("callbacks", args, argv or [], "cuda" if args.accelerator == "gpu" else "cpu")
+    report.env["threads"] = torch.get_num_threads()
+    model = {"layers": args.layers, "width": args.width, "seq": args.seq, "batch": args.batch, "streams": 4,
+             "sinkhorn_iters": args.iters, "mode": "mhc", "precision": args.precision}
     with tempfile.TemporaryDirectory() as tmp:
         corpus = Path(args.corpus) if args.corpus else make_corpus(Path(tmp) / "corpus.txt")
-        runs = {c: run(args, c, corpus) for c in configs}
-    device = torch.cuda.get_device_name(0) if args.accelerator == "gpu" else platform.processor() or platform.machine()
-    result = {"device": device, "accelerator": args.accelerator, "precision": args.precision,
-              "threads": torch.get_num_threads(), "torch": torch.__version__, "lr": args.lr,
-              "block": args.block, "warmup": args.warmup,
-              "model": {"layers": args.layers, "width": args.width, "seq": args.seq, "batch": args.batch,
-                        "streams": 4, "sinkhorn_iters": args.iters, "mode": "mhc"},
-              "runs": runs}
-    print(f"\nstability callbacks at defaults, {device} ({args.accelerator}, {args.precision}, "
+        for config in configs:
+            r = run(args, config, corpus)
+            q = statistics.quantiles([x - 1 for x in r["pair_ratios"]], n=4) if r["pairs"] > 1 else [0, 0, 0]
+            r.update(model, step_ms_off=1e3 * r["step_s_off"], step_ms_on=1e3 * r["step_s_on"],
+                     overhead_pct=100 * r["overhead_median"], iqr_pct=f"{100 * q[0]:+.2f}..{100 * q[2]:+.2f}",
+                     hook_pct=100 * r["hook_share"], total_overhead=r["overhead_median"] + r.get("snapshot_amortised", 0.0))
+            r["total_pct"] = 100 * r["total_overhead"]
+            if "snapshot_s" in r:
+                r.update(snapshot_ms=1e3 * r["snapshot_s"], snapshot_pct=100 * r["snapshot_amortised"])
+            report.add(r)
+    print(f"\nstability callbacks at defaults, {report.env['gpu'] if args.accelerator == 'gpu' else 'cpu'} ({args.accelerator}, {args.precision}, "
           f"{torch.get_num_threads()} threads), mHC n=4 L={2 * args.layers} C={args.width} seq={args.seq} "
           f"batch={args.batch}; {args.pairs} pairs of {args.block}-step blocks per configuration")
-    print(f"{'configuration':<12}{'step off ms':>12}{'step on ms':>12}{'overhead':>10}{'IQR of pairs':>18}"
-          f"{'in hooks':>10}{'snapshot':>16}{'total':>9}{'events':>8}")
-    for name, r in runs.items():
-        q = statistics.quantiles([x - 1 for x in r["pair_ratios"]], n=4) if r["pairs"] > 1 else [0, 0, 0]
-        snap = (f"{1e3 * r['snapshot_s']:.0f}ms {100 * r['snapshot_amortised']:+.2f}%" if "snapshot_s" in r
-                else "-")
-        total = r["overhead_median"] + r.get("snapshot_amortised", 0.0)
-        r["total_overhead"] = total
-        print(f"{name:<12}{1e3 * r['step_s_off']:>12.2f}{1e3 * r['step_s_on']:>12.2f}"
-              f"{100 * r['overhead_median']:>+9.2f}%{100 * q[0]:>+8.2f}..{100 * q[2]:+.2f}%"
-              f"{100 * r['hook_share']:>9.2f}%{snap:>16}{100 * total:>+8.2f}%{r['events']:>8}")
+    harness.print_table(report.rows, COLUMNS)
     print("overhead = median over pairs of on/off block time - 1; in hooks = time inside the callbacks' hooks in "
           "on blocks (on CUDA it includes waiting for the GPU at a sync); snapshot = one warm snapshot, amortised "
           "over every_n_steps")
-    out = Path(args.out or f"bench_callbacks_{args.accelerator}.json")
-    out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out}")
-
-
-if __name__ == "__main__":
-    main()
+    print("wrote", report.save())
+    return 0

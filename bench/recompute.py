@@ -1,14 +1,15 @@
-"""Selective recompute (docs/design.md §9): activation bytes kept for the backward, and the step-time cost.
+"""Selective recompute (docs/design.md §9): the activation bytes kept for the backward, and the step's cost.
 
 One GPT (default: mHC, 24 sublayers, C = 256, n = 4) is run with GPTConfig.recompute_block = 0 (off) and
 each block size in --blocks ("auto" = L_r*). Per configuration: bytes of activation memory alive between
 forward and backward per token (model/recompute.live_activation_bytes: every storage the forward created and
 autograd still holds, counted once), the CUDA peak on a GPU, and the median forward + backward time.
-For the no-recompute row, saved_tensors_hooks give the same bytes (printed as a cross-check).
-    python bench/bench_recompute.py [--device cuda] [--autocast] [--out bench_recompute.json]
+For the no-recompute row, saved_tensors_hooks give the same bytes (a cross-check).
+
+    python -m bench recompute [--device cuda] [--autocast] [--blocks 1,2,auto,6,12,24] [--steps 0]
 """
-import argparse
-import json
+from __future__ import annotations
+
 import math
 import statistics
 import time
@@ -16,13 +17,9 @@ import time
 import torch
 import torch.nn.functional as F
 
+from bench import harness
 from mhc_lightning.model import GPT, GPTConfig, HyperConfig
 from mhc_lightning.model.recompute import live_activation_bytes, saved_tensor_bytes
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def step(m: GPT, idx: torch.Tensor, args) -> torch.Tensor:
@@ -54,18 +51,23 @@ def measure(m: GPT, idx: torch.Tensor, args) -> dict:
     times = []
     for i in range(args.warmup + args.steps):
         m.zero_grad(set_to_none=True)
-        sync(args.device)
+        harness.sync(args.device)
         t0 = time.perf_counter()
         step(m, idx, args).backward()
-        sync(args.device)
+        harness.sync(args.device)
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
     out["step_ms"] = 1e3 * statistics.median(times)
     return out
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+COLUMNS = [("L_r", "L_r", ""), ("kib_per_token", "KiB/token", ".1f"), ("x_off_bytes", "vs off", ".2f"),
+           ("dropped_kib_per_token", "stream x_l dropped KiB", ".1f"), ("step_ms", "step ms", ".1f"),
+           ("x_off_ms", "vs off", ".2f")]
+
+
+def main(argv=None) -> int:
+    p = harness.parser("recompute", __doc__)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--mode", default="mhc")
     p.add_argument("--backend", default="auto", help="kernel_backend: auto = fused on CUDA, reference on CPU")
@@ -78,8 +80,7 @@ def main():
     p.add_argument("--autocast", action="store_true", help="bf16 autocast (stream_dtype auto -> bf16 stream)")
     p.add_argument("--steps", type=int, default=5, help="timed steps; 0 = measure memory only")
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--out", default="bench_recompute.json")
-    args = p.parse_args()
+    args = p.parse_args(argv)
 
     torch.manual_seed(0)
     hyper = HyperConfig(residual_mode=args.mode, kernel_backend=args.backend)
@@ -88,35 +89,30 @@ def main():
     ref = GPT(cfg).to(args.device)
     idx = torch.randint(0, 256, (args.batch, args.seq), device=args.device)
     elem = 2 if args.autocast else 4
-    rows = []
+    report = harness.Report("recompute", args, argv or [], args.device)
+    meta = {"mode": args.mode, "L": L, "C": C, "n": n, "tokens": idx.numel(), "backend": args.backend,
+            "autocast_bf16": args.autocast}
     for block in ["0"] + args.blocks.split(","):
         cfg.recompute_block = block if block == "auto" else int(block)
         m = GPT(cfg).to(args.device)
         m.load_state_dict(ref.state_dict())
-        r = {"recompute_block": block, "L_r": m.recompute_block, **measure(m, idx, args)}
+        r = {**meta, "recompute_block": block, "L_r": m.recompute_block, **measure(m, idx, args)}
         if m.recompute_block:  # §9: the x_l of the sublayers that start no block are no longer kept
             r["stream_bytes_dropped_per_token"] = (L - math.ceil(L / m.recompute_block)) * n * C * elem
+            r["dropped_kib_per_token"] = r["stream_bytes_dropped_per_token"] / 1024
         if block == "0":
             r["saved_tensors_hooks_bytes_per_token"] = hooked_bytes(m, idx, args) / idx.numel()
-        rows.append(r)
-        print(r, flush=True)
-    plain = rows[0]
+        report.add(r)
+    plain = report.rows[0]
+    for r in report.rows:
+        r["kib_per_token"] = r["bytes_per_token"] / 1024
+        r["x_off_bytes"] = r["bytes_per_token"] / plain["bytes_per_token"]
+        if r["step_ms"] and plain["step_ms"]:
+            r["x_off_ms"] = r["step_ms"] / plain["step_ms"]
+        if r["recompute_block"] == "auto":
+            r["L_r"] = f"{r['L_r']}*"
     print(f"\n{args.mode}, L={L}, C={C}, n={n}, tokens={idx.numel()}, {args.device}, backend={args.backend}, "
           f"{'bf16 autocast' if args.autocast else 'fp32'}; torch {torch.__version__}")
-    print(f"{'L_r':>6} {'KiB/token':>10} {'vs off':>7} {'stream x_l dropped':>19} {'step ms':>9} {'vs off':>7}")
-    for r in rows:
-        drop = r.get("stream_bytes_dropped_per_token")
-        ms = f"{r['step_ms']:9.1f} {r['step_ms'] / plain['step_ms']:7.2f}" if r["step_ms"] else ""
-        print(f"{str(r['L_r']) + ('*' if r['recompute_block'] == 'auto' else ''):>6} "
-              f"{r['bytes_per_token'] / 1024:10.1f} {r['bytes_per_token'] / plain['bytes_per_token']:7.2f} "
-              f"{'' if drop is None else f'{drop / 1024:.1f} KiB':>19} {ms}")
-    meta = {"mode": args.mode, "L": L, "C": C, "n": n, "tokens": idx.numel(), "device": args.device,
-            "backend": args.backend, "autocast_bf16": args.autocast, "torch": torch.__version__,
-            "threads": torch.get_num_threads()}
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    print(f"wrote {args.out}")
-
-
-if __name__ == "__main__":
-    main()
+    harness.print_table(report.rows, COLUMNS)
+    print("wrote", report.save())
+    return 0
