@@ -1,4 +1,4 @@
-# Source after bench/gpu_env.sh: an MLflow server for the runs of one GPU call, its store under $store, and the
+# Source after scripts/gpu_env.sh: an MLflow server for the runs of one GPU call, its store under $store, and the
 # machine's GPU and versions in $OUT/gpu.txt. SEED_DB: the store of an earlier part, to continue it.
 store=${store:-/tmp/stability}; mkdir -p "$store"
 [ -n "${SEED_DB:-}" ] && cp "$SEED_DB" "$store/mlflow.db"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Wheels for the GPU machine (Python 3.12, no network; torch, triton, lightning and torchmetrics already there).
-# Run here, with network, once per session; every GPU command then installs them with bench/gpu_env.sh.
-#   bash bench/gpu_wheels.sh            # -> .gpuwheels/ (ignored by git; name it in `carry`)
+# Run here, with network, once per session; every GPU command then installs them with scripts/gpu_env.sh.
+#   bash scripts/gpu_wheels.sh            # -> .gpuwheels/ (ignored by git; name it in `carry`)
 # What the image already holds (its package list, 2026-11-17) is left out: a second numpy or pandas on the
 # path would shadow the image's builds of them.
 set -euo pipefail
@@ -14,7 +14,7 @@ $pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any -d "$dest" \
   "mlflow==3.17.2" "jsonargparse[signatures,omegaconf]==4.53.0" "omegaconf==2.4.0" \
   "optuna==5.0.0" "optuna-integration==5.0.0" 2>&1 | grep -v "^WARNING" || true
-# torchdata (the stateful train loader) and the peers of bench/bench_mhc.py, without their needs: those are on the
+# torchdata (the stateful train loader) and the peers of `python -m bench stack`, without their needs: those are on the
 # image, torch among them (asked for with its needs, pip would fetch a CUDA torch of several GB)
 $pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform any \
   -d "$dest" "torchdata==0.11.0" "liger-kernel==0.8.5" "hyper-connections==0.4.11" 2>&1 | grep -v "^WARNING" || true
