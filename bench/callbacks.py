@@ -184,10 +184,10 @@ def run(args, config: str, corpus: Path) -> dict:
     return out
 
 
-COLUMNS = [("config", "configuration", ""), ("step_ms_off", "step off ms", ".2f"), ("step_ms_on", "step on ms", ".2f"),
-           ("overhead_pct", "overhead %", "+.2f"), ("iqr_pct", "IQR of pairs %", ""), ("hook_pct", "in hooks %", ".2f"),
-           ("snapshot_ms", "snapshot ms", ".0f"), ("snapshot_pct", "snapshot %", "+.2f"), ("total_pct", "total %", "+.2f"),
-           ("events", "events", "d")]
+COLUMNS = [("config", "configuration", ""), ("step_ms_off", "step off ms", ".2f"),
+           ("step_ms_on", "step on ms", ".2f"), ("overhead_pct", "overhead %", "+.2f"),
+           ("iqr_pct", "IQR of pairs %", ""), ("hook_pct", "in hooks %", ".2f"), ("snapshot_ms", "snapshot ms", ".0f"),
+           ("snapshot_pct", "snapshot %", "+.2f"), ("total_pct", "total %", "+.2f"), ("events", "events", "d")]
 
 
 def main(argv=None) -> int:
@@ -236,12 +236,14 @@ def main(argv=None) -> int:
             q = statistics.quantiles([x - 1 for x in r["pair_ratios"]], n=4) if r["pairs"] > 1 else [0, 0, 0]
             r.update(model, step_ms_off=1e3 * r["step_s_off"], step_ms_on=1e3 * r["step_s_on"],
                      overhead_pct=100 * r["overhead_median"], iqr_pct=f"{100 * q[0]:+.2f}..{100 * q[2]:+.2f}",
-                     hook_pct=100 * r["hook_share"], total_overhead=r["overhead_median"] + r.get("snapshot_amortised", 0.0))
+                     hook_pct=100 * r["hook_share"],
+                     total_overhead=r["overhead_median"] + r.get("snapshot_amortised", 0.0))
             r["total_pct"] = 100 * r["total_overhead"]
             if "snapshot_s" in r:
                 r.update(snapshot_ms=1e3 * r["snapshot_s"], snapshot_pct=100 * r["snapshot_amortised"])
             report.add(r)
-    print(f"\nstability callbacks at defaults, {report.env['gpu'] if args.accelerator == 'gpu' else 'cpu'} ({args.accelerator}, {args.precision}, "
+    device = report.env["gpu"] if args.accelerator == "gpu" else "cpu"
+    print(f"\nstability callbacks at defaults, {device} ({args.accelerator}, {args.precision}, "
           f"{torch.get_num_threads()} threads), mHC n=4 L={2 * args.layers} C={args.width} seq={args.seq} "
           f"batch={args.batch}; {args.pairs} pairs of {args.block}-step blocks per configuration")
     harness.print_table(report.rows, COLUMNS)

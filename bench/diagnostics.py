@@ -24,7 +24,8 @@ from mhc_lightning.data.synthetic import english_like_text
 from mhc_lightning.model import GPTConfig, HyperConfig
 from mhc_lightning.module import LitLM
 
-COLUMNS = [("diagnostics", "diagnostics", ""), ("median_ms", "median ms/step", ".2f"), ("mean_ms", "mean ms/step", ".2f")]
+COLUMNS = [("diagnostics", "diagnostics", ""), ("median_ms", "median ms/step", ".2f"),
+           ("mean_ms", "mean ms/step", ".2f")]
 
 
 class StepTimer(L.Callback):

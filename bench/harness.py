@@ -109,8 +109,8 @@ def environment(device: str) -> dict:
         "host": socket.gethostname(), "cpus": os.cpu_count(), "device": device,
         "python": platform.python_version(), "torch": torch.__version__, "triton": _version("triton"),
         "lightning": _version("lightning"), "git_commit": commit, "git_dirty": None if status is None else bool(status),
-        "variables": {k: v for k, v in os.environ.items()
-                      if k.startswith(("NCCL_", "TORCH_SYMM", "NVSHMEM_")) or k in ("MHC_KERNEL_CONFIG", "TRITON_INTERPRET")},
+        "variables": {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "TORCH_SYMM", "NVSHMEM_"))
+                      or k in ("MHC_KERNEL_CONFIG", "TRITON_INTERPRET")},
     }
     if torch.cuda.is_available():
         env.update(gpu=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count(), cuda=torch.version.cuda,

@@ -32,7 +32,8 @@ from bench import harness
 
 WIRINGS = ("mhc chained", "mhc per-sublayer", "hc")
 COLUMNS = [("wiring", "wiring", ""), ("step_ms", "ms per step", ".2f"), ("per_sublayer_us", "us per sublayer", ".0f")]
-MODEL_COLUMNS = [("mode", "mode", ""), ("forward_ms", "forward host ms", ".2f"), ("first_call_s", "first call s", ".1f")]
+MODEL_COLUMNS = [("mode", "mode", ""), ("forward_ms", "forward host ms", ".2f"),
+                 ("first_call_s", "first call s", ".1f")]
 
 
 @contextlib.contextmanager
@@ -116,8 +117,9 @@ def model_rows(args, device: str) -> list[dict]:
     c, blocks, heads, batch, seq = (1024, 12, 16, 8, 2048) if real else (args.c, max(1, args.sublayers // 2), 2, 1, 16)
     models = {}
     for mode in ("residual", "mhc"):
-        hyper = HyperConfig(residual_mode=mode, n_streams=4, kernel_backend="triton", bias_init="home"
-                            if mode == "mhc" else "a6", chain_sublayers=True if args.chain and mode == "mhc" else "auto")
+        chain = True if args.chain and mode == "mhc" else "auto"
+        hyper = HyperConfig(residual_mode=mode, n_streams=4, kernel_backend="triton",
+                            bias_init="home" if mode == "mhc" else "a6", chain_sublayers=chain)
         models[mode] = GPT(GPTConfig(n_layers=blocks, d_model=c, n_heads=heads, context=seq, hyper=hyper)).to(device)
         if args.compile:  # the first call (untimed) traces and compiles
             models[mode] = compile_model(models[mode], fullgraph=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import time
+from typing import Optional
 
 import torch
 
@@ -44,10 +45,10 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
-def ceilings(device: str) -> tuple[float, float]:
-    """The device's copy bandwidth (TB/s, read + write) and bf16 8192^3 GEMM rate (TFLOP/s)."""
+def ceilings(device: str) -> tuple[Optional[float], Optional[float]]:
+    """The device's copy bandwidth (TB/s, read + write) and bf16 8192^3 GEMM rate (TFLOP/s); None on the CPU."""
     if device != "cuda":
-        return float("nan"), float("nan")
+        return None, None
     a = torch.empty(2**30, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
     ms = harness.median_ms(lambda: b.copy_(a), 20, 3, device)
@@ -107,7 +108,7 @@ def selected(names: list[str], keep, drop, smoke: bool) -> list[str]:
     out = []
     for name in names:
         chosen = picks(name, keep) if keep is not None else name not in OPT_IN
-        if (drop and picks(name, drop)) or (smoke and any(k in name for k in ("compile", "cudagraph", "liger", "lucid"))):
+        if drop and picks(name, drop) or smoke and any(k in name for k in ("compile", "cudagraph", "liger", "lucid")):
             chosen = False
         if chosen or name == "residual":
             out.append(name)
@@ -230,8 +231,8 @@ def main(argv=None) -> int:
             if args.device == "cuda":
                 torch.cuda.empty_cache()
     add_ratios(report.rows)
-    print(f"\n{report.env.get('gpu') or 'cpu'}  torch {report.env['torch']}  triton {report.env['triton']}  "
-          f"copy {copy_tbps:.2f} TB/s  bf16 mm {mm:.0f} TFLOP/s")
+    ceiling = f"  copy {copy_tbps:.2f} TB/s  bf16 mm {mm:.0f} TFLOP/s" if copy_tbps else ""
+    print(f"\n{report.env.get('gpu') or 'cpu'}  torch {report.env['torch']}  triton {report.env['triton']}{ceiling}")
     harness.print_table([dict(r, note=r.get("error") or r.get("skipped")) for r in report.rows], COLUMNS)
     print("wrote", report.save())
     return 0 if all("ms" in r or r.get("skipped") for r in report.rows) else 1

@@ -87,9 +87,10 @@ def fit_args(args, work: Path, corpus: Path, variant: str, devices: int, steps: 
     """`mhc fit` arguments of one run of MODE or MODE@NAME: the mode's preset at the benchmark's shape, no logger, the
     probe callback, --fit-args, then NAME's --variant-args."""
     mode, _, name = variant.partition("@")
-    return ["-c", str(CONF / "base.yaml"), "-c", str(CONF / "model" / f"{mode}.yaml"), *machine_args(args.smoke, devices),
-            "--seed_everything=1234", f"--data.corpus={corpus}", f"--data.seq_len={args.seq}",
-            f"--data.batch_size={args.batch}", "--data.val_fraction=0.02", f"--model.arch.d_model={args.d_model}",
+    return ["-c", str(CONF / "base.yaml"), "-c", str(CONF / "model" / f"{mode}.yaml"),
+            *machine_args(args.smoke, devices), "--seed_everything=1234", f"--data.corpus={corpus}",
+            f"--data.seq_len={args.seq}", f"--data.batch_size={args.batch}", "--data.val_fraction=0.02",
+            f"--model.arch.d_model={args.d_model}",
             f"--model.arch.n_layers={args.layers}", f"--model.arch.n_heads={args.heads}",
             f"--model.diagnostics_every={args.diagnostics_every}", "--model.optim.lr=1e-3",
             "--model.optim.warmup_steps=5", f"--trainer.max_steps={steps}", "--trainer.limit_val_batches=0",
@@ -184,9 +185,10 @@ def run_all(args, work: Path, corpus: Path, report: harness.Report, save_logs) -
                 runs.setdefault(variant, []).append(rec)
                 print_run(rec)
         for variant, recs in runs.items():
-            compiled = "--model.compile=true" in args.fit_args + " " + args.variant_args.get(variant.partition("@")[2], "")
+            name = variant.partition("@")[2]
+            compiled = "--model.compile=true" in f"{args.fit_args} {args.variant_args.get(name, '')}"
             report.add(dict(variant=variant, devices=devices, compiled=compiled,
-                            kernel_config=args.kernel_configs.get(variant.partition("@")[2]), **headline(recs)))
+                            kernel_config=args.kernel_configs.get(name), **headline(recs)))
             save_logs()
     if args.profile:
         print(f"profile: {args.profile} steps after {args.warmup} warm-up steps, one more run per variant", flush=True)
