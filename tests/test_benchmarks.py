@@ -91,7 +91,8 @@ def test_stack_selects_variants_by_substring_and_keeps_the_residual():
     assert stack.selected(names, ["hc"], None, False) == ["residual", "hc"]  # a whole name picks that variant alone
     assert stack.selected(names, None, ["compile", "liger"], False) == ["residual", "mhc chained",
                                                                         "mhc per-sublayer+cudagraph", "hc"]
-    assert stack.selected(names, None, None, True) == ["residual", "mhc chained", "hc"]  # --smoke: no compile, graphs, peers
+    # --smoke: no compile, CUDA graphs or peers
+    assert stack.selected(names, None, None, True) == ["residual", "mhc chained", "hc"]
 
 
 def test_stack_refuses_an_unknown_shape(capsys):
