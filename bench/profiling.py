@@ -1,5 +1,5 @@
-"""Where a step's time goes, from a torch.profiler run: one table of time per kernel (or per CPU op), shared by
-bench_mhc.py (--profile, a stack step) and bench_ddp.py (--profile, a trainer step)."""
+"""Where a step's time goes, from a torch.profiler run: time per kernel (or per CPU op), and the device's idle gaps
+charged to the host ops that ended them; shared by `python -m bench stack --profile` and `trainer --profile`."""
 from __future__ import annotations
 
 

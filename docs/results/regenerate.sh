@@ -3,7 +3,7 @@
 # committed MLflow stores (SQLite, gzipped) and their per-layer diagnostics artifacts, served by a local mlflow server
 # (the stores' artifact URIs are mlflow-artifacts:/..., as on the GPU machine that wrote them).
 #   bash docs/results/regenerate.sh            # from the repository root, with the venv of README's first command
-# The runs themselves: bench/gpu_stability_grid.sh (init study) and bench/gpu_stability_runs.sh (grid + long runs).
+# The runs themselves: scripts/gpu_stability_grid.sh (init study) and scripts/gpu_stability_runs.sh (grid + long runs).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 bin=${VENV_BIN:-$PWD/.venv/bin}

@@ -1,0 +1,15 @@
+# Source at the start of every command on the GPU machine (carry .gpuwheels and .cache/corpus):
+#   source scripts/gpu_env.sh && python3 -m bench stack ...
+# Installs the wheels of scripts/gpu_wheels.sh into /tmp/site, makes kernels/ importable as mhc_lightning.kernels
+# (an editable install did not take effect there) and points the corpus cache at the carried sdist.
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpuwheels/*.whl \
+  || return 1
+[ -e mhc_lightning/kernels ] || ln -sfn ../kernels mhc_lightning/kernels
+export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 MHC_CACHE_DIR=$PWD/.cache/corpus
+export PATH=/tmp/site/bin:$PATH
+# The `mhc` command, where the tests that start `mhc fit` look for it (beside the interpreter: tests/test_distributed.py)
+# and on PATH; the repo is not pip-installed there, so it runs the CLI module
+MHC_BIN=$(python3 -c 'import os, sys; print(os.path.dirname(sys.executable))')
+mkdir -p /tmp/site/bin
+printf '#!/bin/sh\nexec %s/python3 -m mhc_lightning.cli "$@"\n' "$MHC_BIN" > /tmp/site/bin/mhc && chmod +x /tmp/site/bin/mhc
+[ -e "$MHC_BIN/mhc" ] || cp /tmp/site/bin/mhc "$MHC_BIN/mhc" 2>/dev/null || echo "gpu_env: no mhc beside $MHC_BIN/python3"
