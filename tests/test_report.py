@@ -115,7 +115,7 @@ def test_report_baseline_prints_paired_intervals(mlflow_uri, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "difference in val_bpb to residual" in printed and "cannot tell apart" in printed
     text = rep.read_text()
-    assert "paired by seed" in text and "data order" in text
+    assert "paired by seed" in text and "record where their data seed came from" in text  # runs without the tag
 
 
 def test_report_refuses_to_pool_runs_of_different_code(mlflow_uri, tmp_path, capsys):
@@ -169,3 +169,16 @@ def test_lr_scan_report_compares_each_variant_at_its_best_lr(mlflow_uri, tmp_pat
     assert "-0.0400" in diff and "paired by seed, n=3" in diff
     assert (out / "lr_sensitivity.png").stat().st_size > 5000 and (out / "at_best_lr.md").exists()
     assert "Learning-rate sensitivity" in rep.read_text()
+
+
+def test_seed_note_says_what_the_seed_spread_covers():
+    from mhc_lightning.reports.grouped import seed_note
+    from mhc_lightning.reports.runs import RunData
+
+    def run(source):
+        tags = {} if source is None else {"mhc.data.seed_source": source}
+        return RunData("id", "r", "FINISHED", "0", {}, tags, {})
+
+    assert "the initialisation and the data order" in seed_note([run("seed_everything")] * 2)
+    assert "initialisation only" in seed_note([run("seed_everything"), run(None)])
+    assert "data.seed" in seed_note([run("data.seed")])

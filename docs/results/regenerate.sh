@@ -24,13 +24,13 @@ serve() {  # serve <store name> <port>: unpack docs/results/<name>_{mlflow.db.gz
 }
 
 serve stability 5077
-"$bin/mhc" compare --experiment stability --group-by variant,model.arch.n_layers --tracking-uri http://127.0.0.1:5077 \
-  --out docs/results --report docs/results.md --notes docs/results_notes.md --context docs/results/context.txt
+"$bin/mhc" compare --experiment stability --group-by variant,model.arch.n_layers --baseline residual \
+  --tracking-uri http://127.0.0.1:5077 --out docs/results --report docs/results.md --notes docs/results_notes.md --context docs/results/context.txt
 "$bin/mhc" compare --experiment stability-long --group-by variant,model.arch.n_layers \
   --tracking-uri http://127.0.0.1:5077 --out docs/results/long_runs --report docs/results/long_runs.md \
   --context docs/results/context.txt
 kill $server; wait $server 2>/dev/null || true; server=""
 
 serve init_study 5078
-"$bin/mhc" compare --experiment init-study --group-by variant,model.arch.n_layers --tracking-uri http://127.0.0.1:5078 \
-  --out docs/results/init_study --report docs/results/init_study.md --context docs/results/init_study_context.txt
+"$bin/mhc" compare --experiment init-study --group-by variant,model.arch.n_layers --baseline mhc_zeros \
+  --tracking-uri http://127.0.0.1:5078 --out docs/results/init_study --report docs/results/init_study.md --context docs/results/init_study_context.txt

@@ -238,8 +238,17 @@ def make_plots(groups, keys, out: Path) -> dict[str, Path]:
     return {k: v for k, v in result.items() if v is not None}
 
 
-SEED_NOTE = ("A seed sets the initialisation and, unless data.seed is set, the data order (the windows' offset and "
-             "shuffle); the ± spread covers both.")
+def seed_note(data: list[RunData]) -> str:
+    """What the ± spread over seeds covers, from the runs' own record of where their data seed came from."""
+    sources = {d.tags.get("mhc.data.seed_source") for d in data}
+    if sources == {"seed_everything"}:
+        return ("A seed set the initialisation and the data order (the windows' offset and shuffle): the ± spread "
+                "covers both.")
+    if None in sources:
+        return ("Some runs do not record where their data seed came from (tag mhc.data.seed_source): runs made "
+                "before the data seed followed seed_everything read the same data in the same order whatever their "
+                "seed, so their ± spread covers the initialisation only.")
+    return f"Data seeds came from: {', '.join(sorted(sources))} (a fixed data.seed holds the data order across seeds)."
 
 
 def report(tracking_uri: str, experiment: str, keys: list[str], out: Path, report_path: Optional[Path],
@@ -258,7 +267,7 @@ def report(tracking_uri: str, experiment: str, keys: list[str], out: Path, repor
     compared, compared_keys = groups, keys
     if sensitivity.LR_KEY in keys:  # an lr scan: compare each variant at its own best lr
         value = lambda d: run_summary(d)["val_bpb"]  # noqa: E731
-        lr_path, _ = write_table(sensitivity.lr_table(groups, keys, value), out, "lr_sensitivity")
+        lr_path, _ = write_table(sensitivity.lr_table(groups, keys, value), out, "lr_sensitivity", formatter=str)
         figure = sensitivity.lr_figure(groups, keys, value, out / "lr_sensitivity.png")
         if figure is not None:
             figures["lr_sensitivity"] = figure
@@ -269,7 +278,7 @@ def report(tracking_uri: str, experiment: str, keys: list[str], out: Path, repor
     diff_path = None
     if baseline is not None:
         diff_path, _ = write_table(baseline_differences(compared, compared_keys, baseline, metric), out,
-                                   f"vs_{baseline}")
+                                   f"vs_{baseline}", formatter=str)
     if compared:
         figures.update(make_plots(compared, compared_keys, out))
     if report_path:
@@ -279,7 +288,7 @@ def report(tracking_uri: str, experiment: str, keys: list[str], out: Path, repor
         if context and context.exists():
             parts.append("Context:\n\n" + "".join(f"    {line}\n" for line in context.read_text().splitlines()) + "\n")
         parts.append(f"{len(data)} finished runs, grouped by {', '.join(keys)}; mean ± std over the runs of each "
-                     f"group. {SEED_NOTE}\n\n" + md_path.read_text())
+                     f"group. {seed_note(data)}\n\n" + md_path.read_text())
         if lr_path is not None:
             parts.append(f"Learning-rate sensitivity (a run at or above {sensitivity.DIVERGED_BPB:g} val bits/byte "
                          "counts as diverged; the best lr is chosen among those where no seed diverged):\n\n"

@@ -29,12 +29,14 @@ def markdown(df, formatter: Callable = fmt, hidden: tuple[str, ...] = ()) -> str
     return "\n".join(lines) + "\n"
 
 
-def write_table(df, out: Path, stem: str, md_df=None, hidden: tuple[str, ...] = ()) -> tuple[Path, Path]:
-    """<stem>.csv from `df`; <stem>.md from `md_df` (default: `df`) without the `hidden` columns."""
+def write_table(df, out: Path, stem: str, md_df=None, hidden: tuple[str, ...] = (),
+                formatter: Callable = fmt) -> tuple[Path, Path]:
+    """<stem>.csv from `df`; <stem>.md from `md_df` (default: `df`) without the `hidden` columns, each cell through
+    `formatter` (str: cells that are formatted text already)."""
     out.mkdir(parents=True, exist_ok=True)
     csv_path, md_path = out / f"{stem}.csv", out / f"{stem}.md"
     df.to_csv(csv_path, index=False)
-    md_path.write_text(markdown(df if md_df is None else md_df, hidden=hidden))
+    md_path.write_text(markdown(df if md_df is None else md_df, formatter=formatter, hidden=hidden))
     return md_path, csv_path
 
 
