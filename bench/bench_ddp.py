@@ -65,7 +65,7 @@ def preemptions() -> Optional[int]:
 
 def launcher_misses() -> int:
     """Launches of the fused kernels that took Triton's own path so far (0 where the kernels are not loaded)."""
-    launch = sys.modules.get("mhc_lightning.kernels.fused.launch")
+    launch = sys.modules.get("mhc_lightning.kernels.fused.launch_cache")
     return 0 if launch is None else launch.Launcher.misses
 
 

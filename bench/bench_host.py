@@ -40,7 +40,7 @@ import triton  # noqa: E402
 
 from mhc_lightning.kernels import fused  # noqa: E402
 from mhc_lightning.kernels.fused import ops  # noqa: E402
-from mhc_lightning.kernels.fused.launch import Launcher  # noqa: E402
+from mhc_lightning.kernels.fused.launch_cache import Launcher  # noqa: E402
 from mhc_lightning.model import HyperConfig, HyperConnection  # noqa: E402
 from mhc_lightning.model.recompute import run_sublayers  # noqa: E402
 

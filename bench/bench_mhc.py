@@ -68,7 +68,7 @@ from profiling import print_rows, time_per_name  # noqa: E402  (bench/, this scr
 from mhc_lightning.kernels import MHCOptions  # noqa: E402
 from mhc_lightning.kernels import reference as R  # noqa: E402
 from mhc_lightning.kernels import fused  # noqa: E402
-from mhc_lightning.kernels.fused import ops as K  # noqa: E402
+from mhc_lightning.kernels.fused import launch_config as K  # noqa: E402
 from mhc_lightning.model.config import HyperConfig  # noqa: E402
 from mhc_lightning.model.hyper_connection import HyperConnection  # noqa: E402
 from mhc_lightning.model.recompute import run_sublayers  # noqa: E402

@@ -25,11 +25,13 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from mhc_lightning.kernels.fused import ops
-from mhc_lightning.kernels.fused.coefficients import (DOT_NATIVE, DOT_TF32, _coef_bwd_tok, _coef_bwd_x, _coef_fwd,
-                                                     _coef_tail, _hc_tail_bwd)
-from mhc_lightning.kernels.fused.stream_post_res import _post_bwd_2d, _post_fwd
-from mhc_lightning.kernels.fused.stream_pre import _pre_bwd, _pre_fwd
+from mhc_lightning.kernels.fused import launch_config as ops
+from mhc_lightning.kernels.fused.hc import _hc_tail_bwd
+from mhc_lightning.kernels.fused.mhc import _coef_bwd_tok, _coef_fwd
+from mhc_lightning.kernels.fused.projection import DOT_NATIVE, DOT_TF32, _coef_bwd_x
+from mhc_lightning.kernels.fused.read_out import _pre_bwd, _pre_fwd
+from mhc_lightning.kernels.fused.sinkhorn import _coef_tail
+from mhc_lightning.kernels.fused.write_back import _post_bwd_2d, _post_fwd
 
 FLOATS = {"eps", "rms_eps", "pre_eps", "post_mult", "inv_c"}
 # sm_90's shared memory per SM (228 KiB) and what the driver reserves per CTA (1 KiB; ncu's "Driver Shared Memory Per

@@ -112,7 +112,7 @@ def test_bench_ddp_repeats_alternate_runs_kernel_config_variants_and_profiles(tm
     middle one of two); --profile adds one profiled run per variant, not per repeat; --kernel-config adds MODE@NAME,
     whose runs (and only those) see MHC_KERNEL_CONFIG; an override in bench_ddp's own environment reaches every run
     and the JSON. (Five `mhc fit` processes in all: each costs CI its start-up.)"""
-    override, split = '{"coef_fwd": {"BC": 16}}', '{"coef_fwd": {"phi_split": true}}'
+    override, split = '{"coef_fwd": {"BC": 16}}', '{"coef_fwd": {"BK": 64}}'
     _run(["bench/bench_ddp.py", "--smoke", "--gpus", "1", "--no-check", "--repeat", "2", "--modes", "residual",
           "--profile", "2", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")], tmp_path,
          env=dict(os.environ, MHC_KERNEL_CONFIG=override))
@@ -311,8 +311,8 @@ def test_kernel_resources_compiles_with_the_launchs_divisibility():
 import sys
 sys.path.insert(0, "bench")
 import kernel_resources as kr
-from mhc_lightning.kernels.fused.coefficients import _coef_bwd_x
-from mhc_lightning.kernels.fused.stream_pre import _pre_fwd
+from mhc_lightning.kernels.fused.projection import _coef_bwd_x
+from mhc_lightning.kernels.fused.read_out import _pre_fwd
 args = kr.divisible_args(_pre_fwd, dict(NS=4, BT=4, BC=512))
 assert set(args) == {"x_ptr", "h_ptr", "u_ptr", "C", "stride_xt", "stride_xn"}, args  # N: do_not_specialize
 xpass = kr.divisible_args(_coef_bwd_x, kr.xpass("coef_bwd_x"))
