@@ -78,9 +78,9 @@ def launch_options(cfg: dict) -> dict:
 
 
 def merge(changes: dict, entries: Optional[dict] = None, where: str = "MHC_KERNEL_CONFIG") -> None:
-    """{kernel: {key: value}} into CONFIG, nested tile sets key by key. Only CONFIG's kernels and keys, and numbers
-    where CONFIG has numbers (null where its value is null: Triton's default): anything else stops with one line
-    naming what is allowed."""
+    """{kernel: {key: value}} into CONFIG, nested tile sets key by key. Only CONFIG's kernels and keys, and integers
+    (null also for loop_stages: Triton's default pipelining): anything else stops with one line naming what is
+    allowed."""
     entries = CONFIG if entries is None else entries
     for name, change in changes.items():
         if name not in entries:
@@ -94,7 +94,7 @@ def merge(changes: dict, entries: Optional[dict] = None, where: str = "MHC_KERNE
             old = entry[key]
             if isinstance(old, dict):
                 merge({key: value}, {key: old}, f"{where}.{name}")
-            elif not (_is_number(value) or (value is None and (old is None or key == "loop_stages"))):
+            elif not (_is_number(value) or (value is None and key == "loop_stages")):
                 raise ValueError(f"{where}.{name}.{key}: {value!r} is not a number; the launch table holds tiles only")
             else:
                 entry[key] = value
