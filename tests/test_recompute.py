@@ -275,7 +275,7 @@ def test_config_values_and_cli(tmp_path, monkeypatch):
 def test_rebuilt_branch_input_same_step_less_memory(mode):
     """HyperConfig.rebuild_branch_input on the reference ops in fp32: the loss and every gradient bitwise those of the
     model that keeps u, and autograd keeps exactly one u per sublayer less (C fp32 values per token). The fused kernels
-    under bf16-mixed: tests/test_kernels.py."""
+    under bf16-mixed: tests/test_kernels_model.py."""
     idx, L, C = tokens(), 4, 32
     base = randomized(model(mode))
     loss0, grads0 = loss_and_grads(base, idx)

@@ -23,7 +23,7 @@ from .stream_spread import stream_spread
 
 # Between two chained sublayers: (stream x, the sublayer's input u, its h_pre, h_post, h_res | None). After `enter`
 # under torch.compile, x is the fused ops' Routed pair (x and its gradient's route to the enter op; read only by the
-# ops' write-backs, kernels/fused/ops.py), so the sublayer takes its device from u.
+# ops' write-backs, kernels/fused/custom_ops.py), so the sublayer takes its device from u.
 Carry = tuple[object, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]
 
 
