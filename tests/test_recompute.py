@@ -206,7 +206,8 @@ def test_chain_equals_one_sublayer_at_a_time(mode, backend):
         torch.testing.assert_close(gx, gx0, **tol)
         for name, g in grads.items():
             torch.testing.assert_close(g, grads0[name], **tol, msg=lambda s: f"{name}: {s}")
-        assert rec.keys() == rec0.keys() == {"h_pre", "h_post", "h_res", "spread"}
+        logits = set() if mode == "identity" else {"logit_range"}  # identity-HC has no res logits
+        assert rec.keys() == rec0.keys() == {"h_pre", "h_post", "h_res", "spread"} | logits
         for k in rec:
             torch.testing.assert_close(rec[k], rec0[k], **tol)
 
@@ -336,7 +337,7 @@ def test_activation_checkpointing_from_outside_is_honoured(backend, device):
         with torch.no_grad(), net.recording():
             net(idx)
     rec, rec0 = m.recorded(), base.recorded()
-    assert rec.keys() == rec0.keys() == {"h_pre", "h_post", "h_res", "spread"}
+    assert rec.keys() == rec0.keys() == {"h_pre", "h_post", "h_res", "spread", "logit_range"}
     for k in rec:
         assert same(rec[k], rec0[k]), k
     # forward hooks on a sublayer (the composable checkpoint's, FSDP2's) keep it out of the chain too

@@ -6,7 +6,7 @@ The model runs these when no fused kernel is selected; no other copy of this mat
 from .amax import composite_products, gain_metrics, gain_report
 from .boundary import mhc_boundary
 from .coefficients import (
-    compute_dtype, hc_coefficients, hc_from_projection, hc_projection_weights, head_weights, mhc_coefficients,
+    columnwise_matmul, compute_dtype, hc_coefficients, hc_from_projection, hc_projection_weights, head_weights, mhc_coefficients,
     mhc_logit_count, mhc_res_logits, rms_proj,
 )
 from .pre import hc_enter, in_dtype, mhc_enter, mhc_pre, rebuild_u, request_u
@@ -15,7 +15,7 @@ from .sinkhorn import sinkhorn, sinkhorn_residuals
 from .streams import expand_streams, stream_post_res, stream_pre, sum_streams
 
 __all__ = [
-    "apply_rope", "composite_products", "compute_dtype", "expand_streams", "gain_metrics", "gain_report", "hc_coefficients",
+    "apply_rope", "columnwise_matmul", "composite_products", "compute_dtype", "expand_streams", "gain_metrics", "gain_report", "hc_coefficients",
     "hc_enter", "hc_from_projection", "hc_projection_weights", "head_weights", "in_dtype", "mhc_boundary", "mhc_coefficients",
     "mhc_enter", "mhc_logit_count", "mhc_res_logits", "mhc_pre", "rebuild_u", "request_u", "rms_proj", "rope_qkv", "rope_tables", "sinkhorn", "sinkhorn_residuals", "stream_post_res",
     "stream_pre", "sum_streams",

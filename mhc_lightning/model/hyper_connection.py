@@ -148,8 +148,9 @@ class HyperConnection(nn.Module):
                          "h_res": None if h_res is None else h_res[:1].detach(),
                          "spread": stream_spread(out[:1].detach())}
             if self.mode == "mhc" and x_in is not None:
-                with torch.no_grad():
-                    z = reference.mhc_res_logits(x_in[:1].detach(), self.phi, self.bias, self.alpha, self.options())
+                with torch.no_grad():  # no matmul op: the forward may run inside a selective checkpoint
+                    z = reference.mhc_res_logits(x_in[:1].detach(), self.phi, self.bias, self.alpha, self.options(),
+                                                 matmul=reference.columnwise_matmul)
                 self.last["logit_range"] = (z.amax(dim=(-2, -1)) - z.amin(dim=(-2, -1))).detach()
 
     def enter(self, x: torch.Tensor) -> Carry:
