@@ -153,7 +153,7 @@ def test_fast_launches_equal_tritons_and_keep_one_kernel_per_key(monkeypatch):
         assert torch.equal(ref, out)
         first = compiled() if first is None else first
     assert len(kept.kept) == 3  # one per token count: the repeated call hit
-    assert Launcher.misses - misses == 3  # what bench_ddp counts: the three new keys, not the hit
+    assert Launcher.misses - misses == 3  # the three new keys, not the hit
     assert compiled() == first  # N is a runtime argument: Triton compiled nothing more
     # a stream at a 2-element offset (not 16-byte aligned) gets its own key, and Triton its own specialisation
     ref, out = _both_paths(monkeypatch, write_back.post_forward, *_post_fwd_inputs(1000, offset=2))

@@ -36,7 +36,7 @@ class Launcher:
     call takes Triton's own path under the interpreter and while a launch hook is installed (Triton's profiler).
     """
 
-    misses = 0  # calls, over every Launcher, that took Triton's path for want of a kept key (bench_ddp reports them)
+    misses = 0  # calls, over every Launcher, that took Triton's path for want of a kept key
 
     def __init__(self, fn):
         self.fn = fn

@@ -106,7 +106,7 @@ def _is_number(value) -> bool:
 
 def apply_environment(text: str) -> None:
     """MHC_KERNEL_CONFIG, a JSON object {kernel: {key: value}}, merged into CONFIG at import: a launch config tried in
-    whole training runs (bench/bench_ddp.py --kernel-config) without editing this file."""
+    whole training runs (python -m bench trainer --kernel-config) without editing this file."""
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:

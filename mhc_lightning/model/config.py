@@ -71,7 +71,7 @@ class HyperConfig:
     # Run consecutive mHC sublayers as one chain through the fused boundary op (post/res of l with the coefficients
     # and input of l + 1). auto: the chain where that op is the fused kernels' in eager mode (CUDA), one sublayer at a
     # time elsewhere and under torch.compile. The chain's host time per sublayer is lower, so a slow host no longer
-    # holds back the eager step (docs/benchmarks.md).
+    # holds back the eager step (docs/benchmarks.md, "Host time").
     chain_sublayers: Union[bool, Literal["auto"]] = "auto"
     # Run an init that keeps the streams identical anyway (the degenerate baseline); refused otherwise.
     allow_identical_streams: bool = False
