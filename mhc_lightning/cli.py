@@ -15,6 +15,8 @@ from lightning.pytorch.cli import LightningCLI
 from .callbacks.final_validation import FinalValidation
 from .callbacks.per_layer_artifacts import PerLayerArtifacts
 from .callbacks.run_provenance import RunProvenance
+from .callbacks.system_metrics import SystemMetrics
+from .callbacks.utilization import Utilization
 from .commands import TOOLS, TRAINER_COMMANDS, Tool, fail, main, overview  # noqa: F401 (`mhc`, as before)
 from .configs import parser_kwargs
 from .data import ByteTextDataModule
@@ -60,6 +62,8 @@ class MHCLightningCLI(LightningCLI):
         # The corpus decides the vocabulary (bytes: 256); the model must agree, so link rather than repeat.
         parser.link_arguments("data.vocab_size", "model.arch.vocab_size", apply_on="instantiate")
         parser.link_arguments("data.seq_len", "model.arch.context")
+        # MFU and peak memory in every run; --utilization.peak_flops sets the device's peak where no table knows it
+        parser.add_lightning_class_args(Utilization, "utilization")
 
     def parse_arguments(self, parser, args) -> None:
         super().parse_arguments(parser, args)
@@ -105,7 +109,7 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True, exit_on_error:
     kwargs.setdefault("auto_configure_optimizers", False)
     defaults = dict(kwargs.pop("trainer_defaults", None) or {})
     given = defaults.get("callbacks") or []
-    defaults["callbacks"] = [FinalValidation(), PerLayerArtifacts(), RunProvenance(),
+    defaults["callbacks"] = [FinalValidation(), PerLayerArtifacts(), RunProvenance(), SystemMetrics(),
                             *(given if isinstance(given, list) else [given])]
     pk = parser_kwargs({"parser_mode": "omegaconf+", "default_env": False, "exit_on_error": exit_on_error}, run,
                        TRAINER_COMMANDS)

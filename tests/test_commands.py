@@ -6,7 +6,6 @@ import sys
 from argparse import ArgumentError
 
 import pytest
-
 from helpers import CONF
 
 REFUSAL = ("is not an option of mhc: the optimizer is AdamW with weight-decay groups (none on norms, biases, HC "

@@ -88,6 +88,54 @@ def diagnostics_figure(per_layer: dict, title: str):
     return amax_vs_layer([("", per_layer)], kinds=("single", "composite"), stats=("max", "tokmean"), title=title)
 
 
+def composite_of(h_res_tokmean: Sequence) -> list:
+    """The suffix products P_l = H_{L-1} ... H_l of a run's token-mean H_res matrices [L][n][n] (the reference op)."""
+    import torch
+
+    from ..kernels.reference import composite_products
+
+    return composite_products(torch.tensor(h_res_tokmean, dtype=torch.float64)).tolist()
+
+
+def h_res_heatmaps(series: Sequence[tuple[str, Sequence]], title: str = "", note: str = ""):
+    """Every sublayer's n x n mixing matrix as a heatmap, two rows per series (a run): the token-mean H_l, and the
+    composite P_l = H_{L-1} ... H_l of those (what reaches the last sublayer from sublayer l). One colour scale for
+    the whole figure, linear within +-1 and logarithmic beyond (HC's composites reach hundreds; mHC's stay in [0, 1]),
+    so that runs side by side compare cell by cell. Returns the figure."""
+    plt = _pyplot()
+    import numpy as np
+    from matplotlib.colors import SymLogNorm
+
+    rows = []
+    for label, h in series:
+        prefix = f"{label}\n" if label else ""
+        rows.append((prefix + "H_l (token mean)", np.asarray(h, dtype=float)))
+        rows.append((prefix + "P_l = H_{L-1}...H_l", np.asarray(composite_of(h), dtype=float)))
+    n_cols = max(len(m) for _, m in rows)
+    vmax = max(1.0, max(float(np.abs(m).max()) for _, m in rows))
+    norm = SymLogNorm(linthresh=1.0, vmin=-vmax, vmax=vmax)
+    with plt.style.context("default"):
+        cell = 0.55 * max(2, rows[0][1].shape[-1]) / 4  # n = 4: 0.55 inch a matrix
+        fig, axes = plt.subplots(len(rows), n_cols, figsize=(1.6 + cell * n_cols * 1.15, 0.9 + cell * len(rows) * 1.3),
+                                 squeeze=False, constrained_layout=True)
+        image = None
+        for r, (name, mats) in enumerate(rows):
+            for l, ax in enumerate(axes[r]):
+                ax.set_xticks([])
+                ax.set_yticks([])
+                if l >= len(mats):
+                    ax.set_axis_off()
+                    continue
+                image = ax.imshow(mats[l], cmap="RdBu_r", norm=norm)
+                if r == 0:
+                    ax.set_title(f"l={l}", fontsize=7)
+            axes[r][0].set_ylabel(name, fontsize=7, rotation=0, ha="right", va="center")
+        fig.colorbar(image, ax=axes, shrink=0.8, label="entry (row: destination stream, column: source)")
+        if title or note:
+            fig.suptitle("\n".join(x for x in (title, note) if x), fontsize=9)
+    return fig
+
+
 def curves(lines: Sequence[tuple[str, Sequence[int], Sequence[float], Optional[tuple]]], title: str, ylabel: str,
            path: Path, logy: bool = False) -> Optional[Path]:
     """Metric histories over optimizer steps: (label, steps, values, band or None); band = (low, high) per step.
