@@ -104,35 +104,48 @@ def h_res_heatmaps(series: Sequence[tuple[str, Sequence]], title: str = "", note
     so that runs side by side compare cell by cell. Returns the figure."""
     plt = _pyplot()
     import numpy as np
+    from matplotlib.cm import ScalarMappable
     from matplotlib.colors import SymLogNorm
 
-    rows = []
-    for label, h in series:
-        prefix = f"{label}\n" if label else ""
-        rows.append((prefix + "H_l (token mean)", np.asarray(h, dtype=float)))
-        rows.append((prefix + "P_l = H_{L-1}...H_l", np.asarray(composite_of(h), dtype=float)))
-    n_cols = max(len(m) for _, m in rows)
-    vmax = max(1.0, max(float(np.abs(m).max()) for _, m in rows))
+    blocks = [(label, np.asarray(h, dtype=float), np.asarray(composite_of(h), dtype=float)) for label, h in series]
+    n_cols = max(len(h) for _, h, _ in blocks)
+    vmax = max(1.0, max(float(np.abs(m).max()) for _, h, p in blocks for m in (h, p)))
     norm = SymLogNorm(linthresh=1.0, vmin=-vmax, vmax=vmax)
+    key = "H_l: token-mean H_res of sublayer l; P_l = H_{L-1} ... H_l; entries: row = to, column = from"
+    heading = "\n".join(x for x in (title, note, key) if x)
+    # Laid out by hand, in inches: a grid of small matrices with a run's name above its two rows (constrained layout
+    # collapsed such grids). Every matrix is `cell` inches square.
+    cell, gap, left, right, label_h = 0.5, 0.08, 0.45, 0.8, 0.3
+    top = 0.25 + 0.16 * heading.count("\n")
+    run_h = label_h + 2 * cell + gap + 0.15  # name, H_l row (with l= titles), P_l row, space
+    longest = max([len(label) for label, _, _ in blocks] + [len(x) for x in heading.splitlines()])
+    width = max(left + n_cols * (cell + gap), 0.058 * longest) + right  # ~0.058 inch a character at 8-9 pt
+    height = top + 0.2 + len(blocks) * run_h
     with plt.style.context("default"):
-        cell = 0.55 * max(2, rows[0][1].shape[-1]) / 4  # n = 4: 0.55 inch a matrix
-        fig, axes = plt.subplots(len(rows), n_cols, figsize=(1.6 + cell * n_cols * 1.15, 0.9 + cell * len(rows) * 1.3),
-                                 squeeze=False, constrained_layout=True)
-        image = None
-        for r, (name, mats) in enumerate(rows):
-            for l, ax in enumerate(axes[r]):
-                ax.set_xticks([])
-                ax.set_yticks([])
-                if l >= len(mats):
-                    ax.set_axis_off()
-                    continue
-                image = ax.imshow(mats[l], cmap="RdBu_r", norm=norm)
-                if r == 0:
-                    ax.set_title(f"l={l}", fontsize=7)
-            axes[r][0].set_ylabel(name, fontsize=7, rotation=0, ha="right", va="center")
-        fig.colorbar(image, ax=axes, shrink=0.8, label="entry (row: destination stream, column: source)")
-        if title or note:
-            fig.suptitle("\n".join(x for x in (title, note) if x), fontsize=9)
+        fig = plt.figure(figsize=(width, height))
+        W, H = fig.get_size_inches()
+
+        def box(x, y, w, h):  # inches from the top left -> figure fraction
+            return [x / W, 1 - (y + h) / H, w / W, h / H]
+
+        for i, (label, h, p) in enumerate(blocks):
+            y0 = top + 0.2 + i * run_h
+            if label:
+                fig.text(left / W, 1 - (y0 + 0.05) / H, label, fontsize=8, va="top")
+            for r, (name, mats) in enumerate((("H_l", h), ("P_l", p))):
+                y = y0 + label_h + r * (cell + gap)
+                for l, m in enumerate(mats):
+                    ax = fig.add_axes(box(left + l * (cell + gap), y, cell, cell))
+                    ax.imshow(m, cmap="RdBu_r", norm=norm)
+                    ax.set_xticks([])
+                    ax.set_yticks([])
+                    if r == 0:
+                        ax.set_title(f"l={l}", fontsize=6, pad=2)
+                    if l == 0:
+                        ax.set_ylabel(name, fontsize=8, rotation=0, ha="right", va="center")
+        cax = fig.add_axes(box(W - right + 0.2, top + 0.2, 0.15, height - top - 0.4))
+        fig.colorbar(ScalarMappable(norm, "RdBu_r"), cax=cax)
+        fig.suptitle(heading, fontsize=9, y=1 - 0.08 / H, va="top")
     return fig
 
 
