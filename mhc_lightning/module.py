@@ -219,16 +219,16 @@ class LitLM(L.LightningModule):
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         now = time.perf_counter()
-        # on the progress bar too: host numbers, so the bar's read-back of them waits for no GPU
+        bar = self.trainer.progress_bar_callback is not None
+        # on the progress bar too, where there is one: host numbers, whose read-back waits for no GPU
         if self._t_last is not None:
             tokens_per_sec = batch[0].numel() / (now - self._t_last)
-            self.log("train/tokens_per_sec", host_scalar(tokens_per_sec), on_step=True, on_epoch=False, prog_bar=True)
+            self.log("train/tokens_per_sec", host_scalar(tokens_per_sec), on_step=True, on_epoch=False, prog_bar=bar)
         self._t_last = now
         lr = self.trainer.optimizers[0].param_groups[0]["lr"]
-        self.log("train/lr", host_scalar(lr), on_step=True, on_epoch=False, prog_bar=True)
+        self.log("train/lr", host_scalar(lr), on_step=True, on_epoch=False, prog_bar=bar)
         # The progress bar's loss: read back every log_every_n_steps steps (one wait for the GPU there, at the cadence
         # the loggers read their values anyway) and shown as a host number in between.
-        bar = self.trainer.progress_bar_callback is not None
         if bar and self.last_loss is not None and (self.global_step - 1) % max(1, self.trainer.log_every_n_steps) == 0:
             self.log("loss", host_scalar(self.last_loss), on_step=True, on_epoch=False, prog_bar=True, logger=False)
 
