@@ -37,9 +37,10 @@ def test_decay_by_name_is_the_shape_rule_on_whole_parameters(hyper, tied):
     assert not decays("sublayers._checkpoint_wrapped_module.0.branch._fsdp_wrapped_module.norm.weight")
 
 
-def test_fsdp1_flat_shards_keep_their_decay_group(tmp_path):
-    """FullyShardedDataParallel (use_orig_params, as Lightning's FSDPStrategy) on a CPU gloo group: LitLM's groups
-    hold the same parameters by name as on the plain model, the matrices decayed."""
+def _fsdp1_rank(rank: int, pg_file: str, out: str) -> None:
+    """One of 2 gloo ranks: FSDP1 (FULL_SHARD, use_orig_params, as Lightning's FSDPStrategy) over the tiny model, one
+    backward of rank-specific data; writes the decay test on the optimizer's view of the shards and LitLM's global
+    grad norms."""
     import torch.distributed as dist
     from test_callbacks_common import tiny_module
     from torch.distributed.fsdp import FullyShardedDataParallel
@@ -48,19 +49,53 @@ def test_fsdp1_flat_shards_keep_their_decay_group(tmp_path):
     from mhc_lightning.model.layers import Attention, SwiGLU
     from mhc_lightning.sharding import clean_name
 
-    plain = tiny_module("mhc")
-    expected = [{n for n, p in plain.model.named_parameters() if any(p is q for q in g["params"])}
-                for g in plain.param_groups()]
-    module = tiny_module("mhc")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"file://{pg_file}", rank=rank, world_size=2)
     try:
+        module = tiny_module("mhc", diagnostics_every=0)
         module.model = FullyShardedDataParallel(module.model, auto_wrap_policy=ModuleWrapPolicy({Attention, SwiGLU}),
                                                 use_orig_params=True, device_id=torch.device("cpu"))
-        names = {id(p): clean_name(n) for n, p in module.model.named_parameters()}
-        got = [{names[id(p)] for p in g["params"]} for g in module.param_groups()]
+        module._shard_group = dist.group.WORLD
+        x = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(rank))
+        module.lm_loss(module.model(x), x.roll(-1, 1)).backward()
+        total, per_layer = module.grad_norms()
+        decayed = [clean_name(n) for n, p in module.model.named_parameters()
+                   if any(p is q for q in module.param_groups()[0]["params"])]
+        flat = [clean_name(n) for n, p in module.model.named_parameters() if p.ndim != 2 and ".qkv." in n]
+        Path(out).write_text(json.dumps({"total": float(total), "per_layer": per_layer.tolist(), "decayed": decayed,
+                                         "flat_matrices": flat}))
     finally:
         dist.destroy_process_group()
-    assert got == expected and "sublayers.0.branch.qkv.weight" in got[0]
+
+
+@pytest.mark.slow
+def test_fsdp1_global_grad_norm_and_decay_over_two_ranks(tmp_path):
+    """FSDP1 shards as flat 1-D pieces (the shape rule would lose the matrices' decay): the name rule keeps them,
+    and the squared shard norms summed over the ranks give the norm of the whole averaged gradient, on every rank."""
+    import torch.multiprocessing as mp
+    from test_callbacks_common import tiny_module
+
+    procs = [mp.get_context("spawn").Process(target=_fsdp1_rank, args=(r, str(tmp_path / "pg"),
+                                                                          str(tmp_path / f"rank{r}.json")))
+             for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(300)
+        assert p.exitcode == 0
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    # the unsharded model, the same two batches: FSDP averages the ranks' gradients
+    module = tiny_module("mhc", diagnostics_every=0)
+    for r in (0, 1):
+        x = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(r))
+        (module.lm_loss(module.model(x), x.roll(-1, 1)) / 2).backward()
+    total, per_layer = module.grad_norms()
+    for rank in ranks:
+        assert rank["total"] == pytest.approx(float(total), rel=1e-5)
+        torch.testing.assert_close(torch.tensor(rank["per_layer"]), per_layer, rtol=1e-5, atol=1e-7)
+    assert ranks[0]["flat_matrices"], "FSDP1 kept the matrices' shapes: the case this guards is not exercised"
+    decay_group = module.param_groups()[0]["params"]
+    expected = [n for n, p in module.model.named_parameters() if any(p is q for q in decay_group)]
+    assert ranks[0]["decayed"] == ranks[1]["decayed"] == expected
 
 
 class ShardProbe(L.Callback):
