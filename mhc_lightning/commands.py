@@ -24,6 +24,9 @@ TRAINER_COMMANDS = {
 }
 
 
+TRAINER_TARGET = "mhc_lightning.cli:run_trainer_command"  # (command, args, argv) of fit / validate / test
+
+
 class Tool(NamedTuple):
     target: str  # module:function taking the argument list
     summary: str
@@ -73,10 +76,10 @@ def main(argv: Optional[list[str]] = None) -> None:
             sys.exit(getattr(importlib.import_module(module), func)(args[1:]))
         except UserError as err:
             fail(command, str(err))
-    from .cli import run_trainer_command
-
+    # by name, as the tools: cli.py imports this module (for TOOLS and main), never the other way round
+    module, _, func = TRAINER_TARGET.partition(":")
     # argv=None lets LightningCLI read sys.argv itself
-    run_trainer_command(command, args, None if argv is None else args)
+    getattr(importlib.import_module(module), func)(command, args, None if argv is None else args)
 
 
 if __name__ == "__main__":
