@@ -62,7 +62,8 @@ def weights_digest(module, state: dict = None) -> str:
     for name, t in (module.state_dict() if state is None else state).items():
         t = t.detach().cpu().contiguous()
         digest.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        # flat first: a 0-dim tensor (HC's scalar gates) cannot be viewed as bytes; the bytes are the same
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return digest.hexdigest()
 
 
