@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
 
 from ..loggers.mlflow_runs import mlflow_loggers
 
@@ -46,7 +47,10 @@ class SystemMetrics(Callback):
             # The monitor publishes once per interval; what it sampled since (all of a fit shorter than one
             # interval: it samples once at start) would be dropped at finish, so it goes out as a last step.
             last = monitor.aggregate_metrics()
-            if last:
-                monitor.publish_metrics(last)
-                monitor.mlflow_logger.flush()
+            try:
+                if last:
+                    monitor.publish_metrics(last)
+                    monitor.mlflow_logger.flush()
+            except Exception as err:  # best effort, as MLflow's own monitor: a server away must not fail the fit
+                rank_zero_warn(f"last system metrics not sent to MLflow: {type(err).__name__}: {err}")
         self._monitors = []
