@@ -13,7 +13,7 @@ from .coefficients import (
 from .exact_coefficients import (
     EXACT_FAMILIES, exact_coefficients, exact_enter, exact_res, exact_res_count, exact_res_logits,
 )
-from .kronecker import KROM_STREAMS, factor_count, kronecker_res
+from .kronecker import KROM_STREAMS, factor_count, factor_masks, kronecker_res
 from .pre import hc_enter, in_dtype, mhc_enter, mhc_pre, rebuild_u, request_u
 from .rope import apply_rope, rope_qkv, rope_tables
 from .sinkhorn import sinkhorn, sinkhorn_residuals
@@ -21,7 +21,7 @@ from .streams import expand_streams, stream_post_res, stream_pre, sum_streams
 
 __all__ = [
     "EXACT_FAMILIES", "KROM_STREAMS", "LITE_STREAMS", "birkhoff_res", "exact_coefficients", "exact_enter", "exact_res",
-    "exact_res_count", "exact_res_logits", "factor_count", "gated_logits", "kronecker_res", "permutation_basis",
+    "exact_res_count", "exact_res_logits", "factor_count", "factor_masks", "gated_logits", "kronecker_res", "permutation_basis",
     "permutation_count",
     "apply_rope", "composite_products", "compute_dtype", "expand_streams", "gain_metrics", "gain_report", "hc_coefficients",
     "hc_enter", "hc_from_projection", "hc_projection_weights", "head_weights", "in_dtype", "mhc_boundary", "mhc_coefficients",
