@@ -35,6 +35,24 @@ def mhc_logit_count(n: int, with_res: bool = True) -> int:
     return 2 * n + (n * n if with_res else 0)
 
 
+def gated_logits(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, rms_eps: float,
+                 matmul=torch.matmul) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """alpha * (x phi) / rms(x) + b split into (pre [..., n], post [..., n], res [..., r] | None when phi has only the
+    2n pre/post columns): the projection every H^res parameterisation shares (docs/design.md §2, §15). matmul: how x
+    is multiplied by phi (columnwise_matmul inside a checkpointed forward)."""
+    n = x.shape[-2]
+    cd = compute_dtype(x.dtype)
+    flat = x.flatten(-2).to(cd)
+    logits = matmul(flat, phi.to(cd))
+    rinv = torch.rsqrt(flat.square().mean(dim=-1, keepdim=True) + rms_eps)
+    a, b = alpha.to(cd), bias.to(cd)
+    pre = a[0] * rinv * logits[..., :n] + b[:n]
+    post = a[1] * rinv * logits[..., n : 2 * n] + b[n : 2 * n]
+    if phi.shape[-1] == 2 * n:
+        return pre, post, None
+    return pre, post, a[2] * rinv * logits[..., 2 * n :] + b[2 * n :]
+
+
 def _mhc_logits(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, opts: MHCOptions,
                 matmul=torch.matmul) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """(pre logits [..., n], post logits [..., n], res logits [..., n, n] in H^res's orientation, or None for
@@ -45,16 +63,10 @@ def _mhc_logits(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: t
         raise ValueError(f"phi has {phi.shape[-1]} columns; expected {mhc_logit_count(n)} or {2 * n} for n={n}")
     if opts.res_layout not in RES_LAYOUTS:
         raise ValueError(f"res_layout must be one of {list(RES_LAYOUTS)}, got {opts.res_layout!r}")
-    cd = compute_dtype(x.dtype)
-    flat = x.flatten(-2).to(cd)
-    logits = matmul(flat, phi.to(cd))
-    rinv = torch.rsqrt(flat.square().mean(dim=-1, keepdim=True) + opts.rms_eps)
-    a, b = alpha.to(cd), bias.to(cd)
-    pre = a[0] * rinv * logits[..., :n] + b[:n]
-    post = a[1] * rinv * logits[..., n : 2 * n] + b[n : 2 * n]
-    if not with_res:
+    pre, post, res = gated_logits(x, phi, bias, alpha, opts.rms_eps, matmul)
+    if res is None:
         return pre, post, None
-    r = (a[2] * rinv * logits[..., 2 * n :] + b[2 * n :]).unflatten(-1, (n, n))
+    r = res.unflatten(-1, (n, n))
     return pre, post, r.transpose(-1, -2) if opts.res_layout == "src_dst" else r
 
 
