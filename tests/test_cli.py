@@ -17,6 +17,7 @@ import yaml
 from helpers import CONF, tiny_fit_args
 from mhc_lightning.cli import TOOLS, TRAINER_COMMANDS, build_cli, main
 from mhc_lightning.errors import UserError
+from mhc_lightning.model.config import RESIDUAL_MODES
 from mhc_lightning.loggers.tags import CHECKPOINT_TAG, SOURCE_RUN_TAG
 
 
@@ -116,7 +117,7 @@ def test_every_shipped_config_parses(path, tmp_path, monkeypatch):
         extra += ["--trainer.strategy=auto"]
     cli = build_cli(extra[:2] + ["-c", str(path)] + extra[2:] + ["--trainer.logger=false", "--trainer.accelerator=cpu",
                              "--trainer.precision=32-true"], run=False)
-    assert cli.model.arch.hyper.residual_mode in ("residual", "hc", "mhc", "identity")
+    assert cli.model.arch.hyper.residual_mode in RESIDUAL_MODES
     # jsonargparse reads `limit_val_batches: 1` as the float 1.0, i.e. 100 % of the batches: never ship it
     raw = yaml.safe_load(path.read_text()) or {}
     assert (raw.get("trainer") or {}).get("limit_val_batches") != 1
