@@ -360,8 +360,8 @@ def test_curve_draws_the_ratio_against_the_width_from_point_jsons(tmp_path):
 @pytest.mark.slow
 def test_curve_smoke_runs_a_trainer_call_per_point(tmp_path):
     out = tmp_path / "curve" / "curve.json"
-    assert curve.main(["--smoke", "--kinds", "eager", "--modes", "residual,mhc", "--widths", "32,64",
+    assert curve.main(["--smoke", "--kinds", "eager", "--modes", "residual,mhc", "--widths", "64",
                        "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert sorted({r["width"] for r in rows}) == [32, 64] and all(r["tokens_per_s"] for r in rows)
+    assert [r["width"] for r in rows] == [64, 64] and all(r["tokens_per_s"] for r in rows)
     assert all(r["x_residual_median"] for r in rows if r["variant"] == "mhc")
