@@ -21,8 +21,8 @@ from .streams import expand_streams, stream_post_res, stream_pre, sum_streams
 
 __all__ = [
     "EXACT_FAMILIES", "KROM_STREAMS", "LITE_STREAMS", "birkhoff_res", "exact_coefficients", "exact_enter", "exact_res",
-    "exact_res_count", "exact_res_logits", "factor_count", "factor_masks", "gated_logits", "kronecker_res", "permutation_basis",
-    "permutation_count",
+    "exact_res_count", "exact_res_logits", "factor_count", "factor_masks", "gated_logits", "kronecker_res",
+    "permutation_basis", "permutation_count",
     "apply_rope", "columnwise_matmul", "composite_products", "compute_dtype", "expand_streams", "gain_metrics", "gain_report", "hc_coefficients",
     "hc_enter", "hc_from_projection", "hc_projection_weights", "head_weights", "in_dtype", "mhc_boundary", "mhc_coefficients",
     "mhc_enter", "mhc_logit_count", "mhc_res_logits", "mhc_pre", "rebuild_u", "request_u", "rms_proj", "rope_qkv", "rope_tables", "sinkhorn", "sinkhorn_residuals", "stream_post_res",
