@@ -61,6 +61,21 @@ def _run(uri: str, run_id: str):
     return mlflow.MlflowClient(uri).get_run(run_id)
 
 
+def test_weights_digest_takes_scalar_parameters():
+    """HC's s_alpha / s_beta are 0-dim: every HC fit crashed at its end on `view(torch.uint8)`."""
+    import torch
+
+    from mhc_lightning.model import GPTConfig, HyperConfig
+    from mhc_lightning.model.gpt import GPT
+
+    model = GPT(GPTConfig(n_layers=1, d_model=16, n_heads=2, context=8, hyper=HyperConfig(residual_mode="hc")))
+    assert any(p.dim() == 0 for p in model.parameters())
+    digest = weights_digest(model)
+    with torch.no_grad():
+        next(p for p in model.parameters() if p.dim() == 0).add_(1.0)
+    assert weights_digest(model) != digest
+
+
 def test_every_run_records_code_environment_data_and_settings(tiny_corpus, mlflow_uri, tmp_path):
     logger = ResilientMLFlowLogger(experiment_name="prov", tracking_uri=mlflow_uri)
     trainer, module = tiny_fit(tiny_corpus, [RunProvenance()], steps=2, logger=logger, seed=3, data_seed=None,

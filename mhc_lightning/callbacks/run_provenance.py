@@ -55,7 +55,7 @@ def weights_digest(module) -> str:
     for name, t in module.state_dict().items():
         t = t.detach().cpu().contiguous()
         digest.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")  # 0-dim: HC's scalars
     return digest.hexdigest()
 
 
