@@ -21,7 +21,8 @@ from .configs import parser_kwargs
 from .data import ByteTextDataModule
 from .errors import EXIT_USER_ERROR, UserError, one_line
 from .input_checks import check_inputs
-from .loggers.mlflow_runs import announce_run, label_runs
+from .loggers.credentials import clean_tracking_env, take_credentials
+from .loggers.mlflow_runs import announce_run, label_runs, mlflow_logger_configs
 from .loggers.save_config import MLflowSaveConfig
 from .model import GPTConfig, HyperConfig
 from .module import LitLM, OptimConfig, check_compile, check_fused
@@ -110,6 +111,8 @@ class MHCLightningCLI(LightningCLI):
         # Inputs are checked here, not later: Lightning next replaces the model config by the checkpoint's
         # hyperparameters, and the loggers (which create the MLflow run) do not exist yet. `--ckpt_path last` first
         # becomes the earlier run's own checkpoint (resume.py), so that it is checked like any other.
+        for logger in mlflow_logger_configs(cfg.trainer.get("logger")) if sub else []:
+            logger.init_args.tracking_uri = take_credentials(logger.init_args.get("tracking_uri"))
         resolve_last(self.config, sub)
         self.checkpoint_info = check_inputs(sub, cfg) if sub else None
 
@@ -200,6 +203,7 @@ def fail(command: str, message: str) -> None:
 
 def main(argv: Optional[list[str]] = None) -> None:
     die_with_parent()  # started by `mhc grid` / `mhc sweep` / DDP rank 0: do not outlive it
+    clean_tracking_env()  # a password in MLFLOW_TRACKING_URI: into MLflow's credential variables, out of configs
     args = sys.argv[1:] if argv is None else list(argv)
     if not args or args[0] in ("-h", "--help"):
         print(overview())

@@ -107,8 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     from .child_processes import describe_exit, mhc_command, run_parallel
+    from .loggers.credentials import clean_tracking_env
     from .loggers.store import default_tracking_uri
 
+    clean_tracking_env()  # the runs inherit it: a password goes to MLflow's credential variables, not into configs
     p = build_parser()
     args = p.parse_args(argv)
     if args.parallel < 1:

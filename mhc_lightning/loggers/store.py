@@ -106,8 +106,10 @@ def check_tracking(uri: str, timeout: float = 5.0) -> None:
     if is_server(uri):
         import requests
 
-        try:
-            requests.get(uri.rstrip("/") + "/health", timeout=timeout).raise_for_status()
+        from .credentials import basic_auth
+
+        try:  # with the credentials: a reverse proxy in front of the server may guard /health too
+            requests.get(uri.rstrip("/") + "/health", timeout=timeout, auth=basic_auth()).raise_for_status()
         except requests.RequestException as err:
             raise TrackingUnreachable(
                 f"MLflow tracking server {redact(uri)} is unreachable ({type(err).__name__}). Start it "

@@ -17,6 +17,7 @@ import optuna
 from optuna.storages import RetryHeartbeatStaleTrialCallback
 from optuna.trial import TrialState
 
+from ..loggers.credentials import mask
 from .pruning import StepPruning
 from .recorder import MetricRecorder
 from .settings import STOP_ATTR
@@ -119,7 +120,7 @@ class TrialRunner:
                 raise DuplicateTrial(f"trial {trial.number} has the parameters of trial {twin}")
         run_id = self.tracker.start_trial(trial, values, self.worker, retry_of=retry_of)
         args = trial_args(spec, values, self.logger_config(trial, run_id))
-        self.tracker.client.log_text(run_id, fit_command(args) + "\n", "trial_command.txt")
+        self.tracker.client.log_text(run_id, mask(fit_command(args)) + "\n", "trial_command.txt")
         metrics = list(dict.fromkeys(o.metric for o in spec.objectives))
         fit = self._fit_child if spec.trial["launcher"] == "subprocess" else self._fit_in_process
         t0 = time.time()

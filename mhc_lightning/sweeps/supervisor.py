@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from ..loggers.credentials import mask
 from .factories import is_journal, make_sampler
 from .settings import STOP_ATTR, Sweep, counts
 
@@ -43,9 +44,10 @@ def prepare(sweep: Sweep):
 
 
 def _worker_cmd(sweep: Sweep, args, index: int, machine: int, threads: int, since: float) -> list[str]:
-    # the storage URL (it may hold a password) goes through the environment, not the visible command line
+    # the storage URL and the tracking URI (either may hold a password) go through the environment, not the visible
+    # command line (_run_workers)
     cmd = [sys.executable, "-m", "mhc_lightning.sweeps", "worker", str(sweep.spec.path), "--index", str(index),
-           "--machine-rank", str(machine), "--tracking-uri", sweep.tracking_uri, "--spool-dir", sweep.spool_dir,
+           "--machine-rank", str(machine), "--spool-dir", sweep.spool_dir,
            "--threads", str(threads), "--since", f"{since:.3f}"]
     for s in args.set or []:
         cmd += ["--set", s]
@@ -67,7 +69,7 @@ def launch(sweep: Sweep, args) -> int:
     study, tracker = prepare(sweep)
     machine = args.machine_rank or 0
     n = args.workers
-    print(f"[mhc sweep] study {sweep.spec.name!r}: storage {sweep.storage_label}, MLflow {tracker.uri} "
+    print(f"[mhc sweep] study {sweep.spec.name!r}: storage {sweep.storage_label}, MLflow {mask(tracker.uri)} "
           f"(experiment {sweep.spec.mlflow['experiment']!r}, parent run {tracker.parent_id}), {n} worker(s)",
           flush=True)
     if n == 1:
@@ -97,6 +99,7 @@ def _run_workers(sweep: Sweep, study, args, machine: int, since: float) -> int:
     from optuna.trial import TrialState
 
     from ..child_processes import Child, describe_exit
+    from .cli import TRACKING_ENV
     from .liveness import fail_dead_local_trials, worker_id
 
     n = args.workers
@@ -105,7 +108,7 @@ def _run_workers(sweep: Sweep, study, args, machine: int, since: float) -> int:
     gpus = [g for g in (args.gpus or os.environ.get("CUDA_VISIBLE_DEVICES", "")).split(",") if g.strip()]
     workers: list[tuple[str, Child, str]] = []
     for i in range(n):
-        env = dict(os.environ, MHC_SWEEP_STORAGE=sweep.storage_url)
+        env = dict(os.environ, MHC_SWEEP_STORAGE=sweep.storage_url, **{TRACKING_ENV: sweep.tracking_uri})
         if len(gpus) > 1:
             env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]  # one GPU per worker, round robin
         child = Child(_worker_cmd(sweep, args, i, machine, threads, since), log_dir / f"worker-{machine}-{i}.log",
@@ -183,7 +186,7 @@ def _print_summary(sweep: Sweep, tracker, summary: dict, complete: bool, c: dict
               f"run {b['run_id']}, params {b['params']}")
     if "pareto_front" in summary:
         print(f"[mhc sweep] Pareto front: trials {[t['trial'] for t in summary['pareto_front']]}")
-    print(f"[mhc sweep] MLflow parent run {tracker.parent_id} at {tracker.uri}")
+    print(f"[mhc sweep] MLflow parent run {tracker.parent_id} at {mask(tracker.uri)}")
     if sweep.tracking_uri.startswith("sqlite:"):
         print(f"[mhc sweep] view:  {ui_hint(sweep.tracking_uri)}")
     if not is_journal(sweep.storage_url):
@@ -220,5 +223,5 @@ def dry_run(sweep: Sweep) -> int:
     study = optuna.create_study(sampler=make_sampler(sweep.spec, sweep.spec.sampler.get("seed")),
                                 directions=[o.direction for o in sweep.spec.objectives])
     trial = study.ask()
-    print(fit_command(trial_args(sweep.spec, sample(trial, sweep.spec))))
+    print(mask(fit_command(trial_args(sweep.spec, sample(trial, sweep.spec)))))
     return 0
