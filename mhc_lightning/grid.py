@@ -23,6 +23,7 @@ from typing import Optional
 import yaml
 
 from .errors import UserError
+from .names import file_name, path_name_problem
 
 AXIS_SHORT = {"model.arch.n_layers": "L", "seed_everything": "s", "trainer.deterministic": "det"}
 
@@ -40,6 +41,10 @@ def load_grid(path: Path) -> dict:
             raise GridError(f"{path}: missing required key {key!r} (needs experiment, configs, variants, axes)")
     if not isinstance(spec["variants"], dict) or not spec["variants"]:
         raise GridError(f"{path}: 'variants' must be a non-empty mapping of name -> overrides")
+    for variant in spec["variants"]:  # the first part of every run name, and so of its log file's name
+        problem = path_name_problem(variant)
+        if problem:
+            raise GridError(f"{path}: variants: {problem}")
     spec.setdefault("axes", {})
     repeats = spec.setdefault("repeats", 1)
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
@@ -74,6 +79,11 @@ def expand(spec: dict, root: Path, extra: list[str]) -> list[tuple[str, dict, li
     return runs
 
 
+def log_path(logs: Path, run_name: str) -> Path:
+    """A run's log file, always inside `logs`: axis values (a corpus path) may put a '/' in the run name."""
+    return logs / f"{file_name(run_name)}.log"
+
+
 def prepare_store(uri: str, experiment: str):
     """Create the tracking store and the experiment once, before the runs: parallel first runs would race on both."""
     from mlflow import MlflowClient
@@ -88,7 +98,11 @@ def prepare_store(uri: str, experiment: str):
 def tag_runs(client, experiment_id: str, name: str, tags: dict) -> None:
     """Tag a finished run by name. Tags go on afterwards: passed through the CLI, jsonargparse turns
     numeric strings into ints, which the MLflow REST client rejects."""
-    for run in client.search_runs([experiment_id], filter_string=f"attributes.run_name = '{name}'"):
+    from .loggers.filters import equals
+
+    for run in client.search_runs([experiment_id], filter_string=equals("attributes.run_name", name)):
+        if run.info.run_name != name:
+            continue
         for k, v in tags.items():
             client.set_tag(run.info.run_id, k, str(v))
 
@@ -142,7 +156,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"[{time.time() - t0:7.1f}s] {name}: {'ok' if code == 0 else f'FAILED ({describe_exit(code)})'}",
               flush=True)
 
-    jobs = [(name, mhc_command() + a, args.logs / f"{name}.log") for name, _, a in runs]
+    jobs = [(name, mhc_command() + a, log_path(args.logs, name)) for name, _, a in runs]
     try:
         run_parallel(jobs, args.parallel, on_done, spread_gpus=True)  # several GPUs: round robin
     except KeyboardInterrupt as err:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..errors import UserError
+from ..loggers.filters import equals
 from ..loggers.tags import STAGE_TAG
 
 # Config columns: (column, MLflow param keys to try). Lightning logs the module's hparams flattened with
@@ -104,10 +105,6 @@ def seed_of(d: RunData) -> Optional[str]:
     return d.tags.get("seed_everything") or d.params.get("seed_everything")
 
 
-def _quote(value: str) -> str:
-    return "'" + value.replace("'", "\\'") + "'"
-
-
 def search(tracking_uri: str, experiment: Optional[str] = None, study: Optional[str] = None,
            run_ids: Optional[list[str]] = None, include_evaluation: bool = False, finished_only: bool = False):
     """The runs of an experiment (without sweep parents and comparison runs), of an Optuna study (its trials) or
@@ -117,14 +114,16 @@ def search(tracking_uri: str, experiment: Optional[str] = None, study: Optional[
     mlflow.set_tracking_uri(tracking_uri)
     if run_ids:
         df = mlflow.search_runs(search_all_experiments=True,
-                                filter_string=f"attributes.run_id IN ({', '.join(map(_quote, run_ids))})")
+                                filter_string=f"attributes.run_id IN ({', '.join(repr(str(r)) for r in run_ids)})")
         missing = sorted(set(run_ids) - set(df["run_id"])) if len(df) else sorted(run_ids)
         if missing:
             raise CompareError(f"run(s) {missing} not found at {tracking_uri}")
         return df  # asked for by id: kept whatever their stage
     if study:
         df = mlflow.search_runs(search_all_experiments=True, filter_string=(
-            f"tags.`optuna.study_name` = {_quote(study)} and tags.`optuna.role` = 'trial'"))
+            f"{equals('tags.`optuna.study_name`', study)} and tags.`optuna.role` = 'trial'"))
+        if len(df):
+            df = df[df["tags.optuna.study_name"] == study]
         if not len(df):
             raise CompareError(f"no trial runs of study {study!r} at this tracking URI")
     else:

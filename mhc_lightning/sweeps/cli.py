@@ -15,7 +15,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Optional
 
-from .spec import SpecError, load_spec
+from .spec import SpecError, check_study_name, load_spec
 
 TRACKING_ENV = "MHC_SWEEP_TRACKING_URI"  # the launcher's tracking URI for its workers (supervisor.py)
 
@@ -80,6 +80,7 @@ def _sweep_from_args(args):
 
     spec = load_spec(args.spec, _parse_set(args.set))
     if args.study_name:
+        check_study_name("--study-name", args.study_name)
         if spec.mlflow["experiment"] == spec.name:  # the experiment follows the study unless set explicitly
             spec.mlflow["experiment"] = args.study_name
         spec.name = args.study_name

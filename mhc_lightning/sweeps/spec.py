@@ -16,6 +16,7 @@ from typing import Any, Optional
 import yaml
 
 from ..errors import UserError
+from ..names import path_name_problem
 
 # sampler / pruner names of a sweep file -> the Optuna class each builds (factories.py)
 SAMPLERS = {"tpe": "TPESampler", "random": "RandomSampler", "gp": "GPSampler", "nsga2": "NSGAIISampler",
@@ -155,8 +156,7 @@ def parse_spec(data: Any, path: Optional[Path] = None, overrides: Optional[dict[
     at = lambda key: f"{src}: {key}"  # noqa: E731
 
     name = data.get("name")
-    if not isinstance(name, str) or not name.strip() or any(c.isspace() for c in name):
-        raise _err(at("name"), f"must be a non-empty string without spaces (the Optuna study name), got {name!r}")
+    check_study_name(at("name"), name)
 
     base_raw = data.get("base")
     if isinstance(base_raw, str):
@@ -222,6 +222,15 @@ def parse_spec(data: Any, path: Optional[Path] = None, overrides: Optional[dict[
         mlflow=mlflow, enqueue=enqueue, trial=_parse_trial(at("trial"), data.get("trial"), path),
         description=str(data.get("description") or ""),
     )
+
+
+def check_study_name(where: str, name) -> None:
+    """The study name names the workers' log folder (sweep_logs/<study>/): no spaces, nothing that leaves the folder."""
+    if not isinstance(name, str) or not name.strip() or any(c.isspace() for c in name):
+        raise _err(where, f"must be a non-empty string without spaces (the Optuna study name), got {name!r}")
+    problem = path_name_problem(name)
+    if problem:
+        raise _err(where, f"{problem}: it names the folder of the workers' logs")
 
 
 def _parse_trial(where: str, raw, spec_path: Optional[Path]) -> dict[str, Any]:
