@@ -18,8 +18,9 @@ from ..errors import UserError
 from ..loggers.filters import equals
 from ..loggers.tags import STAGE_TAG
 
-# Config columns: (column, MLflow param keys to try). Lightning logs the module's hparams flattened with
-# "/", the sweep logs the trial's values as trial.<cli key>.
+# Config columns: (column, MLflow param keys to try; "tag:" marks a tag). Lightning logs the module's and the
+# datamodule's hparams (the latter unprefixed: corpus), RunProvenance seed_everything, data/seed and trainer/*, the
+# sweep the trial's values as trial.<cli key>.
 CONFIG_COLUMNS = [
     ("residual_mode", ["arch/hyper/residual_mode"]),
     ("n_streams", ["arch/hyper/n_streams"]),
@@ -30,7 +31,13 @@ CONFIG_COLUMNS = [
     ("lr", ["optim/lr"]),
     ("n_layers", ["arch/n_layers"]),
     ("d_model", ["arch/d_model"]),
+    ("max_steps", ["trainer/max_steps", "trial.trainer.max_steps"]),
+    ("seed", ["seed_everything", "trial.seed_everything"]),
+    ("data_seed", ["data/seed"]),
+    ("corpus", ["corpus", "trial.data.corpus"]),
+    ("corpus_sha256", ["tag:mhc.data.train_sha256"]),  # the bytes trained on: the same name can hold other text
 ]
+SHORT = {"corpus_sha256": 12}  # characters shown of long digests
 SINKHORN_ONLY = ("sinkhorn_iters", "intensity")
 UNUSED_BY_MODE = {"residual": SINKHORN_ONLY + ("n_streams", "alpha_init", "bias_init"),
                   "hc": SINKHORN_ONLY + ("bias_init",), "identity": SINKHORN_ONLY}
@@ -73,8 +80,9 @@ class RunData:
         out = {}
         for col, keys in CONFIG_COLUMNS:
             for k in keys:
-                if k in self.params:
-                    out[col] = self.params[k]
+                source, key = (self.tags, k[4:]) if k.startswith("tag:") else (self.params, k)
+                if key in source:
+                    out[col] = source[key][:SHORT[col]] if col in SHORT else source[key]
                     break
         for k, v in self.params.items():  # other swept values, by their last key component
             if k.startswith("trial.") and not any(k in keys for _, keys in CONFIG_COLUMNS):
