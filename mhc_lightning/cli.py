@@ -15,6 +15,7 @@ from lightning.pytorch.cli import LightningCLI
 
 from .callbacks.final_validation import FinalValidation
 from .callbacks.per_layer_artifacts import PerLayerArtifacts
+from .callbacks.progress_lines import ProgressLines
 from .callbacks.run_provenance import RunProvenance
 from .child_processes import die_with_parent
 from .configs import parser_kwargs
@@ -26,6 +27,7 @@ from .loggers.mlflow_runs import announce_run, label_runs, mlflow_logger_configs
 from .loggers.save_config import MLflowSaveConfig
 from .model import GPTConfig, HyperConfig
 from .module import LitLM, OptimConfig, check_compile, check_fused
+from .quiet import silence_known_noise
 from .resume import resolve_last
 
 # The Trainer entry points `mhc` offers. `predict` is left out: the byte LM has no prediction data or
@@ -138,10 +140,11 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True, exit_on_error:
     exit_on_error=False: parser errors raise ArgumentError instead of printing the usage and exiting (`main`
     prints them as one line)."""
     set_parsing_settings(omegaconf_absolute_to_relative_paths=True)
+    silence_known_noise()
     kwargs.setdefault("save_config_callback", MLflowSaveConfig)
     defaults = dict(kwargs.pop("trainer_defaults", None) or {})
     given = defaults.get("callbacks") or []
-    defaults["callbacks"] = [FinalValidation(), PerLayerArtifacts(), RunProvenance(),
+    defaults["callbacks"] = [FinalValidation(), PerLayerArtifacts(), RunProvenance(), ProgressLines(),
                             *(given if isinstance(given, list) else [given])]
     pk = parser_kwargs({"parser_mode": "omegaconf+", "default_env": False, "exit_on_error": exit_on_error}, run,
                        TRAINER_COMMANDS)
