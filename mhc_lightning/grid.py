@@ -110,7 +110,7 @@ def prepare_store(uri: str, experiment: str):
 
     from .loggers.store import check_tracking, ensure_experiment
 
-    check_tracking(uri)
+    check_tracking(uri, option=None)  # the runs take MLFLOW_TRACKING_URI
     client = MlflowClient(uri)
     return client, ensure_experiment(client, experiment)
 

@@ -68,9 +68,13 @@ def find_checkpoint(uri: Optional[str], experiment: str, run_name: Optional[str]
     from mlflow import MlflowClient
 
     from .loggers.filters import equals
-    from .loggers.store import check_tracking, default_tracking_uri
+    from .loggers.store import check_tracking, default_tracking_uri, sqlite_path
 
     uri = uri or default_tracking_uri()
+    db = sqlite_path(uri)
+    if db is not None and not db.is_file():  # checking the store would create it: nothing may be written here
+        raise NoCheckpointToResume(f"--ckpt_path last: no MLflow store at {db}, so no earlier run to resume; run the "
+                                   "same command without --ckpt_path to start it, or pass a checkpoint file")
     check_tracking(uri)
     client = MlflowClient(uri)
     if run_id:

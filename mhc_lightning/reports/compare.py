@@ -131,7 +131,7 @@ def compare(tracking_uri: str, out, experiment: Optional[str] = None, study: Opt
     if sum(x is not None and x != [] for x in (experiment, study, run_ids)) != 1:
         raise CompareError("give exactly one of --experiment, --study, --runs")
     use_fast_http_failures()
-    check_tracking(tracking_uri)
+    check_tracking(tracking_uri, option="--tracking-uri")
     df = search(tracking_uri, experiment, study, run_ids, include_evaluation)
     data = load(tracking_uri, df, CURVES)
     # best first: lowest final val/loss; runs without it last

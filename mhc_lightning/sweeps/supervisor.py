@@ -14,7 +14,7 @@ from typing import Optional
 
 from ..loggers.credentials import mask
 from .factories import is_journal, make_sampler
-from .settings import STOP_ATTR, Sweep, counts
+from .settings import BUDGET_ATTR, STOP_ATTR, Sweep, counts
 
 POLL_S = 2.0
 
@@ -27,12 +27,14 @@ def prepare(sweep: Sweep):
     from .trial_args import check_callbacks
     from .trial_args_check import check_trial_args
 
-    check_tracking(sweep.tracking_uri)
+    check_tracking(sweep.tracking_uri, option="--tracking-uri")
     for w in check_callbacks(sweep.spec):
         print(f"[mhc sweep] {w}", file=sys.stderr)
     check_trial_args(sweep.spec)
     make_sampler(sweep.spec, 0)
     study = sweep.study()
+    # the budget this study was last asked to reach (--n-trials extends it), for `mhc sweep status`
+    study.set_user_attr(BUDGET_ATTR, max(study.user_attrs.get(BUDGET_ATTR, 0), sweep.spec.n_trials))
     if study.user_attrs.get(STOP_ATTR):
         print(f"[mhc sweep] the last launch stopped with: {study.user_attrs[STOP_ATTR]}; trying again", file=sys.stderr)
         study.set_user_attr(STOP_ATTR, "")
@@ -190,7 +192,19 @@ def _print_summary(sweep: Sweep, tracker, summary: dict, complete: bool, c: dict
     if sweep.tracking_uri.startswith("sqlite:"):
         print(f"[mhc sweep] view:  {ui_hint(sweep.tracking_uri)}")
     if not is_journal(sweep.storage_url):
-        print(f"[mhc sweep] dashboard:  optuna-dashboard {sweep.storage_label}")
+        print(dashboard_hint(sweep.storage_label))
+
+
+def dashboard_hint(storage_label: str) -> str:
+    """The optuna-dashboard command for the study's storage, and how to install it where it is not (an extra)."""
+    import importlib.util
+
+    line = f"[mhc sweep] dashboard:  optuna-dashboard {storage_label}"
+    if "***" in storage_label:
+        line += "   (with your password for ***)"
+    if importlib.util.find_spec("optuna_dashboard") is None:
+        line += '   (not installed here: pip install optuna-dashboard, or pip install -e ".[dashboard]")'
+    return line
 
 
 def status(sweep: Sweep) -> int:
@@ -203,7 +217,8 @@ def status(sweep: Sweep) -> int:
         return 1
     c = counts(study)
     shown = ", ".join(f"{k} {v}" for k, v in c.items() if k != "errors")
-    print(f"study {sweep.spec.name!r} in {sweep.storage_label}: {shown} (budget {sweep.spec.n_trials})")
+    budget = max(study.user_attrs.get(BUDGET_ATTR, 0), sweep.spec.n_trials)
+    print(f"study {sweep.spec.name!r} in {sweep.storage_label}: {shown} (budget {budget})")
     for t in study.get_trials(deepcopy=False):
         vals = t.values if t.values is not None else "-"
         print(f"  trial {t.number:4d} {t.state.name:8s} {vals} {t.params} run={t.user_attrs.get('mlflow_run_id', '-')}")
