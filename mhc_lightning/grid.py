@@ -22,14 +22,10 @@ from typing import Optional
 
 import yaml
 
-from .errors import UserError
+from .grid_check import GridError
 from .names import file_name, path_name_problem
 
 AXIS_SHORT = {"model.arch.n_layers": "L", "seed_everything": "s", "trainer.deterministic": "det"}
-
-
-class GridError(UserError):
-    """A grid file that cannot run; the message names the file and the key."""
 
 
 GRID_KEYS = ("experiment", "configs", "variants", "axes", "repeats")

@@ -7,12 +7,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .errors import UserError
+
 RUN_NAME_FLAG = "--trainer.logger.init_args.run_name="
 
 
-def check_sets(sets: list[str]) -> None:
-    from .grid import GridError
+class GridError(UserError):
+    """A grid file or command line that cannot run; the message names the file and the key."""
 
+
+def check_sets(sets: list[str]) -> None:
     bad = [s for s in sets if "=" not in s or not s.partition("=")[0].strip()]
     if bad:
         raise GridError(f"--set expects KEY=VALUE (an `mhc fit` key without the leading --), got {bad}")
@@ -21,7 +25,6 @@ def check_sets(sets: list[str]) -> None:
 def check_runs(grid: Path, runs: list[tuple[str, dict, list[str]]]) -> None:
     """Raise GridError naming the first rejected run, how many more there are, and the parser's reason."""
     from .fit_args_check import fit_args_problems
-    from .grid import GridError
 
     distinct: dict[tuple[str, ...], list[str]] = {}  # repeats differ by their run name only: parse once
     for name, _, argv in runs:

@@ -15,9 +15,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Optional
 
+from .settings import TRACKING_ENV
 from .spec import SpecError, check_study_name, load_spec
-
-TRACKING_ENV = "MHC_SWEEP_TRACKING_URI"  # the launcher's tracking URI for its workers (supervisor.py)
 
 
 def _parse_set(items: Optional[list[str]]) -> dict[str, Any]:

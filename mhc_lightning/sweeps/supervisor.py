@@ -14,7 +14,7 @@ from typing import Optional
 
 from ..loggers.credentials import mask
 from .factories import is_journal, make_sampler
-from .settings import BUDGET_ATTR, STOP_ATTR, Sweep, counts
+from .settings import BUDGET_ATTR, STOP_ATTR, TRACKING_ENV, Sweep, counts
 
 POLL_S = 2.0
 
@@ -101,7 +101,6 @@ def _run_workers(sweep: Sweep, study, args, machine: int, since: float) -> int:
     from optuna.trial import TrialState
 
     from ..child_processes import Child, describe_exit
-    from .cli import TRACKING_ENV
     from .liveness import fail_dead_local_trials, worker_id
 
     n = args.workers
