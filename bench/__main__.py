@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-BENCHMARKS = ("trainer", "stack", "host", "traffic", "resources", "callbacks", "diagnostics", "recompute")
+BENCHMARKS = ("trainer", "curve", "stack", "host", "traffic", "resources", "callbacks", "diagnostics", "recompute")
 
 
 def summary(name: str) -> str:

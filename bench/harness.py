@@ -4,20 +4,21 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.metadata
 import json
 import os
-import platform
 import shlex
 import socket
 import statistics
-import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Optional
 
 import torch
+
+from mhc_lightning.provenance import code_state
+from mhc_lightning.provenance import environment as software
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -83,40 +84,23 @@ def host_ms(fn: Callable[[], Any], iters: int, device: str) -> float:
 
 
 # ---- environment -----------------------------------------------------------------------------------------------
-def _version(dist: str) -> Optional[str]:
-    # from the installed metadata: importing triton or lightning here would fix the Triton interpreter's mode early
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def _git(*args: str) -> Optional[str]:
-    try:
-        done = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return done.stdout.strip() if done.returncode == 0 else None
-
-
 def environment(device: str) -> dict:
-    """Where and with what a result was measured: date, host, device, versions, the tree's commit and whether it had
-    uncommitted changes, and the environment variables that change what runs."""
-    commit = _git("rev-parse", "HEAD")
-    status = _git("status", "--porcelain", "--untracked-files=no") if commit else None
+    """Where and with what a result was measured: date, host, device, the versions and code a run records
+    (mhc_lightning/provenance.py: commit, dirty flag, digest of the uncommitted change), and the environment variables
+    that change what runs."""
+    code = code_state()
+    cuda = torch.device("cuda", 0) if torch.cuda.is_available() else None
     env = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "host": socket.gethostname(), "cpus": os.cpu_count(), "device": device,
-        "python": platform.python_version(), "torch": torch.__version__, "triton": _version("triton"),
-        "lightning": _version("lightning"), "git_commit": commit, "git_dirty": None if status is None else bool(status),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "host": socket.gethostname(), "cpus": os.cpu_count(), "device": device, **software(cuda),
+        "git_commit": code.commit, "git_dirty": code.dirty, "git_diff_sha256": code.diff_sha256,
         "variables": {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "TORCH_SYMM", "NVSHMEM_"))
                       or k in ("MHC_KERNEL_CONFIG", "TRITON_INTERPRET")},
     }
-    if torch.cuda.is_available():
-        env.update(gpu=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count(), cuda=torch.version.cuda,
-                   nccl=".".join(map(str, torch.cuda.nccl.version())))
-    else:
+    if cuda is None:
         env["gpu"] = None
+    else:
+        env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
     return env
 
 

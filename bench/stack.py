@@ -23,7 +23,8 @@ from typing import Optional
 
 import torch
 
-from bench import harness, kernel_bytes, stack_models as M
+from bench import harness, kernel_bytes
+from bench import stack_models as M
 from bench.profiling import print_rows, time_per_name
 
 # (C, heads, blocks, B, T) per shape name; --smoke keeps the names at tiny sizes

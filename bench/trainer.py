@@ -225,11 +225,11 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="CPU (gloo for DDP), tiny shapes: checks the benchmark")
     p.add_argument("--gpus", type=int, default=1, help="devices of the DDP rows (one-device rows always run)")
     p.add_argument("--modes", default="residual,mhc", help="comma-separated: residual, mhc, hc, ... or MODE@NAME")
-    p.add_argument("--d-model", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=12, help="blocks (each = attention + MLP sublayer)")
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=8, help="per device")
+    p.add_argument("--d-model", type=int, default=None, help="width C (default 1024; --smoke: 64)")
+    p.add_argument("--layers", type=int, default=None, help="blocks, each an attention and an MLP sublayer (12; 2)")
+    p.add_argument("--heads", type=int, default=None, help="attention heads (16; 2)")
+    p.add_argument("--seq", type=int, default=None, help="tokens per sequence (2048; 64)")
+    p.add_argument("--batch", type=int, default=None, help="sequences per device (8; 4)")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--steps", type=int, default=40, help="timed steps")
     p.add_argument("--diagnostics-every", type=int, default=0, help="0: pure training throughput")
@@ -261,8 +261,12 @@ def main(argv=None) -> int:
             p.error(f"--modes {mode}: {mode.partition('@')[2]!r} is no --kernel-config or --variant-args NAME; "
                     f"allowed: {', '.join(names) or 'none given'}")
     args.modes = with_config_variants(modes, names)
+    # the shape: what was given, else the trainer's (C = 1024, 12 blocks, B 8, T 2048) or --smoke's tiny one
+    for key, full, tiny in (("d_model", 1024, 64), ("layers", 12, 2), ("heads", 16, 2), ("seq", 2048, 64),
+                            ("batch", 8, 4)):
+        if getattr(args, key) is None:
+            setattr(args, key, tiny if args.smoke else full)
     if args.smoke:
-        args.d_model, args.layers, args.heads, args.seq, args.batch = 64, 2, 2, 64, 4
         args.warmup, args.steps, args.timeout = min(args.warmup, 3), min(args.steps, 5), min(args.timeout, 300)
     elif torch.cuda.device_count() < args.gpus:
         p.error(f"needs {args.gpus} CUDA devices, found {torch.cuda.device_count()} (--smoke runs on the CPU)")

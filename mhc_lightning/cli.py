@@ -1,13 +1,12 @@
-"""`mhc` command: LightningCLI (fit / validate / test) plus the sweep, compare, report and grid tools.
+"""`mhc fit|validate|test`: the LightningCLI. The `mhc` command itself (help, the tools) is commands.py, which
+imports this module only for these three commands: Lightning costs seconds to import.
 
-Whatever the command, a problem the user can fix (a UserError, a parser error, a broken YAML file) is
-printed as one line, `mhc <command>: error: ...`, with exit status 2 and no traceback.
+A problem the user can fix (a UserError, a parser error, a broken YAML file) is printed as one line,
+`mhc <command>: error: ...`, with exit status 2 and no traceback.
 """
-import importlib
-import sys
 import warnings
 from argparse import ArgumentError
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import yaml
 from jsonargparse import set_parsing_settings
@@ -17,53 +16,21 @@ from .callbacks.final_validation import FinalValidation
 from .callbacks.per_layer_artifacts import PerLayerArtifacts
 from .callbacks.progress_lines import ProgressLines
 from .callbacks.run_provenance import RunProvenance
-from .child_processes import die_with_parent
+from .callbacks.system_metrics import SystemMetrics
+from .callbacks.utilization import Utilization
+from .commands import TOOLS, TRAINER_COMMANDS, Tool, fail, main, overview  # noqa: F401 (`mhc`, as before)
 from .configs import parser_kwargs
 from .data import ByteTextDataModule
-from .errors import EXIT_USER_ERROR, UserError, one_line
+from .errors import UserError, one_line
 from .input_checks import check_inputs
-from .loggers.credentials import clean_tracking_env, take_credentials
+from .loggers.credentials import take_credentials
 from .loggers.mlflow_runs import announce_run, label_runs, mlflow_logger_configs
 from .loggers.save_config import MLflowSaveConfig
 from .model import GPTConfig, HyperConfig
 from .module import LitLM, OptimConfig, check_compile, check_fused
+from .optimizer_options import refuse_optimizer_options
 from .quiet import silence_known_noise
 from .resume import resolve_last
-
-# The Trainer entry points `mhc` offers. `predict` is left out: the byte LM has no prediction data or
-# writer, so Lightning's `predict` could only fail.
-TRAINER_COMMANDS = {
-    "fit": "train a model: one MLflow run with metrics, diagnostics, config and checkpoints",
-    "validate": "evaluate a checkpoint (--ckpt_path) on the validation split, as a run named <run>-validate",
-    "test": "evaluate a checkpoint (--ckpt_path) on the held-out split, as a run named <run>-test",
-}
-
-
-class Tool(NamedTuple):
-    target: str  # module:function taking the argument list
-    summary: str
-
-
-TOOLS = {  # subcommands with their own argparse front ends; everything else is LightningCLI
-    "sweep": Tool("mhc_lightning.sweeps.cli:main", "Optuna sweeps of `mhc fit`, tracked in MLflow"),
-    "compare": Tool("mhc_lightning.reports.cli:main", "table and plots of MLflow runs"),
-    "report": Tool("mhc_lightning.reports.cli:report_main",
-                   "runs grouped by tags, mean +- std over seeds (= mhc compare --group-by)"),
-    "grid": Tool("mhc_lightning.grid:main", "a grid of `mhc fit` runs in parallel processes"),
-}
-
-
-def overview() -> str:
-    """`mhc --help`: every command with one line."""
-    width = max(map(len, [*TRAINER_COMMANDS, *TOOLS])) + 2
-    lines = ["usage: mhc <command> [options]     (`mhc <command> --help` lists a command's options)", "",
-             "Train, stress and compare residual / HC / mHC transformers, tracked in MLflow.", "",
-             "training (Lightning; -c config.yaml files from conf/ and --key=value flags, later ones win):"]
-    lines += [f"  {name:<{width}}{text}" for name, text in TRAINER_COMMANDS.items()]
-    lines += ["", "tools:"]
-    lines += [f"  {name:<{width}}{tool.summary}" for name, tool in TOOLS.items()]
-    lines += ["", "start with:  mhc fit -c conf/quickstart.yaml"]
-    return "\n".join(lines)
 
 
 def _plain(ns) -> dict:
@@ -98,6 +65,8 @@ class MHCLightningCLI(LightningCLI):
         # The corpus decides the vocabulary (bytes: 256); the model must agree, so link rather than repeat.
         parser.link_arguments("data.vocab_size", "model.arch.vocab_size", apply_on="instantiate")
         parser.link_arguments("data.seq_len", "model.arch.context")
+        # MFU and peak memory in every run; --utilization.peak_flops sets the device's peak where no table knows it
+        parser.add_lightning_class_args(Utilization, "utilization")
 
     def parse_arguments(self, parser, args) -> None:
         super().parse_arguments(parser, args)
@@ -142,9 +111,11 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True, exit_on_error:
     set_parsing_settings(omegaconf_absolute_to_relative_paths=True)
     silence_known_noise()
     kwargs.setdefault("save_config_callback", MLflowSaveConfig)
+    # no --optimizer / --lr_scheduler: they would replace LitLM's decay groups and schedule (optimizer_options.py)
+    kwargs.setdefault("auto_configure_optimizers", False)
     defaults = dict(kwargs.pop("trainer_defaults", None) or {})
     given = defaults.get("callbacks") or []
-    defaults["callbacks"] = [FinalValidation(), PerLayerArtifacts(), RunProvenance(), ProgressLines(),
+    defaults["callbacks"] = [FinalValidation(), PerLayerArtifacts(), RunProvenance(), SystemMetrics(), ProgressLines(),
                             *(given if isinstance(given, list) else [given])]
     pk = parser_kwargs({"parser_mode": "omegaconf+", "default_env": False, "exit_on_error": exit_on_error}, run,
                        TRAINER_COMMANDS)
@@ -199,33 +170,15 @@ def parser_message(err: ArgumentError) -> str:
     return one_line(lines[0] + " " + "; ".join(dict.fromkeys(reasons)))
 
 
-def fail(command: str, message: str) -> None:
-    print(f"mhc {command}: error: {one_line(message)}", file=sys.stderr)
-    sys.exit(EXIT_USER_ERROR)
-
-
-def main(argv: Optional[list[str]] = None) -> None:
-    die_with_parent()  # started by `mhc grid` / `mhc sweep` / DDP rank 0: do not outlive it
-    clean_tracking_env()  # a password in MLFLOW_TRACKING_URI: into MLflow's credential variables, out of configs
-    args = sys.argv[1:] if argv is None else list(argv)
-    if not args or args[0] in ("-h", "--help"):
-        print(overview())
-        sys.exit(0)
-    command = args[0]
-    if command not in TRAINER_COMMANDS and command not in TOOLS:
-        print(f"mhc: error: unknown command {command!r}; the commands are {', '.join([*TRAINER_COMMANDS, *TOOLS])} "
-              "(`mhc --help` says what each does)", file=sys.stderr)
-        sys.exit(EXIT_USER_ERROR)
+def run_trainer_command(command: str, args: list[str], argv: Optional[list[str]]) -> None:
+    """`mhc fit|validate|test ARGS`; argv None: LightningCLI reads sys.argv itself."""
     try:
-        if command in TOOLS:
-            module, _, func = TOOLS[command].target.partition(":")
-            sys.exit(getattr(importlib.import_module(module), func)(args[1:]))
         check_config_files(args)
+        refuse_optimizer_options(args)
         with warnings.catch_warnings():
             # main(argv) called from Python (tests, tools) passes argv on; sys.argv is its caller's, not ours
             warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
-            # argv=None lets LightningCLI read sys.argv itself
-            build_cli(None if argv is None else args, exit_on_error=False)
+            build_cli(argv, exit_on_error=False)
     except UserError as err:
         fail(command, str(err))
     except ArgumentError as err:

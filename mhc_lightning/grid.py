@@ -22,6 +22,7 @@ from typing import Optional
 
 import yaml
 
+from .errors import UserError
 from .grid_check import GridError
 from .names import file_name, path_name_problem
 
@@ -111,18 +112,6 @@ def prepare_store(uri: str, experiment: str):
     return client, ensure_experiment(client, experiment)
 
 
-def tag_runs(client, experiment_id: str, name: str, tags: dict) -> None:
-    """Tag a finished run by name. Tags go on afterwards: passed through the CLI, jsonargparse turns
-    numeric strings into ints, which the MLflow REST client rejects."""
-    from .loggers.filters import equals
-
-    for run in client.search_runs([experiment_id], filter_string=equals("attributes.run_name", name)):
-        if run.info.run_name != name:
-            continue
-        for k, v in tags.items():
-            client.set_tag(run.info.run_id, k, str(v))
-
-
 HELP_FILE = """\
 grid file (YAML; docs/grids.md has the details):
   experiment: stability                 MLflow experiment of every run (and its `grid` tag)
@@ -153,14 +142,56 @@ def build_parser() -> argparse.ArgumentParser:
                    help="check every run's arguments, print each run's name and `mhc fit` command, start nothing")
     p.add_argument("--skip-finished", action="store_true",
                    help="skip runs whose name already has a FINISHED run in the experiment (continue a grid in parts)")
+    c = p.add_argument_group("cluster (--launcher slurm: one SLURM job per run, a job array through submitit; "
+                             "a requeued job resumes its run from its own checkpoints)")
+    c.add_argument("--launcher", choices=["local", "slurm", "submitit-local"], default="local",
+                   help="local: parallel processes here (default); slurm: SLURM jobs; submitit-local: the slurm "
+                        "path's jobs run here by submitit's LocalExecutor")
+    c.add_argument("--runs-dir", type=Path, default=Path("runs") / "grid",
+                   help="jobs: each run's trainer.default_root_dir is <runs-dir>/<run name> (storage every node sees)")
+    c.add_argument("--timeout-min", type=int, default=24 * 60, help="jobs: time limit of each job, minutes")
+    c.add_argument("--partition", help="jobs: SLURM partition")
+    c.add_argument("--gpus-per-node", type=int, help="jobs: GPUs per job")
+    c.add_argument("--cpus-per-task", type=int, help="jobs: CPUs per job")
+    c.add_argument("--slurm", action="append", default=[], metavar="KEY=VALUE",
+                   help="jobs: any other submitit slurm_* parameter, e.g. --slurm account=proj --slurm qos=high")
+    c.add_argument("--no-wait", action="store_true", help="jobs: submit and return (default: wait and report each)")
     return p
+
+
+def job_parameters(args, spec: dict) -> dict:
+    """submitit parameters of a grid's jobs (AutoExecutor's generic names, slurm_* for the rest)."""
+    params = {"name": f"mhc-grid-{spec['experiment']}", "timeout_min": args.timeout_min,
+              "slurm_array_parallelism": args.parallel}
+    for key, value in (("slurm_partition", args.partition), ("gpus_per_node", args.gpus_per_node),
+                       ("cpus_per_task", args.cpus_per_task)):
+        if value is not None:
+            params[key] = value
+    for item in args.slurm:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise GridError(f"--slurm {item!r}: expected KEY=VALUE, e.g. --slurm account=proj")
+        params[key if key.startswith("slurm_") else f"slurm_{key}"] = yaml.safe_load(value)
+    return params
+
+
+def submit_jobs(args, spec: dict, runs: list, uri: str, exp_id: str, on_done) -> None:
+    """--launcher slurm / submitit-local: one job per run (grid_jobs.py)."""
+    from .grid_jobs import GridPoint, executor_for, submit
+
+    executor = executor_for(args.launcher, args.logs.resolve() / "submitit", job_parameters(args, spec))
+    points = [GridPoint(name, argv, tags, str(args.runs_dir.resolve() / file_name(name)),
+                        str(log_path(args.logs.resolve(), name)),
+                        uri, exp_id) for name, tags, argv in runs]
+    submit(points, executor, wait=not args.no_wait, on_done=on_done)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     from .child_processes import describe_exit, mhc_command, run_parallel
     from .grid_check import check_runs, check_sets
+    from .grid_jobs import tag_runs
     from .loggers.credentials import clean_tracking_env
-    from .loggers.store import default_tracking_uri
+    from .loggers.store import absolute_store_uri, default_tracking_uri
 
     clean_tracking_env()  # the runs inherit it: a password goes to MLflow's credential variables, not into configs
     p = build_parser()
@@ -181,7 +212,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         for name, _, a in runs:
             print(name, " ".join(a))
         return 0
-    client, exp_id = prepare_store(default_tracking_uri(), spec["experiment"])
+    uri = absolute_store_uri(default_tracking_uri())
+    client, exp_id = prepare_store(uri, spec["experiment"])
     if args.skip_finished:
         done = {r.info.run_name for r in client.search_runs([exp_id], filter_string="attributes.status = 'FINISHED'")}
         runs = [r for r in runs if r[0] not in done]
@@ -191,7 +223,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     t0 = time.time()
 
     def on_done(name: str, code: int) -> None:
-        tag_runs(client, exp_id, name, tags[name])
+        if args.launcher == "local":  # a job tags its own run
+            tag_runs(client, exp_id, name, tags[name])
         if code:
             failed.append(name)
         print(f"[{time.time() - t0:7.1f}s] {name}: {'ok' if code == 0 else f'FAILED ({describe_exit(code)})'}",
@@ -199,10 +232,18 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     jobs = [(name, mhc_command() + a, log_path(args.logs, name)) for name, _, a in runs]
     try:
-        run_parallel(jobs, args.parallel, on_done, spread_gpus=True)  # several GPUs: round robin
+        if args.launcher != "local":
+            submit_jobs(args, spec, runs, uri, exp_id, on_done)
+            if args.no_wait:
+                return 0
+        else:
+            run_parallel(jobs, args.parallel, on_done, spread_gpus=True)  # several GPUs: round robin
     except KeyboardInterrupt as err:
         print(f"mhc grid: interrupted ({err}); `--skip-finished` continues the grid", file=sys.stderr)
         return 130
+    except UserError as err:
+        print(f"mhc grid: error: {err}", file=sys.stderr)
+        return 2
     print(f"{len(runs) - len(failed)}/{len(runs)} runs finished; failed: {failed or 'none'}")
     return 1 if failed else 0
 

@@ -17,12 +17,13 @@ from .diagnostics import grad_norm_summary, summarize
 from .distributed import reduce_diagnostics
 from .model import GPT, GPTConfig
 from .model.compiled import compile_model
+from .sharding import clean_name, decays, fully_shard_model, local_tensor, shard_group
 
 
 def host_scalar(value: float) -> torch.Tensor:
     """A Python number as a CPU tensor for `self.log`. Lightning turns a plain number into a tensor on the module's
     device, a blocking host-to-device copy: on a GPU every such log waits for the queued step to finish, and the
-    next step then starts on an idle GPU (docs/benchmarks.md). A CPU tensor is logged as it is."""
+    next step then starts on an idle GPU (docs/kernels.md, "Host time"). A CPU tensor is logged as it is."""
     return torch.tensor(float(value), dtype=torch.float32)
 
 
@@ -37,8 +38,8 @@ class OptimConfig:
     warmup_steps: int = 50
     min_lr_ratio: float = 0.1
     # AdamW's implementation: None picks torch's fused kernel when every parameter is on a CUDA device (one pass over
-    # parameters, gradients and moments instead of a dozen foreach passes; docs/benchmarks.md), else its
-    # default (foreach); true / false force fused / foreach
+    # parameters, gradients and moments instead of a dozen foreach passes: 4.0 -> 1.8 ms of a trainer step on an
+    # H200), else its default (foreach); true / false force fused / foreach
     fused: Optional[bool] = None
 
     def __post_init__(self) -> None:
@@ -86,8 +87,8 @@ def check_fused(fused: Optional[bool], precision) -> None:
 
 def check_compile(arch: GPTConfig, compile: bool, compile_mode: str = "default") -> None:
     """Refuse what is known not to compile: the chained mHC stack under torch.compile, which does not finish its first
-    step on a GPU (docs/benchmarks.md), while one sublayer at a time compiles (what chain_sublayers auto traces under
-    torch.compile); the branch input's rebuild (saved-tensor hooks, which dynamo refuses to trace).
+    step on a GPU (docs/benchmarks.md, "Host time"), while one sublayer at a time compiles (what chain_sublayers auto
+    traces under torch.compile); the branch input's rebuild (saved-tensor hooks, which dynamo refuses to trace).
     compile_mode: one of torch.compile's modes (the list is torch's own)."""
     modes = list(torch._inductor.list_mode_options())
     if compile_mode not in modes:
@@ -148,6 +149,8 @@ class LitLM(L.LightningModule):
         self._diagnostics_requested = False
         self._grad_norms: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self._grad_groups: Optional[tuple[list[torch.nn.Parameter], torch.Tensor]] = None
+        self._shard_group = None  # sharded strategies: where the shards' squared grad norms add up (sharding.py)
+        self._fully_sharded = False
         # every step's pre-clip grad norm, on the device (written without a host sync): the max and spike count over
         # every step, which the logged curve (every log_every_n_steps-th step) would miss
         self._grad_norm_steps: Optional[torch.Tensor] = None
@@ -219,15 +222,16 @@ class LitLM(L.LightningModule):
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         now = time.perf_counter()
+        bar = self.trainer.progress_bar_callback is not None
+        # on the progress bar too, where there is one: host numbers, whose read-back waits for no GPU
         if self._t_last is not None:
             tokens_per_sec = batch[0].numel() / (now - self._t_last)
-            self.log("train/tokens_per_sec", host_scalar(tokens_per_sec), on_step=True, on_epoch=False)
+            self.log("train/tokens_per_sec", host_scalar(tokens_per_sec), on_step=True, on_epoch=False, prog_bar=bar)
         self._t_last = now
         lr = self.trainer.optimizers[0].param_groups[0]["lr"]
-        self.log("train/lr", host_scalar(lr), on_step=True, on_epoch=False)
+        self.log("train/lr", host_scalar(lr), on_step=True, on_epoch=False, prog_bar=bar)
         # The progress bar's loss: read back every log_every_n_steps steps (one wait for the GPU there, at the cadence
         # the loggers read their values anyway) and shown as a host number in between.
-        bar = self.trainer.progress_bar_callback is not None
         if bar and self.last_loss is not None and (self.global_step - 1) % max(1, self.trainer.log_every_n_steps) == 0:
             self.log("loss", host_scalar(self.last_loss), on_step=True, on_epoch=False, prog_bar=True, logger=False)
 
@@ -235,33 +239,35 @@ class LitLM(L.LightningModule):
         """(global grad norm, per-sublayer grad norms [L]) of the current gradients, computed once per step.
 
         Sublayer l groups every parameter under model.sublayers.l (branch and its HC coefficients); embedding,
-        final norm and head are in the global norm only. Valid from backward until the next training_step.
+        final norm and head are in the global norm only. Valid from backward until the next training_step. Under a
+        sharding strategy each rank holds shards: their squared norms are summed over the ranks (one all-reduce of
+        L + 1 numbers), so every rank gets the global norms.
         """
         if self._grad_norms is None:
             if self._grad_groups is None:
                 params, group, spare = [], [], len(self.model.sublayers)  # spare slot: embedding, norm, head
                 for name, p in self.model.named_parameters():
-                    parts = name.split(".")
+                    parts = clean_name(name).split(".")
                     params.append(p)
                     group.append(int(parts[1]) if parts[0] == "sublayers" else spare)
                 self._grad_groups = (params, torch.tensor(group), {})
             params, group, on_device = self._grad_groups
             with_grad = [i for i, p in enumerate(params) if p.grad is not None]
             n_layers = len(self.model.sublayers)
-            if not with_grad:
-                zero = torch.zeros((), device=self.device)
-                self._grad_norms = (zero, torch.zeros(n_layers, device=self.device))
-            else:
-                norms = torch.stack(torch._foreach_norm([params[i].grad.detach().float() for i in with_grad]))
-                sq = norms.square()
+            per_layer = torch.zeros(n_layers + 1, device=self.device)
+            if with_grad:
+                norms = torch.stack(torch._foreach_norm([local_tensor(params[i].grad).detach().float()
+                                                         for i in with_grad]))
                 if len(with_grad) == len(params):  # the usual case: reuse the index on the device
                     g = on_device.get(norms.device)
                     if g is None:
                         g = on_device[norms.device] = group.to(norms.device)
                 else:
                     g = group[with_grad].to(norms.device)
-                per_layer = torch.zeros(n_layers + 1, device=norms.device, dtype=sq.dtype).index_add_(0, g, sq)
-                self._grad_norms = (sq.sum().sqrt(), per_layer[:n_layers].sqrt())
+                per_layer = per_layer.to(norms.device).index_add_(0, g, norms.square())
+            if self._shard_group is not None:  # every rank, with or without local gradients
+                torch.distributed.all_reduce(per_layer, group=self._shard_group)
+            self._grad_norms = (per_layer.sum().sqrt(), per_layer[:n_layers].sqrt())
         return self._grad_norms
 
     @property
@@ -320,13 +326,14 @@ class LitLM(L.LightningModule):
         just before): one pass over the gradients instead of two (`clip_grad_norm_` would compute the same norm
         again), and a fused AdamW keeps its clipping under bf16-mixed (Lightning's mixed-precision plugin refuses to
         clip for an optimizer that could unscale in its step). Whole gradients on every rank only (one device, DDP);
-        other strategies and value clipping go to Lightning."""
+        sharded ones (FSDP, FSDP2: the global norm over the shards, each rank scaling its own); other strategies and
+        value clipping go to Lightning."""
         clip = self.trainer.gradient_clip_val if gradient_clip_val is None else gradient_clip_val
         algorithm = (gradient_clip_algorithm or self.trainer.gradient_clip_algorithm or "norm").lower()
-        whole_gradients = isinstance(self.trainer.strategy, (SingleDeviceStrategy, DDPStrategy))
-        if not clip or algorithm != "norm" or not whole_gradients:
+        ours = isinstance(self.trainer.strategy, (SingleDeviceStrategy, DDPStrategy)) or self._shard_group is not None
+        if not clip or algorithm != "norm" or not ours:
             return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        grads = [local_tensor(p.grad) for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         if grads:  # as clip_grad_norm_: scale by clip / (norm + 1e-6) where that is below 1
             coef = torch.clamp(float(clip) / (self.grad_norms()[0] + 1e-6), max=1.0)
             torch._foreach_mul_(grads, coef.to(grads[0].device))
@@ -377,12 +384,22 @@ class LitLM(L.LightningModule):
 
     # ---- optimisation ---------------------------------------------------------------------
     def param_groups(self) -> list[dict[str, Any]]:
-        """Weight decay only on the branch matrices and the embedding; never on norms, biases or HC coefficients."""
+        """Weight decay only on the branch matrices and the embedding; never on norms, biases or HC coefficients.
+        Decided by name (sharding.decays): FSDP hands the optimizer flat shards, whose shapes say nothing."""
         decay, no_decay = [], []
         for name, p in self.model.named_parameters():
-            is_matrix = p.ndim == 2 and (".branch." in name or name == "embed.weight")
-            (decay if is_matrix else no_decay).append(p)
+            (decay if decays(name) else no_decay).append(p)
         return [{"params": decay, "weight_decay": self.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+    def configure_model(self) -> None:
+        """Lightning's ModelParallelStrategy: FSDP2 over its data-parallel mesh (sharding.py). Other strategies wrap
+        the model themselves (FSDPStrategy) or not at all."""
+        if type(self.trainer.strategy).__name__ == "ModelParallelStrategy" and not self._fully_sharded:
+            fully_shard_model(self.model, self.device_mesh)
+            self._fully_sharded = True
+
+    def setup(self, stage: str) -> None:
+        self._shard_group = shard_group(self.trainer.strategy)
 
     def configure_optimizers(self):
         o = self.optim

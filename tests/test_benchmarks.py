@@ -13,7 +13,7 @@ from helpers import REPO
 
 sys.path.insert(0, str(REPO))  # `bench` is the repo's top-level folder, not an installed package
 from bench import __main__ as entry  # noqa: E402
-from bench import callbacks, diagnostics, harness, host, recompute, resources, stack, traffic, trainer  # noqa: E402
+from bench import callbacks, curve, diagnostics, harness, host, recompute, resources, stack, traffic, trainer  # noqa: E402
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 # the trainer's eager profile of the residual and mHC on an H200, as docs/benchmarks.md cites it
@@ -50,7 +50,7 @@ def test_help_lists_every_benchmark_with_one_line():
 
 def test_an_unknown_benchmark_is_refused_with_the_list(capsys):
     assert entry.main(["nope"]) == 2
-    assert "unknown benchmark 'nope'; allowed: trainer, stack" in capsys.readouterr().err
+    assert "unknown benchmark 'nope'; allowed: trainer, curve, stack" in capsys.readouterr().err
 
 
 def test_report_writes_the_one_layout_and_the_table_prints_missing_values(tmp_path):
@@ -339,3 +339,29 @@ def test_idle_gaps_charges_each_gap_to_the_host_ops_that_launched_the_work_after
     outer = {r["name"]: r["us_per_step"] for r in got["by_outer_ops"]}
     assert outer == {"autograd::engine::evaluate_function: MulBackward0 > aten::mul": 15.0, "aten::add": 25.0}
     assert got["by_inner_op"][0]["name"] == "aten::add"  # largest first
+
+
+def test_curve_draws_the_ratio_against_the_width_from_point_jsons(tmp_path):
+    for width, ratio in ((1024, 1.4), (4096, 1.1)):
+        for kind in ("eager", "compiled"):
+            rows = [{"variant": "residual", "devices": 1, "tokens_per_s": 1e5, "peak_gib": 10.0,
+                     "step_ms_median": 50.0},
+                    {"variant": "mhc", "devices": 1, "tokens_per_s": 1e5 / ratio, "peak_gib": 13.0,
+                     "step_ms_median": 50.0 * ratio, "x_residual_median": ratio}]
+            curve.point_path(tmp_path, width, kind).write_text(json.dumps({"args": {"layers": 12}, "rows": rows}))
+    assert curve.main(["--draw", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "curve.json").read_text())
+    mhc = [r for r in data["rows"] if r["variant"] == "mhc" and r["kind"] == "eager"]
+    assert [(r["width"], r["x_residual_median"], r["peak_x_residual"]) for r in mhc] == [(1024, 1.4, 1.3),
+                                                                                       (4096, 1.1, 1.3)]
+    assert (tmp_path / "curve.png").stat().st_size > 5000
+
+
+@pytest.mark.slow
+def test_curve_smoke_runs_a_trainer_call_per_point(tmp_path):
+    out = tmp_path / "curve" / "curve.json"
+    assert curve.main(["--smoke", "--kinds", "eager", "--modes", "residual,mhc", "--widths", "32,64",
+                       "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted({r["width"] for r in rows}) == [32, 64] and all(r["tokens_per_s"] for r in rows)
+    assert all(r["x_residual_median"] for r in rows if r["variant"] == "mhc")

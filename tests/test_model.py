@@ -1,4 +1,5 @@
-"""The GPT with residual / HC / mHC / identity-HC sublayers: shapes, causality, init identities, training."""
+"""The GPT with residual / HC / mHC / identity-HC / mHC-lite / KromHC sublayers: shapes, causality, init identities,
+training."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,7 +9,7 @@ from mhc_lightning.kernels import reference
 from mhc_lightning.kernels.reference import gain_report
 from mhc_lightning.model import GPT, GPTConfig, HyperConfig
 
-MODES = ["residual", "hc", "mhc", "identity"]
+MODES = ["residual", "hc", "mhc", "identity", "mhc_lite", "kromhc"]
 
 
 def tiny(mode="mhc", n_layers=2, d_model=32, **hyper) -> GPTConfig:
@@ -172,7 +173,8 @@ def test_each_mode_trains(mode):
 
 
 def test_config_errors_name_field_and_allowed_values():
-    with pytest.raises(ValueError, match=r"residual_mode must be one of \['residual', 'hc', 'mhc', 'identity'\]"):
+    with pytest.raises(ValueError, match=r"residual_mode must be one of "
+                                         r"\['residual', 'hc', 'mhc', 'identity', 'mhc_lite', 'kromhc'\]"):
         HyperConfig(residual_mode="dense")
     with pytest.raises(ValueError, match="n_streams must be >= 1"):
         HyperConfig(n_streams=0)

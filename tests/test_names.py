@@ -105,7 +105,7 @@ def test_ckpt_path_last_resumes_a_run_whose_name_has_quotes(tiny_corpus, tmp_pat
 
 
 def test_grid_tags_runs_whose_names_have_quotes(mlflow_uri):
-    from mhc_lightning.grid import tag_runs
+    from mhc_lightning.grid_jobs import tag_runs
 
     client = MlflowClient(mlflow_uri)
     exp = client.create_experiment("grid-quotes")

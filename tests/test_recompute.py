@@ -206,7 +206,8 @@ def test_chain_equals_one_sublayer_at_a_time(mode, backend):
         torch.testing.assert_close(gx, gx0, **tol)
         for name, g in grads.items():
             torch.testing.assert_close(g, grads0[name], **tol, msg=lambda s: f"{name}: {s}")
-        assert rec.keys() == rec0.keys() == {"h_pre", "h_post", "h_res", "spread"}
+        logits = set() if mode == "identity" else {"logit_range"}  # identity-HC has no res logits
+        assert rec.keys() == rec0.keys() == {"h_pre", "h_post", "h_res", "spread"} | logits
         for k in rec:
             torch.testing.assert_close(rec[k], rec0[k], **tol)
 
@@ -275,7 +276,7 @@ def test_config_values_and_cli(tmp_path, monkeypatch):
 def test_rebuilt_branch_input_same_step_less_memory(mode):
     """HyperConfig.rebuild_branch_input on the reference ops in fp32: the loss and every gradient bitwise those of the
     model that keeps u, and autograd keeps exactly one u per sublayer less (C fp32 values per token). The fused kernels
-    under bf16-mixed: tests/test_kernels.py."""
+    under bf16-mixed: tests/test_kernels_model.py."""
     idx, L, C = tokens(), 4, 32
     base = randomized(model(mode))
     loss0, grads0 = loss_and_grads(base, idx)
@@ -336,7 +337,7 @@ def test_activation_checkpointing_from_outside_is_honoured(backend, device):
         with torch.no_grad(), net.recording():
             net(idx)
     rec, rec0 = m.recorded(), base.recorded()
-    assert rec.keys() == rec0.keys() == {"h_pre", "h_post", "h_res", "spread"}
+    assert rec.keys() == rec0.keys() == {"h_pre", "h_post", "h_res", "spread", "logit_range"}
     for k in rec:
         assert same(rec[k], rec0[k]), k
     # forward hooks on a sublayer (the composable checkpoint's, FSDP2's) keep it out of the chain too

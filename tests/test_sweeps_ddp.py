@@ -20,7 +20,7 @@ import yaml
 from mlflow import MlflowClient
 
 from helpers import CONF, REPO
-from mhc_lightning import launcher
+from mhc_lightning import child_processes
 from mhc_lightning.sweeps.cli import main as sweep_main
 from mhc_lightning.sweeps.spec import SpecError, parse_spec
 from mhc_lightning.sweeps.trial_args import trial_args
@@ -210,15 +210,15 @@ def _stand_in(tmp_path: Path) -> list[str]:
 @pytest.mark.slow
 def test_timeout_stops_the_childs_whole_process_group(tmp_path, monkeypatch):
     """A child past trial.timeout_s (or interrupted: the same path) is stopped with every process it started."""
-    with pytest.raises(launcher.ChildFailed, match=r"ran past its timeout of 3 s and was stopped(.|\n)*process 2 up"):
-        launcher.run(_stand_in(tmp_path) + [str(tmp_path), "2"], tmp_path / "trial.log", timeout_s=3)
+    with pytest.raises(child_processes.ChildFailed, match=r"ran past its timeout of 3 s and was stopped(.|\n)*process 2 up"):
+        child_processes.run(_stand_in(tmp_path) + [str(tmp_path), "2"], tmp_path / "trial.log", timeout_s=3)
     assert not _survivors(_wait_for([tmp_path / "pid1", tmp_path / "pid2"]))
 
 
 @pytest.mark.slow
 def test_sigkilled_worker_takes_its_ranks_along(tmp_path):
     """SIGKILL leaves the worker no chance to stop its child; every rank then dies with its parent."""
-    worker = (f"import os, subprocess, time; os.environ[{launcher.PARENT_ENV!r}] = str(os.getpid()); "
+    worker = (f"import os, subprocess, time; os.environ[{child_processes.PARENT_ENV!r}] = str(os.getpid()); "
               f"subprocess.Popen({_stand_in(tmp_path) + [str(tmp_path), '2']!r}); time.sleep(120)")
     proc = subprocess.Popen([sys.executable, "-c", worker])
     try:

@@ -1,9 +1,13 @@
-"""Fused Triton mHC ops with the reference signatures and return conventions (see kernels/__init__.py).
+"""Fused Triton mHC ops with the reference signatures and return conventions (see kernels/__init__.py): the public
+wrappers, which flatten [..., n, C] to the ops' [N, n, C] and send what the kernels do not cover to the reference.
 
 What the kernels cover: n in {1, 2, 4, 8}; x in bf16 / fp16 / fp32 on CUDA (or anywhere under
 TRITON_INTERPRET=1); Sinkhorn start "softmax_eps" with either exact axis and either res layout; any
 iteration count (a runtime argument). Everything else (float64, start "exp" / "log_domain", other n,
 broadcast coefficient shapes) goes to the reference ops, which define the semantics.
+
+Each op family lives in a module of its own, its Triton kernels beside their custom-op registration, fake impls and
+autograd glue (docs/kernels.md, "Where things are").
 """
 from typing import Optional
 
@@ -13,7 +17,9 @@ from .. import reference
 from ..reference import in_dtype
 from ..options import DEFAULT_OPTIONS, EXACT_AXES, RES_LAYOUTS, MHCOptions
 from ..reference.coefficients import mhc_logit_count
-from . import ops
+from . import boundary, hc, hc_operands, mhc, read_out, rope, stream_ends, write_back
+from .custom_ops import Routed
+from .host import INTERPRET
 
 __all__ = ["expand_streams", "hc_coefficients", "hc_enter", "mhc_coefficients", "mhc_pre", "mhc_enter", "mhc_boundary",
            "rebuild_u", "request_u", "rms_proj", "rope_qkv", "stream_pre", "stream_post_res", "sum_streams"]
@@ -26,7 +32,7 @@ def _fusable(x: torch.Tensor) -> bool:
         x.dim() >= 2
         and x.shape[-2] in (1, 2, 4, 8)
         and x.dtype in _DTYPES
-        and (x.is_cuda or ops.INTERPRET)
+        and (x.is_cuda or INTERPRET)
     )
 
 
@@ -69,10 +75,10 @@ def _vec3(alpha: torch.Tensor) -> torch.Tensor:
 
 def _u_written(x: torch.Tensor, u_dtype: Optional[torch.dtype]) -> Optional[torch.dtype]:
     """The dtype the op itself writes u in: u_dtype (the branch's) in eager mode, where the kernels round u to x's dtype
-    and store it wider, which spares torch's cast each way (ops.CONFIG "u"); else None (x's dtype, and `in_dtype`
-    casts after the op: under torch.compile inductor fuses that cast into the branch's norm)."""
-    if (u_dtype is None or u_dtype == x.dtype or u_dtype not in _DTYPES or not ops.CONFIG["u"]["branch_dtype"]
-            or torch.compiler.is_compiling()):
+    and store it wider, which spares torch's cast each way; else None (x's dtype, and `in_dtype` casts after the op:
+    under torch.compile inductor fuses that cast into the branch's norm, where a wide u would cost a write and a
+    read)."""
+    if u_dtype is None or u_dtype == x.dtype or u_dtype not in _DTYPES or torch.compiler.is_compiling():
         return None
     return u_dtype
 
@@ -92,7 +98,7 @@ def mhc_coefficients(
     args = _coef_args(x, phi, bias, alpha, opts)
     if args is None:
         return reference.mhc_coefficients(x, phi, bias, alpha, opts)
-    h_pre, h_post, h_res, _, _ = ops.eager.coef(_flat(x), phi, bias, _vec3(alpha), *args)
+    h_pre, h_post, h_res, _, _ = mhc.coef_eager(_flat(x), phi, bias, _vec3(alpha), *args)
     return _coefs_out(phi, x.shape[:-2], x.shape[-2], h_pre, h_post, h_res)
 
 
@@ -106,7 +112,8 @@ def mhc_pre(
         h_pre, h_post, h_res = mhc_coefficients(x, phi, bias, alpha, opts)
         return in_dtype(stream_pre(x, h_pre), u_dtype), h_pre, h_post, h_res
     lead = x.shape[:-2]
-    u, h_pre, h_post, h_res, _, _ = ops.eager.mhc_pre(_flat(x), phi, bias, _vec3(alpha), *args, _u_written(x, u_dtype))
+    u, h_pre, h_post, h_res, _, _ = mhc.mhc_pre_eager(_flat(x), phi, bias, _vec3(alpha), *args,
+                                                                   _u_written(x, u_dtype))
     return (in_dtype(u if len(lead) == 1 else u.reshape(*lead, x.shape[-1]), u_dtype),
             *_coefs_out(phi, lead, x.shape[-2], h_pre, h_post, h_res))
 
@@ -118,28 +125,27 @@ def mhc_enter(
     """(x', u, h_pre, h_post, h_res | None): mhc_pre, and x' (an alias of x) for the sublayer's write-back to read.
     The gradient reaching x' enters this op's backward, whose x pass adds it into the one dx it writes: autograd then
     has no sum of the two stream-sized gradients of x to run (docs/kernels.md). Under torch.compile x' is
-    `ops.Routed` (x and the route its write-back gradient takes), which only `stream_post_res` / `mhc_boundary`
-    read."""
+    `Routed` (x and the route its write-back gradient takes), which only `stream_post_res` / `mhc_boundary` read."""
     args = _coef_args(x, phi, bias, alpha, opts)
     if args is None:
         return (x, *mhc_pre(x, phi, bias, alpha, opts, u_dtype))
     lead = x.shape[:-2]
-    xt, u, h_pre, h_post, h_res, _, _ = ops.eager.mhc_enter(_flat(x), phi, bias, _vec3(alpha), *args,
-                                                            _u_written(x, u_dtype))
+    xt, u, h_pre, h_post, h_res, _, _ = mhc.mhc_enter_eager(_flat(x), phi, bias, _vec3(alpha), *args,
+                                                                         _u_written(x, u_dtype))
     return (_handed_on(xt, x), in_dtype(u if len(lead) == 1 else u.reshape(*lead, x.shape[-1]), u_dtype),
             *_coefs_out(phi, lead, x.shape[-2], h_pre, h_post, h_res))
 
 
 def _handed_on(xt, x: torch.Tensor):
     """x' in x's shape: the alias (eager), or the `Routed` pair with x itself (its route stays [N, n, C])."""
-    if isinstance(xt, ops.Routed):
-        return ops.Routed(x, xt.route)
+    if isinstance(xt, Routed):
+        return Routed(x, xt.route)
     return xt if xt.shape == x.shape else xt.view(x.shape)
 
 
 def _unrouted(x) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(x, route | None) of a stream handed on by an enter op."""
-    return (x.x, x.route) if isinstance(x, ops.Routed) else (x, None)
+    return (x.x, x.route) if isinstance(x, Routed) else (x, None)
 
 
 def _post_res_fusable(x, f, h_post, h_res) -> bool:
@@ -177,11 +183,11 @@ def mhc_boundary(
     lead = x.shape[:-2]
     written = _u_written(x, u_dtype)
     if x.dim() == 3:  # flat already (the model's chain): no reshapes
-        x_next, u, h_pre, h_post2, h_res2, _, _ = ops.eager.boundary(
+        x_next, u, h_pre, h_post2, h_res2, _, _ = boundary.boundary_eager(
             x, f, h_post, _res3(x, h_res), phi, bias, _vec3(alpha), *args, written)
         return (x_next, in_dtype(u, u_dtype), *_coefs_out(phi, lead, n, h_pre, h_post2, h_res2))
     x3 = x.reshape(-1, n, c)
-    x_next, u, h_pre, h_post2, h_res2, _, _ = ops.eager.boundary(
+    x_next, u, h_pre, h_post2, h_res2, _, _ = boundary.boundary_eager(
         x3, f.reshape(-1, c), h_post.reshape(-1, n), _res3(x3, h_res), phi, bias, _vec3(alpha), *args, written)
     return (x_next.reshape(x.shape), in_dtype(u.reshape(*lead, c), u_dtype),
             *_coefs_out(phi, lead, n, h_pre, h_post2, h_res2))
@@ -189,11 +195,12 @@ def mhc_boundary(
 
 def rebuild_u(x: torch.Tensor, h_pre: torch.Tensor, u_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """u as the enter / boundary ops handed it to the branch, without autograd (reference.rebuild_u): stream_pre's
-    streaming kernel, the one the ops write u with (or the same sum in `_coef_fwd`'s loop), so the bits agree."""
+    streaming kernel, the one the ops write u with (or the same sum in the coefficient kernel's loop), so the bits
+    agree."""
     if not (_fusable(x) and h_pre.shape == x.shape[:-1] and h_pre.device == x.device):
         return reference.rebuild_u(x, h_pre, u_dtype)
     n, c = x.shape[-2], x.shape[-1]
-    u = ops.pre_u(_flat(x), h_pre.reshape(-1, n), _u_written(x, u_dtype))
+    u = read_out.pre_u(_flat(x), h_pre.reshape(-1, n), _u_written(x, u_dtype))
     return in_dtype(u if x.dim() == 3 else u.reshape(*x.shape[:-2], c), u_dtype)
 
 
@@ -204,40 +211,40 @@ def request_u(x: torch.Tensor, h_pre: torch.Tensor, u_dtype: Optional[torch.dtyp
     will read x."""
     if not (_fusable(x) and x.dim() == 3 and h_pre.shape == x.shape[:-1] and h_pre.device == x.device):
         return None
-    return ops.request_u(x, h_pre, _u_written(x, u_dtype) or x.dtype)
+    return write_back.request_u(x, h_pre, _u_written(x, u_dtype) or x.dtype)
 
 
 def stream_pre(x: torch.Tensor, h_pre: torch.Tensor) -> torch.Tensor:
     if not (_fusable(x) and h_pre.shape == x.shape[:-1] and h_pre.device == x.device):
         return reference.stream_pre(x, h_pre)
     n, c = x.shape[-2], x.shape[-1]
-    u = ops.eager.stream_pre(x.reshape(-1, n, c), h_pre.reshape(-1, n))
+    u = read_out.stream_pre_eager(x.reshape(-1, n, c), h_pre.reshape(-1, n))
     return u.reshape(*x.shape[:-2], c)
 
 
 def stream_post_res(
     x: torch.Tensor, f: torch.Tensor, h_post: torch.Tensor, h_res: Optional[torch.Tensor]
 ) -> torch.Tensor:
-    """x may be the `ops.Routed` x' of an enter op (under torch.compile): its gradient of x then leaves by the route."""
+    """x may be the `Routed` x' of an enter op (under torch.compile): its gradient of x then leaves by the route."""
     x, route = _unrouted(x)
     if not _post_res_fusable(x, f, h_post, h_res):
         return reference.stream_post_res(x, f, h_post, h_res)
     args = (() if route is None else (route,))
     if x.dim() == 3:  # flat already (the model's sublayers): no reshapes
-        return ops.eager.stream_post_res(x, f, h_post, _res3(x, h_res), *args)
+        return write_back.stream_post_res_eager(x, f, h_post, _res3(x, h_res), *args)
     n, c = x.shape[-2], x.shape[-1]
     x3 = x.reshape(-1, n, c)
-    out = ops.eager.stream_post_res(x3, f.reshape(-1, c), h_post.reshape(-1, n), _res3(x3, h_res), *args)
+    out = write_back.stream_post_res_eager(x3, f.reshape(-1, c), h_post.reshape(-1, n), _res3(x3, h_res), *args)
     return out.reshape(x.shape)
 
 
 def rms_proj(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """RMSNorm(x) w without a gain, [..., C] @ [C, M] -> [..., M] fp32 (reference.rms_proj): one read of x."""
     c = x.shape[-1]
-    if not (x.dtype in _DTYPES and (x.is_cuda or ops.INTERPRET) and w.dim() == 2 and w.shape[0] == c
+    if not (x.dtype in _DTYPES and (x.is_cuda or INTERPRET) and w.dim() == 2 and w.shape[0] == c
             and w.device == x.device and w.dtype in _DTYPES):
         return reference.rms_proj(x, w, eps)
-    y, _, _ = ops.eager.rms_proj(x.reshape(-1, c), w, float(eps))
+    y, _, _ = hc.rms_proj_eager(x.reshape(-1, c), w, float(eps))
     return y.reshape(*x.shape[:-1], w.shape[1])
 
 
@@ -253,15 +260,16 @@ def _hc_weights(x, norm_weight, w_beta, w_m, w_r, s_alpha, s_beta, b_static, am_
     built in fp32 as the reference does its coefficient maths (autograd carries their gradients to the leaves)."""
     with torch.autocast(x.device.type, enabled=False):
         return (reference.hc_projection_weights(norm_weight, w_beta, w_m, w_r),
-                ops.hc_statics(s_alpha, s_beta, b_static, am_static, ar_static))
+                hc.hc_statics(s_alpha, s_beta, b_static, am_static, ar_static))
 
 
 def _folds_hc_operands(x: torch.Tensor, params: tuple) -> bool:
-    """hc_enter builds HC's operands inside its op (`ops.HCEnterFolded`): in eager mode on plain tensors, with
-    contiguous parameters of the kernels' shapes (CONFIG hc_operands fold)."""
+    """hc_enter builds HC's operands inside its op (`hc_operands.HCEnterFolded`): in eager mode on plain tensors, with
+    contiguous parameters of the kernels' shapes (the model's). Elsewhere the torch composition builds them: under
+    torch.compile inductor fuses it."""
     n, c = x.shape[-2], x.shape[-1]
     g, w_beta, w_m, w_r, s_alpha, s_beta, _, am_static, _ = params
-    return (ops.CONFIG["hc_operands"]["fold"] and not torch.compiler.is_compiling() and type(x) is torch.Tensor
+    return (not torch.compiler.is_compiling() and type(x) is torch.Tensor
             and g.shape == w_beta.shape == w_m.shape == (c,) and w_r.shape == (c, n) and am_static.shape == (n,)
             and s_alpha.numel() == s_beta.numel() == 1 and all(p.is_contiguous() for p in params))
 
@@ -271,7 +279,7 @@ def hc_coefficients(
     s_alpha: torch.Tensor, s_beta: torch.Tensor, b_static: torch.Tensor, am_static: torch.Tensor,
     ar_static: torch.Tensor, *, dynamic: bool = True, use_tanh: bool = True, norm_eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """reference.hc_coefficients in one op (`ops.hc_coef`): the projection RMSNorm(x) w reads x once and keeps no
+    """reference.hc_coefficients in one op (`hc.hc_coef_fwd`): the projection RMSNorm(x) w reads x once and keeps no
     fp32 copy of the streams for the backward, and the per-token tail runs in the same kernel (forward) and in one
     kernel before the x pass (backward), instead of a dozen small torch ops each way. H^res comes back contiguous
     (the reference returns a transposed view; the values are the same)."""
@@ -280,7 +288,7 @@ def hc_coefficients(
     if not _hc_fusable(x, norm_weight, w_beta, w_m, w_r, b_static, ar_static, dynamic):
         return reference.hc_coefficients(x, *params, dynamic=dynamic, use_tanh=use_tanh, norm_eps=norm_eps)
     w, statics = _hc_weights(x, *params)
-    h_pre, h_post, h_res, _, _ = ops.eager.hc_coef(x.reshape(-1, c), w, statics, n, float(norm_eps), bool(use_tanh))
+    h_pre, h_post, h_res, _, _ = hc.hc_coef_eager(x.reshape(-1, c), w, statics, n, float(norm_eps), bool(use_tanh))
     lead = x.shape[:-2]
     return h_pre.reshape(*lead, n), h_post.reshape(*lead, n), h_res.reshape(*lead, n, n)
 
@@ -292,10 +300,10 @@ def hc_enter(
     u_dtype: Optional[torch.dtype] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x', u, h_pre, h_post, h_res): an HC sublayer's coefficients and input u (in u_dtype, as `mhc_enter`) in one op
-    (`ops.hc_enter`), and x' (an alias of x) for its write-back to read. Its backward writes one dx: <du, x_i> joins
+    (`hc.hc_enter_fwd`), and x' (an alias of x) for its write-back to read. Its backward writes one dx: <du, x_i> joins
     dh_pre in the tail pass, h_pre_i du and the write-back's gradient of x join dx in the x pass, so autograd sums no
     stream-sized gradients (three before: the coefficients', stream_pre's and the write-back's). Under
-    torch.compile x' is `ops.Routed`, as in `mhc_enter`."""
+    torch.compile x' is `Routed`, as in `mhc_enter`."""
     n, c = x.shape[-2], x.shape[-1]
     params = (norm_weight, w_beta, w_m, w_r, s_alpha, s_beta, b_static, am_static, ar_static)
     if not _hc_fusable(x, norm_weight, w_beta, w_m, w_r, b_static, ar_static, dynamic):
@@ -303,12 +311,12 @@ def hc_enter(
         return x, in_dtype(stream_pre(x, h_pre), u_dtype), h_pre, h_post, h_res
     written = _u_written(x, u_dtype)
     if _folds_hc_operands(x, params):
-        xt, u, h_pre, h_post, h_res, _, _ = ops.HCEnterFolded.apply(_flat(x), *params, float(norm_eps),
-                                                                    bool(use_tanh), written)
+        xt, u, h_pre, h_post, h_res, _, _ = hc_operands.HCEnterFolded.apply(_flat(x), *params, float(norm_eps),
+                                                                            bool(use_tanh), written)
     else:
         w, statics = _hc_weights(x, *params)
-        xt, u, h_pre, h_post, h_res, _, _ = ops.eager.hc_enter(_flat(x), w, statics, float(norm_eps), bool(use_tanh),
-                                                                written)
+        xt, u, h_pre, h_post, h_res, _, _ = hc.hc_enter_eager(_flat(x), w, statics, float(norm_eps), bool(use_tanh),
+                                                               written)
     lead = x.shape[:-2]
     h_pre, h_post = h_pre.view(*lead, n), h_post.view(*lead, n)  # the ops give them per (token, stream) row
     if len(lead) != 1:
@@ -321,10 +329,9 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: i
     reference's torch ops run instead: inductor fuses them with their neighbours, which an opaque op would prevent."""
     ok = (
         not torch.compiler.is_compiling()
-        and ops.CONFIG["rope"]["fused"]
         and qkv.dim() == 3
         and qkv.dtype in _DTYPES
-        and (qkv.is_cuda or ops.INTERPRET)
+        and (qkv.is_cuda or INTERPRET)
         and qkv.shape[-1] % (6 * n_heads) == 0
         and cos.device == qkv.device
         and cos.shape[0] >= qkv.shape[1]
@@ -332,14 +339,14 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: i
     if not ok:
         return reference.rope_qkv(qkv, cos, sin, n_heads)
     t = qkv.shape[1]
-    return ops.RopeQKV.apply(qkv, cos[:t].contiguous(), sin[:t].contiguous(), n_heads)
+    return rope.RopeQKV.apply(qkv, cos[:t].contiguous(), sin[:t].contiguous(), n_heads)
 
 
 def _ends_fused(t: torch.Tensor, dtype: torch.dtype) -> bool:
     """The stream's ends run their kernels in eager mode; under torch.compile inductor fuses the reference's cast and
     copy (or sum) with their neighbours, which an opaque op would prevent."""
-    return (not torch.compiler.is_compiling() and ops.CONFIG["stream_ends"]["fused"] and t.dtype in _DTYPES
-            and dtype in _DTYPES and (t.is_cuda or ops.INTERPRET))
+    return (not torch.compiler.is_compiling() and t.dtype in _DTYPES and dtype in _DTYPES
+            and (t.is_cuda or INTERPRET))
 
 
 def expand_streams(h: torch.Tensor, n: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -347,7 +354,7 @@ def expand_streams(h: torch.Tensor, n: int, dtype: Optional[torch.dtype] = None)
     dtype = dtype or h.dtype
     if h.dim() < 1 or not _ends_fused(h, dtype):
         return reference.expand_streams(h, n, dtype)
-    return ops.ExpandStreams.apply(h, n, dtype)
+    return stream_ends.ExpandStreams.apply(h, n, dtype)
 
 
 def sum_streams(x: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -355,4 +362,4 @@ def sum_streams(x: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.T
     dtype = dtype or x.dtype
     if x.dim() < 2 or not _ends_fused(x, dtype):
         return reference.sum_streams(x, dtype)
-    return ops.SumStreams.apply(x, dtype)
+    return stream_ends.SumStreams.apply(x, dtype)

@@ -1,15 +1,20 @@
-"""RoPE on the attention's qkv projection in one pass each way (docs/design.md §13, docs/kernels.md "RoPE").
+"""RoPE on the attention's qkv projection in one pass each way (docs/design.md §13, docs/kernels.md "RoPE"): not an
+mHC op, but every residual mode's attention runs it. Eager only: under torch.compile the reference's torch ops run,
+which inductor fuses with their neighbours.
 
 Forward (`_rope_fwd`): reads q and k straight out of the projection's output qkv [B*T, 3C] and writes them rotated,
 as the [B, H, T, D] tensors attention takes; v stays a view of qkv. Backward (`_rope_bwd`): rotates dq and dk back
 (the inverse rotation: sin negated) and writes them, with dv, into one d(qkv) [B*T, 3C] in the projection's layout.
 In torch the same step is eight strided elementwise kernels and two concatenations each way plus the gradient's
-stack and copy (docs/benchmarks.md, round 15: about 0.9 ms per attention sublayer fwd + bwd at C = 1024, T = 2048,
-B = 8 on an H200). Products in fp32 (the tables as stored, usually fp32), one rounding to the output dtype.
+stack and copy. Products in fp32 (the tables as stored, usually fp32), one rounding to the output dtype.
 """
 import torch
 import triton
 import triton.language as tl
+
+from .host import c_contig, cdiv, empty, np2
+from .launch_cache import launcher
+from .launch_config import launch_options, tiles
 
 Tensor = torch.Tensor
 
@@ -70,3 +75,43 @@ def _rope_bwd(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, dqkv_ptr, R, T, H, C,
         o2 = g2 * c - g1 * s
     tl.store(dst, o1.to(dqkv_ptr.dtype.element_ty), mask=m)
     tl.store(dst + HALF, o2.to(dqkv_ptr.dtype.element_ty), mask=m)
+
+
+class RopeQKV(torch.autograd.Function):
+    """qkv [B, T, 3C] -> q, k rotated ([B, H, T, D], contiguous) and v (a view of qkv); the backward writes d(qkv)
+    once, in qkv's layout. cos, sin: fp32 tables [T, D / 2], contiguous."""
+
+    @staticmethod
+    def forward(ctx, qkv: Tensor, cos: Tensor, sin: Tensor, n_heads: int):
+        B, T, C3 = qkv.shape
+        C, H = C3 // 3, n_heads
+        half = C // (2 * H)
+        rows = c_contig(qkv.reshape(B * T, C3))  # the kernel reads channels contiguously
+        qk = empty((2, B, H, T, 2 * half), qkv.dtype, qkv.device)
+        cfg = tiles("rope")
+        if B * T:
+            launcher(_rope_fwd)[(cdiv(B * T, cfg["BR"]), 2 * H)](
+                rows, cos, sin, qk, B * T, T, H, C, rows.stride(0), HALF=half, BH=np2(half), BR=cfg["BR"],
+                **launch_options(cfg))
+        ctx.save_for_backward(cos, sin)
+        ctx.shape, ctx.dtype, ctx.n_heads = (B, T, C3), qkv.dtype, H
+        ctx.set_materialize_grads(False)
+        v = qkv.view(B, T, 3, H, 2 * half).permute(2, 0, 3, 1, 4)[2]
+        return qk[0], qk[1], v
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        cos, sin = ctx.saved_tensors
+        (B, T, C3), H = ctx.shape, ctx.n_heads
+        C = C3 // 3
+        half = C // (2 * H)
+        dqkv = empty((B, T, C3), ctx.dtype, cos.device)
+        grads = [torch.zeros((B, H, T, 2 * half), dtype=ctx.dtype, device=cos.device) if g is None else c_contig(g)
+                 for g in (dq, dk, dv)]
+        cfg = tiles("rope")
+        if B * T:
+            strides = [st for g in grads for st in g.stride()[:3]]
+            launcher(_rope_bwd)[(cdiv(B * T, cfg["BR"]), 3 * H)](
+                *grads, cos, sin, dqkv, B * T, T, H, C, *strides, HALF=half, BH=np2(half), BR=cfg["BR"],
+                **launch_options(cfg))
+        return dqkv, None, None, None

@@ -1,4 +1,6 @@
 """The residual stream's two ends, one kernel each way (docs/design.md §4, docs/kernels.md "The stream's ends").
+Eager only: under torch.compile the reference's cast and copy (or sum) run, which inductor fuses with their
+neighbours.
 
 `_expand`: x_0[t, j, :] = h[t, :] for every stream j, cast to the stream's dtype: the embedding's one read and the
 stream's one write (torch: a cast, then a broadcast copy that cannot vectorise its stride-0 reads). It is also
@@ -6,8 +8,15 @@ the backward of the sum collapse (the gradient of the collapsed stream, copied t
 `_sum_streams`: out[t, :] = sum_j x[t, j, :], accumulated in fp32 and stored in out's dtype: the "sum" collapse
 before the final norm, and the expansion's backward (torch: a reduction over the middle axis, then a cast).
 """
+import torch
 import triton
 import triton.language as tl
+
+from .host import cdiv, empty, np2
+from .launch_cache import launcher
+from .launch_config import launch_options, tiles
+
+Tensor = torch.Tensor
 
 
 @triton.jit
@@ -33,3 +42,52 @@ def _sum_streams(x_ptr, out_ptr, N, C, NS: tl.constexpr, BT: tl.constexpr, BC: t
     for j in tl.static_range(NS):
         acc += tl.load(x_ptr + rows64[:, None] * (NS * C) + j * C + cc[None, :], mask=m2, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows64[:, None] * C + cc[None, :], acc.to(out_ptr.dtype.element_ty), mask=m2)
+
+
+def _launch(kernel, src: Tensor, out: Tensor, N: int, C: int, n: int) -> Tensor:
+    """One of the two kernels over an [N, C] grid of rows (src and out contiguous); returns out."""
+    if N:
+        cfg = tiles("stream_ends", BC=np2(C, 16))
+        launcher(kernel)[(cdiv(N, cfg["BT"]), cdiv(C, cfg["BC"]))](src, out, N, C, NS=n, BT=cfg["BT"], BC=cfg["BC"],
+                                                                   **launch_options(cfg))
+    return out
+
+
+def expand_rows(h: Tensor, n: int, dtype: torch.dtype) -> Tensor:
+    """[..., C] -> [..., n, C] in dtype, every stream a copy of h."""
+    C = h.shape[-1]
+    rows = h.reshape(-1, C).contiguous()
+    return _launch(_expand, rows, empty((*h.shape[:-1], n, C), dtype, h.device), rows.shape[0], C, n)
+
+
+def sum_rows(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """[..., n, C] -> [..., C] in dtype, the n streams summed in fp32."""
+    n, C = x.shape[-2], x.shape[-1]
+    out = empty((*x.shape[:-2], C), dtype, x.device)
+    return _launch(_sum_streams, x.contiguous(), out, out.numel() // max(C, 1), C, n)
+
+
+class ExpandStreams(torch.autograd.Function):
+    """x_0 = 1_n h in the stream's dtype; backward: the n streams' gradients summed into h's dtype."""
+
+    @staticmethod
+    def forward(ctx, h: Tensor, n: int, dtype: torch.dtype):
+        ctx.h_dtype = h.dtype
+        return expand_rows(h, n, dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        return sum_rows(g, ctx.h_dtype), None, None
+
+
+class SumStreams(torch.autograd.Function):
+    """The streams summed into dtype; backward: the gradient copied to every stream in the stream's dtype."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, dtype: torch.dtype):
+        ctx.x_dtype, ctx.n = x.dtype, x.shape[-2]
+        return sum_rows(x, dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        return expand_rows(g, ctx.n, ctx.x_dtype), None

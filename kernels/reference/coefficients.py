@@ -35,8 +35,26 @@ def mhc_logit_count(n: int, with_res: bool = True) -> int:
     return 2 * n + (n * n if with_res else 0)
 
 
-def _mhc_logits(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, opts: MHCOptions
-                ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+def gated_logits(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, rms_eps: float,
+                 matmul=torch.matmul) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """alpha * (x phi) / rms(x) + b split into (pre [..., n], post [..., n], res [..., r] | None when phi has only the
+    2n pre/post columns): the projection every H^res parameterisation shares (docs/design.md §2, §15). matmul: how x
+    is multiplied by phi (columnwise_matmul inside a checkpointed forward)."""
+    n = x.shape[-2]
+    cd = compute_dtype(x.dtype)
+    flat = x.flatten(-2).to(cd)
+    logits = matmul(flat, phi.to(cd))
+    rinv = torch.rsqrt(flat.square().mean(dim=-1, keepdim=True) + rms_eps)
+    a, b = alpha.to(cd), bias.to(cd)
+    pre = a[0] * rinv * logits[..., :n] + b[:n]
+    post = a[1] * rinv * logits[..., n : 2 * n] + b[n : 2 * n]
+    if phi.shape[-1] == 2 * n:
+        return pre, post, None
+    return pre, post, a[2] * rinv * logits[..., 2 * n :] + b[2 * n :]
+
+
+def _mhc_logits(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, opts: MHCOptions,
+                matmul=torch.matmul) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """(pre logits [..., n], post logits [..., n], res logits [..., n, n] in H^res's orientation, or None for
     identity-HC): everything before the squashing functions (docs/design.md §2)."""
     n = x.shape[-2]
@@ -45,16 +63,10 @@ def _mhc_logits(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: t
         raise ValueError(f"phi has {phi.shape[-1]} columns; expected {mhc_logit_count(n)} or {2 * n} for n={n}")
     if opts.res_layout not in RES_LAYOUTS:
         raise ValueError(f"res_layout must be one of {list(RES_LAYOUTS)}, got {opts.res_layout!r}")
-    cd = compute_dtype(x.dtype)
-    flat = x.flatten(-2).to(cd)
-    logits = flat @ phi.to(cd)
-    rinv = torch.rsqrt(flat.square().mean(dim=-1, keepdim=True) + opts.rms_eps)
-    a, b = alpha.to(cd), bias.to(cd)
-    pre = a[0] * rinv * logits[..., :n] + b[:n]
-    post = a[1] * rinv * logits[..., n : 2 * n] + b[n : 2 * n]
-    if not with_res:
+    pre, post, res = gated_logits(x, phi, bias, alpha, opts.rms_eps, matmul)
+    if res is None:
         return pre, post, None
-    r = (a[2] * rinv * logits[..., 2 * n :] + b[2 * n :]).unflatten(-1, (n, n))
+    r = res.unflatten(-1, (n, n))
     return pre, post, r.transpose(-1, -2) if opts.res_layout == "src_dst" else r
 
 
@@ -80,12 +92,20 @@ def mhc_coefficients(
     return h_pre, h_post, sinkhorn(z, opts.sinkhorn_iters, opts.sinkhorn_eps, opts.exact_axis, opts.start)
 
 
+def columnwise_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b one column of b at a time, by products and sums: no matmul op. A selective activation checkpoint
+    (model/recompute.py) caches matmul outputs by their order of call, so an extra matmul inside a checkpointed
+    forward that its replay does not repeat would shift every later cached one."""
+    return torch.stack([(a * b[:, j]).sum(dim=-1) for j in range(b.shape[-1])], dim=-1)
+
+
 @no_autocast
 def mhc_res_logits(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor,
-                   opts: MHCOptions = DEFAULT_OPTIONS) -> Optional[torch.Tensor]:
+                   opts: MHCOptions = DEFAULT_OPTIONS, matmul=torch.matmul) -> Optional[torch.Tensor]:
     """The res logits Sinkhorn starts from, [..., n, n] in H^res's orientation (None for identity-HC). Their range
-    per token says how saturated the projection is: exp(range) is the ratio of its largest to smallest start entry."""
-    return _mhc_logits(x, phi, bias, alpha, opts)[2]
+    per token says how saturated the projection is: exp(range) is the ratio of its largest to smallest start entry.
+    matmul: how x is multiplied by phi (columnwise_matmul inside a checkpointed forward)."""
+    return _mhc_logits(x, phi, bias, alpha, opts, matmul)[2]
 
 
 @no_autocast

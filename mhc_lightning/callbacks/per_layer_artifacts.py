@@ -1,10 +1,11 @@
 """PerLayerArtifacts: after each validation, the latest per-layer mHC diagnostics go into the MLflow run.
 
-Two files per validation, named after the step the values were recorded at (LitLM.last_diagnostics_step), not the
-step of the validation: `diagnostics/per_layer_step<step>.json` (what `mhc compare` reads back) and the Amax-vs-layer
-figure `diagnostics/amax_per_layer_step<step>.png`. The module only keeps the values (LitLM.last_per_layer); this
-callback writes and draws them, so that training imports no plotting. `mhc fit|validate|test` install it by default
-(cli.build_cli), as FinalValidation.
+Three files per validation, named after the step the values were recorded at (LitLM.last_diagnostics_step), not the
+step of the validation: `diagnostics/per_layer_step<step>.json` (what `mhc compare` reads back), the Amax-vs-layer
+figure `diagnostics/amax_per_layer_step<step>.png` and the heatmaps of every sublayer's n x n H_res (token mean) and
+of their composite products, `diagnostics/h_res_step<step>.png`. The module only keeps the values
+(LitLM.last_per_layer); this callback writes and draws them, so that training imports no plotting. `mhc
+fit|validate|test` install it by default (cli.build_cli), as FinalValidation.
 """
 from lightning.pytorch.callbacks import Callback
 
@@ -21,7 +22,7 @@ class PerLayerArtifacts(Callback):
             return
         import matplotlib.pyplot as plt
 
-        from ..reports.plots import diagnostics_figure
+        from ..reports.plots import diagnostics_figure, h_res_heatmaps
 
         step = pl_module.last_diagnostics_step
         for lg in loggers:
@@ -29,3 +30,8 @@ class PerLayerArtifacts(Callback):
             fig = diagnostics_figure(per_layer, f"{pl_module.arch.hyper.residual_mode}, step {step}")
             lg.experiment.log_figure(lg.run_id, fig, f"diagnostics/amax_per_layer_step{step:07d}.png")
             plt.close(fig)
+            if per_layer.get("h_res_tokmean"):
+                fig = h_res_heatmaps([("", per_layer["h_res_tokmean"])],
+                                     f"{pl_module.arch.hyper.residual_mode}, step {step}: H_res per sublayer")
+                lg.experiment.log_figure(lg.run_id, fig, f"diagnostics/h_res_step{step:07d}.png")
+                plt.close(fig)

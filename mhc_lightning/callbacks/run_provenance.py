@@ -49,13 +49,21 @@ def trainer_settings(trainer) -> dict[str, str]:
     }
 
 
-def weights_digest(module) -> str:
-    """sha256 over every parameter and buffer, by name, in the order of the state dict (dtype and bytes)."""
+def full_state(module) -> dict:
+    """The module's state dict with FSDP2's sharded tensors (DTensors) gathered whole: a collective, so every rank
+    calls it."""
+    return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in module.state_dict().items()}
+
+
+def weights_digest(module, state: dict = None) -> str:
+    """sha256 over every parameter and buffer, by name, in the order of the state dict (dtype and bytes); `state`:
+    that state dict, already gathered (full_state)."""
     digest = hashlib.sha256()
-    for name, t in module.state_dict().items():
+    for name, t in (module.state_dict() if state is None else state).items():
         t = t.detach().cpu().contiguous()
         digest.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")  # 0-dim: HC's scalars
+        # flat first: a 0-dim tensor (HC's scalar gates) cannot be viewed as bytes; the bytes are the same
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return digest.hexdigest()
 
 
@@ -87,8 +95,9 @@ class RunProvenance(Callback):
                 lg.log_hyperparams({**params, **tags})
 
     def on_fit_end(self, trainer, pl_module) -> None:
+        state = full_state(pl_module)  # on every rank: gathering shards is a collective
         if trainer.is_global_zero:
-            digest = weights_digest(pl_module)
+            digest = weights_digest(pl_module, state)
             for lg in trainer.loggers:
                 if isinstance(lg, MLFlowLogger):
                     lg.experiment.set_tag(lg.run_id, WEIGHTS_TAG, digest)

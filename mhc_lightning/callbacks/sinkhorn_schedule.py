@@ -31,6 +31,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
 from ..model import hyper_connections
+from ..model.config import EXACT_MODES
 from .events import channel_of, check_number, log_metrics
 
 # Detector / snapshot event kinds that mean "the constraint must tighten".
@@ -130,7 +131,11 @@ class SinkhornScheduler(Callback):
         self._layers = [l for l in hyper_connections(model) if l.mode == "mhc"] if model is not None else []
         if not self._layers:
             self._active = False
-            rank_zero_warn(f"{type(self).__name__}: the model has no mHC (Sinkhorn) sublayers; nothing to schedule.")
+            modes = {l.mode for l in hyper_connections(model)} if model is not None else set()
+            exact = sorted(modes & set(EXACT_MODES))
+            why = (f"residual_mode={exact[0]} makes H_res exactly doubly stochastic without Sinkhorn" if exact
+                   else "the model has no mHC (Sinkhorn) sublayers")
+            rank_zero_warn(f"{type(self).__name__}: {why}; nothing to schedule.")
             return
         channel_of(pl_module, trainer).sinkhorn_owner = self
         if not self.iters:  # a checkpoint restores them in load_state_dict (called after setup)

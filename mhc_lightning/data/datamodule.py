@@ -63,7 +63,7 @@ class ByteTextDataModule(L.LightningDataModule):
     allow_binary: train on files that do not look like text (refused by default: usually a wrong path).
     pin_memory: batches in page-locked host memory; null (default) pins when the trainer runs on a CUDA device.
     Lightning moves each batch with non_blocking=True, but a copy from pageable memory still makes the host wait for
-    every kernel already queued (docs/benchmarks.md).
+    every kernel already queued.
     """
 
     def __init__(

@@ -4,12 +4,15 @@ is tagged with its stage, and each checkpoint records the run that wrote it (CHE
 
 The stock SaveConfigCallback asserts on trainer.log_dir, which is None for sqlite:/http: tracking
 URIs (Lightning issues #19441, #16310, #20273); MLflowSaveConfig writes the config into the run instead.
+With any other logger (CSVLogger, TensorBoardLogger, WandbLogger, ...) Lightning's own behaviour applies: config.yaml
+in the trainer's log_dir (a CSV or TensorBoard logger's version folder; a W&B logger's save_dir).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from lightning.pytorch.cli import SaveConfigCallback
+from lightning.pytorch.loggers import MLFlowLogger
 
 from .credentials import mask
 from .mlflow_runs import mlflow_loggers
@@ -17,8 +20,16 @@ from .tags import CHECKPOINT_RUN_KEY, STAGE_TAG
 
 
 class MLflowSaveConfig(SaveConfigCallback):
-    def __init__(self, *args, save_to_log_dir: bool = False, **kwargs):
-        super().__init__(*args, save_to_log_dir=save_to_log_dir, **kwargs)
+    def __init__(self, *args, save_to_log_dir: Optional[bool] = None, **kwargs):
+        """save_to_log_dir None: Lightning's config.yaml in the log_dir when the first logger is not an MLflow one
+        (an MLflow logger's log_dir is None for sqlite: and http: stores), besides the MLflow artifact."""
+        super().__init__(*args, save_to_log_dir=bool(save_to_log_dir), **kwargs)
+        self._log_dir_auto = save_to_log_dir is None
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if self._log_dir_auto:
+            self.save_to_log_dir = bool(trainer.loggers) and not isinstance(trainer.loggers[0], MLFlowLogger)
+        super().setup(trainer, pl_module, stage)
 
     def save_config(self, trainer, pl_module, stage: str) -> None:
         # keep null values: the config as it ran; a password in a URL (a database store) masked (credentials.py)

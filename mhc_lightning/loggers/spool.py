@@ -99,8 +99,8 @@ class GuardedClient:
     def _spool(self, name: str, args: tuple, kwargs: dict) -> None:
         run_id = kwargs.get("run_id", args[0] if args else "unknown")
         if self._file is None:
-            name = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}.jsonl"
-            self._file = self.spool_root / str(run_id) / name
+            file_name = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}.jsonl"
+            self._file = self.spool_root / str(run_id) / file_name
         self._file.parent.mkdir(parents=True, exist_ok=True)
         try:
             record = _to_record(name, args, kwargs, self._file.parent / "files" / uuid.uuid4().hex[:12])

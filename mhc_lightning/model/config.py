@@ -12,9 +12,15 @@ from ..kernels.options import (
     ResLayout,
     SinkhornStart,
 )
+from ..kernels.reference import KROM_STREAMS, LITE_STREAMS
 
-ResidualMode = Literal["residual", "hc", "mhc", "identity"]
-RESIDUAL_MODES = ("residual", "hc", "mhc", "identity")
+ResidualMode = Literal["residual", "hc", "mhc", "identity", "mhc_lite", "kromhc"]
+RESIDUAL_MODES = ("residual", "hc", "mhc", "identity", "mhc_lite", "kromhc")
+# H_res exactly doubly stochastic without Sinkhorn (docs/design.md §15); no fused kernels: reference ops only
+EXACT_MODES = ("mhc_lite", "kromhc")
+EXACT_STREAMS = {"mhc_lite": LITE_STREAMS, "kromhc": KROM_STREAMS}
+# coefficients from one projection of the flattened stream through phi (docs/design.md §2)
+PHI_MODES = ("mhc", "identity") + EXACT_MODES
 BiasInit = Literal["home", "zeros", "hc_identity", "a6", "near_identity"]
 BIAS_INITS = ("home", "zeros", "hc_identity", "a6", "near_identity")
 # Inits whose biases treat every stream alike: with phi = 0 the n streams then stay identical for the whole run
@@ -43,7 +49,9 @@ class HyperConfig:
     """How each attention / MLP sublayer is wired into the residual stream.
 
     residual_mode: residual = x + F(x); hc = dynamic Hyper-Connections (unconstrained);
-        mhc = manifold-constrained HC (H_res projected by Sinkhorn-Knopp); identity = mhc with H_res = I.
+        mhc = manifold-constrained HC (H_res projected by Sinkhorn-Knopp); identity = mhc with H_res = I;
+        mhc_lite = H_res a convex combination of the n! permutation matrices, kromhc = H_res a Kronecker product of
+        2 x 2 doubly stochastic factors (both exactly doubly stochastic, no Sinkhorn; docs/design.md §15).
     n_streams: number of residual streams n (ignored by residual; the paper uses 4).
     """
 
@@ -71,7 +79,7 @@ class HyperConfig:
     # Run consecutive mHC sublayers as one chain through the fused boundary op (post/res of l with the coefficients
     # and input of l + 1). auto: the chain where that op is the fused kernels' in eager mode (CUDA), one sublayer at a
     # time elsewhere and under torch.compile. The chain's host time per sublayer is lower, so a slow host no longer
-    # holds back the eager step (docs/benchmarks.md).
+    # holds back the eager step (docs/benchmarks.md, "Host time").
     chain_sublayers: Union[bool, Literal["auto"]] = "auto"
     # Run an init that keeps the streams identical anyway (the degenerate baseline); refused otherwise.
     allow_identical_streams: bool = False
@@ -97,6 +105,12 @@ class HyperConfig:
         _at_least("res_gap", self.res_gap, 0.0)
         _at_least("pre_gap", self.pre_gap, 0.0)
         _one_of("rebuild_branch_input", self.rebuild_branch_input, (True, False))
+        if self.residual_mode in EXACT_MODES:
+            _one_of(f"n_streams for residual_mode={self.residual_mode}", self.n_streams,
+                    EXACT_STREAMS[self.residual_mode])
+            if self.kernel_backend == "triton":
+                raise ValueError(f"kernel_backend=triton has no kernels for residual_mode={self.residual_mode} (its "
+                                 "ops run as torch reference ops); set kernel_backend to one of ['auto', 'torch']")
         if self.identical_streams and not self.allow_identical_streams:
             raise ValueError(
                 f"bias_init={self.bias_init} with phi_init=zeros keeps all {self.n_streams} streams identical for the "
@@ -107,9 +121,15 @@ class HyperConfig:
     @property
     def identical_streams(self) -> bool:
         """True when nothing in the init tells the streams apart, so they stay equal forever (docs/design.md §6):
-        a multi-stream mHC / identity-HC with phi = 0 and biases that treat every stream alike."""
-        return (self.residual_mode in ("mhc", "identity") and self.n_streams > 1 and self.phi_init == "zeros"
+        a multi-stream mHC / identity-HC / mHC-lite / KromHC with phi = 0 and biases that treat every stream alike."""
+        return (self.residual_mode in PHI_MODES and self.n_streams > 1 and self.phi_init == "zeros"
                 and self.bias_init in SYMMETRIC_BIAS_INITS)
+
+    @property
+    def ops_backend(self) -> KernelBackend:
+        """The kernel_backend the sublayers' ops run on: the exact families have no fused kernels, so theirs is always
+        the torch reference, whatever kernel_backend says (auto would pick the fused ops on CUDA)."""
+        return "torch" if self.residual_mode in EXACT_MODES else self.kernel_backend
 
     @property
     def streams(self) -> int:

@@ -68,7 +68,7 @@ class GPT(nn.Module):
         if not self.multi_stream:
             return x.to(dtype)
         if self.cfg.hyper.collapse == "sum":
-            return get_ops(self.cfg.hyper.kernel_backend, x.device).sum_streams(x, dtype)
+            return get_ops(self.cfg.hyper.ops_backend, x.device).sum_streams(x, dtype)
         return stream_pre(x, head_weights(x, self.head_phi, self.head_bias, self.head_alpha)).to(dtype)
 
     def stream_dtype(self, h: torch.Tensor) -> torch.dtype:
@@ -84,7 +84,7 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {idx.shape[-1]} exceeds model context {self.cfg.context}")
         h = self.embed(idx)
         if self.multi_stream:  # the cast and the copy into n streams in one pass (one kernel each way when fused)
-            x = get_ops(self.cfg.hyper.kernel_backend, h.device).expand_streams(h, self.n, self.stream_dtype(h))
+            x = get_ops(self.cfg.hyper.ops_backend, h.device).expand_streams(h, self.n, self.stream_dtype(h))
         else:
             x = h.to(self.stream_dtype(h))
         x = run_sublayers(self.sublayers, x, self.recompute_block)

@@ -1,4 +1,4 @@
-"""One wrapper for every sublayer: residual, HC, mHC or identity-HC (docs/design.md §1-§6).
+"""One wrapper for every sublayer: residual, HC, mHC, identity-HC, mHC-lite or KromHC (docs/design.md §1-§6, §15).
 
 The maths lives in the kernels package (reference ops or fused kernels, chosen by `get_ops`);
 this module only owns the parameters, their initialisation and the wiring.
@@ -7,6 +7,7 @@ mHC / identity-HC sublayers also run as a chain (`enter`, then `chain` per subla
 `run_sublayers` drives it): at each sublayer boundary one op writes sublayer l's output stream and computes
 sublayer l+1's coefficients and input from it (kernels/reference/boundary.py): one op, and one autograd node, per
 sublayer instead of two (host time; the kernels are the same, docs/kernels.md). `forward` is one sublayer on its own.
+mHC-lite / KromHC sublayers run one at a time on the reference ops (`reference.exact_enter`): no fused kernels.
 """
 import math
 from typing import Optional
@@ -15,15 +16,16 @@ import torch
 import torch.nn as nn
 
 from ..kernels import MHCOptions, get_ops, reference
-from ..kernels.reference import compute_dtype, in_dtype, mhc_logit_count
+from ..kernels.reference import compute_dtype, in_dtype
 from .branch_input import others_keep_saved_tensors, rebuilt_in_backward
-from .config import BIAS_INITS, HyperConfig
+from .config import BIAS_INITS, EXACT_MODES, PHI_MODES, HyperConfig
+from .exact_init import exact_res_bias
 from .fsdp_dtype import param_compute_dtype
 from .stream_spread import stream_spread
 
 # Between two chained sublayers: (stream x, the sublayer's input u, its h_pre, h_post, h_res | None). After `enter`
 # under torch.compile, x is the fused ops' Routed pair (x and its gradient's route to the enter op; read only by the
-# ops' write-backs, kernels/fused/ops.py), so the sublayer takes its device from u.
+# ops' write-backs, kernels/fused/custom_ops.py), so the sublayer takes its device from u.
 Carry = tuple[object, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]
 
 
@@ -61,10 +63,13 @@ class HyperConnection(nn.Module):
         self.record = False  # when set, keep the first sequence's coefficients for diagnostics
         self.last: Optional[dict[str, torch.Tensor]] = None
         n, home = cfg.streams, layer_index % cfg.streams
-        if self.mode in ("mhc", "identity"):
+        if self.mode in PHI_MODES:
             with_res = self.mode == "mhc"
-            self.phi = nn.Parameter(torch.empty(n * d_model, mhc_logit_count(n, with_res)))
-            self.bias = nn.Parameter(mhc_bias_init(cfg.bias_init, n, home, with_res, cfg.res_gap, cfg.pre_gap))
+            bias = mhc_bias_init(cfg.bias_init, n, home, with_res, cfg.res_gap, cfg.pre_gap)
+            if self.mode in EXACT_MODES:  # [pre | post] as mHC's, then the family's own res logits
+                bias = torch.cat([bias, exact_res_bias(self.mode, n, cfg.bias_init, cfg.res_gap)])
+            self.phi = nn.Parameter(torch.empty(n * d_model, bias.numel()))
+            self.bias = nn.Parameter(bias)
             self.alpha = nn.Parameter(torch.full((3,), cfg.alpha_init))
             self.reset_phi()
         elif self.mode == "hc":
@@ -92,6 +97,10 @@ class HyperConnection(nn.Module):
         """True when this sublayer can run in a chain (mHC / identity-HC: coefficients from phi)."""
         return self.mode in ("mhc", "identity")
 
+    def ops(self, device: torch.device):
+        """The ops this sublayer runs on (the exact families' are always the reference: HyperConfig.ops_backend)."""
+        return get_ops(self.cfg.ops_backend, device)
+
     def options(self) -> MHCOptions:
         c = self.cfg
         return MHCOptions(
@@ -117,7 +126,7 @@ class HyperConnection(nn.Module):
         if (x is None or not (self.cfg.rebuild_branch_input and torch.is_grad_enabled())
                 or others_keep_saved_tensors()):
             return self.branch(v)
-        ops = get_ops(self.cfg.kernel_backend, v.device)
+        ops = self.ops(v.device)
         if ops is reference and compute_dtype(x.dtype) != x.dtype:
             # the reference ops then keep their fp32 copy of x, not x: holding x for the rebuild would cost n C
             return self.branch(v)
@@ -148,8 +157,9 @@ class HyperConnection(nn.Module):
                          "h_res": None if h_res is None else h_res[:1].detach(),
                          "spread": stream_spread(out[:1].detach())}
             if self.mode == "mhc" and x_in is not None:
-                with torch.no_grad():
-                    z = reference.mhc_res_logits(x_in[:1].detach(), self.phi, self.bias, self.alpha, self.options())
+                with torch.no_grad():  # no matmul op: the forward may run inside a selective checkpoint
+                    z = reference.mhc_res_logits(x_in[:1].detach(), self.phi, self.bias, self.alpha, self.options(),
+                                                 matmul=reference.columnwise_matmul)
                 self.last["logit_range"] = (z.amax(dim=(-2, -1)) - z.amin(dim=(-2, -1))).detach()
 
     def enter(self, x: torch.Tensor) -> Carry:
@@ -158,7 +168,7 @@ class HyperConnection(nn.Module):
         and coefficients flat ([tokens, n, C], [tokens, n]) and u in x's leading shape, for the branch: each op then
         takes them as they are (host time per op, docs/kernels.md)."""
         lead, C = x.shape[:-2], x.shape[-1]
-        ops = get_ops(self.cfg.kernel_backend, x.device)
+        ops = self.ops(x.device)
         xt, u, h_pre, h_post, h_res = ops.mhc_enter(x if x.dim() == 3 else x.reshape(-1, *x.shape[-2:]), self.phi,
                                                     self.bias, self.alpha, self.options(), self.branch_dtype())
         return xt, u.view(*lead, C), h_pre, h_post, h_res
@@ -169,7 +179,7 @@ class HyperConnection(nn.Module):
         the stream in the shape `enter` received it."""
         x, u, h_pre, h_post, h_res = carry
         lead, C = u.shape[:-1], u.shape[-1]
-        ops = get_ops(self.cfg.kernel_backend, u.device)
+        ops = self.ops(u.device)
         f = self.run_branch(u, x, h_pre).reshape(-1, C)
         if nxt is None:
             out = ops.stream_post_res(x, f, h_post, h_res)
@@ -187,10 +197,13 @@ class HyperConnection(nn.Module):
         # each op reshaping its inputs and outputs took about a dozen (host time in the eager step, docs/kernels.md)
         lead, (n, C) = x.shape[:-2], x.shape[-2:]
         flat = x if x.dim() == 3 else x.reshape(-1, n, C)
-        ops = get_ops(self.cfg.kernel_backend, x.device)
+        ops = self.ops(x.device)
         if self.chains:
             xt, u, h_pre, h_post, h_res = ops.mhc_enter(flat, self.phi, self.bias, self.alpha, self.options(),
                                                         self.branch_dtype())
+        elif self.mode in EXACT_MODES:
+            xt, u, h_pre, h_post, h_res = reference.exact_enter(flat, self.phi, self.bias, self.alpha, self.mode,
+                                                                self.options(), self.branch_dtype())
         else:
             c = self.cfg
             # x' (the stream the write-back reads) comes out of the same op, so x's gradients meet in its x pass
@@ -205,7 +218,8 @@ class HyperConnection(nn.Module):
         return out.view(*lead, n, C)
 
     def extra_repr(self) -> str:
-        return f"mode={self.mode}, layer={self.layer_index}, n={self.cfg.streams}, sinkhorn_iters={self.sinkhorn_iters}"
+        out = f"mode={self.mode}, layer={self.layer_index}, n={self.cfg.streams}"
+        return out + (f", sinkhorn_iters={self.sinkhorn_iters}" if self.mode == "mhc" else "")
 
 
 def hyper_connections(module: nn.Module) -> list[HyperConnection]:

@@ -1,9 +1,11 @@
 """`mhc compare`: a table and plots for a set of MLflow runs (an experiment, an Optuna study, or run ids).
 
-Writes runs.md and runs.csv (configs and final metrics, best val/loss first) and four PNGs: val_loss.png (curves),
-amax_vs_layer.png (composite Amax gain per layer, from the runs' last diagnostics/per_layer_step*.json), grad_norm.png
-(curves) and tokens_per_sec.png (median per run). They are logged to MLflow too: into the study's parent run for
---study, else into a new "compare-..." run in the experiment of the first run (--no-log to skip).
+Writes runs.md and runs.csv (configs and final metrics, best val/loss first) and six PNGs: val_loss.png and
+train_loss.png (curves), amax_vs_layer.png (composite Amax gain per layer, from the runs' last
+diagnostics/per_layer_step*.json), h_res.png (each run's n x n H_res per sublayer and their composite products, side
+by side, from the same files), grad_norm.png (curves) and tokens_per_sec.png (median per run). They are logged to
+MLflow too: into the study's parent run for --study, else into a new "compare-..." run in the experiment of the
+first run (--no-log to skip).
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from .tables import fmt, frame, write_table
 
 FINAL_METRICS = ["val/loss", "val/bpb", "train/loss", "train/grad_norm", "amax/composite_fwd_max",
                  "amax/composite_bwd_max"]
-CURVES = ["val/loss", "train/grad_norm", "train/tokens_per_sec"]
+CURVES = ["val/loss", "train/loss", "train/grad_norm", "train/tokens_per_sec"]
 
 
 def differing_columns(configs: list[dict], always=("residual_mode",)) -> list[str]:
@@ -99,6 +101,8 @@ def make_plots(data: list[RunData], out: Path, top: int) -> dict[str, Path]:
     result = {
         "val_loss": plots.curves(lines("val/loss"), "validation loss" + sub, "val/loss (nats/byte)",
                                  out / "val_loss.png"),
+        "train_loss": plots.curves(lines("train/loss"), "training loss" + sub, "train/loss (nats/byte)",
+                                   out / "train_loss.png"),
         "grad_norm": plots.curves(lines("train/grad_norm"), "gradient norm (before clipping)" + sub,
                                   "train/grad_norm", out / "grad_norm.png", logy=True),
     }
@@ -109,6 +113,11 @@ def make_plots(data: list[RunData], out: Path, top: int) -> dict[str, Path]:
                                   title=f"composite Amax gain at each run's last diagnostics (steps {steps})",
                                   note=layers_caption(shown, have))
         result["amax_vs_layer"] = plots.save(fig, out / "amax_vs_layer.png")
+    mixing = [d for d in shown if d.per_layer and d.per_layer.get("h_res_tokmean")]
+    if mixing:
+        fig = plots.h_res_heatmaps([(f"{_label(d, cols)} (step {d.per_layer_step})", d.per_layer["h_res_tokmean"])
+                                    for d in mixing], title="H_res per sublayer at each run's last diagnostics")
+        result["h_res"] = plots.save(fig, out / "h_res.png")
     bars = []
     for d in shown:
         v = d.tokens_per_sec()

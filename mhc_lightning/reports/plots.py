@@ -88,6 +88,67 @@ def diagnostics_figure(per_layer: dict, title: str):
     return amax_vs_layer([("", per_layer)], kinds=("single", "composite"), stats=("max", "tokmean"), title=title)
 
 
+def composite_of(h_res_tokmean: Sequence) -> list:
+    """The suffix products P_l = H_{L-1} ... H_l of a run's token-mean H_res matrices [L][n][n] (the reference op)."""
+    import torch
+
+    from ..kernels.reference import composite_products
+
+    return composite_products(torch.tensor(h_res_tokmean, dtype=torch.float64)).tolist()
+
+
+def h_res_heatmaps(series: Sequence[tuple[str, Sequence]], title: str = "", note: str = ""):
+    """Every sublayer's n x n mixing matrix as a heatmap, two rows per series (a run): the token-mean H_l, and the
+    composite P_l = H_{L-1} ... H_l of those (what reaches the last sublayer from sublayer l). One colour scale for
+    the whole figure, linear within +-1 and logarithmic beyond (HC's composites reach hundreds; mHC's stay in [0, 1]),
+    so that runs side by side compare cell by cell. Returns the figure."""
+    plt = _pyplot()
+    import numpy as np
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import SymLogNorm
+
+    blocks = [(label, np.asarray(h, dtype=float), np.asarray(composite_of(h), dtype=float)) for label, h in series]
+    n_cols = max(len(h) for _, h, _ in blocks)
+    vmax = max(1.0, max(float(np.abs(m).max()) for _, h, p in blocks for m in (h, p)))
+    norm = SymLogNorm(linthresh=1.0, vmin=-vmax, vmax=vmax)
+    key = "H_l: token-mean H_res of sublayer l; P_l = H_{L-1} ... H_l; entries: row = to, column = from"
+    heading = "\n".join(x for x in (title, note, key) if x)
+    # Laid out by hand, in inches: a grid of small matrices with a run's name above its two rows (constrained layout
+    # collapsed such grids). Every matrix is `cell` inches square.
+    cell, gap, left, right, label_h = 0.5, 0.08, 0.45, 0.8, 0.3
+    top = 0.25 + 0.16 * heading.count("\n")
+    run_h = label_h + 2 * cell + gap + 0.15  # name, H_l row (with l= titles), P_l row, space
+    longest = max([len(label) for label, _, _ in blocks] + [len(x) for x in heading.splitlines()])
+    width = max(left + n_cols * (cell + gap), 0.058 * longest) + right  # ~0.058 inch a character at 8-9 pt
+    height = top + 0.2 + len(blocks) * run_h
+    with plt.style.context("default"):
+        fig = plt.figure(figsize=(width, height))
+        W, H = fig.get_size_inches()
+
+        def box(x, y, w, h):  # inches from the top left -> figure fraction
+            return [x / W, 1 - (y + h) / H, w / W, h / H]
+
+        for i, (label, h, p) in enumerate(blocks):
+            y0 = top + 0.2 + i * run_h
+            if label:
+                fig.text(left / W, 1 - (y0 + 0.05) / H, label, fontsize=8, va="top")
+            for r, (name, mats) in enumerate((("H_l", h), ("P_l", p))):
+                y = y0 + label_h + r * (cell + gap)
+                for l, m in enumerate(mats):
+                    ax = fig.add_axes(box(left + l * (cell + gap), y, cell, cell))
+                    ax.imshow(m, cmap="RdBu_r", norm=norm)
+                    ax.set_xticks([])
+                    ax.set_yticks([])
+                    if r == 0:
+                        ax.set_title(f"l={l}", fontsize=6, pad=2)
+                    if l == 0:
+                        ax.set_ylabel(name, fontsize=8, rotation=0, ha="right", va="center")
+        cax = fig.add_axes(box(W - right + 0.2, top + 0.2, 0.15, height - top - 0.4))
+        fig.colorbar(ScalarMappable(norm, "RdBu_r"), cax=cax)
+        fig.suptitle(heading, fontsize=9, y=1 - 0.08 / H, va="top")
+    return fig
+
+
 def curves(lines: Sequence[tuple[str, Sequence[int], Sequence[float], Optional[tuple]]], title: str, ylabel: str,
            path: Path, logy: bool = False) -> Optional[Path]:
     """Metric histories over optimizer steps: (label, steps, values, band or None); band = (low, high) per step.

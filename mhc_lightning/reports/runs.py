@@ -40,7 +40,8 @@ CONFIG_COLUMNS = [
 SHORT = {"corpus_sha256": 12}  # characters shown of long digests
 SINKHORN_ONLY = ("sinkhorn_iters", "intensity")
 UNUSED_BY_MODE = {"residual": SINKHORN_ONLY + ("n_streams", "alpha_init", "bias_init"),
-                  "hc": SINKHORN_ONLY + ("bias_init",), "identity": SINKHORN_ONLY}
+                  "hc": SINKHORN_ONLY + ("bias_init",), "identity": SINKHORN_ONLY, "mhc_lite": SINKHORN_ONLY,
+                  "kromhc": SINKHORN_ONLY}
 COMPARISON_TAG = "mhc.kind"  # on the runs `mhc compare` creates to hold its files
 EVALUATION_STAGES = ("validate", "test")
 

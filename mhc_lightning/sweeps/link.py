@@ -4,8 +4,9 @@ and every DDP rank Lightning starts from it, to the sweep's Optuna trial.
 - Every rank records the objective metrics (MetricRecorder, as in-process) and takes part in StepPruning's
   broadcast of the prune decision, so all ranks stop at the same step.
 - Only rank 0 opens the study's storage (URL from the environment: it may hold a password), reports the monitored
-  value at each validation and asks should_prune; at the end of fit it writes the recorded history, the prune step
-  and the logged metric names to `result_path`, where the sweep worker reduces them as for an in-process trial.
+  value at each validation (with or without a pruner) and asks should_prune; at the end of fit it writes the
+  recorded history, the prune step and the logged metric names to `result_path`, where the sweep worker reduces
+  them as for an in-process trial.
 - MLflow is written by rank 0 only, by the trial's logger (Lightning's rank-zero logging), into the trial's run.
 - Every rank dies with its parent process (`mhc` calls child_processes.die_with_parent first thing), so that a sweep
   worker killed with SIGKILL leaves no rank behind.
@@ -45,8 +46,8 @@ class TrialLink(MetricRecorder):
     Args:
         result_path: where rank 0 writes {"history", "missing", "pruned_at", "logged"} at the end of fit.
         metrics: the objective metrics to record.
-        study_name, trial_number, monitor, pruner: for pruning (all or none): the trial, the metric to report,
-            the spec's pruner block ({name, options}).
+        study_name, trial_number, monitor, pruner: for intermediate values and pruning (all or none; every
+            single-objective study): the trial, the metric to report, the spec's pruner block ({name, options}).
     """
 
     def __init__(self, result_path: str, metrics: list[str], study_name: Optional[str] = None,

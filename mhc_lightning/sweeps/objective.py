@@ -170,7 +170,8 @@ class TrialRunner:
     # Both return (the recorder, the step the trial was pruned at or None, the logged metric names).
     def _fit_in_process(self, trial, run_id: str, args: list[str], metrics: list[str]):
         recorder = MetricRecorder(metrics)
-        pruning = StepPruning(trial, self.spec.objectives[0].metric) if self.spec.pruning else None
+        # every single-objective trial reports its curve (optuna-dashboard draws it), pruner or not
+        pruning = StepPruning(trial, self.spec.objectives[0].metric) if not self.spec.multi_objective else None
         cli = build_trial_cli(args, [recorder] + ([pruning] if pruning else []))
         if cli.trainer.world_size > 1:
             # Lightning would start the other ranks by re-running this process's command line: `mhc sweep`
@@ -191,7 +192,7 @@ class TrialRunner:
         with tempfile.TemporaryDirectory(prefix=f"mhc-trial-{trial.number}-") as tmp:
             result, log = Path(tmp) / "result.json", Path(tmp) / "trial.log"
             link: dict[str, Any] = {"result_path": str(result), "metrics": metrics}
-            if spec.pruning:
+            if not spec.multi_objective:  # reports with or without a pruner: optuna-dashboard's learning curves
                 link.update(study_name=trial.study.study_name, trial_number=trial.number,
                             monitor=spec.objectives[0].metric, pruner=spec.pruner)
             link_arg = "--trainer.callbacks+=" + json.dumps({"class_path": LINK_CLASS, "init_args": link})

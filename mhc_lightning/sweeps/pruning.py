@@ -1,4 +1,8 @@
-"""Optuna pruning on the optimizer step.
+"""Optuna intermediate values and pruning on the optimizer step.
+
+Every single-objective trial reports its monitored metric at each validation, with or without a pruner, so that
+optuna-dashboard draws its learning curve (without a pruner the study's NopPruner never prunes; Optuna takes no
+intermediate values in multi-objective studies, which cannot be pruned either).
 
 optuna_integration's PyTorchLightningPruningCallback reports `step=current_epoch`, so with several
 validations per epoch (or one long epoch, as here) only the first report counts. This one reports

@@ -172,6 +172,7 @@ def parse_spec(data: Any, path: Optional[Path] = None, overrides: Optional[dict[
             _check_cli_key(at(f"fixed.{key}"), key)
 
     space = _parse_space(at("space"), data.get("space"))
+    _check_sinkhorn_keys(at("space"), space, fixed, base)
     objectives = _parse_objectives(at("objectives"), data.get("objectives"))
     sampler = _parse_choice_block(at("sampler"), data.get("sampler") or {"name": "tpe"}, SAMPLERS,
                                   ("name", "seed", "options"))
@@ -384,6 +385,36 @@ def _check_numeric(w: str, t: str, d: dict, p: Param) -> None:
             FloatDistribution(p.low, p.high, log=p.log, step=p.step)
     except ValueError as err:
         raise _err(w, f"Optuna rejects this distribution: {err}") from None
+
+
+def _check_sinkhorn_keys(where: str, params: list[Param], fixed: dict[str, Any], base: list[Path]) -> None:
+    """Refuse a Sinkhorn dimension (model.arch.hyper.sinkhorn_*, the SinkhornScheduler's arguments) that a trial of an
+    exactly doubly stochastic mode would sample: those modes have no Sinkhorn, so the dimension would be noise."""
+    from ..model.config import EXACT_MODES
+
+    key = "model.arch.hyper.residual_mode"
+    swept = next((p for p in params if p.key == key), None)
+    mode = fixed.get(key, _base_residual_mode(base))
+    for p in params:
+        if not p.key.startswith(("model.arch.hyper.sinkhorn_", f"{CALLBACK_PREFIX}SinkhornScheduler.")):
+            continue
+        reach = p.when.get(key, swept.choices) if swept is not None else [mode]
+        exact = [m for m in reach if m in EXACT_MODES]
+        if exact:
+            raise _err(f"{where}.{p.key}", f"residual_mode {exact} has no Sinkhorn (H_res exactly doubly "
+                                           f"stochastic): sample it only for mhc, when: {{{key}: [mhc]}}")
+
+
+def _base_residual_mode(base: list[Path]) -> str:
+    """model.arch.hyper.residual_mode as the base configs set it (the last one that does wins), else the default."""
+    mode = "mhc"
+    for path in base:
+        cfg = yaml.safe_load(path.read_text())
+        for part in ("model", "arch", "hyper"):
+            cfg = cfg.get(part) if isinstance(cfg, dict) else None
+        if isinstance(cfg, dict) and "residual_mode" in cfg:
+            mode = cfg["residual_mode"]
+    return mode
 
 
 def _check_cli_key(where: str, key: str) -> None:

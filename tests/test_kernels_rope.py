@@ -1,30 +1,17 @@
 """The fused RoPE op (kernels/fused/rope.py) against its float64 reference: q, k, v and the gradient of qkv.
 
-Without CUDA the kernels run under the Triton interpreter at small shapes. Outputs start NaN-filled (ops.POISON), so
-an element a kernel fails to write fails the comparison.
+Without CUDA the kernels run under the Triton interpreter at small shapes. Outputs start NaN-filled
+(kernel_checks.poisoned_outputs), so an element a kernel fails to write fails the comparison.
 """
-import os
-
 import pytest
 import torch
+from kernel_checks import CUDA, DEV, poisoned_outputs
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
+from mhc_lightning.kernels import fused, reference
 
-from mhc_lightning.kernels import fused, reference  # noqa: E402
-from mhc_lightning.kernels.fused import ops  # noqa: E402
-
-DEV = "cuda" if CUDA else "cpu"
+pytestmark = pytest.mark.usefixtures(poisoned_outputs.__name__)
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}  # bf16: one rounding of each output (the reference rounds more)
 SHAPES = [(2, 37, 3, 16), (1, 19, 2, 24)] if not CUDA else [(4, 1031, 16, 64), (2, 515, 6, 24)]  # B, T, H, D
-
-
-@pytest.fixture(autouse=True)
-def _poison():
-    ops.POISON = True
-    yield
-    ops.POISON = False
 
 
 def _close(out, ref, tol, name):

@@ -1,11 +1,11 @@
-"""Kernel launches with less host time than Triton's `kernel[grid](...)` (docs/kernels.md, "Host time per launch").
+"""Kernel launches with less host time than Triton's `kernel[grid](...)`: each distinct call's compiled kernel cached
+by a key, and TMA descriptors with Triton's checks run once per block (docs/kernels.md, "Host time per launch").
 
-An eager training step issues ten Triton launches per mHC sublayer, and on the H200's host each took 25-48 us
-(bench/bench_host.py --real): the eager forward is host-bound there. Most of that time is Triton's generic path
-run again on every call: binding the arguments and specialising each, a cache key that formats the launch options
-as a string, environment reads, launch metadata and the (empty) launch hooks. `Launcher` does that path once per
-distinct call and keeps the compiled kernel; later calls with the same key go straight to the compiled kernel's
-launcher.
+An eager training step issues about ten launches per mHC sublayer, and an eager forward can be host-bound. Most of a
+launch's host time is Triton's generic path run again on every call: binding the arguments and specialising each, a
+cache key that formats the launch options as a string, environment reads, launch metadata and the (empty) launch
+hooks. `Launcher` takes that path once per distinct call and keeps the compiled kernel; later calls with the same
+key go straight to the compiled kernel's launcher.
 
 The key is a superset of what Triton specialises on: every non-tensor argument by value (ints, floats, flags,
 constexprs, launch options) and, per tensor, its dtype and whether its address is 16-byte aligned (Triton's
@@ -14,7 +14,7 @@ Sinkhorn count) therefore misses here and takes Triton's path once, which finds 
 recompile) and hands it back to be kept under the new key.
 """
 import dataclasses
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -32,15 +32,14 @@ MAX_KEYS = 256  # distinct calls kept per kernel (token counts, Sinkhorn counts)
 class Launcher:
     """`launcher[grid](*args, **constexprs_and_options)`, as for the Triton kernel it wraps.
 
-    Runtime arguments go positionally and constexprs / launch options by keyword, as everywhere in ops.py. Every call
-    takes Triton's own path under the interpreter, while a launch hook is installed (Triton's profiler), and while
-    enabled() is false (ops.CONFIG["launch"]["fast"]: the A/B of bench_ddp --kernel-config).
+    Runtime arguments go positionally and constexprs / launch options by keyword, as the fused ops pass them. Every
+    call takes Triton's own path under the interpreter and while a launch hook is installed (Triton's profiler).
     """
 
-    misses = 0  # calls, over every Launcher, that took Triton's path for want of a kept key (bench_ddp reports them)
+    misses = 0  # calls, over every Launcher, that took Triton's path for want of a kept key
 
-    def __init__(self, fn, enabled: Callable[[], bool] = lambda: True):
-        self.fn, self.enabled = fn, enabled
+    def __init__(self, fn):
+        self.fn = fn
         self.fast = isinstance(fn, JITFunction)
         self.kept: dict[tuple, tuple] = {}
         if self.fast:
@@ -54,7 +53,7 @@ class Launcher:
         return f"Launcher({getattr(self.fn, '__name__', self.fn)})"
 
     def launch(self, grid, args: tuple, kwargs: dict):
-        if not self.fast or _hooked() or not self.enabled():
+        if not self.fast or _hooked():
             return self.fn[grid](*args, **kwargs)
         device = torch.cuda.current_device()
         key = call_key(device, args, kwargs)
@@ -82,6 +81,17 @@ class Launcher:
                 del self.kept[k]
         self.kept[key] = (kernel, tail)
         return kernel
+
+
+LAUNCHERS: dict = {}  # each kernel's Launcher, by its Triton function
+
+
+def launcher(kernel) -> Launcher:
+    """The kernel's Launcher (one per kernel), through which the fused ops launch it: `launcher(kernel)[grid](...)`."""
+    kept = LAUNCHERS.get(kernel)
+    if kept is None:
+        kept = LAUNCHERS[kernel] = Launcher(kernel)
+    return kept
 
 
 def call_key(device: int, args: tuple, kwargs: dict) -> tuple:
@@ -112,9 +122,9 @@ _checked_blocks: set = set()
 
 def descriptor(base: Tensor, shape: list, strides: list, block: list):
     """`TensorDescriptor(base, shape, strides, block)`, with Triton's checks (`__post_init__`) run on the first
-    descriptor of each block shape and dtype only: the caller vouches for the rest (`ops._rows_desc` checks the
-    16-byte alignment of base and row stride, the contiguous rows and a positive shape itself). Triton's checks took
-    half the host time of a descriptor, five per sublayer in the eager backward (docs/kernels.md)."""
+    descriptor of each block shape and dtype only: the caller vouches for the rest (`projection.rows_descriptor`
+    checks the 16-byte alignment of base and row stride, the contiguous rows and a positive shape itself). Triton's
+    checks are half a descriptor's host time, and the eager backward builds five per sublayer."""
     key = (tuple(block), base.dtype)
     if _DESC_DEFAULTS is None or key not in _checked_blocks:
         d = TensorDescriptor(base, shape, strides, block)

@@ -1,38 +1,73 @@
-"""kernels/fused/launch.py: launches that skip Triton's per-call path once a call's key is kept.
+"""kernels/fused/launch_cache.py: launches that skip Triton's per-call path once a call's key is kept.
 
 The key is checked on the CPU; the launches themselves need compiled kernels (CUDA): there the fast path must give
 bit-identical outputs to Triton's own, keep one kernel per key, hand a misaligned tensor its own key, and step
 aside while a launch hook is installed.
 """
 import importlib
-import os
 
 import pytest
 import torch
+from kernel_checks import CUDA, DEV, ITERS, coef_inputs, hc_inputs, needs_cuda
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
+from mhc_lightning.kernels import MHCOptions, fused
+from mhc_lightning.kernels import reference as R
+from mhc_lightning.kernels.fused import launch_cache, mhc, projection, write_back
+from mhc_lightning.kernels.fused.launch_cache import Launcher, call_key, launcher
 
-from mhc_lightning.kernels.fused import ops  # noqa: E402
-from mhc_lightning.kernels.fused.launch import Launcher, call_key  # noqa: E402
+MODULES = [importlib.import_module(f"mhc_lightning.kernels.fused.{m}") for m in (
+    "boundary", "hc", "hc_operands", "mhc", "partial_sums", "projection", "read_out", "rope", "sinkhorn", "stream_ends",
+    "write_back")]
+KERNELS = {"_coef_bwd_tok", "_coef_bwd_x", "_coef_fwd", "_coef_tail", "_expand", "_hc_fwd", "_hc_operand_grads",
+           "_hc_operands", "_hc_tail_bwd", "_param_grad_sum", "_post_bwd_2d", "_post_fwd", "_pre_bwd", "_pre_fwd",
+           "_rope_bwd", "_rope_fwd", "_sum_streams"}
 
-DEV = "cuda" if CUDA else "cpu"
-MODULES = ("coefficients", "parameters", "rope", "stream_ends", "stream_post_res", "stream_pre")
 
+def test_every_kernel_is_launched_through_its_launcher(monkeypatch):
+    """The fused ops launch each Triton kernel of kernels/fused/ through its one Launcher (`launch_cache.launcher`):
+    an mHC chain, an HC sublayer, RoPE and the stream's ends, forward and backward, launch all the kernels, none of
+    them bare (`kernel[grid]` outside `Launcher.launch`)."""
+    kernels = {name: v for m in MODULES for name, v in vars(m).items() if name in KERNELS}
+    assert set(kernels) == KERNELS
+    through, bare = [], []
+    real_launch, kernel_type = Launcher.launch, type(kernels["_pre_fwd"])
+    real_getitem = kernel_type.__getitem__
 
-def test_every_kernel_ops_launches_is_wrapped_once():
-    """ops holds each Triton kernel of kernels/fused/ only through one Launcher (bench_host.py times and stubs them
-    by that type), each wrapping the kernel of its name; no bare kernel is left to launch around it."""
-    mods = {m: importlib.import_module(f"mhc_lightning.kernels.fused.{m}") for m in MODULES}
-    wrapped = {name: v for name, v in vars(ops).items() if isinstance(v, Launcher)}
-    assert set(wrapped) == {"_coef_bwd_tok", "_coef_bwd_x", "_coef_fwd", "_coef_tail", "_expand", "_hc_operand_grads",
-                            "_hc_operands", "_hc_tail_bwd", "_param_grad_sum", "_phi_pairs", "_post_bwd_2d",
-                            "_post_fwd", "_pre_bwd", "_pre_fwd", "_rope_bwd", "_rope_fwd", "_sum_streams"}
-    for name, launcher in wrapped.items():
-        assert any(getattr(mod, name, None) is launcher.fn for mod in mods.values()), name
-    assert not [name for name, v in vars(ops).items() if hasattr(v, "arg_names")]  # a bare Triton function
-    assert all(w.fast is CUDA for w in wrapped.values())  # the interpreter always takes Triton's path
+    def launch(self, grid, args, kwargs):
+        through.append(self.fn.__name__)
+        try:
+            return real_launch(self, grid, args, kwargs)
+        finally:
+            through.append(None)
+
+    def getitem(self, grid):
+        if not through or through[-1] != self.__name__:
+            bare.append(self.__name__)
+        return real_getitem(self, grid)
+
+    monkeypatch.setattr(Launcher, "launch", launch)
+    monkeypatch.setattr(kernel_type, "__getitem__", getitem)
+    torch.manual_seed(3)
+    opts = MHCOptions(sinkhorn_iters=ITERS)
+    x, phi, bias, alpha = coef_inputs((9,), 16, 4, torch.bfloat16, phi_dtype=torch.bfloat16)  # Sinkhorn's own launch
+    x0 = fused.expand_streams(x.sum(1), 4, torch.bfloat16)
+    xt, u, _, h_post, h_res = fused.mhc_enter(x0, phi, bias, alpha, opts)
+    xb, u, _, h_post, h_res = fused.mhc_boundary(xt, torch.tanh(u), h_post, h_res, phi, bias, alpha, opts)
+    out = fused.stream_post_res(xb, torch.tanh(fused.stream_pre(xb, h_pre=fused.mhc_pre(xb, phi, bias, alpha, opts)[1])),
+                                h_post, h_res)
+    hx, *params = hc_inputs((9,), 16, 4, torch.bfloat16)
+    hxt, hu, _, hh_post, hh_res = fused.hc_enter(hx, *params)
+    hout = fused.stream_post_res(hxt, torch.tanh(hu), hh_post, hh_res)
+    cos, sin = R.rope_tables(9, 16, 10000.0)
+    q, k, v = fused.rope_qkv(torch.randn(1, 9, 3 * 2 * 16, requires_grad=True), cos, sin, 2)
+    loss = fused.sum_streams(out, torch.float32).sum() + hout.float().sum() + (q * k).sum() + v.sum()
+    loss = loss + fused.rms_proj(hx, params[3]).sum()
+    loss.backward()
+    assert not bare, bare
+    assert {name for name in through if name} == KERNELS
+    for name, kernel in kernels.items():
+        assert launcher(kernel).fn is kernel and launcher(kernel) is launcher(kernel), name
+        assert launcher(kernel).fast is CUDA  # the interpreter always takes Triton's path
 
 
 def test_call_key_tells_apart_what_triton_specialises_on():
@@ -55,7 +90,7 @@ def test_call_key_tells_apart_what_triton_specialises_on():
 
 
 def test_call_key_keeps_tma_descriptors_by_dtype_and_block():
-    """A TMA descriptor argument (the x pass's tiles, ops.bwd_x) is kept by its dtype and block shape, what Triton
+    """A TMA descriptor argument (the x pass's tiles, projection.x_pass) is kept by its dtype and block shape, what Triton
     specialises it on: another tensor or token count of the same kind takes the kept launch (the launcher encodes each
     call's descriptor); another block or dtype does not."""
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -72,25 +107,21 @@ def test_call_key_keeps_tma_descriptors_by_dtype_and_block():
 
 
 def test_descriptors_after_the_first_of_a_block_skip_only_tritons_checks():
-    """launch.descriptor: the same TensorDescriptor as Triton's constructor (every field, the base by identity); Triton's
-    checks run for the first descriptor of a block shape and dtype (a block Triton refuses fails there)."""
+    """launch_cache.descriptor: the same TensorDescriptor as Triton's constructor (every field, the base by identity);
+    Triton's checks run for the first descriptor of a block shape and dtype (a block Triton refuses fails there)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from mhc_lightning.kernels.fused import launch
-
     block = [16, 32]  # a block no other test uses: its first descriptor here is the checked one
-    launch._checked_blocks.discard((tuple(block), torch.bfloat16))
+    launch_cache._checked_blocks.discard((tuple(block), torch.bfloat16))
     for rows in (64, 48, 16):  # the first descriptor checked, the others built directly
         x = torch.randn(rows, 4, 256, device=DEV, dtype=torch.bfloat16)
-        d, ref = launch.descriptor(x, [rows, 1024], [1024, 1], block), TensorDescriptor(x, [rows, 1024], [1024, 1], block)
+        d = launch_cache.descriptor(x, [rows, 1024], [1024, 1], block)
+        ref = TensorDescriptor(x, [rows, 1024], [1024, 1], block)
         assert type(d) is TensorDescriptor and d.base is x
         assert {k: v for k, v in vars(d).items() if k != "base"} == {k: v for k, v in vars(ref).items() if k != "base"}
-        assert ops._rows_desc(x, tuple(block)).shape == [rows, 1024]  # the x pass's own route to it
+        assert projection.rows_descriptor(x, tuple(block)).shape == [rows, 1024]  # the x pass's own route to it
     with pytest.raises((AssertionError, ValueError)):  # not a power of two: Triton's check, on the block's first descriptor
-        launch.descriptor(x, [16, 1024], [1024, 1], [16, 24])
-
-
-needs_cuda = pytest.mark.skipif(not CUDA, reason="compiled kernels (CUDA): the interpreter has no launcher to call")
+        launch_cache.descriptor(x, [16, 1024], [1024, 1], [16, 24])
 
 
 def _post_fwd_inputs(tokens: int, c: int = 1024, n: int = 4, offset: int = 0):
@@ -99,47 +130,49 @@ def _post_fwd_inputs(tokens: int, c: int = 1024, n: int = 4, offset: int = 0):
     return x, f, torch.rand(tokens, n, device=DEV), torch.rand(tokens, n, n, device=DEV)
 
 
-def _both_paths(fn, *args):
-    """fn(*args) through Triton's path, then through the launcher's (twice: the first keeps, the second hits)."""
-    ops.CONFIG["launch"]["fast"] = False
-    try:
+def _both_paths(monkeypatch, fn, *args):
+    """fn(*args) through Triton's path (as while a launch hook is installed), then through the launcher's (twice: the
+    first keeps, the second hits)."""
+    with monkeypatch.context() as m:
+        m.setattr(launch_cache, "_hooked", lambda: True)
         ref = fn(*args)
-    finally:
-        ops.CONFIG["launch"]["fast"] = True
     fn(*args)
     return ref, fn(*args)
 
 
+@pytest.mark.gpu
 @needs_cuda
-def test_fast_launches_equal_tritons_and_keep_one_kernel_per_key():
-    launcher = ops._post_fwd
-    launcher.kept.clear()
+def test_fast_launches_equal_tritons_and_keep_one_kernel_per_key(monkeypatch):
+    kept = launcher(write_back._post_fwd)
+    kept.kept.clear()
     misses = Launcher.misses
-    compiled = lambda: len(launcher.fn.device_caches[torch.cuda.current_device()][0])  # noqa: E731
+    compiled = lambda: len(kept.fn.device_caches[torch.cuda.current_device()][0])  # noqa: E731
     first = None
     for tokens in (1000, 1000, 1031, 4096):
-        ref, out = _both_paths(ops._post_fwd_body, *_post_fwd_inputs(tokens))
+        ref, out = _both_paths(monkeypatch, write_back.post_forward, *_post_fwd_inputs(tokens))
         assert torch.equal(ref, out)
         first = compiled() if first is None else first
-    assert len(launcher.kept) == 3  # one per token count: the repeated call hit
-    assert Launcher.misses - misses == 3  # what bench_ddp counts: the three new keys, not the hit
+    assert len(kept.kept) == 3  # one per token count: the repeated call hit
+    assert Launcher.misses - misses == 3  # the three new keys, not the hit
     assert compiled() == first  # N is a runtime argument: Triton compiled nothing more
     # a stream at a 2-element offset (not 16-byte aligned) gets its own key, and Triton its own specialisation
-    ref, out = _both_paths(ops._post_fwd_body, *_post_fwd_inputs(1000, offset=2))
-    assert torch.equal(ref, out) and len(launcher.kept) == 4
+    ref, out = _both_paths(monkeypatch, write_back.post_forward, *_post_fwd_inputs(1000, offset=2))
+    assert torch.equal(ref, out) and len(kept.kept) == 4
 
 
+@pytest.mark.gpu
 @needs_cuda
-def test_the_coefficient_op_through_the_launcher_equals_tritons_path():
-    """The launch with the most arguments (phi pairs, the GEMM + Sinkhorn kernel, u's streaming pass)."""
+def test_the_coefficient_op_through_the_launcher_equals_tritons_path(monkeypatch):
+    """The launch with the most arguments (the GEMM + Sinkhorn kernel on phi's pairs, u's streaming pass)."""
     x = torch.randn(777, 4, 1024, device=DEV, dtype=torch.bfloat16)
     phi = torch.randn(4 * 1024, 24, device=DEV) * 0.02
     bias, alpha = torch.randn(24, device=DEV), torch.full((3,), 0.5, device=DEV)
-    ref, out = _both_paths(ops._fwd, x, phi, bias, alpha, 20, 1e-6, False, False, 1e-6, 0.0, 2.0, True)
+    ref, out = _both_paths(monkeypatch, mhc.forward, x, phi, bias, alpha, 20, 1e-6, False, False, 1e-6, 0.0, 2.0, True)
     assert all(torch.equal(a, b) for a, b in zip(ref, out))
-    assert len(ops._coef_fwd.kept) >= 1 and len(ops._phi_pairs.kept) >= 1
+    assert len(launcher(mhc._coef_fwd).kept) >= 1
 
 
+@pytest.mark.gpu
 @needs_cuda
 def test_a_launch_hook_sends_every_launch_through_triton():
     """Triton's profiler hooks launches; with a hook installed the launcher must not bypass it."""
@@ -148,24 +181,22 @@ def test_a_launch_hook_sends_every_launch_through_triton():
     seen = []
     hook = seen.append
     inputs = _post_fwd_inputs(64)
-    ops._post_fwd_body(*inputs)  # kept
+    write_back.post_forward(*inputs)  # kept
     knobs.runtime.launch_enter_hook.add(hook)
     try:
-        ops._post_fwd_body(*inputs)
+        write_back.post_forward(*inputs)
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
     assert len(seen) == 1
-    ops._post_fwd_body(*inputs)
+    write_back.post_forward(*inputs)
     assert len(seen) == 1
 
 
 def test_eager_ops_enter_autograd_by_its_c_apply(monkeypatch):
-    """CONFIG launch c_apply: the eager mHC sublayer (enter op, then the write-back) enters autograd without
-    Function.apply's Python wrapper, with outputs and every gradient equal to the wrapper's; while a functorch
-    transform is active the wrapper runs, and its error (these Functions have no setup_context) still reaches the user."""
+    """The eager mHC sublayer (enter op, then the write-back) enters autograd by its C++ apply, without
+    Function.apply's Python wrapper; while a functorch transform is active the wrapper runs, and its error (these
+    Functions have no setup_context) still reaches the user."""
     from torch.autograd import Function
-
-    from mhc_lightning.kernels import fused
 
     calls = []
     plain = Function.apply.__func__
@@ -184,16 +215,9 @@ def test_eager_ops_enter_autograd_by_its_c_apply(monkeypatch):
         g = torch.randn_like(out, generator=torch.Generator(DEV).manual_seed(3))
         return [out, *torch.autograd.grad(out, (x, phi, bias, alpha), g)]
 
-    got = sublayer()
+    sublayer()
     assert not [name for name in calls if name.endswith("_eager")], calls  # the wrapper was not entered
-    monkeypatch.setitem(ops.CONFIG["launch"], "c_apply", False)
-    want = sublayer()
-    assert sorted(set(calls)) == ["mhc_pre_fwd_through_eager", "post_fwd_eager"]
-    for a, b in zip(got, want):
-        assert torch.equal(a, b)
-    monkeypatch.setitem(ops.CONFIG["launch"], "c_apply", True)
-    calls.clear()
     monkeypatch.setattr(torch._C, "_are_functorch_transforms_active", lambda: True)
-    with pytest.raises(RuntimeError, match="functorch transforms"):  # torch's own line, as before c_apply
+    with pytest.raises(RuntimeError, match="functorch transforms"):  # torch's own line
         sublayer()
     assert calls == ["mhc_pre_fwd_through_eager"]

@@ -1,0 +1,91 @@
+"""How the fused ops meet autograd and torch.compile (docs/kernels.md, "Eager path and compiled path").
+
+Each op body is registered as a `torch.library` custom op: what a compiled graph sees, opaque, with a fake impl whose
+shapes are symbolic in the token count. Called eagerly, a custom op costs tens of microseconds of host time per call
+(dispatcher, argument defaults, a dynamo-disable frame, the autograd wrapper), and an eager step calls a few per
+sublayer; so outside torch.compile the same body runs under one plain `autograd.Function` with the same setup and
+backward functions (`eager_op`). `Routed` is the x an enter op hands its write-back under torch.compile.
+"""
+from typing import NamedTuple
+
+import torch
+
+Tensor = torch.Tensor
+
+
+def custom_op(name: str, body):
+    """body registered as the custom op mhc_lightning::name; `op.plain` keeps the body for the eager path."""
+    op = torch.library.custom_op(f"mhc_lightning::{name}", body, mutates_args=())
+    op.plain = body
+    return op
+
+
+def body_of(ctx, op):
+    """In a backward: the backward's custom op where autograd recorded the forward's custom op (compiled graphs), its
+    body where the eager path recorded it."""
+    return op.plain if getattr(ctx, "eager", False) else op
+
+
+class Routed(NamedTuple):
+    """x as `mhc_enter` / `hc_enter` hand it to the sublayer's write-back under torch.compile, where an op may not
+    return an alias of its input: x itself, and `route`, an output of the enter op with x's shape and no storage
+    (one broadcast element). The write-back reads x and returns its gradient of x as route's, so that it reaches
+    the enter op's backward, whose x pass adds it into the one dx it writes (`ACC`, as eager's alias does) instead
+    of inductor summing two stream-sized gradients (docs/kernels.md, "How the model calls them")."""
+    x: Tensor
+    route: Tensor
+
+
+def route_of(x: Tensor) -> Tensor:
+    return x.new_empty((1, 1, 1)).expand(x.shape)
+
+
+def register_routed(op, setup, backward) -> None:
+    """Autograd of a routed enter op (its outputs: the plain op's, then the route): the plain op's setup and backward,
+    the route's gradient given to the backward as the write-back's gradient of x (contiguous for the x pass; a zero
+    gradient materialised for the storage-less route would not be)."""
+    def routed_backward(ctx, *grads):
+        *grads, d_route = grads
+        return backward(ctx, *grads, dx_next=None if d_route is None else d_route.contiguous())
+
+    op.register_autograd(routed_backward, setup_context=lambda ctx, inputs, output: setup(ctx, inputs, output[:-1]))
+
+
+def eager_op(op, setup, backward, routed=None):
+    """op as the public wrappers call it: outside torch.compile its body under a plain autograd.Function (the same
+    setup and backward), under compile (or on fake / traced tensors) the custom op itself.
+
+    routed (the enter ops): the Function also returns its first input x, as its first output (an alias autograd
+    tracks), and backward receives that output's gradient first; under compile the op `routed` (op's outputs and a
+    route) runs instead, and the first output is the `Routed` pair of x and its route."""
+    through = routed is not None
+
+    def forward(ctx, *args):
+        out = op.plain(*args)
+        ctx.eager = True
+        ctx.set_materialize_grads(False)  # unused outputs' grads arrive as None, as with the custom op
+        setup(ctx, args, out)
+        return (args[0], *out) if through else out
+
+    # named at creation: autograd names the backward node after the class (e.g. post_fwd_eagerBackward)
+    name = op.plain.__name__.replace("_body", "").strip("_") + ("_through" if through else "") + "_eager"
+    Fn = type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+    # Function.apply is a Python wrapper around autograd's C++ apply: it binds default arguments (only for Functions
+    # with a setup_context; this one has none), checks for functorch transforms, and unwraps dead functorch wrappers
+    # by a generator over every argument, about half its host time. The same steps here, on the tensor arguments
+    # only; under a functorch transform the wrapper runs, so torch's error for a Function without setup_context still
+    # stops it.
+    c_apply = super(torch.autograd.Function, Fn).apply
+    unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+
+    def call(*args):
+        if torch.compiler.is_compiling() or type(args[0]) is not Tensor:
+            if not through:
+                return op(*args)
+            *out, route = routed(*args)
+            return (Routed(args[0], route), *out)
+        if torch._C._are_functorch_transforms_active():
+            return Fn.apply(*args)
+        return c_apply(*[unwrap_if_dead(a) if type(a) is Tensor else a for a in args])
+
+    return call

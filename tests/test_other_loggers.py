@@ -1,0 +1,42 @@
+"""`mhc fit` with a Lightning logger other than MLflow: training, metrics and checkpoints as usual, and the resolved
+config saved by Lightning's own SaveConfigCallback behaviour, as config.yaml in the logger's log_dir."""
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+import yaml
+from helpers import tiny_fit_args
+
+
+def fit_with_logger(corpus, tmp_path, class_path: str) -> None:
+    from mhc_lightning.cli import main
+
+    args = tiny_fit_args(corpus, "unused", tmp_path / "root", steps=3)
+    args = [a for a in args if not a.startswith("--trainer.logger")]
+    logger = {"class_path": class_path, "init_args": {"save_dir": str(tmp_path / "logs"), "name": "tiny"}}
+    main(args + ["--trainer.logger=" + json.dumps(logger)])
+
+
+@pytest.mark.parametrize("class_path", [
+    "lightning.pytorch.loggers.CSVLogger",
+    pytest.param("lightning.pytorch.loggers.TensorBoardLogger", marks=pytest.mark.slow),
+])
+def test_fit_with_another_logger_saves_its_config_in_the_log_dir(class_path, tiny_corpus, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for _ in range(2):  # a second fit gets its own version folder, no clash with the first's config.yaml
+        fit_with_logger(tiny_corpus, tmp_path, class_path)
+    for version in ("version_0", "version_1"):
+        log_dir = tmp_path / "logs" / "tiny" / version
+        config = yaml.safe_load((log_dir / "config.yaml").read_text())
+        assert config["model"]["arch"]["n_layers"] == 2 and config["trainer"]["max_steps"] == 3
+        assert config["trainer"]["logger"]["class_path"] == class_path
+        assert (log_dir / "checkpoints" / "last.ckpt").is_file()
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "mlruns").exists()
+    if class_path.endswith("CSVLogger"):
+        with open(tmp_path / "logs" / "tiny" / "version_0" / "metrics.csv") as f:
+            columns = next(csv.reader(f))
+        assert {"train/loss", "val/loss", "train/tokens_per_sec", "amax/composite_fwd_max"} <= set(columns)
+    else:
+        assert list((tmp_path / "logs" / "tiny" / "version_0").glob("events.out.tfevents.*"))
