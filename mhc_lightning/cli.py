@@ -14,6 +14,7 @@ from lightning.pytorch.cli import LightningCLI
 
 from .callbacks.final_validation import FinalValidation
 from .callbacks.per_layer_artifacts import PerLayerArtifacts
+from .callbacks.progress_lines import ProgressLines
 from .callbacks.run_provenance import RunProvenance
 from .callbacks.system_metrics import SystemMetrics
 from .callbacks.utilization import Utilization
@@ -22,11 +23,13 @@ from .configs import parser_kwargs
 from .data import ByteTextDataModule
 from .errors import UserError, one_line
 from .input_checks import check_inputs
-from .loggers.mlflow_runs import announce_run, label_runs
+from .loggers.credentials import take_credentials
+from .loggers.mlflow_runs import announce_run, label_runs, mlflow_logger_configs
 from .loggers.save_config import MLflowSaveConfig
 from .model import GPTConfig, HyperConfig
 from .module import LitLM, OptimConfig, check_compile, check_fused
 from .optimizer_options import refuse_optimizer_options
+from .quiet import silence_known_noise
 from .resume import resolve_last
 
 
@@ -79,6 +82,8 @@ class MHCLightningCLI(LightningCLI):
         # Inputs are checked here, not later: Lightning next replaces the model config by the checkpoint's
         # hyperparameters, and the loggers (which create the MLflow run) do not exist yet. `--ckpt_path last` first
         # becomes the earlier run's own checkpoint (resume.py), so that it is checked like any other.
+        for logger in mlflow_logger_configs(cfg.trainer.get("logger")) if sub else []:
+            logger.init_args.tracking_uri = take_credentials(logger.init_args.get("tracking_uri"))
         resolve_last(self.config, sub)
         self.checkpoint_info = check_inputs(sub, cfg) if sub else None
 
@@ -104,12 +109,13 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True, exit_on_error:
     exit_on_error=False: parser errors raise ArgumentError instead of printing the usage and exiting (`main`
     prints them as one line)."""
     set_parsing_settings(omegaconf_absolute_to_relative_paths=True)
+    silence_known_noise()
     kwargs.setdefault("save_config_callback", MLflowSaveConfig)
     # no --optimizer / --lr_scheduler: they would replace LitLM's decay groups and schedule (optimizer_options.py)
     kwargs.setdefault("auto_configure_optimizers", False)
     defaults = dict(kwargs.pop("trainer_defaults", None) or {})
     given = defaults.get("callbacks") or []
-    defaults["callbacks"] = [FinalValidation(), PerLayerArtifacts(), RunProvenance(), SystemMetrics(),
+    defaults["callbacks"] = [FinalValidation(), PerLayerArtifacts(), RunProvenance(), SystemMetrics(), ProgressLines(),
                             *(given if isinstance(given, list) else [given])]
     pk = parser_kwargs({"parser_mode": "omegaconf+", "default_env": False, "exit_on_error": exit_on_error}, run,
                        TRAINER_COMMANDS)

@@ -14,6 +14,7 @@ from typing import NamedTuple, Optional
 
 from .child_processes import die_with_parent
 from .errors import EXIT_USER_ERROR, UserError, one_line
+from .loggers.credentials import clean_tracking_env
 
 # The Trainer entry points `mhc` offers. `predict` is left out: the byte LM has no prediction data or
 # writer, so Lightning's `predict` could only fail.
@@ -61,6 +62,7 @@ def fail(command: str, message: str) -> None:
 
 def main(argv: Optional[list[str]] = None) -> None:
     die_with_parent()  # started by `mhc grid` / `mhc sweep` / DDP rank 0: do not outlive it
+    clean_tracking_env()  # a password in MLFLOW_TRACKING_URI: into MLflow's credential variables, out of configs
     args = sys.argv[1:] if argv is None else list(argv)
     if not args or args[0] in ("-h", "--help"):
         print(overview())

@@ -23,24 +23,46 @@ from typing import Optional
 import yaml
 
 from .errors import UserError
+from .grid_check import GridError
+from .names import file_name, path_name_problem
 
 AXIS_SHORT = {"model.arch.n_layers": "L", "seed_everything": "s", "trainer.deterministic": "det"}
 
 
-class GridError(UserError):
-    """A grid file that cannot run; the message names the file and the key."""
+GRID_KEYS = ("experiment", "configs", "variants", "axes", "repeats")
 
 
 def load_grid(path: Path) -> dict:
     if not Path(path).is_file():
         raise GridError(f"grid file {str(path)!r} not found")
-    spec = yaml.safe_load(Path(path).read_text())
+    try:
+        spec = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as err:
+        raise GridError(f"{path}: not valid YAML: {' '.join(str(err).split())}") from None
     for key in ("experiment", "configs", "variants"):
         if not isinstance(spec, dict) or key not in spec:
             raise GridError(f"{path}: missing required key {key!r} (needs experiment, configs, variants, axes)")
+    unknown = sorted(set(spec) - set(GRID_KEYS))
+    if unknown:  # a misspelt `axes` would silently run the variants alone
+        raise GridError(f"{path}: unknown key(s) {unknown}; allowed keys: {list(GRID_KEYS)}")
+    if not isinstance(spec["experiment"], str) or not spec["experiment"].strip():
+        raise GridError(f"{path}: 'experiment' must be an MLflow experiment name, got {spec['experiment']!r}")
+    if not isinstance(spec["configs"], list) or not all(isinstance(c, str) for c in spec["configs"]):
+        raise GridError(f"{path}: 'configs' must be a list of config files (-c), got {spec['configs']!r}")
     if not isinstance(spec["variants"], dict) or not spec["variants"]:
         raise GridError(f"{path}: 'variants' must be a non-empty mapping of name -> overrides")
-    spec.setdefault("axes", {})
+    for variant, overrides in spec["variants"].items():  # the first part of every run name, and of its log's name
+        problem = path_name_problem(variant)
+        if problem:
+            raise GridError(f"{path}: variants: {problem}")
+        if overrides is not None and not isinstance(overrides, dict):
+            raise GridError(f"{path}: variants.{variant}: must be a mapping of `mhc fit` keys to values (or empty), "
+                            f"got {overrides!r}")
+    axes = spec.setdefault("axes", {}) or {}
+    spec["axes"] = axes
+    if not isinstance(axes, dict) or not all(isinstance(v, list) and v for v in axes.values()):
+        raise GridError(f"{path}: 'axes' must be a mapping of `mhc fit` keys to non-empty lists of values, "
+                        f"got {axes!r}")
     repeats = spec.setdefault("repeats", 1)
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise GridError(f"{path}: 'repeats' must be an integer >= 1 (runs per grid point), got {repeats!r}")
@@ -74,24 +96,50 @@ def expand(spec: dict, root: Path, extra: list[str]) -> list[tuple[str, dict, li
     return runs
 
 
+def log_path(logs: Path, run_name: str) -> Path:
+    """A run's log file, always inside `logs`: axis values (a corpus path) may put a '/' in the run name."""
+    return logs / f"{file_name(run_name)}.log"
+
+
 def prepare_store(uri: str, experiment: str):
     """Create the tracking store and the experiment once, before the runs: parallel first runs would race on both."""
     from mlflow import MlflowClient
 
     from .loggers.store import check_tracking, ensure_experiment
 
-    check_tracking(uri)
+    check_tracking(uri, option=None)  # the runs take MLFLOW_TRACKING_URI
     client = MlflowClient(uri)
     return client, ensure_experiment(client, experiment)
 
 
+HELP_FILE = """\
+grid file (YAML; docs/grids.md has the details):
+  experiment: stability                 MLflow experiment of every run (and its `grid` tag)
+  configs: [conf/experiments/stability.yaml]   -c files of every run: repo root, else the current folder
+  variants:                             name -> `mhc fit` overrides; one run per variant at each point
+    residual: {model.arch.hyper.residual_mode: residual}
+    hc_noclip: {model.arch.hyper.residual_mode: hc, trainer.gradient_clip_val: null}
+  axes:                                 `mhc fit` key -> values; every combination is one point
+    model.arch.n_layers: [6, 12, 24]
+    seed_everything: [1, 2, 3]
+  repeats: 1                            runs per point (k > 1: names end in -r1 .. -rk, tag replicate)
+
+run names: <variant>-<axis><value>..., e.g. hc_noclip-L24-s3 (model.arch.n_layers -> L, seed_everything -> s,
+trainer.deterministic -> det, other keys by their last part); tags grid, variant, one per axis key, replicate.
+Before anything starts, every run's `mhc fit` arguments (configs, variant, axes, --set) are checked with `mhc fit`'s
+parser and the model's rules: a mistake is one line and exit 2. --dry-run does that check, prints each run's name and
+`mhc fit` command, and starts nothing. Runs go to $MLFLOW_TRACKING_URI (default ./mlflow.db)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mhc grid", description=__doc__.split("\n")[0])
-    p.add_argument("grid", type=Path)
+    p = argparse.ArgumentParser(prog="mhc grid", description=__doc__.split("\n")[0], epilog=HELP_FILE,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("grid", type=Path, help="grid file, e.g. conf/experiments/stability_grid.yaml (format below)")
     p.add_argument("--parallel", type=int, default=1, help="processes at once (they share the device)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra override for every run")
     p.add_argument("--logs", type=Path, default=Path("grid_logs"), help="one log file per run")
-    p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check every run's arguments, print each run's name and `mhc fit` command, start nothing")
     p.add_argument("--skip-finished", action="store_true",
                    help="skip runs whose name already has a FINISHED run in the experiment (continue a grid in parts)")
     c = p.add_argument_group("cluster (--launcher slurm: one SLURM job per run, a job array through submitit; "
@@ -132,27 +180,34 @@ def submit_jobs(args, spec: dict, runs: list, uri: str, exp_id: str, on_done) ->
     from .grid_jobs import GridPoint, executor_for, submit
 
     executor = executor_for(args.launcher, args.logs.resolve() / "submitit", job_parameters(args, spec))
-    points = [GridPoint(name, argv, tags, str(args.runs_dir.resolve() / name), str(args.logs.resolve() / f"{name}.log"),
+    points = [GridPoint(name, argv, tags, str(args.runs_dir.resolve() / file_name(name)),
+                        str(log_path(args.logs.resolve(), name)),
                         uri, exp_id) for name, tags, argv in runs]
     submit(points, executor, wait=not args.no_wait, on_done=on_done)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     from .child_processes import describe_exit, mhc_command, run_parallel
+    from .grid_check import check_runs, check_sets
     from .grid_jobs import tag_runs
+    from .loggers.credentials import clean_tracking_env
     from .loggers.store import absolute_store_uri, default_tracking_uri
 
+    clean_tracking_env()  # the runs inherit it: a password goes to MLflow's credential variables, not into configs
     p = build_parser()
     args = p.parse_args(argv)
     if args.parallel < 1:
         p.error(f"--parallel must be >= 1, got {args.parallel}")
     try:
         spec = load_grid(args.grid)
+        check_sets(args.set)
+        root = Path(__file__).resolve().parents[1]
+        base = root if all((root / c).exists() for c in spec["configs"]) else Path.cwd()
+        runs = expand(spec, base, [f"--{s}" for s in args.set])
+        check_runs(args.grid, runs)
     except GridError as err:
         print(f"mhc grid: error: {err}", file=sys.stderr)
         return 2
-    root = Path(__file__).resolve().parents[1]
-    runs = expand(spec, root if (root / spec["configs"][0]).exists() else Path.cwd(), [f"--{s}" for s in args.set])
     if args.dry_run:
         for name, _, a in runs:
             print(name, " ".join(a))
@@ -175,7 +230,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"[{time.time() - t0:7.1f}s] {name}: {'ok' if code == 0 else f'FAILED ({describe_exit(code)})'}",
               flush=True)
 
-    jobs = [(name, mhc_command() + a, args.logs / f"{name}.log") for name, _, a in runs]
+    jobs = [(name, mhc_command() + a, log_path(args.logs, name)) for name, _, a in runs]
     try:
         if args.launcher != "local":
             submit_jobs(args, spec, runs, uri, exp_id, on_done)

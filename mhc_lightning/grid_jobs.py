@@ -35,7 +35,11 @@ CLUSTERS = {"slurm": "slurm", "submitit-local": "local"}  # --launcher -> submit
 def tag_runs(client, experiment_id: str, name: str, tags: dict) -> None:
     """Tag a finished run by name. Tags go on afterwards: passed through the CLI, jsonargparse turns
     numeric strings into ints, which the MLflow REST client rejects."""
-    for run in client.search_runs([experiment_id], filter_string=f"attributes.run_name = '{name}'"):
+    from .loggers.filters import equals
+
+    for run in client.search_runs([experiment_id], filter_string=equals("attributes.run_name", name)):
+        if run.info.run_name != name:  # LIKE for a name with both quotes: keep the exact match
+            continue
         for k, v in tags.items():
             client.set_tag(run.info.run_id, k, str(v))
 

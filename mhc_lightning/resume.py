@@ -67,9 +67,14 @@ def find_checkpoint(uri: Optional[str], experiment: str, run_name: Optional[str]
                     root: Path, dirpath: Optional[str]) -> tuple[str, Path]:
     from mlflow import MlflowClient
 
-    from .loggers.store import check_tracking, default_tracking_uri
+    from .loggers.filters import equals
+    from .loggers.store import check_tracking, default_tracking_uri, sqlite_path
 
     uri = uri or default_tracking_uri()
+    db = sqlite_path(uri)
+    if db is not None and not db.is_file():  # checking the store would create it: nothing may be written here
+        raise NoCheckpointToResume(f"--ckpt_path last: no MLflow store at {db}, so no earlier run to resume; run the "
+                                   "same command without --ckpt_path to start it, or pass a checkpoint file")
     check_tracking(uri)
     client = MlflowClient(uri)
     if run_id:
@@ -77,10 +82,10 @@ def find_checkpoint(uri: Optional[str], experiment: str, run_name: Optional[str]
         what = f"run {run_id}"
     else:
         exp = client.get_experiment_by_name(experiment)
-        flt = f"attributes.run_name = '{run_name}'" if run_name else ""
+        flt = equals("attributes.run_name", run_name) if run_name else ""
         candidates = [] if exp is None else [
             r for r in client.search_runs([exp.experiment_id], flt, order_by=["attributes.start_time DESC"])
-            if r.data.tags.get(STAGE_TAG, "fit") == "fit"]
+            if r.data.tags.get(STAGE_TAG, "fit") == "fit" and (not run_name or r.info.run_name == run_name)]
         what = f"an earlier training run named {run_name!r} in experiment {experiment!r}"
     looked = []
     for run in candidates:

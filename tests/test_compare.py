@@ -20,12 +20,15 @@ def colour_pixels(path, rgb, tol=0.06) -> int:
     return int((np.abs(img - np.array(rgb)).max(axis=-1) < tol).sum())
 
 
-def fake_run(client, exp_id, name, mode, final, amax=None, tps=1000.0, tags=None) -> str:
-    """A run shaped like `mhc fit` output: hparams as params, step metrics, a per-layer diagnostics artifact."""
-    run = client.create_run(exp_id, run_name=name, tags=tags or {})
+def fake_run(client, exp_id, name, mode, final, amax=None, tps=1000.0, tags=None, extra=None) -> str:
+    """A run shaped like `mhc fit` output: hparams and provenance as params, step metrics, a per-layer diagnostics
+    artifact."""
+    tags = {"mhc.data.train_sha256": "ab" * 32, **(tags or {})}
+    run = client.create_run(exp_id, run_name=name, tags=tags)
     rid, now = run.info.run_id, int(time.time() * 1000)
     params = {"arch/hyper/residual_mode": mode, "arch/hyper/n_streams": "4", "arch/hyper/sinkhorn_iters": "20",
-              "optim/lr": "0.002", "arch/n_layers": "2"}
+              "optim/lr": "0.002", "arch/n_layers": "2", "trainer/max_steps": "40", "seed_everything": "1",
+              "data/seed": "1", "corpus": "shakespeare", **(extra or {})}
     metrics = []
     for step in range(0, 40):
         metrics.append(Metric("train/grad_norm", 1.0 + (amax or 1.0) * step / 40, now, step))
@@ -60,7 +63,7 @@ def test_compare_experiment_table_plots_and_logging(runs, mlflow_uri, tmp_path, 
     assert compare_main(["--experiment", "cmp", "--tracking-uri", mlflow_uri, "--out", str(out)]) == 0
     rows = list(csv.DictReader(open(out / "runs.csv")))
     assert [r["run"] for r in rows] == ["mhc-run", "hc-run", "res-run"]  # best val/loss first
-    assert float(rows[0]["val/loss"]) == pytest.approx(2.0) and rows[0]["steps"] == "39"
+    assert float(rows[0]["val/loss"]) == pytest.approx(2.0) and rows[0]["steps"] == "40"  # steps 0..39
     assert float(rows[2]["tokens/s (median)"]) == pytest.approx(2500.0, rel=0.05)
     # settings a mode does not use are left blank instead of showing the config default
     assert rows[1]["sinkhorn_iters"] == "" and rows[2]["n_streams"] == "" and rows[0]["sinkhorn_iters"] == "20"
@@ -85,6 +88,30 @@ def test_compare_experiment_table_plots_and_logging(runs, mlflow_uri, tmp_path, 
     # a second comparison does not compare the first comparison run
     assert compare_main(["--experiment", "cmp", "--tracking-uri", mlflow_uri, "--out", str(out), "--no-log"]) == 0
     assert len(list(csv.DictReader(open(out / "runs.csv")))) == 3
+
+
+def test_the_table_shows_run_ids_and_the_settings_that_differ(mlflow_uri, tmp_path):
+    """runs.md had no run id (hidden), called the last step index "steps", and left out budget, seed and corpus."""
+    client = MlflowClient(mlflow_uri)
+    exp = client.create_experiment("differ")
+    base = fake_run(client, exp, "base", "mhc", 2.0)
+    ids = [base] + [fake_run(client, exp, name, "mhc", 2.1 + i / 10, extra=extra, tags=tags) for i, (name, extra, tags)
+                    in enumerate([("longer", {"trainer/max_steps": "80"}, None),
+                                  ("seed2", {"seed_everything": "2", "data/seed": "2"}, None),
+                                  ("other-text", {"corpus": "/data/wiki.txt"}, {"mhc.data.train_sha256": "cd" * 32})])]
+    out = tmp_path / "differ"
+    assert compare_main(["--experiment", "differ", "--tracking-uri", mlflow_uri, "--out", str(out), "--no-log"]) == 0
+    rows = {r["run"]: r for r in csv.DictReader(open(out / "runs.csv"))}
+    assert [rows[n]["run_id"] for n in ("base", "longer", "seed2", "other-text")] == ids
+    assert rows["longer"]["max_steps"] == "80" and rows["base"]["max_steps"] == "40"
+    assert (rows["seed2"]["seed"], rows["seed2"]["data_seed"]) == ("2", "2") and rows["base"]["seed"] == "1"
+    assert rows["other-text"]["corpus"] == "/data/wiki.txt" and rows["other-text"]["corpus_sha256"] == "cd" * 6
+    assert {r["steps"] for r in rows.values()} == {"40"} and "lr" not in rows["base"]
+    md = (out / "runs.md").read_text().splitlines()
+    header = [c.strip() for c in md[0].strip("|").split("|")]
+    assert header[:2] == ["run", "run_id"]
+    assert {"max_steps", "seed", "data_seed", "corpus", "corpus_sha256"} <= set(header)
+    assert f"| base | `{base[:8]}` |" in md[2 + [r.split("|")[1].strip() for r in md[2:]].index("base")]
 
 
 def test_compare_run_ids_and_study(runs, mlflow_uri, tmp_path):

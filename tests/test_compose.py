@@ -15,7 +15,8 @@ from helpers import REPO
 
 COMPOSE = yaml.safe_load((REPO / "docker-compose.yml").read_text())
 SERVICES = COMPOSE["services"]
-VAR = re.compile(r"(?<!\$)\$\{([A-Z_][A-Z0-9_]*)(?::?[-?][^}]*)?\}")
+VAR = re.compile(r"(?<!\$)\$\{([A-Z_][A-Z0-9_]*)(?:(:?[-?])([^}]*))?\}")
+TEST_PASSWORD = "0123456789abcdef"  # what a user puts into .env: the template has none
 
 
 def env_example() -> dict[str, str]:
@@ -27,8 +28,26 @@ def env_example() -> dict[str, str]:
     return out
 
 
+class Refused(Exception):
+    """What `docker compose` does for ${VAR:?message} with VAR unset or empty: stop with the message."""
+
+
 def interpolate(text: str, env: dict[str, str]) -> str:
-    return VAR.sub(lambda m: env[m.group(1)], text).replace("$$", "$")
+    """Compose's interpolation: ${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:?message}, ${VAR?message}."""
+    def one(m) -> str:
+        name, op, arg = m.group(1), m.group(2), m.group(3)
+        value = env.get(name)
+        if op in (":-", ":?") and not value or op in ("-", "?") and value is None:
+            if op.endswith("?"):
+                raise Refused(f"{name}: {arg}")
+            return arg
+        return env[name]
+
+    return VAR.sub(one, text).replace("$$", "$")
+
+
+def filled_env() -> dict[str, str]:
+    return {**env_example(), "POSTGRES_PASSWORD": TEST_PASSWORD}
 
 
 def compose_text() -> str:
@@ -49,12 +68,12 @@ def test_services_and_profiles():
 
 def test_every_variable_is_in_env_example_and_every_example_is_used():
     env = env_example()
-    used = set(VAR.findall(compose_text()))
+    used = {m.group(1) for m in VAR.finditer(compose_text())}
     assert used - set(env) == set(), "variables without a value in .env.example"
     init = (REPO / "docker" / "postgres" / "init-sweeps.sh").read_text()
     assert set(env) - used - set(re.findall(r"\$\{?([A-Z_]+)", init)) == set(), "unused .env.example entries"
     # credentials and ports must come from .env, never be hard-coded
-    assert "change-me" not in compose_text() and env["POSTGRES_PASSWORD"]
+    assert "change-me" not in compose_text()
 
 
 def test_named_volumes_declared_and_used():
@@ -66,11 +85,11 @@ def test_named_volumes_declared_and_used():
 
 
 def test_ports_agree_with_commands_and_healthchecks():
-    env = env_example()
+    env = filled_env()
     ports = {name: [interpolate(p, env) for p in s.get("ports", [])] for name, s in SERVICES.items()}
-    assert ports["postgres"] == [f"{env['POSTGRES_PORT']}:5432"]
-    assert ports["mlflow"] == [f"{env['MLFLOW_PORT']}:5000"]
-    assert ports["optuna-dashboard"] == [f"{env['DASHBOARD_PORT']}:8080"]
+    assert ports["postgres"] == [f"127.0.0.1:{env['POSTGRES_PORT']}:5432"]
+    assert ports["mlflow"] == [f"127.0.0.1:{env['MLFLOW_PORT']}:5000"]
+    assert ports["optuna-dashboard"] == [f"127.0.0.1:{env['DASHBOARD_PORT']}:8080"]
     ml = flat(SERVICES["mlflow"]["command"])
     assert "--port 5000" in ml and "--host 0.0.0.0" in ml and "--serve-artifacts" in ml
     assert "localhost:5000/health" in flat(SERVICES["mlflow"]["healthcheck"]["test"])
@@ -80,7 +99,7 @@ def test_ports_agree_with_commands_and_healthchecks():
 
 
 def test_urls_point_at_the_services_and_databases():
-    env = env_example()
+    env = filled_env()
     ml_env = {k: interpolate(str(v), env) for k, v in SERVICES["mlflow"]["environment"].items()}
     pg_user, pg_pass = env["POSTGRES_USER"], env["POSTGRES_PASSWORD"]
     assert ml_env["MLFLOW_BACKEND_STORE_URI"] == f"postgresql+psycopg2://{pg_user}:{pg_pass}@postgres:5432/{env['POSTGRES_DB']}"
@@ -106,7 +125,7 @@ def test_urls_point_at_the_services_and_databases():
 def test_no_password_on_a_command_line_and_no_install_at_start():
     """Issue 14, item 8: what a service runs (entrypoint, command) holds no credential (`ps` would show it), and no
     service installs packages when it starts (a restart must not need a package index)."""
-    env = env_example()
+    env = filled_env()
     for name, svc in SERVICES.items():
         argv = interpolate(flat(svc.get("entrypoint", [])) + " " + flat(svc.get("command", [])), env)
         assert env["POSTGRES_PASSWORD"] not in argv, name
@@ -158,10 +177,49 @@ def _has_compose() -> bool:
 
 @pytest.mark.skipif(not _has_compose(), reason="no `docker compose` here (the structure is checked above)")
 def test_docker_compose_config(tmp_path):
-    shutil.copy(REPO / ".env.example", tmp_path / ".env")
+    (tmp_path / ".env").write_text((REPO / ".env.example").read_text().replace(
+        "POSTGRES_PASSWORD=\n", f"POSTGRES_PASSWORD={TEST_PASSWORD}\n"))
     res = subprocess.run(["docker", "compose", "-f", str(REPO / "docker-compose.yml"), "--env-file", str(tmp_path / ".env"),
                           "config", "-q"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
+
+
+def test_ports_are_published_on_this_host_only_by_default():
+    """Issue 55, item 10: PostgreSQL, MLflow and optuna-dashboard were published on every interface. Now on
+    BIND_ADDRESS, 127.0.0.1 in the template and when the variable is not set at all."""
+    env = filled_env()
+    assert env["BIND_ADDRESS"] == "127.0.0.1"
+    unset = {k: v for k, v in env.items() if k != "BIND_ADDRESS"}
+    for name, svc in SERVICES.items():
+        for port in svc.get("ports", []):
+            assert port.startswith("${BIND_ADDRESS:-127.0.0.1}:"), (name, port)
+            assert interpolate(port, env).startswith("127.0.0.1:") and interpolate(port, unset).startswith("127.0.0.1:")
+            assert interpolate(port, {**env, "BIND_ADDRESS": "0.0.0.0"}).startswith("0.0.0.0:")  # the way out
+    for svc in yaml.safe_load((REPO / "docker" / "compose.gpu.yml").read_text())["services"].values():
+        assert "ports" not in svc
+
+
+def test_the_database_password_is_required_and_has_no_default():
+    """The template's password was `change-me`, and a stack started with it. Now the template has none, and every use of
+    the variable stops compose with a message while it is empty or unset."""
+    env = env_example()
+    assert env["POSTGRES_PASSWORD"] == ""
+    uses = [m for m in VAR.finditer(compose_text()) if m.group(1) == "POSTGRES_PASSWORD"]
+    assert len(uses) == 4 and all(m.group(2) == ":?" and "POSTGRES_PASSWORD" in m.group(3) for m in uses)
+    for name in ("postgres", "mlflow", "optuna-dashboard", "trainer"):
+        with pytest.raises(Refused, match="set POSTGRES_PASSWORD in .env"):
+            interpolate(repr(SERVICES[name]["environment"]), env)
+        interpolate(repr(SERVICES[name]["environment"]), filled_env())
+    for path in (REPO / "docker-compose.yml", REPO / ".env.example", REPO / "docs" / "sweeps.md", REPO / "README.md"):
+        assert "change-me" not in path.read_text(), path
+
+
+def test_the_docs_say_how_to_expose_the_stack_behind_a_login():
+    docs = (REPO / "docs" / "sweeps.md").read_text()
+    section = docs[docs.index("### Exposure and logins"):]
+    for piece in ("BIND_ADDRESS", "--app-name basic-auth", "MLFLOW_AUTH_ADMIN_PASSWORD", "MLFLOW_TRACKING_USERNAME",
+                  "reverse proxy", "optuna-dashboard"):
+        assert piece in section, piece
 
 
 def test_postgres_init_script_creates_the_sweeps_database():

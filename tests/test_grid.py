@@ -110,3 +110,67 @@ def test_repeats_run_each_point_again_under_its_own_name(tmp_path):
         grid.write_text(json.dumps({**TINY_GRID, "repeats": bad}))
         with pytest.raises(GridError, match="'repeats' must be an integer >= 1"):
             load_grid(grid)
+
+
+# ---- checks before anything starts -----------------------------------------------------------------------------------
+def test_a_misspelt_set_is_refused_before_any_run_starts(tiny_corpus, tmp_path):
+    """The grid used to start every `mhc fit`, each exiting 2 with the reason only in grid_logs/."""
+    cmd = _tiny_grid(tmp_path, tiny_corpus, 4) + ["--set", "trainer.max_stepz=3"]
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    t0 = time.monotonic()
+    res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    assert res.stderr.strip().splitlines() == [
+        f"mhc grid: error: {tmp_path / 'grid.yaml'}: `mhc fit` rejects the arguments of run mhc-s1 and 1 more (from "
+        "the grid's configs, variants, axes or --set): unrecognized arguments: --trainer.max_stepz=3; "
+        "nothing was started"]
+    assert not (tmp_path / "logs").exists() and not (tmp_path / "mlflow.db").exists()
+    print(f"[figures] misspelt --set: refused in {time.monotonic() - t0:.1f} s, 0 runs started")
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"variants": {"mhc": {"model.arch.n_heads": 3}}},
+     ["run mhc-s1 (", "invalid model configuration: model.arch.d_model must be divisible by n_heads"]),
+    ({"axes": {"trainer.max_steps": ["many"]}}, ["run mhc-max_stepsmany and 1 more (", '"trainer.max_steps"', "many"]),
+    ({"configs": ["conf/model/nope.yaml"]}, ["run mhc-s1 and 1 more (", "nope.yaml"]),
+])
+def test_every_run_is_checked_by_the_fit_parser_with_dry_run_too(change, says, tmp_path, monkeypatch, capsys):
+    from mhc_lightning.grid import main
+
+    monkeypatch.chdir(tmp_path)
+    grid = tmp_path / "g.yaml"
+    grid.write_text(json.dumps({**TINY_GRID, **change}))
+    assert main([str(grid), "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"mhc grid: error: {grid}: `mhc fit` rejects"), err
+    assert all(piece in err[0] for piece in says) and err[0].endswith("; nothing was started"), err
+
+
+@pytest.mark.parametrize("grid, says", [
+    ({**TINY_GRID, "axis": {"seed_everything": [1, 2]}}, "unknown key(s) ['axis']; allowed keys: ['experiment'"),
+    ({**TINY_GRID, "axes": {"seed_everything": []}}, "'axes' must be a mapping of `mhc fit` keys to non-empty lists"),
+    ({**TINY_GRID, "variants": {"mhc": ["x"]}}, "variants.mhc: must be a mapping"),
+    ({**TINY_GRID, "experiment": ""}, "'experiment' must be an MLflow experiment name"),
+    ({**TINY_GRID, "configs": "conf/model/mhc.yaml"}, "'configs' must be a list of config files"),
+])
+def test_grid_file_mistakes_name_the_key(grid, says, tmp_path):
+    path = tmp_path / "g.yaml"
+    path.write_text(json.dumps(grid))
+    with pytest.raises(GridError) as err:
+        load_grid(path)
+    assert str(err.value).startswith(f"{path}: ") and says in str(err.value)
+    path.write_text("variants: [unclosed")
+    with pytest.raises(GridError, match="not valid YAML"):
+        load_grid(path)
+
+
+def test_set_without_a_value_and_help_text(tmp_path, capsys):
+    from mhc_lightning.grid import build_parser, main
+
+    grid = tmp_path / "g.yaml"
+    grid.write_text(json.dumps(TINY_GRID))
+    assert main([str(grid), "--set", "trainer.max_steps", "--dry-run"]) == 2
+    assert "--set expects KEY=VALUE" in capsys.readouterr().err
+    text = build_parser().format_help()
+    for piece in ("experiment:", "configs:", "variants:", "axes:", "repeats:", "run names:", "--dry-run", "tags"):
+        assert piece in text, piece

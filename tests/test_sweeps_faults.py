@@ -294,3 +294,42 @@ def test_duplicate_proposals_are_not_trained_and_do_not_count(corpus, tmp_path, 
     runs = client.search_runs([client.get_experiment_by_name(name).experiment_id], "tags.`optuna.role` = 'trial'")
     assert len(runs) == 2
     print(f"[figures] exhausted space: 2 trials trained, {len(dups)} duplicate proposals not trained")
+
+
+# ---- issue 55, item 4: a sweep whose every trial fails must end ------------------------------------------------------
+def test_a_step_of_zero_is_refused_by_mhc_sweep_before_anything_starts(corpus, tmp_path):
+    """`step: 0` passed validation; every trial then failed in suggest_float and the sweep never ended (~800 failed
+    trials in 5 minutes). Now: one line naming the key, exit 2, no study, no store."""
+    spec = derived_spec(tmp_path / "s.yaml", f"step0-{uuid.uuid4().hex[:6]}", enqueue=[],
+                        space={"model.optim.lr": {"type": "float", "low": 1e-3, "high": 1e-2, "step": 0}})
+    storage, uri = f"sqlite:///{tmp_path / 'sweeps.db'}", f"sqlite:///{tmp_path / 'mlflow.db'}"
+    res = subprocess.run([sys.executable, "-m", "mhc_lightning.sweeps", "run", str(spec), "--storage", storage,
+                          "--tracking-uri", uri, "--set", f"data.corpus={corpus}"], cwd=tmp_path, env=_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    assert res.stderr.strip().splitlines() == [
+        f"mhc sweep: error: {spec}: space.model.optim.lr.step: must be a number > 0, got 0"]
+    assert not (tmp_path / "sweeps.db").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+def test_trials_that_fail_before_recording_an_error_still_stop_at_max_failed(tmp_path, monkeypatch):
+    """Whatever makes a trial fail counts toward budget.max_failed. A trial that raised before its error was recorded
+    (here in sampling: a distribution forced past validation) looked like a killed worker's and never counted."""
+    from mhc_lightning.sweeps.settings import Sweep
+    from mhc_lightning.sweeps.spec import load_spec
+    from mhc_lightning.sweeps.worker import run_worker
+
+    monkeypatch.chdir(tmp_path)  # a SQLite store's artifacts go to ./mlruns
+    path = derived_spec(tmp_path / "f.yaml", f"fail-{uuid.uuid4().hex[:6]}", enqueue=[], pruner={"name": "none"},
+                        budget={"n_trials": 4, "max_failed": 2, "timeout_s": 30})
+    spec = load_spec(path)
+    next(p for p in spec.space if p.key == "model.optim.lr").step = 0
+    storage, uri = f"sqlite:///{tmp_path / 'sweeps.db'}", f"sqlite:///{tmp_path / 'mlflow.db'}"
+    sweep = Sweep(spec, storage, uri, str(tmp_path / "spool"))
+    sweep.tracker().ensure_parent(sweep.study(), spec, creator=sweep.created)
+    t0 = time.monotonic()
+    assert run_worker(sweep, 0, 0, since=time.time()) == 3  # max_failed, not the worker's 30 s timeout
+    trials = optuna.load_study(study_name=spec.name, storage=storage).trials
+    assert len(trials) == 3 and all(t.state == S.FAIL for t in trials)
+    assert all("step" in t.user_attrs["error"] for t in trials), [t.user_attrs for t in trials]
+    print(f"[figures] trials failing in sampling: stopped after {len(trials)} trials, {time.monotonic() - t0:.1f} s")

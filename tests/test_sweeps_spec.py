@@ -75,6 +75,48 @@ def test_errors_name_the_field_and_allowed_values(over, expected):
         assert piece in str(err.value), str(err.value)
 
 
+LR = "model.optim.lr"
+ITERS = "model.arch.hyper.sinkhorn_iters"
+
+
+@pytest.mark.parametrize("key, dist, field, says", [
+    (LR, {"type": "float", "low": 1e-4, "high": 1e-2, "step": 0}, "step", "a number > 0, got 0"),
+    (LR, {"type": "float", "low": 1e-4, "high": 1e-2, "step": -0.001}, "step", "a number > 0"),
+    (LR, {"type": "float", "low": 1e-4, "high": 1e-2, "step": float("inf")}, "step", "a number > 0"),
+    (ITERS, {"type": "int", "low": 1, "high": 9, "step": -2}, "step", "an integer >= 1, got -2"),
+    (ITERS, {"type": "int", "low": 1, "high": 9, "step": 0}, "step", "an integer >= 1, got 0"),
+    (ITERS, {"type": "int", "low": 1, "high": 9, "step": 0.5}, "step", "an integer >= 1, got 0.5"),
+    (ITERS, {"type": "int", "low": 1, "high": 9, "step": True}, "step", "an integer >= 1, got True"),
+    (LR, {"type": "float", "low": 0.0, "high": 1.0, "log": True}, "low", "> 0 with log: true"),
+    (LR, {"type": "float", "low": -1.0, "high": 1.0, "log": True}, "low", "> 0 with log: true"),
+    (ITERS, {"type": "int", "low": 0, "high": 9, "log": True}, "low", ">= 1 with log: true"),
+    (LR, {"type": "float", "low": 1e-2, "high": 1e-4}, "low", "must be <= high"),
+    (LR, {"type": "float", "low": float("nan"), "high": 1e-2}, "low", "finite number"),
+    (LR, {"type": "float", "low": 1e-4, "high": float("inf")}, "high", "finite number"),
+    (ITERS, {"type": "int", "low": 1.5, "high": 9}, "low", "an integer"),
+    (LR, {"type": "float", "low": 1e-4, "high": 1e-2, "log": "yes"}, "log", "true or false"),
+    (LR, {"type": "float", "low": 1e-4, "high": 1e-2, "log": True, "step": 1e-4}, "step", "log: true"),
+    ("model.arch.hyper.residual_mode", {"type": "categorical", "choices": []}, "choices", "non-empty list"),
+    ("model.optim.warmup_steps", {"type": "categorical", "choices": [[1, 2], 3]}, "choices", "[[1, 2]] not allowed"),
+    ("model.optim.warmup_steps", {"type": "categorical", "choices": [1], "log": True}, "log", "not used"),
+])
+def test_degenerate_distributions_are_refused_naming_the_key(key, dist, field, says):
+    """Each of these passed validation and failed every trial in `suggest_*`."""
+    with pytest.raises(SpecError) as err:
+        parse_spec(minimal(space={key: dist}), Path("sweeps/x.yaml"))
+    msg = str(err.value)
+    assert msg.startswith(f"sweeps/x.yaml: space.{key}.{field}: ") and says in msg and "\n" not in msg, msg
+
+
+def test_distributions_optuna_accepts_still_load():
+    space = {ITERS: {"type": "int", "low": 2, "high": 2, "step": 3},      # one point, a step wider than the range
+             LR: {"type": "float", "low": 1e-3, "high": 1e-2, "step": 1e-3},
+             "model.optim.warmup_steps": {"type": "categorical", "choices": [0, None, "10"]}}
+    spec = parse_spec(minimal(space=space), Path("sweeps/x.yaml"))
+    values = sample(optuna.create_study().ask(), spec)
+    assert values[ITERS] == 2 and 1e-3 <= values[LR] <= 1e-2
+
+
 def test_conditions_must_name_earlier_params():
     space = {"model.arch.hyper.sinkhorn_iters": {"type": "int", "low": 1, "high": 5,
                                                  "when": {"model.arch.hyper.residual_mode": ["mhc"]}},

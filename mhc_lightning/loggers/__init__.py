@@ -5,6 +5,8 @@ glue between Lightning and the runs `mhc` makes.
 - store.py: is the store there and ready, which experiment, how to open it in the UI (no Lightning);
 - spool.py: writes kept while the tracking server is down, replayed later (no Lightning);
 - tags.py: the tag and checkpoint names `mhc` writes and reads back (no Lightning);
+- credentials.py: a password in the tracking URI moved to MLflow's credential variables, masked wherever shown;
+- filters.py: search filters on names with quotes (no Lightning);
 - resilient.py: ResilientMLFlowLogger, the logger of every shipped config:
 
     trainer.logger.class_path: mhc_lightning.loggers.ResilientMLFlowLogger

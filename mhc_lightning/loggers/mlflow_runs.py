@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 from lightning.pytorch.loggers import MLFlowLogger
 
+from .credentials import mask
 from .store import absolute_store_uri, is_server, ui_hint
 from .tags import CHECKPOINT_TAG, SOURCE_RUN_TAG, STAGE_TAG
 
@@ -66,10 +67,10 @@ def announce_run(trainer, stage: str) -> None:
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(prefixes)}
     for lg in mlflow_loggers(trainer):
         uri = lg.experiment.tracking_uri
-        print(f"\nMLflow run {lg.run_id} (experiment id {lg.experiment_id}) at {absolute_store_uri(uri)}")
+        print(f"\nMLflow run {lg.run_id} (experiment id {lg.experiment_id}) at {mask(absolute_store_uri(uri))}")
         print("final metrics: " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items())))
         page = f"#/experiments/{lg.experiment_id}/runs/{lg.run_id}"
         if is_server(uri):
-            print(f"view it:  {uri.rstrip('/')}/{page}")
+            print(f"view it:  {mask(uri).rstrip('/')}/{page}")
         else:
-            print(f"view it:  {ui_hint(uri)}   (then open http://127.0.0.1:5000/{page})")
+            print(f"view it:  {mask(ui_hint(uri))}   (then open http://127.0.0.1:5000/{page})")

@@ -14,6 +14,7 @@ from typing import Any, Optional
 from lightning.pytorch.cli import SaveConfigCallback
 from lightning.pytorch.loggers import MLFlowLogger
 
+from .credentials import mask
 from .mlflow_runs import mlflow_loggers
 from .tags import CHECKPOINT_RUN_KEY, STAGE_TAG
 
@@ -31,7 +32,8 @@ class MLflowSaveConfig(SaveConfigCallback):
         super().setup(trainer, pl_module, stage)
 
     def save_config(self, trainer, pl_module, stage: str) -> None:
-        text = self.parser.dump(self.config, skip_unset=False)  # keep null values: the config as it ran
+        # keep null values: the config as it ran; a password in a URL (a database store) masked (credentials.py)
+        text = mask(self.parser.dump(self.config, skip_unset=False))
         for lg in mlflow_loggers(trainer):
             lg.experiment.log_text(lg.run_id, text, "config.yaml")
             lg.experiment.set_tag(lg.run_id, STAGE_TAG, getattr(stage, "value", stage))

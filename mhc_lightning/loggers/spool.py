@@ -212,7 +212,7 @@ def replay_spool(spool_root, tracking_uri: str) -> dict[str, int]:
     """`mhc sweep replay`: send every spooled write under spool_root; returns {run_id: writes left}."""
     from mlflow import MlflowClient
 
-    check_tracking(tracking_uri)
+    check_tracking(tracking_uri, option="--tracking-uri")
     client = MlflowClient(tracking_uri)
     out = {}
     for run_dir in sorted(p for p in Path(spool_root).iterdir() if p.is_dir()):

@@ -101,18 +101,23 @@ def ui_hint(uri: str) -> str:
     return f"{mlflow_command()} ui --backend-store-uri {shlex.quote(absolute_store_uri(uri))}"
 
 
-def check_tracking(uri: str, timeout: float = 5.0) -> None:
-    """Raise TrackingUnreachable (naming the URI) unless the tracking store answers; migrate a new SQLite store."""
+def check_tracking(uri: str, timeout: float = 5.0, option: Optional[str] = "--trainer.logger.init_args.tracking_uri"
+                   ) -> None:
+    """Raise TrackingUnreachable (naming the URI) unless the tracking store answers; migrate a new SQLite store.
+    `option`: the command's own way to name another store, besides MLFLOW_TRACKING_URI (`mhc fit` has no
+    --tracking-uri)."""
     if is_server(uri):
         import requests
 
-        try:
-            requests.get(uri.rstrip("/") + "/health", timeout=timeout).raise_for_status()
+        from .credentials import basic_auth
+
+        try:  # with the credentials: a reverse proxy in front of the server may guard /health too
+            requests.get(uri.rstrip("/") + "/health", timeout=timeout, auth=basic_auth()).raise_for_status()
         except requests.RequestException as err:
             raise TrackingUnreachable(
                 f"MLflow tracking server {redact(uri)} is unreachable ({type(err).__name__}). Start it "
-                "(`docker compose up -d mlflow`, or `mlflow server ...`), or point MLFLOW_TRACKING_URI / "
-                "--tracking-uri / trainer.logger.init_args.tracking_uri at a running one.") from None
+                "(`docker compose up -d mlflow`, or `mlflow server ...`), or point MLFLOW_TRACKING_URI"
+                + (f" or {option}" if option else "") + " at a running one.") from None
     try:
         prepare_store(uri)  # /health skips the server's Host-header check; one API call does not
     except Exception as err:

@@ -111,7 +111,10 @@ def main(argv: Optional[list[str]] = None, prog: str = "mhc compare") -> int:
     for flag, value in (("--baseline", args.baseline), ("--allow-mixed-code", args.allow_mixed_code)):
         if value and not args.group_by:
             parser.error(f"{flag} needs --group-by (the groups it compares)")
-    uri = args.tracking_uri or _default_uri()
+    from ..loggers.credentials import clean_tracking_env, take_credentials
+
+    clean_tracking_env()  # a password in the URI goes to MLflow's credential variables, never into printed lines
+    uri = take_credentials(args.tracking_uri) or _default_uri()
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one bar per downloaded file otherwise
     try:
         return _grouped(args, uri) if args.group_by else _compare(args, uri)

@@ -29,6 +29,27 @@ def differing_columns(configs: list[dict], always=("residual_mode",)) -> list[st
             if c in always or len({cfg.get(c) for cfg in configs}) > 1 or len(configs) == 1]
 
 
+def steps_done(d: RunData):
+    """Optimizer steps the run made: training metrics are logged at the 0-based index of their step, so the last
+    index + 1 (a run that logs every k steps reads as its last multiple of k); validation-only runs by their last
+    validation step."""
+    train = [s for key, curve in d.curves.items() if key.startswith("train/") for s, _ in curve]
+    if train:
+        return max(train) + 1
+    val = [s for curve in d.curves.values() for s, _ in curve]
+    return max(val) if val else ""
+
+
+def markdown_ids(df):
+    """The table for runs.md: the run id short (its first 8 characters find it in the UI's search; runs.csv has it
+    whole), ids and digests as code, so that one like 1234e567 is not read as a number."""
+    md = df.assign(run_id=df["run_id"].str[:8])
+    for col in ("run_id", "corpus_sha256"):
+        if col in md:
+            md[col] = [f"`{v}`" if v else "" for v in md[col]]
+    return md
+
+
 def table_rows(data: list[RunData]) -> list[dict[str, Any]]:
     configs = [d.config() for d in data]
     cols = differing_columns(configs)
@@ -41,8 +62,7 @@ def table_rows(data: list[RunData]) -> list[dict[str, Any]]:
             row["trial"] = d.tags["optuna.trial"]
             row["state"] = d.tags.get("optuna.state", "")
         row.update({c: cfg.get(c, "") for c in cols})
-        steps = [s for curve in d.curves.values() for s, _ in curve]
-        row["steps"] = max(steps) if steps else ""
+        row["steps"] = steps_done(d)
         for m in FINAL_METRICS:
             row[m] = d.metrics.get(m, "")
         tps = d.tokens_per_sec()
@@ -120,13 +140,14 @@ def compare(tracking_uri: str, out, experiment: Optional[str] = None, study: Opt
     if sum(x is not None and x != [] for x in (experiment, study, run_ids)) != 1:
         raise CompareError("give exactly one of --experiment, --study, --runs")
     use_fast_http_failures()
-    check_tracking(tracking_uri)
+    check_tracking(tracking_uri, option="--tracking-uri")
     df = search(tracking_uri, experiment, study, run_ids, include_evaluation)
     data = load(tracking_uri, df, CURVES)
     # best first: lowest final val/loss; runs without it last
     data.sort(key=lambda d: (not math.isfinite(d.metrics.get("val/loss", math.nan)), d.metrics.get("val/loss", 0.0)))
     out = Path(out)
-    md, csv_path = write_table(frame(table_rows(data)), out, "runs", hidden=("run_id",))
+    df = frame(table_rows(data))
+    md, csv_path = write_table(df, out, "runs", md_df=markdown_ids(df))
     figures = make_plots(data, out, top)
     result: dict[str, Any] = {"runs": len(data), "table_md": md, "table_csv": csv_path, "plots": figures}
     if log:

@@ -15,10 +15,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..errors import UserError
+from ..loggers.filters import equals
 from ..loggers.tags import STAGE_TAG
 
-# Config columns: (column, MLflow param keys to try). Lightning logs the module's hparams flattened with
-# "/", the sweep logs the trial's values as trial.<cli key>.
+# Config columns: (column, MLflow param keys to try; "tag:" marks a tag). Lightning logs the module's and the
+# datamodule's hparams (the latter unprefixed: corpus), RunProvenance seed_everything, data/seed and trainer/*, the
+# sweep the trial's values as trial.<cli key>.
 CONFIG_COLUMNS = [
     ("residual_mode", ["arch/hyper/residual_mode"]),
     ("n_streams", ["arch/hyper/n_streams"]),
@@ -29,7 +31,13 @@ CONFIG_COLUMNS = [
     ("lr", ["optim/lr"]),
     ("n_layers", ["arch/n_layers"]),
     ("d_model", ["arch/d_model"]),
+    ("max_steps", ["trainer/max_steps", "trial.trainer.max_steps"]),
+    ("seed", ["seed_everything", "trial.seed_everything"]),
+    ("data_seed", ["data/seed"]),
+    ("corpus", ["corpus", "trial.data.corpus"]),
+    ("corpus_sha256", ["tag:mhc.data.train_sha256"]),  # the bytes trained on: the same name can hold other text
 ]
+SHORT = {"corpus_sha256": 12}  # characters shown of long digests
 SINKHORN_ONLY = ("sinkhorn_iters", "intensity")
 UNUSED_BY_MODE = {"residual": SINKHORN_ONLY + ("n_streams", "alpha_init", "bias_init"),
                   "hc": SINKHORN_ONLY + ("bias_init",), "identity": SINKHORN_ONLY, "mhc_lite": SINKHORN_ONLY,
@@ -73,8 +81,9 @@ class RunData:
         out = {}
         for col, keys in CONFIG_COLUMNS:
             for k in keys:
-                if k in self.params:
-                    out[col] = self.params[k]
+                source, key = (self.tags, k[4:]) if k.startswith("tag:") else (self.params, k)
+                if key in source:
+                    out[col] = source[key][:SHORT[col]] if col in SHORT else source[key]
                     break
         for k, v in self.params.items():  # other swept values, by their last key component
             if k.startswith("trial.") and not any(k in keys for _, keys in CONFIG_COLUMNS):
@@ -105,10 +114,6 @@ def seed_of(d: RunData) -> Optional[str]:
     return d.tags.get("seed_everything") or d.params.get("seed_everything")
 
 
-def _quote(value: str) -> str:
-    return "'" + value.replace("'", "\\'") + "'"
-
-
 def search(tracking_uri: str, experiment: Optional[str] = None, study: Optional[str] = None,
            run_ids: Optional[list[str]] = None, include_evaluation: bool = False, finished_only: bool = False):
     """The runs of an experiment (without sweep parents and comparison runs), of an Optuna study (its trials) or
@@ -118,14 +123,16 @@ def search(tracking_uri: str, experiment: Optional[str] = None, study: Optional[
     mlflow.set_tracking_uri(tracking_uri)
     if run_ids:
         df = mlflow.search_runs(search_all_experiments=True,
-                                filter_string=f"attributes.run_id IN ({', '.join(map(_quote, run_ids))})")
+                                filter_string=f"attributes.run_id IN ({', '.join(repr(str(r)) for r in run_ids)})")
         missing = sorted(set(run_ids) - set(df["run_id"])) if len(df) else sorted(run_ids)
         if missing:
             raise CompareError(f"run(s) {missing} not found at {tracking_uri}")
         return df  # asked for by id: kept whatever their stage
     if study:
         df = mlflow.search_runs(search_all_experiments=True, filter_string=(
-            f"tags.`optuna.study_name` = {_quote(study)} and tags.`optuna.role` = 'trial'"))
+            f"{equals('tags.`optuna.study_name`', study)} and tags.`optuna.role` = 'trial'"))
+        if len(df):
+            df = df[df["tags.optuna.study_name"] == study]
         if not len(df):
             raise CompareError(f"no trial runs of study {study!r} at this tracking URI")
     else:

@@ -15,7 +15,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Optional
 
-from .spec import SpecError, load_spec
+from .settings import TRACKING_ENV
+from .spec import SpecError, check_study_name, load_spec
 
 
 def _parse_set(items: Optional[list[str]]) -> dict[str, Any]:
@@ -71,18 +72,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _sweep_from_args(args):
+    from ..loggers.credentials import take_credentials
     from ..loggers.store import default_tracking_uri
     from .factories import resolve_storage_url
     from .settings import Sweep
 
     spec = load_spec(args.spec, _parse_set(args.set))
     if args.study_name:
+        check_study_name("--study-name", args.study_name)
         if spec.mlflow["experiment"] == spec.name:  # the experiment follows the study unless set explicitly
             spec.mlflow["experiment"] = args.study_name
         spec.name = args.study_name
     if args.n_trials is not None:
         spec.n_trials = args.n_trials
-    uri = args.tracking_uri or spec.mlflow["tracking_uri"] or default_tracking_uri()
+    # a worker gets the launcher's URI through the environment: it may hold a database password (not for `ps`)
+    inherited = os.environ.get(TRACKING_ENV) if args.command == "worker" else None
+    uri = take_credentials(args.tracking_uri or inherited or spec.mlflow["tracking_uri"] or default_tracking_uri())
     explicit = args.storage or (os.environ.get("MHC_SWEEP_STORAGE") if args.command == "worker" else None)
     return Sweep(spec, resolve_storage_url(explicit, spec, uri), uri, str(Path(args.spool_dir).resolve()))
 
@@ -95,6 +100,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     import optuna
 
     from ..errors import UserError
+    from ..loggers.credentials import clean_tracking_env, take_credentials
     from ..loggers.spool import replay_spool
     from .supervisor import dry_run, launch, status
     from .worker import run_worker
@@ -102,9 +108,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     # heartbeats, fail_stale_trials and the retry callback are marked experimental; we rely on them knowingly
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
 
+    clean_tracking_env()  # a password in MLFLOW_TRACKING_URI goes to MLflow's credential variables (credentials.py)
     try:
         if args.command == "replay":
-            left = replay_spool(args.spool, args.tracking_uri)
+            left = replay_spool(args.spool, take_credentials(args.tracking_uri))
             for run_id, n in left.items():
                 print(f"run {run_id}: {'all writes sent' if n == 0 else f'{n} writes still waiting'}")
             return 1 if any(left.values()) else 0

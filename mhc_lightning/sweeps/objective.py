@@ -17,6 +17,7 @@ import optuna
 from optuna.storages import RetryHeartbeatStaleTrialCallback
 from optuna.trial import TrialState
 
+from ..loggers.credentials import mask
 from .pruning import StepPruning
 from .recorder import MetricRecorder
 from .settings import STOP_ATTR
@@ -78,14 +79,35 @@ class TrialRunner:
 
     def __call__(self, trial: optuna.Trial):
         self.current, self.duplicate = trial, False
+        try:
+            return self._run(trial)
+        except optuna.TrialPruned:
+            raise
+        except BaseException as err:
+            # budget.max_failed counts FAIL trials that carry an error (counts()); one that raised before recording
+            # it (in sampling, or creating its MLflow run) would look like a killed worker's and never count.
+            self._record_error(trial, err)
+            raise
+
+    @staticmethod
+    def _record_error(trial: optuna.Trial, err: BaseException) -> None:
+        try:
+            if not trial.user_attrs.get("error"):
+                trial.set_user_attr("error", f"{type(err).__name__}: {err}"[:1000])
+                if isinstance(err, (KeyboardInterrupt, SystemExit)):
+                    trial.set_user_attr("interrupted", True)
+        except Exception:  # the storage itself failed: the worker's next poll finds out
+            pass
+
+    def _run(self, trial: optuna.Trial):
         spec = self.spec
         others = trial.study.get_trials(deepcopy=False)
         me = next(t for t in others if t.number == trial.number)
         retry_of = RetryHeartbeatStaleTrialCallback.retried_trial_number(me)  # set by the heartbeat's retry callback
-        values = sample(trial, spec)
         # a re-queued trial inherits the original's user attributes: clear the outcome of the old attempt
         trial.set_user_attr("error", None)
         trial.set_user_attr("interrupted", False)
+        values = sample(trial, spec)
         trial.set_user_attr("worker", self.worker["id"])
         trial.set_user_attr("sampler_seed", self.worker["seed"])
         if retry_of is None:
@@ -98,7 +120,7 @@ class TrialRunner:
                 raise DuplicateTrial(f"trial {trial.number} has the parameters of trial {twin}")
         run_id = self.tracker.start_trial(trial, values, self.worker, retry_of=retry_of)
         args = trial_args(spec, values, self.logger_config(trial, run_id))
-        self.tracker.client.log_text(run_id, fit_command(args) + "\n", "trial_command.txt")
+        self.tracker.client.log_text(run_id, mask(fit_command(args)) + "\n", "trial_command.txt")
         metrics = list(dict.fromkeys(o.metric for o in spec.objectives))
         fit = self._fit_child if spec.trial["launcher"] == "subprocess" else self._fit_in_process
         t0 = time.time()

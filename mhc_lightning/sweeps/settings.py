@@ -10,6 +10,8 @@ from .spec import SpecError, SweepSpec
 # Study user attribute set when the sweep itself cannot go on (e.g. an objective metric the model never logs):
 # every worker stops at its next poll, the launcher reports the reason; the next launch clears it.
 STOP_ATTR = "mhc_stopped"
+TRACKING_ENV = "MHC_SWEEP_TRACKING_URI"  # the launcher's tracking URI for its workers: not on their command lines
+BUDGET_ATTR = "mhc_n_trials"  # the largest budget.n_trials a launch asked of the study (`--n-trials` extends it)
 
 
 class Sweep:

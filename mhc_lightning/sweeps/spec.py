@@ -6,6 +6,7 @@ model-config check, which only reads the dataclasses' field names and Literal ch
 """
 from __future__ import annotations
 
+import math
 import os
 import typing
 from dataclasses import dataclass, field, fields
@@ -15,6 +16,7 @@ from typing import Any, Optional
 import yaml
 
 from ..errors import UserError
+from ..names import path_name_problem
 
 # sampler / pruner names of a sweep file -> the Optuna class each builds (factories.py)
 SAMPLERS = {"tpe": "TPESampler", "random": "RandomSampler", "gp": "GPSampler", "nsga2": "NSGAIISampler",
@@ -154,8 +156,7 @@ def parse_spec(data: Any, path: Optional[Path] = None, overrides: Optional[dict[
     at = lambda key: f"{src}: {key}"  # noqa: E731
 
     name = data.get("name")
-    if not isinstance(name, str) or not name.strip() or any(c.isspace() for c in name):
-        raise _err(at("name"), f"must be a non-empty string without spaces (the Optuna study name), got {name!r}")
+    check_study_name(at("name"), name)
 
     base_raw = data.get("base")
     if isinstance(base_raw, str):
@@ -222,6 +223,15 @@ def parse_spec(data: Any, path: Optional[Path] = None, overrides: Optional[dict[
         mlflow=mlflow, enqueue=enqueue, trial=_parse_trial(at("trial"), data.get("trial"), path),
         description=str(data.get("description") or ""),
     )
+
+
+def check_study_name(where: str, name) -> None:
+    """The study name names the workers' log folder (sweep_logs/<study>/): no spaces, nothing that leaves the folder."""
+    if not isinstance(name, str) or not name.strip() or any(c.isspace() for c in name):
+        raise _err(where, f"must be a non-empty string without spaces (the Optuna study name), got {name!r}")
+    problem = path_name_problem(name)
+    if problem:
+        raise _err(where, f"{problem}: it names the folder of the workers' logs")
 
 
 def _parse_trial(where: str, raw, spec_path: Optional[Path]) -> dict[str, Any]:
@@ -294,8 +304,11 @@ def _parse_space(where: str, raw) -> list[Param]:
         t = d.get("type")
         if t not in PARAM_TYPES:
             raise _err(f"{w}.type", f"{t!r} is not allowed; allowed values: {list(PARAM_TYPES)}")
-        p = Param(key=key, type=t, log=bool(d.get("log", False)), step=d.get("step"), choices=d.get("choices"),
-                  when=d.get("when") or {}, optional=bool(d.get("optional", False)))
+        for flag in ("log", "optional"):
+            if flag in d:
+                _expect(f"{w}.{flag}", d[flag], bool, "true or false")
+        p = Param(key=key, type=t, log=d.get("log", False), step=d.get("step"), choices=d.get("choices"),
+                  when=d.get("when") or {}, optional=d.get("optional", False))
         if p.is_callback:
             cls, arg = p.callback_parts()
             if not cls or not arg or not all(part.isidentifier() for part in cls.split(".")) or not arg.isidentifier():
@@ -309,22 +322,14 @@ def _parse_space(where: str, raw) -> list[Param]:
             if not isinstance(p.choices, list) or not p.choices:
                 raise _err(f"{w}.choices",
                            f"a categorical parameter needs a non-empty list of choices, got {p.choices!r}")
-            for extra in ("low", "high", "step"):
-                if d.get(extra) is not None:
+            for extra in ("low", "high", "step", "log"):
+                if d.get(extra) not in (None, False):
                     raise _err(f"{w}.{extra}", "not used by a categorical parameter (give choices)")
+            bad = [c for c in p.choices if c is not None and not isinstance(c, (bool, int, float, str))]
+            if bad:
+                raise _err(f"{w}.choices", f"{bad} not allowed: each choice must be a string, number, boolean or null")
         else:
-            num = (int,) if t == "int" else (int, float)
-            for bound in ("low", "high"):
-                _expect(f"{w}.{bound}", d.get(bound), num, f"{'an integer' if t == 'int' else 'a number'}")
-            p.low, p.high = d["low"], d["high"]
-            if not p.low <= p.high:
-                raise _err(w, f"low must be <= high, got low={p.low}, high={p.high}")
-            if p.log and p.low <= 0:
-                raise _err(f"{w}.low", f"must be > 0 with log: true, got {p.low}")
-            if p.log and p.step is not None:
-                raise _err(f"{w}.step", "cannot be combined with log: true")
-            if p.choices is not None:
-                raise _err(f"{w}.choices", f"only for categorical parameters (type is {t})")
+            _check_numeric(w, t, d, p)
         _expect(f"{w}.when", p.when, dict, "a mapping of other space keys to lists of values")
         params.append(p)
     keys = {p.key: p for p in params}
@@ -347,6 +352,39 @@ def _parse_space(where: str, raw) -> list[Param]:
                 raise _err(f"{where}.{p.key}.when.{k}", f"{k} must be listed before {p.key} in space")
     _check_model_fields(where, params)
     return params
+
+
+def _check_numeric(w: str, t: str, d: dict, p: Param) -> None:
+    """A float or int range as Optuna accepts it, so that no trial fails on its distribution: a sweep whose every
+    trial raised in `suggest_*` used to run until killed."""
+    integer = t == "int"
+    num = (int,) if integer else (int, float)
+    for bound in ("low", "high"):
+        _expect(f"{w}.{bound}", d.get(bound), num, "an integer" if integer else "a finite number")
+        if not math.isfinite(d[bound]):
+            raise _err(f"{w}.{bound}", f"must be a finite number, got {d[bound]!r}")
+    p.low, p.high = d["low"], d["high"]
+    if not p.low <= p.high:
+        raise _err(f"{w}.low", f"must be <= high, got low={p.low}, high={p.high}")
+    if p.log and (p.low < 1 if integer else p.low <= 0):
+        raise _err(f"{w}.low", f"must be {'>= 1' if integer else '> 0'} with log: true, got {p.low}")
+    if p.step is not None:
+        if p.log:
+            raise _err(f"{w}.step", "cannot be combined with log: true")
+        _expect(f"{w}.step", p.step, num, "an integer >= 1" if integer else "a number > 0")
+        if not math.isfinite(p.step) or p.step <= 0:
+            raise _err(f"{w}.step", f"must be {'an integer >= 1' if integer else 'a number > 0'}, got {p.step!r}")
+    if p.choices is not None:
+        raise _err(f"{w}.choices", f"only for categorical parameters (type is {t})")
+    from optuna.distributions import FloatDistribution, IntDistribution
+
+    try:  # the rules above are Optuna's; this catches any it adds
+        if integer:
+            IntDistribution(p.low, p.high, log=p.log, step=p.step or 1)
+        else:
+            FloatDistribution(p.low, p.high, log=p.log, step=p.step)
+    except ValueError as err:
+        raise _err(w, f"Optuna rejects this distribution: {err}") from None
 
 
 def _check_sinkhorn_keys(where: str, params: list[Param], fixed: dict[str, Any], base: list[Path]) -> None:

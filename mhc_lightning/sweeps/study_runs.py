@@ -13,6 +13,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Optional
 
+from ..loggers.filters import equals
 from ..loggers.spool import GuardedClient
 from ..loggers.store import ensure_experiment, is_outage, redact, use_fast_http_failures
 
@@ -47,9 +48,10 @@ class SweepTracker:
         return self._experiment_id
 
     def _find_parents(self):
-        flt = (f"tags.`{ROLE_TAG}` = 'study' and tags.`{STUDY_TAG}` = '{self.study_name}' "
-               f"and tags.`optuna.storage` = '{self.storage_label}'")
-        runs = self.raw.search_runs([self.experiment_id], flt, max_results=50)
+        flt = (f"tags.`{ROLE_TAG}` = 'study' and {equals(f'tags.`{STUDY_TAG}`', self.study_name)} "
+               f"and {equals('tags.`optuna.storage`', self.storage_label)}")
+        runs = [r for r in self.raw.search_runs([self.experiment_id], flt, max_results=50)
+                if r.data.tags.get(STUDY_TAG) == self.study_name]
         return sorted(runs, key=lambda r: (r.info.start_time, r.info.run_id))
 
     def ensure_parent(self, study, spec=None, creator: bool = True, wait_s: float = PARENT_WAIT_S) -> str:

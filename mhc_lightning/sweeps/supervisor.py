@@ -12,8 +12,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from ..loggers.credentials import mask
 from .factories import is_journal, make_sampler
-from .settings import STOP_ATTR, Sweep, counts
+from .settings import BUDGET_ATTR, STOP_ATTR, TRACKING_ENV, Sweep, counts
 
 POLL_S = 2.0
 
@@ -26,12 +27,14 @@ def prepare(sweep: Sweep):
     from .trial_args import check_callbacks
     from .trial_args_check import check_trial_args
 
-    check_tracking(sweep.tracking_uri)
+    check_tracking(sweep.tracking_uri, option="--tracking-uri")
     for w in check_callbacks(sweep.spec):
         print(f"[mhc sweep] {w}", file=sys.stderr)
     check_trial_args(sweep.spec)
     make_sampler(sweep.spec, 0)
     study = sweep.study()
+    # the budget this study was last asked to reach (--n-trials extends it), for `mhc sweep status`
+    study.set_user_attr(BUDGET_ATTR, max(study.user_attrs.get(BUDGET_ATTR, 0), sweep.spec.n_trials))
     if study.user_attrs.get(STOP_ATTR):
         print(f"[mhc sweep] the last launch stopped with: {study.user_attrs[STOP_ATTR]}; trying again", file=sys.stderr)
         study.set_user_attr(STOP_ATTR, "")
@@ -43,9 +46,10 @@ def prepare(sweep: Sweep):
 
 
 def _worker_cmd(sweep: Sweep, args, index: int, machine: int, threads: int, since: float) -> list[str]:
-    # the storage URL (it may hold a password) goes through the environment, not the visible command line
+    # the storage URL and the tracking URI (either may hold a password) go through the environment, not the visible
+    # command line (_run_workers)
     cmd = [sys.executable, "-m", "mhc_lightning.sweeps", "worker", str(sweep.spec.path), "--index", str(index),
-           "--machine-rank", str(machine), "--tracking-uri", sweep.tracking_uri, "--spool-dir", sweep.spool_dir,
+           "--machine-rank", str(machine), "--spool-dir", sweep.spool_dir,
            "--threads", str(threads), "--since", f"{since:.3f}"]
     for s in args.set or []:
         cmd += ["--set", s]
@@ -67,7 +71,7 @@ def launch(sweep: Sweep, args) -> int:
     study, tracker = prepare(sweep)
     machine = args.machine_rank or 0
     n = args.workers
-    print(f"[mhc sweep] study {sweep.spec.name!r}: storage {sweep.storage_label}, MLflow {tracker.uri} "
+    print(f"[mhc sweep] study {sweep.spec.name!r}: storage {sweep.storage_label}, MLflow {mask(tracker.uri)} "
           f"(experiment {sweep.spec.mlflow['experiment']!r}, parent run {tracker.parent_id}), {n} worker(s)",
           flush=True)
     if n == 1:
@@ -105,7 +109,7 @@ def _run_workers(sweep: Sweep, study, args, machine: int, since: float) -> int:
     gpus = [g for g in (args.gpus or os.environ.get("CUDA_VISIBLE_DEVICES", "")).split(",") if g.strip()]
     workers: list[tuple[str, Child, str]] = []
     for i in range(n):
-        env = dict(os.environ, MHC_SWEEP_STORAGE=sweep.storage_url)
+        env = dict(os.environ, MHC_SWEEP_STORAGE=sweep.storage_url, **{TRACKING_ENV: sweep.tracking_uri})
         if len(gpus) > 1:
             env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]  # one GPU per worker, round robin
         child = Child(_worker_cmd(sweep, args, i, machine, threads, since), log_dir / f"worker-{machine}-{i}.log",
@@ -183,11 +187,23 @@ def _print_summary(sweep: Sweep, tracker, summary: dict, complete: bool, c: dict
               f"run {b['run_id']}, params {b['params']}")
     if "pareto_front" in summary:
         print(f"[mhc sweep] Pareto front: trials {[t['trial'] for t in summary['pareto_front']]}")
-    print(f"[mhc sweep] MLflow parent run {tracker.parent_id} at {tracker.uri}")
+    print(f"[mhc sweep] MLflow parent run {tracker.parent_id} at {mask(tracker.uri)}")
     if sweep.tracking_uri.startswith("sqlite:"):
         print(f"[mhc sweep] view:  {ui_hint(sweep.tracking_uri)}")
     if not is_journal(sweep.storage_url):
-        print(f"[mhc sweep] dashboard:  optuna-dashboard {sweep.storage_label}")
+        print(dashboard_hint(sweep.storage_label))
+
+
+def dashboard_hint(storage_label: str) -> str:
+    """The optuna-dashboard command for the study's storage, and how to install it where it is not (an extra)."""
+    import importlib.util
+
+    line = f"[mhc sweep] dashboard:  optuna-dashboard {storage_label}"
+    if "***" in storage_label:
+        line += "   (with your password for ***)"
+    if importlib.util.find_spec("optuna_dashboard") is None:
+        line += '   (not installed here: pip install optuna-dashboard, or pip install -e ".[dashboard]")'
+    return line
 
 
 def status(sweep: Sweep) -> int:
@@ -200,7 +216,8 @@ def status(sweep: Sweep) -> int:
         return 1
     c = counts(study)
     shown = ", ".join(f"{k} {v}" for k, v in c.items() if k != "errors")
-    print(f"study {sweep.spec.name!r} in {sweep.storage_label}: {shown} (budget {sweep.spec.n_trials})")
+    budget = max(study.user_attrs.get(BUDGET_ATTR, 0), sweep.spec.n_trials)
+    print(f"study {sweep.spec.name!r} in {sweep.storage_label}: {shown} (budget {budget})")
     for t in study.get_trials(deepcopy=False):
         vals = t.values if t.values is not None else "-"
         print(f"  trial {t.number:4d} {t.state.name:8s} {vals} {t.params} run={t.user_attrs.get('mlflow_run_id', '-')}")
@@ -220,5 +237,5 @@ def dry_run(sweep: Sweep) -> int:
     study = optuna.create_study(sampler=make_sampler(sweep.spec, sweep.spec.sampler.get("seed")),
                                 directions=[o.direction for o in sweep.spec.objectives])
     trial = study.ask()
-    print(fit_command(trial_args(sweep.spec, sample(trial, sweep.spec))))
+    print(mask(fit_command(trial_args(sweep.spec, sample(trial, sweep.spec)))))
     return 0
