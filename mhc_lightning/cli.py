@@ -16,6 +16,7 @@ from lightning.pytorch.cli import LightningCLI
 from .callbacks.final_validation import FinalValidation
 from .callbacks.per_layer_artifacts import PerLayerArtifacts
 from .callbacks.run_provenance import RunProvenance
+from .checkpoint_io import CheckpointWriteError, use_verified_checkpoints
 from .child_processes import die_with_parent
 from .configs import parser_kwargs
 from .data import ByteTextDataModule
@@ -25,7 +26,7 @@ from .loggers.mlflow_runs import announce_run, label_runs
 from .loggers.save_config import MLflowSaveConfig
 from .model import GPTConfig, HyperConfig
 from .module import LitLM, OptimConfig, check_compile, check_fused
-from .resume import resolve_last
+from .resume import resolve_last, resume_command
 
 # The Trainer entry points `mhc` offers. `predict` is left out: the byte LM has no prediction data or
 # writer, so Lightning's `predict` could only fail.
@@ -118,6 +119,11 @@ class MHCLightningCLI(LightningCLI):
             ckpt = self.checkpoint_info
             label_runs(self.config[self.subcommand].trainer.get("logger"), self.subcommand,
                        ckpt.source_run_id if ckpt else None, str(ckpt.path.resolve()) if ckpt else None)
+
+    def instantiate_trainer(self, **kwargs):
+        trainer = super().instantiate_trainer(**kwargs)
+        use_verified_checkpoints(trainer)  # written whole, with a digest that is checked before a resume
+        return trainer
 
     def after_fit(self) -> None:
         announce_run(self.trainer, "fit")
@@ -219,6 +225,8 @@ def main(argv: Optional[list[str]] = None) -> None:
             warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
             # argv=None lets LightningCLI read sys.argv itself
             build_cli(None if argv is None else args, exit_on_error=False)
+    except CheckpointWriteError as err:
+        fail(command, f"{err} Resume with: {resume_command(args)}" if err.resumable else str(err))
     except UserError as err:
         fail(command, str(err))
     except ArgumentError as err:

@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import torch
 
+from .checkpoint_io import verify
 from .data import ByteTextDataModule
 from .errors import UserError
 from .loggers.tags import CHECKPOINT_RUN_KEY
@@ -61,6 +62,7 @@ def check_checkpoint(path: Path, arch: dict) -> CheckpointInfo:
                         "(fit writes runs/<experiment id>/<run id>/checkpoints/last.ckpt).")
     if not path.is_file():
         raise UserError(f"checkpoint {path} is a folder; pass --ckpt_path with a .ckpt file in it.")
+    verify(path, _run_id_from_layout(path))  # CorruptCheckpoint names the newest good checkpoint beside it
     ckpt = _load(path)
     trained = (ckpt.get("hyper_parameters") or {}).get("arch")
     if not isinstance(trained, dict):

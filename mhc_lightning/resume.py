@@ -11,6 +11,7 @@ without logging a metric step twice (loggers/resilient.py); the train loader con
 """
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -101,3 +102,17 @@ def find_checkpoint(uri: Optional[str], experiment: str, run_name: Optional[str]
     raise NoCheckpointToResume(
         f"--ckpt_path last: no checkpoint of {what} at {uri}{where}; run the same command without --ckpt_path to "
         "start it, or pass a checkpoint file")
+
+
+def resume_command(args: list[str]) -> str:
+    """`mhc <args> --ckpt_path last`, shell-quoted: the command that continues the run `args` started (an earlier
+    --ckpt_path is replaced)."""
+    kept, i = [], 0
+    while i < len(args):
+        if args[i] == "--ckpt_path":
+            i += 2  # the flag and its value
+            continue
+        if not args[i].startswith("--ckpt_path="):
+            kept.append(args[i])
+        i += 1
+    return shlex.join(["mhc", *kept, "--ckpt_path", LAST])
