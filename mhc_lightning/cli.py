@@ -10,7 +10,7 @@ from argparse import ArgumentError
 from typing import NamedTuple, Optional
 
 import yaml
-from jsonargparse import set_parsing_settings
+from jsonargparse import ActionYesNo, set_parsing_settings
 from lightning.pytorch.cli import LightningCLI
 
 from .callbacks.final_validation import FinalValidation
@@ -26,7 +26,7 @@ from .loggers.mlflow_runs import announce_run, label_runs
 from .loggers.save_config import MLflowSaveConfig
 from .model import GPTConfig, HyperConfig
 from .module import LitLM, OptimConfig, check_compile, check_fused
-from .resume import resolve_last, resume_command
+from .resume import check_resume, resolve_last, resume_command
 
 # The Trainer entry points `mhc` offers. `predict` is left out: the byte LM has no prediction data or
 # writer, so Lightning's `predict` could only fail.
@@ -96,6 +96,9 @@ class MHCLightningCLI(LightningCLI):
         # The corpus decides the vocabulary (bytes: 256); the model must agree, so link rather than repeat.
         parser.link_arguments("data.vocab_size", "model.arch.vocab_size", apply_on="instantiate")
         parser.link_arguments("data.seq_len", "model.arch.context")
+        parser.add_argument("--extend", action=ActionYesNo, default=False,
+                            help="fit --ckpt_path: continue the run to another trainer.max_steps, the cosine going on "
+                                 "from the lr reached to its minimum at the new last step (refused without it)")
 
     def parse_arguments(self, parser, args) -> None:
         super().parse_arguments(parser, args)
@@ -111,8 +114,10 @@ class MHCLightningCLI(LightningCLI):
         # Inputs are checked here, not later: Lightning next replaces the model config by the checkpoint's
         # hyperparameters, and the loggers (which create the MLflow run) do not exist yet. `--ckpt_path last` first
         # becomes the earlier run's own checkpoint (resume.py), so that it is checked like any other.
-        resolve_last(self.config, sub)
+        resumed = resolve_last(self.config, sub)
         self.checkpoint_info = check_inputs(sub, cfg) if sub else None
+        if sub == "fit" and self.checkpoint_info is not None:
+            check_resume(cfg, self.checkpoint_info, resumed)  # the same budget, or --extend; says the step
 
     def before_instantiate_classes(self) -> None:
         if self.subcommand:

@@ -35,6 +35,8 @@ _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 class CheckpointInfo:
     path: Path
     source_run_id: Optional[str]  # the MLflow run that wrote the checkpoint, when known
+    global_step: Optional[int] = None  # optimizer steps done when it was written
+    scheduler: Optional[dict] = None  # its LR scheduler's state (resume.check_resume reads its planned steps)
 
 
 def as_dict(ns) -> dict:
@@ -76,7 +78,8 @@ def check_checkpoint(path: Path, arch: dict) -> CheckpointInfo:
         raise UserError(f"checkpoint {path} was trained with another architecture: {said}. Use the config it was "
                         f"trained with (its MLflow run keeps it as config.yaml), or add: {flags}")
     run = ckpt.get(CHECKPOINT_RUN_KEY) or {}
-    return CheckpointInfo(path, run.get("run_id") or _run_id_from_layout(path))
+    schedulers = ckpt.get("lr_schedulers") or [None]
+    return CheckpointInfo(path, run.get("run_id") or _run_id_from_layout(path), ckpt.get("global_step"), schedulers[0])
 
 
 def _load(path: Path) -> dict:
