@@ -4,6 +4,7 @@ Whatever the command, a problem the user can fix (a UserError, a parser error, a
 printed as one line, `mhc <command>: error: ...`, with exit status 2 and no traceback.
 """
 import importlib
+import signal
 import sys
 import warnings
 from argparse import ArgumentError
@@ -22,6 +23,7 @@ from .configs import parser_kwargs
 from .data import ByteTextDataModule
 from .errors import EXIT_USER_ERROR, UserError, one_line
 from .input_checks import check_inputs
+from .interrupts import GracefulStop, finish
 from .loggers.mlflow_runs import announce_run, label_runs
 from .loggers.save_config import MLflowSaveConfig
 from .model import GPTConfig, HyperConfig
@@ -149,7 +151,7 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True, exit_on_error:
     kwargs.setdefault("save_config_callback", MLflowSaveConfig)
     defaults = dict(kwargs.pop("trainer_defaults", None) or {})
     given = defaults.get("callbacks") or []
-    defaults["callbacks"] = [FinalValidation(), PerLayerArtifacts(), RunProvenance(),
+    defaults["callbacks"] = [FinalValidation(), PerLayerArtifacts(), RunProvenance(), GracefulStop(),
                             *(given if isinstance(given, list) else [given])]
     pk = parser_kwargs({"parser_mode": "omegaconf+", "default_env": False, "exit_on_error": exit_on_error}, run,
                        TRAINER_COMMANDS)
@@ -230,6 +232,13 @@ def main(argv: Optional[list[str]] = None) -> None:
             warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
             # argv=None lets LightningCLI read sys.argv itself
             build_cli(None if argv is None else args, exit_on_error=False)
+    except (SystemExit, KeyboardInterrupt) as err:
+        status = finish(args) if command == "fit" else None  # stopped by a signal: run KILLED, resume command
+        if status is None and isinstance(err, KeyboardInterrupt):
+            status = 128 + signal.SIGINT  # before anything started: nothing to save
+        if status is None:
+            raise
+        sys.exit(status)
     except CheckpointWriteError as err:
         fail(command, f"{err} Resume with: {resume_command(args)}" if err.resumable else str(err))
     except UserError as err:
