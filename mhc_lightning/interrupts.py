@@ -38,6 +38,9 @@ class _Stop:
     folder: Optional[Path] = None
     runs: list[tuple[Any, str]] = field(default_factory=list)  # (MLflow client, run id)
 
+    def reset(self) -> None:
+        self.__init__()
+
 
 STOP = _Stop()
 
@@ -55,6 +58,10 @@ class GracefulStop(Callback):
 
     def __init__(self):
         self._previous: dict[int, Any] = {}
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if stage == "fit":
+            STOP.reset()  # an earlier fit of this process (sweep trials, tests) does not count
 
     def on_train_start(self, trainer, pl_module) -> None:
         # After Lightning installed its SIGTERM handler (kept, and called): until here Python's and Lightning's own
@@ -123,4 +130,6 @@ def finish(args: list[str]) -> Optional[int]:
     where = f" at step {STOP.step}" if STOP.step is not None else ""
     then = f"Resume with: {resume_command(args)}" if good else "Run the same command to start again."
     _say(f"stopped by {name}{where}; {saved}{marked}. {then}")
-    return 128 + STOP.signum
+    status = 128 + STOP.signum
+    STOP.reset()
+    return status
