@@ -4,7 +4,8 @@ gives a process ended by those signals, so that a script or a scheduler sees tha
 
 - SIGTERM (a scheduler's preemption, `kill`): Lightning's own handler flags it and its loops raise SIGTERMException
   at the end of the step under way (after its logging and any validation due, the point where a checkpoint resumes
-  exactly); `GracefulStop.on_exception` then writes last.ckpt through the run's ModelCheckpoint.
+  exactly; a signal during a validation is passed on once it is complete, since Lightning would stop inside it and
+  its metrics are not in a checkpoint); `GracefulStop.on_exception` then writes last.ckpt through the ModelCheckpoint.
 - SIGINT (Ctrl-C): the first one becomes the same stop (through Lightning's SIGTERM handler, which also tells DDP's
   other processes); a second signal of either kind stops at once (KeyboardInterrupt), keeping the last periodic
   checkpoint.
@@ -58,6 +59,8 @@ class GracefulStop(Callback):
 
     def __init__(self):
         self._previous: dict[int, Any] = {}
+        self._trainer = None
+        self._after_validation = False  # a signal came during a validation: stop once it is complete
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if stage == "fit":
@@ -66,6 +69,7 @@ class GracefulStop(Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         # After Lightning installed its SIGTERM handler (kept, and called): until here Python's and Lightning's own
         # handling applies, which on_exception also understands.
+        self._trainer, self._after_validation = trainer, False
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGINT, signal.SIGTERM):
                 self._previous[signum] = signal.signal(signum, self._on_signal)
@@ -74,6 +78,7 @@ class GracefulStop(Callback):
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
+        self._trainer = None
 
     def _on_signal(self, signum: int, frame) -> None:
         if STOP.signum is not None:  # asked again: stop now, without a checkpoint
@@ -81,6 +86,17 @@ class GracefulStop(Callback):
         STOP.signum = signum
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         _say(f"{name}: stopping after this step with a checkpoint ({name} again to stop at once)")
+        if self._trainer is not None and self._trainer.validating:
+            self._after_validation = True  # Lightning would stop mid-validation, whose metrics are not checkpointed
+        else:
+            self._stop_loops(frame)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if self._after_validation:
+            self._after_validation = False
+            self._stop_loops(None)
+
+    def _stop_loops(self, frame) -> None:
         lightning = self._previous.get(signal.SIGTERM)
         if callable(lightning):  # its loops stop at the end of the step; under DDP it tells the other processes
             lightning(signal.SIGTERM, frame)

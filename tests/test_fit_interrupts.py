@@ -3,6 +3,7 @@ and the printed resume command continues the run exactly (the stops used to exit
 FAILED run with no hint)."""
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import signal
@@ -10,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 from helpers import CONF, REPO, handshake_arg, wait_for
@@ -110,3 +112,34 @@ def test_ctrl_c_and_sigterm_stop_with_a_checkpoint_killed_run_and_resume_command
         assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-6), key
     print(f"[figures] Ctrl-C -> exit 130, SIGTERM -> exit 143, both KILLED with checkpoints of steps 3 and 7; "
           f"resumed run = uninterrupted run over {len(got)} validations and 12 training steps")
+
+
+class SigtermInValidation(L.Callback):
+    """Sends this process SIGTERM at the first batch of the validation after training step `step`."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        if not trainer.sanity_checking and trainer.global_step == self.step and batch_idx == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_during_a_validation_stops_once_it_is_complete(tiny_corpus, tmp_path, capsys, monkeypatch):
+    """SIGTERM (real, to this process) inside the validation of step 4: the validation finishes and is logged, then the
+    fit stops with a checkpoint of step 4, exit 143 (Lightning alone stops inside the validation, whose partial metrics
+    no checkpoint holds)."""
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    hook = "--trainer.callbacks+=" + json.dumps({"class_path": f"{__name__}.SigtermInValidation",
+                                                 "init_args": {"step": 4}})
+    with one_thread(), pytest.raises(SystemExit) as stopped:
+        main(_args(tiny_corpus, uri, tmp_path / "runs", hook))
+    assert stopped.value.code == 143
+    assert "mhc fit: stopped by SIGTERM at step 4; checkpoint of step 4 saved as " in capsys.readouterr().err
+    (folder,) = (tmp_path / "runs").glob("*/*/checkpoints")
+    assert _step(folder) == 4
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("quickstart").experiment_id])
+    # the validation after step 4 was completed and logged (under Lightning's logging step, 3)
+    assert run.info.status == "KILLED" and [s for s, _ in _history(client, run.info.run_id, "val/loss")] == [3]
