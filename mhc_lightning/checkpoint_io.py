@@ -51,12 +51,13 @@ class CheckpointWriteError(UserError):
         self.resumable = resumable
 
 
-def with_digest(data: bytes) -> bytes:
-    """torch.save's archive with its sha256 as the zip comment."""
-    if data[-22:-18] != EOCD or data[-2:] != b"\0\0":
+def with_digest(archive: memoryview) -> list:
+    """torch.save's archive with its sha256 as the zip comment, as the parts to write (views, not copies: a
+    checkpoint can be gigabytes)."""
+    if bytes(archive[-22:-18]) != EOCD or bytes(archive[-2:]) != b"\0\0":
         raise ValueError("not a zip archive without comment (torch.save's format)")
-    body = data[:-2]
-    return body + COMMENT_LEN.to_bytes(2, "little") + MARK + hashlib.sha256(body).hexdigest().encode()
+    body = archive[:-2]
+    return [body, COMMENT_LEN.to_bytes(2, "little") + MARK + hashlib.sha256(body).hexdigest().encode()]
 
 
 def read_digest(path: Path) -> tuple[Optional[str], Optional[str]]:
@@ -129,18 +130,19 @@ def verify(path: Path, run_id: Optional[str] = None) -> bool:
     return _verified[key]
 
 
-def write_whole(path: Path, data: bytes) -> None:
-    """Write `data` to `path` through a temporary file in the same folder: the target is replaced only once every
-    byte is on disk. Whatever fails, no temporary file is left behind."""
+def write_whole(path: Path, parts: list) -> None:
+    """Write the byte strings `parts` to `path` through a temporary file in the same folder: the target is replaced
+    only once every byte is on disk. Whatever fails, no temporary file is left behind."""
     folder = path.parent
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         try:
-            view = memoryview(data)
-            while view:
-                view = view[_os_write(fd, view[:CHUNK]):]
+            for part in parts:
+                view = memoryview(part)
+                while view:
+                    view = view[_os_write(fd, view[:CHUNK]):]
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -180,7 +182,7 @@ class VerifiedCheckpointIO(TorchCheckpointIO):
         torch.save(checkpoint, buffer)
         path = Path(path)
         try:
-            write_whole(path, with_digest(buffer.getvalue()))
+            write_whole(path, with_digest(buffer.getbuffer()))
         except OSError as err:
             raise write_failure(path, err) from None
 

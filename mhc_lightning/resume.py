@@ -70,8 +70,8 @@ def check_resume(cfg, checkpoint, run: Optional[str]) -> None:
     planned = lambdas[0].get("total") if isinstance(lambdas[0], dict) else None  # None: not a WarmupCosine
     step, max_steps = checkpoint.global_step, int(_get(cfg.trainer, "max_steps") or -1)
     if planned is not None and max_steps > 0 and max_steps != planned:
-        sched = checkpoint.scheduler
-        lr, lr_min = sched["_last_lr"][0], sched["base_lrs"][0] * lambdas[0]["min_ratio"]
+        sched, nan = checkpoint.scheduler, float("nan")
+        lr, lr_min = (sched.get("_last_lr") or [nan])[0], (sched.get("base_lrs") or [nan])[0] * lambdas[0]["min_ratio"]
         state = "finished" if step is not None and step >= planned else f"at step {step}"
         then = (f"the lr stays at the minimum it reached, {lr:.3g}" if lr <= lr_min * (1 + 1e-6) else
                 f"the cosine goes on from the lr it reached, {lr:.3g}, to its minimum {lr_min:.3g} at step {max_steps}")
