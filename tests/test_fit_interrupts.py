@@ -130,11 +130,17 @@ def test_sigterm_during_a_validation_stops_once_it_is_complete(tiny_corpus, tmp_
     fit stops with a checkpoint of step 4, exit 143 (Lightning alone stops inside the validation, whose partial metrics
     no checkpoint holds)."""
     monkeypatch.chdir(tmp_path)
+    # as in a fresh `mhc fit` process: no SIGTERM handler left by an earlier in-process test (a sweep worker's raises
+    # KeyboardInterrupt, and Lightning would call it too)
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     hook = "--trainer.callbacks+=" + json.dumps({"class_path": f"{__name__}.SigtermInValidation",
                                                  "init_args": {"step": 4}})
-    with one_thread(), pytest.raises(SystemExit) as stopped:
-        main(_args(tiny_corpus, uri, tmp_path / "runs", hook))
+    try:
+        with one_thread(), pytest.raises(SystemExit) as stopped:
+            main(_args(tiny_corpus, uri, tmp_path / "runs", hook))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     assert stopped.value.code == 143
     assert "mhc fit: stopped by SIGTERM at step 4; checkpoint of step 4 saved as " in capsys.readouterr().err
     (folder,) = (tmp_path / "runs").glob("*/*/checkpoints")
