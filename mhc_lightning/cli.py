@@ -4,12 +4,14 @@ imports this module only for these three commands: Lightning costs seconds to im
 A problem the user can fix (a UserError, a parser error, a broken YAML file) is printed as one line,
 `mhc <command>: error: ...`, with exit status 2 and no traceback.
 """
+import signal
+import sys
 import warnings
 from argparse import ArgumentError
 from typing import Optional
 
 import yaml
-from jsonargparse import set_parsing_settings
+from jsonargparse import ActionYesNo, set_parsing_settings
 from lightning.pytorch.cli import LightningCLI
 
 from .callbacks.final_validation import FinalValidation
@@ -18,11 +20,13 @@ from .callbacks.progress_lines import ProgressLines
 from .callbacks.run_provenance import RunProvenance
 from .callbacks.system_metrics import SystemMetrics
 from .callbacks.utilization import Utilization
+from .checkpoint_io import CheckpointWriteError, use_verified_checkpoints
 from .commands import TOOLS, TRAINER_COMMANDS, Tool, fail, main, overview  # noqa: F401 (`mhc`, as before)
 from .configs import parser_kwargs
 from .data import ByteTextDataModule
 from .errors import UserError, one_line
 from .input_checks import check_inputs
+from .interrupts import GracefulStop, finish
 from .loggers.credentials import take_credentials
 from .loggers.mlflow_runs import announce_run, label_runs, mlflow_logger_configs
 from .loggers.save_config import MLflowSaveConfig
@@ -30,7 +34,7 @@ from .model import GPTConfig, HyperConfig
 from .module import LitLM, OptimConfig, check_compile, check_fused
 from .optimizer_options import refuse_optimizer_options
 from .quiet import silence_known_noise
-from .resume import resolve_last
+from .resume import check_resume, resolve_last, resume_command
 
 
 def _plain(ns) -> dict:
@@ -67,6 +71,9 @@ class MHCLightningCLI(LightningCLI):
         parser.link_arguments("data.seq_len", "model.arch.context")
         # MFU and peak memory in every run; --utilization.peak_flops sets the device's peak where no table knows it
         parser.add_lightning_class_args(Utilization, "utilization")
+        parser.add_argument("--extend", action=ActionYesNo, default=False,
+                            help="fit --ckpt_path: continue the run to another trainer.max_steps, the cosine going on "
+                                 "from the lr reached to its minimum at the new last step (refused without it)")
 
     def parse_arguments(self, parser, args) -> None:
         super().parse_arguments(parser, args)
@@ -84,14 +91,21 @@ class MHCLightningCLI(LightningCLI):
         # becomes the earlier run's own checkpoint (resume.py), so that it is checked like any other.
         for logger in mlflow_logger_configs(cfg.trainer.get("logger")) if sub else []:
             logger.init_args.tracking_uri = take_credentials(logger.init_args.get("tracking_uri"))
-        resolve_last(self.config, sub)
+        resumed = resolve_last(self.config, sub)
         self.checkpoint_info = check_inputs(sub, cfg) if sub else None
+        if sub == "fit" and self.checkpoint_info is not None:
+            check_resume(cfg, self.checkpoint_info, resumed)  # the same budget, or --extend; says the step
 
     def before_instantiate_classes(self) -> None:
         if self.subcommand:
             ckpt = self.checkpoint_info
             label_runs(self.config[self.subcommand].trainer.get("logger"), self.subcommand,
                        ckpt.source_run_id if ckpt else None, str(ckpt.path.resolve()) if ckpt else None)
+
+    def instantiate_trainer(self, **kwargs):
+        trainer = super().instantiate_trainer(**kwargs)
+        use_verified_checkpoints(trainer)  # written whole, with a digest that is checked before a resume
+        return trainer
 
     def after_fit(self) -> None:
         announce_run(self.trainer, "fit")
@@ -116,6 +130,7 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True, exit_on_error:
     defaults = dict(kwargs.pop("trainer_defaults", None) or {})
     given = defaults.get("callbacks") or []
     defaults["callbacks"] = [FinalValidation(), PerLayerArtifacts(), RunProvenance(), SystemMetrics(), ProgressLines(),
+                            GracefulStop(),
                             *(given if isinstance(given, list) else [given])]
     pk = parser_kwargs({"parser_mode": "omegaconf+", "default_env": False, "exit_on_error": exit_on_error}, run,
                        TRAINER_COMMANDS)
@@ -179,6 +194,15 @@ def run_trainer_command(command: str, args: list[str], argv: Optional[list[str]]
             # main(argv) called from Python (tests, tools) passes argv on; sys.argv is its caller's, not ours
             warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
             build_cli(argv, exit_on_error=False)
+    except (SystemExit, KeyboardInterrupt) as err:
+        status = finish(args) if command == "fit" else None  # stopped by a signal: run KILLED, resume command
+        if status is None and isinstance(err, KeyboardInterrupt):
+            status = 128 + signal.SIGINT  # before anything started: nothing to save
+        if status is None:
+            raise
+        sys.exit(status)
+    except CheckpointWriteError as err:
+        fail(command, f"{err} Resume with: {resume_command(args)}" if err.resumable else str(err))
     except UserError as err:
         fail(command, str(err))
     except ArgumentError as err:

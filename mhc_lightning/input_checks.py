@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import torch
 
+from .checkpoint_io import verify
 from .data import ByteTextDataModule
 from .errors import UserError
 from .loggers.tags import CHECKPOINT_RUN_KEY
@@ -34,6 +35,8 @@ _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 class CheckpointInfo:
     path: Path
     source_run_id: Optional[str]  # the MLflow run that wrote the checkpoint, when known
+    global_step: Optional[int] = None  # optimizer steps done when it was written
+    scheduler: Optional[dict] = None  # its LR scheduler's state (resume.check_resume reads its planned steps)
 
 
 def as_dict(ns) -> dict:
@@ -61,6 +64,7 @@ def check_checkpoint(path: Path, arch: dict) -> CheckpointInfo:
                         "(fit writes runs/<experiment id>/<run id>/checkpoints/last.ckpt).")
     if not path.is_file():
         raise UserError(f"checkpoint {path} is a folder; pass --ckpt_path with a .ckpt file in it.")
+    verify(path, _run_id_from_layout(path))  # CorruptCheckpoint names the newest good checkpoint beside it
     ckpt = _load(path)
     trained = (ckpt.get("hyper_parameters") or {}).get("arch")
     if not isinstance(trained, dict):
@@ -74,7 +78,8 @@ def check_checkpoint(path: Path, arch: dict) -> CheckpointInfo:
         raise UserError(f"checkpoint {path} was trained with another architecture: {said}. Use the config it was "
                         f"trained with (its MLflow run keeps it as config.yaml), or add: {flags}")
     run = ckpt.get(CHECKPOINT_RUN_KEY) or {}
-    return CheckpointInfo(path, run.get("run_id") or _run_id_from_layout(path))
+    schedulers = ckpt.get("lr_schedulers") or [None]
+    return CheckpointInfo(path, run.get("run_id") or _run_id_from_layout(path), ckpt.get("global_step"), schedulers[0])
 
 
 def _load(path: Path) -> dict:

@@ -10,6 +10,7 @@ import torch
 import torch._inductor
 import torch.nn.functional as F
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics import MeanMetric
 from torchmetrics.text import Perplexity
 
@@ -17,6 +18,7 @@ from .diagnostics import grad_norm_summary, summarize
 from .distributed import reduce_diagnostics
 from .model import GPT, GPTConfig
 from .model.compiled import compile_model
+from .schedule import WarmupCosine
 from .sharding import clean_name, decays, fully_shard_model, local_tensor, shard_group
 
 
@@ -60,16 +62,6 @@ class OptimConfig:
 
 def _as(cls, value):
     return cls(**value) if isinstance(value, dict) else value
-
-
-def lr_lambda(warmup: int, total: int, min_ratio: float):
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return f
 
 
 # Lightning precisions with a GradScaler (loss scaling)
@@ -313,6 +305,17 @@ class LitLM(L.LightningModule):
             for lg in self.trainer.loggers:
                 lg.log_metrics(summary, step=self.global_step)
 
+    def on_train_start(self) -> None:
+        # The checkpoint of a resumed run restored the schedule it was planned with; a new budget (`mhc fit --extend`,
+        # refused without it) continues the cosine from here to the new last step (schedule.py)
+        sched, total = self.lr_schedulers(), int(self.trainer.estimated_stepping_batches)
+        plan = sched.lr_lambdas[0] if isinstance(sched, torch.optim.lr_scheduler.LambdaLR) else None
+        if isinstance(plan, WarmupCosine) and plan.total != total:
+            before, step, lr = plan.total, self.global_step, self.optim.lr
+            plan.extend(step, total)
+            rank_zero_info(f"learning-rate schedule extended at step {step}: planned for {before} steps, now {total}; "
+                           f"lr {lr * plan(step):.3g} at step {step} -> {lr * plan(total):.3g} at step {total}")
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self._grad_norm_steps is not None:
             checkpoint["grad_norm_steps"] = self._grad_norm_steps[: self.global_step].cpu()
@@ -412,5 +415,5 @@ class LitLM(L.LightningModule):
         # fused=False would also turn foreach off: None leaves torch its default
         opt = torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, fused=True if fused else None)
         total = int(self.trainer.estimated_stepping_batches)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(o.warmup_steps, total, o.min_lr_ratio))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, WarmupCosine(o.warmup_steps, total, o.min_lr_ratio))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

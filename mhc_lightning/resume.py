@@ -11,6 +11,7 @@ without logging a metric step twice (loggers/resilient.py); the train loader con
 """
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -42,9 +43,9 @@ def _checkpoint_dirpath(trainer_cfg) -> Optional[str]:
     return None
 
 
-def resolve_last(config, subcommand: Optional[str]) -> Optional[tuple[str, Path]]:
+def resolve_last(config, subcommand: Optional[str]) -> Optional[str]:
     """If the command asks for `--ckpt_path last` with an MLflow logger, point it at the previous run's checkpoint and
-    that run; returns (run id, checkpoint) or None when there is nothing to resolve. Raises NoCheckpointToResume."""
+    that run; returns the run, in words, or None when there is nothing to resolve. Raises NoCheckpointToResume."""
     cfg = config[subcommand] if subcommand else config
     if _get(cfg, "ckpt_path") != LAST:
         return None
@@ -58,9 +59,34 @@ def resolve_last(config, subcommand: Optional[str]) -> Optional[tuple[str, Path]
                                    Path(cfg.trainer.default_root_dir or "."), _checkpoint_dirpath(cfg.trainer))
     init.run_id = run_id
     cfg.ckpt_path = str(ckpt)
-    print(f"resuming MLflow run {run_id} ({name or 'unnamed'}, experiment {experiment!r}) from {ckpt}",
-          file=sys.stderr, flush=True)
-    return run_id, ckpt
+    return f"MLflow run {run_id} ({name or 'unnamed'}, experiment {experiment!r})"
+
+
+def check_resume(cfg, checkpoint, run: Optional[str]) -> None:
+    """`mhc fit` from a checkpoint, before anything is written: refuse a step budget other than the one the checkpoint's
+    schedule was planned for unless `--extend` says to continue it (schedule.py), then say where training restarts.
+    `checkpoint`: input_checks.CheckpointInfo; `run`: what resolve_last resumes."""
+    lambdas = (checkpoint.scheduler or {}).get("lr_lambdas") or [None]
+    planned = lambdas[0].get("total") if isinstance(lambdas[0], dict) else None  # None: not a WarmupCosine
+    step, max_steps = checkpoint.global_step, int(_get(cfg.trainer, "max_steps") or -1)
+    if planned is not None and max_steps > 0 and max_steps != planned:
+        sched, nan = checkpoint.scheduler, float("nan")
+        lr, lr_min = (sched.get("_last_lr") or [nan])[0], (sched.get("base_lrs") or [nan])[0] * lambdas[0]["min_ratio"]
+        state = "finished" if step is not None and step >= planned else f"at step {step}"
+        then = (f"the lr stays at the minimum it reached, {lr:.3g}" if lr <= lr_min * (1 + 1e-6) else
+                f"the cosine goes on from the lr it reached, {lr:.3g}, to its minimum {lr_min:.3g} at step {max_steps}")
+        if not _get(cfg, "extend"):
+            raise UserError(
+                f"--ckpt_path {checkpoint.path}: that run was planned for trainer.max_steps={planned} ({state}) and "
+                f"this command asks for trainer.max_steps={max_steps}, which would change its learning-rate schedule; "
+                f"add --extend to continue it to step {max_steps} ({then}), or resume with "
+                f"--trainer.max_steps={planned}")
+        if step is not None and max_steps <= step:
+            raise UserError(f"--extend: trainer.max_steps={max_steps} is not beyond the checkpoint's step {step}; "
+                            "pass a larger trainer.max_steps")
+    where = f"{run} from {checkpoint.path}" if run else str(checkpoint.path)
+    total = f" of {max_steps}" if max_steps > 0 else ""
+    print(f"resuming {where}: it restarts at step {step}{total}", file=sys.stderr, flush=True)
 
 
 def find_checkpoint(uri: Optional[str], experiment: str, run_name: Optional[str], run_id: Optional[str],
@@ -106,3 +132,17 @@ def find_checkpoint(uri: Optional[str], experiment: str, run_name: Optional[str]
     raise NoCheckpointToResume(
         f"--ckpt_path last: no checkpoint of {what} at {uri}{where}; run the same command without --ckpt_path to "
         "start it, or pass a checkpoint file")
+
+
+def resume_command(args: list[str]) -> str:
+    """`mhc <args> --ckpt_path last`, shell-quoted: the command that continues the run `args` started (an earlier
+    --ckpt_path is replaced)."""
+    kept, i = [], 0
+    while i < len(args):
+        if args[i] == "--ckpt_path":
+            i += 2  # the flag and its value
+            continue
+        if not args[i].startswith("--ckpt_path="):
+            kept.append(args[i])
+        i += 1
+    return shlex.join(["mhc", *kept, "--ckpt_path", LAST])

@@ -158,7 +158,7 @@ def test_log_model_keeps_the_one_copy_in_mlflow_and_resume_downloads_it(tiny_cor
     assert not list(root.rglob("*.ckpt"))  # one copy: in MLflow
 
     main([a if not a.startswith("--trainer.max_steps") else "--trainer.max_steps=6" for a in args]
-         + ["--ckpt_path", "last"])
+         + ["--ckpt_path", "last", "--extend"])  # 4 -> 6 steps: an explicit extension
     (again,) = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
     assert again.info.run_id == run.info.run_id and again.info.status == "FINISHED"
     assert [m.step for m in sorted(client.get_metric_history(run.info.run_id, "train/loss"), key=lambda m: m.step)] \

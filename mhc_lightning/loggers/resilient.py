@@ -17,6 +17,8 @@ server and resume"). Every shipped config uses it.
 """
 from __future__ import annotations
 
+import inspect
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional
@@ -26,7 +28,15 @@ from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 
 from .spool import GuardedClient
-from .store import TrackingUnreachable, check_tracking, ensure_experiment, is_outage, redact, use_fast_http_failures
+from .store import (
+    TrackingUnreachable,
+    check_tracking,
+    ensure_experiment,
+    is_outage,
+    redact,
+    store_lock,
+    use_fast_http_failures,
+)
 
 _STATUS = {"success": "FINISHED", "failed": "FAILED", "finished": "FINISHED"}
 
@@ -44,7 +54,9 @@ class ResilientMLFlowLogger(MLFlowLogger):
     def __init__(self, *args: Any, spool_dir: str = "mlflow_spool", retry_every: float = 30.0,
                  flush_timeout: float = 30.0, **kwargs: Any):
         use_fast_http_failures()
-        super().__init__(*args, **kwargs)
+        given = inspect.signature(MLFlowLogger).bind_partial(*args, **kwargs).arguments
+        with store_lock(given.get("tracking_uri", os.getenv("MLFLOW_TRACKING_URI"))):
+            super().__init__(*args, **kwargs)  # its MlflowClient opens (and migrates a new) store right away
         self._spool_dir, self._flush_timeout = spool_dir, flush_timeout
         self._started = False
         self._logged_up_to: dict[str, int] = {}  # resumed run: last step already logged, per metric

@@ -4,14 +4,16 @@
   in seconds rather than after MLflow's default retries (minutes).
 - `is_outage`: tells "the server is not there right now" (keep the write for later) from "the request is wrong"
   (a bug: raise).
-- `prepare_store`: a fresh SQLite store is migrated by its first client; two processes doing that at once corrupt it
-  (alembic's temporary tables), so the first access is serialised with a lock file beside the database.
+- `prepare_store`, `store_lock`: a fresh SQLite store is migrated by the first client that opens it (an MlflowClient
+  opens its store when it is created); two processes doing that at once corrupt it (alembic's temporary tables), so
+  every first open in a process is serialised with an inter-process lock.
 - `ensure_experiment`: the experiment, created if needed, tagged so that the MLflow UI opens it in its
   training-runs view (see TRAINING_KIND below).
 - `ui_hint`: the command that opens a local store in the MLflow UI, runnable from any folder.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
@@ -136,19 +138,27 @@ def lock_path(db: Path) -> str:
     return str(Path(tempfile.gettempdir()) / f"mhc-sqlite-{hashlib.sha1(str(db).encode()).hexdigest()[:16]}.lock")
 
 
-def prepare_store(uri: str) -> None:
-    """One API call against the store; for SQLite under an inter-process lock, so that only one process migrates a
-    new database (parallel first clients collide in alembic and can leave the file unusable)."""
-    from mlflow import MlflowClient
-
-    db = sqlite_path(uri)
+@contextlib.contextmanager
+def store_lock(uri: Optional[str]):
+    """Hold the inter-process lock of a SQLite store (nothing for other stores) while a client is created or first
+    used: creating an MlflowClient opens the store and migrates a new database, which two processes must not do at
+    once (parallel first clients collide in alembic and can leave the file unusable)."""
+    db = sqlite_path(uri) if uri else None
     if db is None:
-        MlflowClient(uri).search_experiments(max_results=1)
+        yield
         return
     from filelock import FileLock
 
     db.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(lock_path(db), timeout=300):
+        yield
+
+
+def prepare_store(uri: str) -> None:
+    """One API call against the store, a new SQLite database migrated under the store's lock (store_lock)."""
+    from mlflow import MlflowClient
+
+    with store_lock(uri):
         MlflowClient(uri).search_experiments(max_results=1)
 
 

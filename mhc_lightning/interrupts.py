@@ -1,0 +1,151 @@
+"""Ctrl-C and SIGTERM during `mhc fit`: stop at the end of the current step with a checkpoint to resume from, mark the
+MLflow run KILLED, print the command that resumes it, and exit 130 (SIGINT) or 143 (SIGTERM), the statuses a shell
+gives a process ended by those signals, so that a script or a scheduler sees that the fit did not finish.
+
+- SIGTERM (a scheduler's preemption, `kill`): Lightning's own handler flags it and its loops raise SIGTERMException
+  at the end of the step under way (after its logging and any validation due, the point where a checkpoint resumes
+  exactly; a signal during a validation is passed on once it is complete, since Lightning would stop inside it and
+  its metrics are not in a checkpoint); `GracefulStop.on_exception` then writes last.ckpt through the ModelCheckpoint.
+- SIGINT (Ctrl-C): the first one becomes the same stop (through Lightning's SIGTERM handler, which also tells DDP's
+  other processes); a second signal of either kind stops at once (KeyboardInterrupt), keeping the last periodic
+  checkpoint.
+- `finish` (called by the CLI when the fit ends by an exception) marks the runs KILLED, after Lightning marked them
+  FAILED, prints where the checkpoint is and the resume command, and returns the exit status.
+"""
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from .checkpoint_io import CheckpointWriteError, last_good
+from .loggers.mlflow_runs import mlflow_loggers
+from .resume import resume_command
+
+
+@dataclass
+class _Stop:
+    """What the process was asked to do and what it saved; one fit per process."""
+
+    signum: Optional[int] = None
+    step: Optional[int] = None
+    checkpoint: Optional[Path] = None
+    folder: Optional[Path] = None
+    runs: list[tuple[Any, str]] = field(default_factory=list)  # (MLflow client, run id)
+
+    def reset(self) -> None:
+        self.__init__()
+
+
+STOP = _Stop()
+
+
+def _say(text: str) -> None:
+    print(f"mhc fit: {text}", file=sys.stderr, flush=True)
+
+
+def _last_checkpoint_callback(trainer) -> Optional[ModelCheckpoint]:
+    return next((cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath), None)
+
+
+class GracefulStop(Callback):
+    """Installed by the CLI in every Trainer: see the module docstring."""
+
+    def __init__(self):
+        self._previous: dict[int, Any] = {}
+        self._trainer = None
+        self._after_validation = False  # a signal came during a validation: stop once it is complete
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if stage == "fit":
+            STOP.reset()  # an earlier fit of this process (sweep trials, tests) does not count
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        # After Lightning installed its SIGTERM handler (kept, and called): until here Python's and Lightning's own
+        # handling applies, which on_exception also understands.
+        self._trainer, self._after_validation = trainer, False
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._on_signal)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+        self._trainer = None
+
+    def _on_signal(self, signum: int, frame) -> None:
+        if STOP.signum is not None:  # asked again: stop now, without a checkpoint
+            raise KeyboardInterrupt
+        STOP.signum = signum
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        _say(f"{name}: stopping after this step with a checkpoint ({name} again to stop at once)")
+        if self._trainer is not None and self._trainer.validating:
+            self._after_validation = True  # Lightning would stop mid-validation, whose metrics are not checkpointed
+        else:
+            self._stop_loops(frame)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if self._after_validation:
+            self._after_validation = False
+            self._stop_loops(None)
+
+    def _stop_loops(self, frame) -> None:
+        lightning = self._previous.get(signal.SIGTERM)
+        if callable(lightning):  # its loops stop at the end of the step; under DDP it tells the other processes
+            lightning(signal.SIGTERM, frame)
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        if trainer.state.fn != "fit":
+            return
+        if STOP.signum is None and isinstance(exception, (KeyboardInterrupt, SIGTERMException)):
+            STOP.signum = signal.SIGINT if isinstance(exception, KeyboardInterrupt) else signal.SIGTERM
+        if STOP.signum is None:
+            return
+        STOP.step = trainer.global_step
+        if trainer.is_global_zero:  # runs that exist already (reading lg.run_id would create one)
+            STOP.runs = [(lg.experiment, lg.run_id) for lg in mlflow_loggers(trainer) if getattr(lg, "_run_id", None)]
+        cb = _last_checkpoint_callback(trainer)
+        if cb is None:
+            return
+        STOP.folder = Path(cb.dirpath)
+        if isinstance(exception, SIGTERMException) and cb.save_last and not trainer.sanity_checking:
+            path = STOP.folder / f"{cb.CHECKPOINT_NAME_LAST}{cb.FILE_EXTENSION}"
+            try:
+                trainer.save_checkpoint(path)  # the loops stopped at a step boundary: resumes like a periodic one
+            except CheckpointWriteError as err:  # the run must still end, and say what is safe
+                _say(str(err))
+                return
+            cb.last_model_path, STOP.checkpoint = str(path), path
+
+
+def finish(args: list[str]) -> Optional[int]:
+    """After a fit that ended by an exception: if a signal stopped it, mark its MLflow runs KILLED, say what was saved
+    and how to resume, and return the exit status (128 + signal number); None if no signal was involved."""
+    if STOP.signum is None:
+        return None
+    for client, run_id in STOP.runs:
+        try:
+            client.set_terminated(run_id, "KILLED")  # a guarded client keeps it for later if the server is away
+        except Exception as err:  # the status is cosmetic next to the exit status and the checkpoint
+            _say(f"could not mark MLflow run {run_id} KILLED ({type(err).__name__})")
+    name = "Ctrl-C (SIGINT)" if STOP.signum == signal.SIGINT else signal.Signals(STOP.signum).name
+    runs = ", ".join(run_id for _, run_id in STOP.runs)
+    marked = f"; MLflow run {runs} marked KILLED" if runs else ""
+    good = (STOP.checkpoint, STOP.step) if STOP.checkpoint else last_good(STOP.folder) if STOP.folder else None
+    if STOP.checkpoint is not None:
+        saved = f"checkpoint of step {STOP.step} saved as {STOP.checkpoint}"
+    else:
+        saved = f"the last checkpoint is {good[0]} (step {good[1]})" if good else "no checkpoint was written yet"
+    where = f" at step {STOP.step}" if STOP.step is not None else ""
+    then = f"Resume with: {resume_command(args)}" if good else "Run the same command to start again."
+    _say(f"stopped by {name}{where}; {saved}{marked}. {then}")
+    status = 128 + STOP.signum
+    STOP.reset()
+    return status
