@@ -3,6 +3,7 @@
 Each benchmark is the module bench/NAME.py with a `main(argv)`; every one writes the JSON layout of bench/harness.py.
 Without a GPU the fused Triton kernels run under Triton's interpreter, chosen here before anything imports triton.
 """
+
 from __future__ import annotations
 
 import ast
@@ -23,8 +24,10 @@ def summary(name: str) -> str:
 def usage() -> str:
     width = max(map(len, BENCHMARKS))
     lines = [f"  {name.ljust(width)}  {summary(name)}" for name in BENCHMARKS]
-    return ("usage: python -m bench NAME [options]   (python -m bench NAME --help: its options)\n\nbenchmarks:\n"
-            + "\n".join(lines))
+    return (
+        "usage: python -m bench NAME [options]   (python -m bench NAME --help: its options)\n\nbenchmarks:\n"
+        + "\n".join(lines)
+    )
 
 
 def main(argv=None) -> int:

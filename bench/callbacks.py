@@ -22,6 +22,7 @@ model work. Generated text: no downloads.
     python -m bench callbacks --threads 1 [--configs stability,detector]
     python -m bench callbacks --accelerator gpu --block 5 --pairs 40
 """
+
 from __future__ import annotations
 
 import statistics
@@ -41,8 +42,14 @@ from mhc_lightning.module import LitLM, OptimConfig
 
 CONFIGS = ("stability", "detector", "snapshots", "scheduler", "sinkhorn")
 _ALWAYS = ("setup", "teardown", "on_train_start", "on_train_end", "on_exception")  # forwarded in every block
-_PER_STEP = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
-             "on_before_zero_grad", "on_train_batch_end")
+_PER_STEP = (
+    "on_train_batch_start",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_before_zero_grad",
+    "on_train_batch_end",
+)
 
 
 def make_corpus(path: Path, n_bytes: int = 2_000_000) -> Path:
@@ -81,8 +88,15 @@ class PairedBlocks(L.Callback):
             torch.cuda.synchronize()
         now = time.perf_counter()
         if self._t is not None:
-            self.blocks.append({"index": (step - self.warmup) // self.block - 1, "on": self.active,
-                                "seconds": now - self._t, "steps": self.block, "hook_s": self._hook_s})
+            self.blocks.append(
+                {
+                    "index": (step - self.warmup) // self.block - 1,
+                    "on": self.active,
+                    "seconds": now - self._t,
+                    "steps": self.block,
+                    "hook_s": self._hook_s,
+                }
+            )
         self._t, self._hook_s = now, 0.0
         on = self.is_on(step)
         if on != self.active and self.on_switch is not None:
@@ -100,6 +114,7 @@ class PairedBlocks(L.Callback):
                 getattr(cb, name)(trainer, pl_module, *args, **kwargs)
             if name in _PER_STEP:
                 self._hook_s += time.perf_counter() - t0
+
         return hook
 
     def pairs(self) -> list[float]:
@@ -140,38 +155,63 @@ class TimeOneSnapshot(L.Callback):
 
 def run(args, config: str, corpus: Path) -> dict:
     L.seed_everything(0, verbose=False)
-    arch = GPTConfig(n_layers=args.layers, d_model=args.width, n_heads=args.heads, context=args.seq,
-                     hyper=HyperConfig(residual_mode="mhc", n_streams=4, sinkhorn_iters=args.iters))
+    arch = GPTConfig(
+        n_layers=args.layers,
+        d_model=args.width,
+        n_heads=args.heads,
+        context=args.seq,
+        hyper=HyperConfig(residual_mode="mhc", n_streams=4, sinkhorn_iters=args.iters),
+    )
     model = LitLM(arch=arch, optim=OptimConfig(lr=args.lr), diagnostics_every=args.diagnostics_every)
     data = ByteTextDataModule(corpus=str(corpus), seq_len=args.seq, batch_size=args.batch)
     cuda = args.accelerator == "gpu"
-    inner = {"stability": lambda: [InstabilityDetector(), GradientSnapshots(), SinkhornScheduler()],
-             "detector": lambda: [InstabilityDetector()], "snapshots": lambda: [GradientSnapshots()],
-             "scheduler": lambda: [SinkhornScheduler()], "sinkhorn": lambda: []}[config]()
+    inner = {
+        "stability": lambda: [InstabilityDetector(), GradientSnapshots(), SinkhornScheduler()],
+        "detector": lambda: [InstabilityDetector()],
+        "snapshots": lambda: [GradientSnapshots()],
+        "scheduler": lambda: [SinkhornScheduler()],
+        "sinkhorn": lambda: [],
+    }[config]()
     on_switch = None
     if config == "sinkhorn":
+
         def on_switch(pl_module, on):
             set_sinkhorn(pl_module, args.scheduled_iters if on else args.iters)
+
     blocks = PairedBlocks(inner, args.block, args.warmup, cuda, on_switch)
     last = args.warmup + 2 * args.pairs * args.block  # the last block closes at this step's start
     snaps = next((c for c in inner if isinstance(c, GradientSnapshots)), None)
     timed_snap = [TimeOneSnapshot(snaps, last, cuda)] if snaps is not None else []
-    trainer = L.Trainer(accelerator=args.accelerator, devices=1, precision=args.precision, max_steps=last + 1,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-                        gradient_clip_val=1.0, callbacks=[blocks, *timed_snap])
+    trainer = L.Trainer(
+        accelerator=args.accelerator,
+        devices=1,
+        precision=args.precision,
+        max_steps=last + 1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        gradient_clip_val=1.0,
+        callbacks=[blocks, *timed_snap],
+    )
     trainer.fit(model, datamodule=data)
     ratios = blocks.pairs()
     on = [b for b in blocks.blocks if b["on"]]
     off = [b for b in blocks.blocks if not b["on"]]
-    out = {"config": config, "pairs": len(ratios), "pair_ratios": ratios,
-           "overhead_median": statistics.median(ratios) - 1,
-           "overhead_mean": statistics.fmean(ratios) - 1,
-           "step_s_off": sum(b["seconds"] for b in off) / sum(b["steps"] for b in off),
-           "step_s_on": sum(b["seconds"] for b in on) / sum(b["steps"] for b in on),
-           "hook_share": sum(b["hook_s"] for b in on) / sum(b["seconds"] for b in on),
-           "events": len(model.stability_channel.events) if hasattr(model, "stability_channel") else 0,
-           "blocks": blocks.blocks}
+    out = {
+        "config": config,
+        "pairs": len(ratios),
+        "pair_ratios": ratios,
+        "overhead_median": statistics.median(ratios) - 1,
+        "overhead_mean": statistics.fmean(ratios) - 1,
+        "step_s_off": sum(b["seconds"] for b in off) / sum(b["steps"] for b in off),
+        "step_s_on": sum(b["seconds"] for b in on) / sum(b["steps"] for b in on),
+        "hook_share": sum(b["hook_s"] for b in on) / sum(b["seconds"] for b in on),
+        "events": len(model.stability_channel.events) if hasattr(model, "stability_channel") else 0,
+        "blocks": blocks.blocks,
+    }
     if snaps is not None:
         out["snapshot_s"] = timed_snap[0].seconds
         out["snapshot_first_s"] = timed_snap[0].first_seconds
@@ -184,10 +224,18 @@ def run(args, config: str, corpus: Path) -> dict:
     return out
 
 
-COLUMNS = [("config", "configuration", ""), ("step_ms_off", "step off ms", ".2f"),
-           ("step_ms_on", "step on ms", ".2f"), ("overhead_pct", "overhead %", "+.2f"),
-           ("iqr_pct", "IQR of pairs %", ""), ("hook_pct", "in hooks %", ".2f"), ("snapshot_ms", "snapshot ms", ".0f"),
-           ("snapshot_pct", "snapshot %", "+.2f"), ("total_pct", "total %", "+.2f"), ("events", "events", "d")]
+COLUMNS = [
+    ("config", "configuration", ""),
+    ("step_ms_off", "step off ms", ".2f"),
+    ("step_ms_on", "step on ms", ".2f"),
+    ("overhead_pct", "overhead %", "+.2f"),
+    ("iqr_pct", "IQR of pairs %", ""),
+    ("hook_pct", "in hooks %", ".2f"),
+    ("snapshot_ms", "snapshot ms", ".0f"),
+    ("snapshot_pct", "snapshot %", "+.2f"),
+    ("total_pct", "total %", "+.2f"),
+    ("events", "events", "d"),
+]
 
 
 def main(argv=None) -> int:
@@ -200,8 +248,12 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--iters", type=int, default=20, help="the model's Sinkhorn iterations")
-    p.add_argument("--lr", type=float, default=OptimConfig.lr,
-                   help="lower it for wide models: events (skipped steps) make on and off blocks differ")
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=OptimConfig.lr,
+        help="lower it for wide models: events (skipped steps) make on and off blocks differ",
+    )
     p.add_argument("--configs", default="stability", help="comma-separated, from " + ", ".join(CONFIGS))
     p.add_argument("--scheduled-iters", type=int, default=44, help="the sinkhorn configuration's on-block count")
     p.add_argument("--block", type=int, default=10, help="optimizer steps per block")
@@ -220,35 +272,54 @@ def main(argv=None) -> int:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     args.pairs += args.pairs % 2
     if args.warmup + 2 * args.pairs * args.block >= GradientSnapshots().every_n_steps:
-        p.error("warmup + 2 * pairs * block must stay below the snapshot interval (500): a periodic snapshot "
-                "would land in one block; it is timed separately")
+        p.error(
+            "warmup + 2 * pairs * block must stay below the snapshot interval (500): a periodic snapshot "
+            "would land in one block; it is timed separately"
+        )
     args.precision = args.precision or ("bf16-mixed" if args.accelerator == "gpu" else "32-true")
     if args.threads:
         torch.set_num_threads(args.threads)
     report = harness.Report("callbacks", args, argv or [], "cuda" if args.accelerator == "gpu" else "cpu")
     report.env["threads"] = torch.get_num_threads()
-    model = {"layers": args.layers, "width": args.width, "seq": args.seq, "batch": args.batch, "streams": 4,
-             "sinkhorn_iters": args.iters, "mode": "mhc", "precision": args.precision}
+    model = {
+        "layers": args.layers,
+        "width": args.width,
+        "seq": args.seq,
+        "batch": args.batch,
+        "streams": 4,
+        "sinkhorn_iters": args.iters,
+        "mode": "mhc",
+        "precision": args.precision,
+    }
     with tempfile.TemporaryDirectory() as tmp:
         corpus = Path(args.corpus) if args.corpus else make_corpus(Path(tmp) / "corpus.txt")
         for config in configs:
             r = run(args, config, corpus)
             q = statistics.quantiles([x - 1 for x in r["pair_ratios"]], n=4) if r["pairs"] > 1 else [0, 0, 0]
-            r.update(model, step_ms_off=1e3 * r["step_s_off"], step_ms_on=1e3 * r["step_s_on"],
-                     overhead_pct=100 * r["overhead_median"], iqr_pct=f"{100 * q[0]:+.2f}..{100 * q[2]:+.2f}",
-                     hook_pct=100 * r["hook_share"],
-                     total_overhead=r["overhead_median"] + r.get("snapshot_amortised", 0.0))
+            r.update(
+                model,
+                step_ms_off=1e3 * r["step_s_off"],
+                step_ms_on=1e3 * r["step_s_on"],
+                overhead_pct=100 * r["overhead_median"],
+                iqr_pct=f"{100 * q[0]:+.2f}..{100 * q[2]:+.2f}",
+                hook_pct=100 * r["hook_share"],
+                total_overhead=r["overhead_median"] + r.get("snapshot_amortised", 0.0),
+            )
             r["total_pct"] = 100 * r["total_overhead"]
             if "snapshot_s" in r:
                 r.update(snapshot_ms=1e3 * r["snapshot_s"], snapshot_pct=100 * r["snapshot_amortised"])
             report.add(r)
     device = report.env["gpu"] if args.accelerator == "gpu" else "cpu"
-    print(f"\nstability callbacks at defaults, {device} ({args.accelerator}, {args.precision}, "
-          f"{torch.get_num_threads()} threads), mHC n=4 L={2 * args.layers} C={args.width} seq={args.seq} "
-          f"batch={args.batch}; {args.pairs} pairs of {args.block}-step blocks per configuration")
+    print(
+        f"\nstability callbacks at defaults, {device} ({args.accelerator}, {args.precision}, "
+        f"{torch.get_num_threads()} threads), mHC n=4 L={2 * args.layers} C={args.width} seq={args.seq} "
+        f"batch={args.batch}; {args.pairs} pairs of {args.block}-step blocks per configuration"
+    )
     harness.print_table(report.rows, COLUMNS)
-    print("overhead = median over pairs of on/off block time - 1; in hooks = time inside the callbacks' hooks in "
-          "on blocks (on CUDA it includes waiting for the GPU at a sync); snapshot = one warm snapshot, amortised "
-          "over every_n_steps")
+    print(
+        "overhead = median over pairs of on/off block time - 1; in hooks = time inside the callbacks' hooks in "
+        "on blocks (on CUDA it includes waiting for the GPU at a sync); snapshot = one warm snapshot, amortised "
+        "over every_n_steps"
+    )
     print("wrote", report.save())
     return 0

@@ -10,6 +10,7 @@ in the output folder; then `curve.json` (a row per width, kind and variant: toke
 median, peak memory and its ratio) and `curve.png` (the ratio against C). The stream traffic mHC adds grows as C,
 the GEMMs as C², so the ratio should fall with width; the paper's 6.7 % is at a far wider model.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,22 @@ def point_path(folder: Path, width: int, kind: str) -> Path:
 
 def run_point(folder: Path, width: int, kind: str, args, blocks: int) -> Path:
     out = point_path(folder, width, kind)
-    argv = ["--modes", args.modes, "--d-model", str(width), "--heads", str(max(1, width // HEAD_DIM)),
-            "--layers", str(blocks), "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(out)]
+    argv = [
+        "--modes",
+        args.modes,
+        "--d-model",
+        str(width),
+        "--heads",
+        str(max(1, width // HEAD_DIM)),
+        "--layers",
+        str(blocks),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--out",
+        str(out),
+    ]
     if args.smoke:
         argv += ["--smoke", "--seq", "32", "--batch", "2"]
     if KINDS[kind]:
@@ -47,9 +62,17 @@ def rows_from(folder: Path) -> list[dict]:
         by = {r["variant"]: r for r in data["rows"] if r.get("devices", 1) == 1}
         base = by.get("residual", {})
         for variant, r in by.items():
-            row = {"width": int(width), "kind": kind, "variant": variant, "blocks": data["args"].get("layers"),
-                   "tokens_per_s": r.get("tokens_per_s"), "step_ms_median": r.get("step_ms_median"),
-                   "x_residual_median": r.get("x_residual_median"), "peak_gib": r.get("peak_gib"), "json": path.name}
+            row = {
+                "width": int(width),
+                "kind": kind,
+                "variant": variant,
+                "blocks": data["args"].get("layers"),
+                "tokens_per_s": r.get("tokens_per_s"),
+                "step_ms_median": r.get("step_ms_median"),
+                "x_residual_median": r.get("x_residual_median"),
+                "peak_gib": r.get("peak_gib"),
+                "json": path.name,
+            }
             if r.get("peak_gib") and base.get("peak_gib"):
                 row["peak_x_residual"] = r["peak_gib"] / base["peak_gib"]
             rows.append(row)
@@ -86,9 +109,16 @@ def figure(rows: list[dict], path: Path) -> Path | None:
     return path
 
 
-COLUMNS = [("width", "C", "d"), ("kind", "kind", ""), ("variant", "variant", ""), ("blocks", "blocks", ""),
-           ("tokens_per_s", "tok/s", ",.0f"), ("x_residual_median", "x resid", ".3f"), ("peak_gib", "peak GiB", ".2f"),
-           ("peak_x_residual", "peak x resid", ".3f")]
+COLUMNS = [
+    ("width", "C", "d"),
+    ("kind", "kind", ""),
+    ("variant", "variant", ""),
+    ("blocks", "blocks", ""),
+    ("tokens_per_s", "tok/s", ",.0f"),
+    ("x_residual_median", "x resid", ".3f"),
+    ("peak_gib", "peak GiB", ".2f"),
+    ("peak_x_residual", "peak x resid", ".3f"),
+]
 
 
 def summarise(folder: Path, args, argv) -> int:
@@ -105,10 +135,16 @@ def summarise(folder: Path, args, argv) -> int:
 
 def main(argv=None) -> int:
     p = harness.parser("curve", __doc__)
-    p.add_argument("--widths", default=None,
-                   help="comma-separated C values (default 1024,2048,4096,8192; --smoke 32,64)")
-    p.add_argument("--blocks", action="append", default=[], metavar="WIDTH=N",
-                   help="blocks at a width (default 12, and 4 at C = 8192 so that it fits one GPU)")
+    p.add_argument(
+        "--widths", default=None, help="comma-separated C values (default 1024,2048,4096,8192; --smoke 32,64)"
+    )
+    p.add_argument(
+        "--blocks",
+        action="append",
+        default=[],
+        metavar="WIDTH=N",
+        help="blocks at a width (default 12, and 4 at C = 8192 so that it fits one GPU)",
+    )
     p.add_argument("--kinds", default="eager,compiled", help=f"comma-separated: {', '.join(KINDS)}")
     p.add_argument("--modes", default="residual,mhc,hc")
     p.add_argument("--steps", type=int, default=30)

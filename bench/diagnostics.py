@@ -8,6 +8,7 @@ reports the median step: one diagnostics step costs (every step - off), spread o
 downloads. A diagnostics step records one sequence's coefficients during the normal forward and computes the float64
 Amax report and Sinkhorn residuals, so its cost does not grow with the batch.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -24,8 +25,11 @@ from mhc_lightning.data.synthetic import english_like_text
 from mhc_lightning.model import GPTConfig, HyperConfig
 from mhc_lightning.module import LitLM
 
-COLUMNS = [("diagnostics", "diagnostics", ""), ("median_ms", "median ms/step", ".2f"),
-           ("mean_ms", "mean ms/step", ".2f")]
+COLUMNS = [
+    ("diagnostics", "diagnostics", ""),
+    ("median_ms", "median ms/step", ".2f"),
+    ("mean_ms", "mean ms/step", ".2f"),
+]
 
 
 class StepTimer(L.Callback):
@@ -43,17 +47,26 @@ class StepTimer(L.Callback):
 
 def run(every: int, args, corpus: Path) -> list[float]:
     L.seed_everything(0, verbose=False)
-    arch = GPTConfig(n_layers=args.layers, d_model=args.width, n_heads=4, context=args.seq,
-                     hyper=HyperConfig(residual_mode="mhc"))
+    arch = GPTConfig(
+        n_layers=args.layers, d_model=args.width, n_heads=4, context=args.seq, hyper=HyperConfig(residual_mode="mhc")
+    )
     model = LitLM(arch=arch, diagnostics_every=every)
     data = ByteTextDataModule(corpus=str(corpus), seq_len=args.seq, batch_size=args.batch)
     timer = StepTimer(args.accelerator == "gpu")
-    trainer = L.Trainer(accelerator=args.accelerator, devices=1, max_steps=args.steps, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=0, callbacks=[timer],
-                        precision="bf16-mixed" if args.accelerator == "gpu" else "32-true")
+    trainer = L.Trainer(
+        accelerator=args.accelerator,
+        devices=1,
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[timer],
+        precision="bf16-mixed" if args.accelerator == "gpu" else "32-true",
+    )
     trainer.fit(model, datamodule=data)
-    return timer.times[args.warmup:]
+    return timer.times[args.warmup :]
 
 
 def main(argv=None) -> int:
@@ -81,13 +94,21 @@ def main(argv=None) -> int:
         for label, every in (("off", 0), ("every step", 1), (f"every {args.k} (default)", args.k)):
             ts = run(every, args, corpus)
             # medians: a shared machine has outlier steps that swamp a mean
-            report.add({"diagnostics": label, "every": every, "median_ms": 1e3 * statistics.median(ts),
-                        "mean_ms": 1e3 * statistics.fmean(ts)})
+            report.add(
+                {
+                    "diagnostics": label,
+                    "every": every,
+                    "median_ms": 1e3 * statistics.median(ts),
+                    "mean_ms": 1e3 * statistics.fmean(ts),
+                }
+            )
     base = report.rows[0]["median_ms"]
     per_diag = report.rows[1]["median_ms"] - base  # one diagnostics step over a plain step
     report.rows[2].update(per_diagnostic_ms=per_diag, overhead_at_k=per_diag / args.k / base)
     harness.print_table(report.rows, COLUMNS)
-    print(f"one diagnostics step costs {per_diag:.2f} ms extra; at k={args.k}: "
-          f"{100 * per_diag / args.k / base:.2f} % of step time")
+    print(
+        f"one diagnostics step costs {per_diag:.2f} ms extra; at k={args.k}: "
+        f"{100 * per_diag / args.k / base:.2f} % of step time"
+    )
     print("wrote", report.save())
     return 0

@@ -1,5 +1,6 @@
 """What every benchmark of `python -m bench` shares: timing, the environment a result was measured in, and the one
 JSON layout each writes, `{"benchmark", "env", "args", "rows": [...]}`, with its table printed."""
+
 from __future__ import annotations
 
 import argparse
@@ -26,10 +27,15 @@ REPO = Path(__file__).resolve().parents[1]
 # ---- arguments -------------------------------------------------------------------------------------------------
 def parser(name: str, doc: str) -> argparse.ArgumentParser:
     """The benchmark's parser, with the --out every benchmark takes; its description is the module docstring."""
-    p = argparse.ArgumentParser(prog=f"python -m bench {name}", description=doc,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=None, metavar="JSON",
-                   help=f"where the JSON goes (default: $OUT/{name}.json if OUT is set, else out/bench/{name}.json)")
+    p = argparse.ArgumentParser(
+        prog=f"python -m bench {name}", description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        metavar="JSON",
+        help=f"where the JSON goes (default: $OUT/{name}.json if OUT is set, else out/bench/{name}.json)",
+    )
     return p
 
 
@@ -92,10 +98,18 @@ def environment(device: str) -> dict:
     cuda = torch.device("cuda", 0) if torch.cuda.is_available() else None
     env = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "host": socket.gethostname(), "cpus": os.cpu_count(), "device": device, **software(cuda),
-        "git_commit": code.commit, "git_dirty": code.dirty, "git_diff_sha256": code.diff_sha256,
-        "variables": {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "TORCH_SYMM", "NVSHMEM_"))
-                      or k in ("MHC_KERNEL_CONFIG", "TRITON_INTERPRET")},
+        "host": socket.gethostname(),
+        "cpus": os.cpu_count(),
+        "device": device,
+        **software(cuda),
+        "git_commit": code.commit,
+        "git_dirty": code.dirty,
+        "git_diff_sha256": code.diff_sha256,
+        "variables": {
+            k: v
+            for k, v in os.environ.items()
+            if k.startswith(("NCCL_", "TORCH_SYMM", "NVSHMEM_")) or k in ("MHC_KERNEL_CONFIG", "TRITON_INTERPRET")
+        },
     }
     if cuda is None:
         env["gpu"] = None
@@ -144,6 +158,7 @@ class Report:
 
 def print_table(rows: Iterable[dict], columns: Sequence[tuple[str, str, str]], file=None) -> None:
     """rows as a fixed-width table; columns are (key, header, format spec); a missing value prints as "-"."""
+
     def cell(row, key, fmt):
         value = row.get(key)
         if value is None:

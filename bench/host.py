@@ -16,6 +16,7 @@ blocks, B = 8, T = 2048; tiny on the CPU), the device idle at each forward's sta
 function (cProfile, own time). --compile: both models compiled, as `model.compile: true` runs them (the fused ops are
 then the custom ops a compiled graph calls); --chain: mHC chained under compile too (which `model.compile` refuses).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,8 +33,11 @@ from bench import harness
 
 WIRINGS = ("mhc chained", "mhc per-sublayer", "hc")
 COLUMNS = [("wiring", "wiring", ""), ("step_ms", "ms per step", ".2f"), ("per_sublayer_us", "us per sublayer", ".0f")]
-MODEL_COLUMNS = [("mode", "mode", ""), ("forward_ms", "forward host ms", ".2f"),
-                 ("first_call_s", "first call s", ".1f")]
+MODEL_COLUMNS = [
+    ("mode", "mode", ""),
+    ("forward_ms", "forward host ms", ".2f"),
+    ("first_call_s", "first call s", ".1f"),
+]
 
 
 @contextlib.contextmanager
@@ -87,14 +91,24 @@ def sublayer_rows(args, device: str) -> list[dict]:
         def run(x):
             cfg.chain_sublayers = chain  # the mHC layers share cfg: run_sublayers chains only when it says so
             return run_sublayers(layers, x, 0)
+
         return run
 
     runs = dict(zip(WIRINGS, (mhc(True), mhc(False), lambda x: run_sublayers(hc_layers, x, 0))))
     with launches(device):
         ms = paired_ms(runs, x, params, args.steps, args.forward, device)
-    return [dict(wiring=name, step_ms=v, per_sublayer_us=1e3 * v / args.sublayers, forward_only=args.forward,
-                 sublayers=args.sublayers, C=c, stream_dtype=str(dtype).removeprefix("torch."))
-            for name, v in ms.items()]
+    return [
+        dict(
+            wiring=name,
+            step_ms=v,
+            per_sublayer_us=1e3 * v / args.sublayers,
+            forward_only=args.forward,
+            sublayers=args.sublayers,
+            C=c,
+            stream_dtype=str(dtype).removeprefix("torch."),
+        )
+        for name, v in ms.items()
+    ]
 
 
 def own_ms(model, forward, steps: int) -> dict:
@@ -118,8 +132,13 @@ def model_rows(args, device: str) -> list[dict]:
     models = {}
     for mode in ("residual", "mhc"):
         chain = True if args.chain and mode == "mhc" else "auto"
-        hyper = HyperConfig(residual_mode=mode, n_streams=4, kernel_backend="triton",
-                            bias_init="home" if mode == "mhc" else "a6", chain_sublayers=chain)
+        hyper = HyperConfig(
+            residual_mode=mode,
+            n_streams=4,
+            kernel_backend="triton",
+            bias_init="home" if mode == "mhc" else "a6",
+            chain_sublayers=chain,
+        )
         models[mode] = GPT(GPTConfig(n_layers=blocks, d_model=c, n_heads=heads, context=seq, hyper=hyper)).to(device)
         if args.compile:  # the first call (untimed) traces and compiles
             models[mode] = compile_model(models[mode], fullgraph=True)
@@ -144,8 +163,9 @@ def model_rows(args, device: str) -> list[dict]:
     extra = sorted(own["mhc"].items(), key=lambda kv: kv[1] - own["residual"].get(kv[0], 0.0), reverse=True)
     shape = dict(C=c, blocks=blocks, heads=heads, batch=batch, seq=seq, compiled=args.compile, chained=args.chain)
     rows = [dict(shape, mode=m, forward_ms=statistics.median(v), first_call_s=first[m] / 1e3) for m, v in times.items()]
-    rows[-1]["extra_functions"] = [dict(function=k, mhc_ms=v, residual_ms=own["residual"].get(k, 0.0))
-                                   for k, v in extra[:args.top]]
+    rows[-1]["extra_functions"] = [
+        dict(function=k, mhc_ms=v, residual_ms=own["residual"].get(k, 0.0)) for k, v in extra[: args.top]
+    ]
     return rows
 
 
@@ -165,8 +185,10 @@ def main(argv=None) -> int:
         p.error("--compile and --chain time the GPT's forward: add --model")
     device = harness.default_device()
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        p.error("without a GPU the fused ops run under the Triton interpreter: start with TRITON_INTERPRET=1 "
-                "(python -m bench sets it)")
+        p.error(
+            "without a GPU the fused ops run under the Triton interpreter: start with TRITON_INTERPRET=1 "
+            "(python -m bench sets it)"
+        )
     torch.manual_seed(0)
     report = harness.Report("host", args, argv or [], device)
     report.env["launches"] = "real" if device == "cuda" else "stubbed"

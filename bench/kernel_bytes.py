@@ -3,6 +3,7 @@
 Each input read once, each output written once, bf16 streams and fp32 coefficients (docs/kernels.md, "Bytes per op").
 phi (0.2-0.4 MB, re-read from L2) and the x pass's partial phi gradients (~2 % of its bytes) are left out.
 """
+
 from __future__ import annotations
 
 
@@ -29,8 +30,9 @@ def bytes_per_token(c: int, n: int, iters: int, stream_bytes: int = 2, u_bytes: 
     }
 
 
-def efficiency(kernels: list[dict], tokens: int, c: int, n: int, iters: int, copy_tbps: float,
-               u_bytes: int = 2) -> list[dict]:
+def efficiency(
+    kernels: list[dict], tokens: int, c: int, n: int, iters: int, copy_tbps: float, u_bytes: int = 2
+) -> list[dict]:
     """One row per fused kernel among `kernels` (profiler rows: name, us_per_step, calls_per_step): MB per call, its
     floor at copy bandwidth, the measured us per call, % of copy, and ms per step measured and at the floor."""
     seen = {r["name"]: r for r in kernels}
@@ -43,9 +45,18 @@ def efficiency(kernels: list[dict], tokens: int, c: int, n: int, iters: int, cop
         nbytes = per_token * tokens
         floor_us = nbytes / (copy_tbps * 1e12) * 1e6
         us = r["us_per_step"] / calls
-        rows.append(dict(kernel=name, mb_per_call=nbytes / 1e6, floor_us=floor_us, us=us, pct_copy=100 * floor_us / us,
-                         calls_per_step=calls, floor_ms_per_step=floor_us * calls / 1e3,
-                         ms_per_step=r["us_per_step"] / 1e3))
+        rows.append(
+            dict(
+                kernel=name,
+                mb_per_call=nbytes / 1e6,
+                floor_us=floor_us,
+                us=us,
+                pct_copy=100 * floor_us / us,
+                calls_per_step=calls,
+                floor_ms_per_step=floor_us * calls / 1e3,
+                ms_per_step=r["us_per_step"] / 1e3,
+            )
+        )
     return rows
 
 

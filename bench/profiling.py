@@ -1,5 +1,6 @@
 """Where a step's time goes, from a torch.profiler run: time per kernel (or per CPU op), and the device's idle gaps
 charged to the host ops that ended them; shared by `python -m bench stack --profile` and `trainer --profile`."""
+
 from __future__ import annotations
 
 
@@ -24,15 +25,20 @@ def time_per_name(prof, steps: int, device: bool = True, width: int = 90) -> tup
             d = per.setdefault(ev.key[:width], [0.0, 0])
             d[0] += us
             d[1] += ev.count
-    rows = sorted(({"name": k, "us_per_step": v[0] / steps, "calls_per_step": v[1] / steps} for k, v in per.items()),
-                  key=lambda r: -r["us_per_step"])
+    rows = sorted(
+        ({"name": k, "us_per_step": v[0] / steps, "calls_per_step": v[1] / steps} for k, v in per.items()),
+        key=lambda r: -r["us_per_step"],
+    )
     return sum(r["us_per_step"] for r in rows), rows
 
 
 def print_rows(rows: list[dict], total: float, top: int = 25) -> None:
     for r in rows[:top]:
-        print(f"    {r['us_per_step']:9.0f} us {100 * r['us_per_step'] / max(total, 1e-9):5.1f}%  "
-              f"x{r['calls_per_step']:<5.0f} {r['name']}", flush=True)
+        print(
+            f"    {r['us_per_step']:9.0f} us {100 * r['us_per_step'] / max(total, 1e-9):5.1f}%  "
+            f"x{r['calls_per_step']:<5.0f} {r['name']}",
+            flush=True,
+        )
 
 
 _DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -48,8 +54,9 @@ def idle_gaps(trace: dict, steps: int, min_us: float = 2.0, top: int = 20) -> di
     Per-step microseconds, largest first."""
     evs = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
     work = sorted((e for e in evs if e.get("cat") in _DEVICE_CATS), key=lambda e: e["ts"])
-    launch = {e["args"]["correlation"]: e for e in evs
-              if e.get("cat") in _LAUNCH_CATS and "correlation" in e.get("args", {})}
+    launch = {
+        e["args"]["correlation"]: e for e in evs if e.get("cat") in _LAUNCH_CATS and "correlation" in e.get("args", {})
+    }
     gaps, end = [], None  # (gap start, gap us, launching host event | None)
     for e in work:
         if end is not None and e["ts"] - end >= min_us:
@@ -89,7 +96,14 @@ def idle_gaps(trace: dict, steps: int, min_us: float = 2.0, top: int = 20) -> di
         inner[names[-1][:90]] = inner.get(names[-1][:90], 0.0) + us
         key = " > ".join(n[:60] for n in names[:2])
         outer[key] = outer.get(key, 0.0) + us
-    rows = lambda d: [{"name": k, "us_per_step": v / steps}  # noqa: E731
-                      for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:top]]
-    return {"gaps_per_step": len(gaps) / steps, "host_us_per_step": host / steps,
-            "queued_us_per_step": queued / steps, "by_inner_op": rows(inner), "by_outer_ops": rows(outer)}
+
+    def rows(d):
+        return [{"name": k, "us_per_step": v / steps} for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:top]]
+
+    return {
+        "gaps_per_step": len(gaps) / steps,
+        "host_us_per_step": host / steps,
+        "queued_us_per_step": queued / steps,
+        "by_inner_op": rows(inner),
+        "by_outer_ops": rows(outer),
+    }

@@ -8,6 +8,7 @@ For the no-recompute row, saved_tensors_hooks give the same bytes (a cross-check
 
     python -m bench recompute [--device cuda] [--autocast] [--blocks 1,2,auto,6,12,24] [--steps 0]
 """
+
 from __future__ import annotations
 
 import math
@@ -61,9 +62,14 @@ def measure(m: GPT, idx: torch.Tensor, args) -> dict:
     return out
 
 
-COLUMNS = [("L_r", "L_r", ""), ("kib_per_token", "KiB/token", ".1f"), ("x_off_bytes", "vs off", ".2f"),
-           ("dropped_kib_per_token", "stream x_l dropped KiB", ".1f"), ("step_ms", "step ms", ".1f"),
-           ("x_off_ms", "vs off", ".2f")]
+COLUMNS = [
+    ("L_r", "L_r", ""),
+    ("kib_per_token", "KiB/token", ".1f"),
+    ("x_off_bytes", "vs off", ".2f"),
+    ("dropped_kib_per_token", "stream x_l dropped KiB", ".1f"),
+    ("step_ms", "step ms", ".1f"),
+    ("x_off_ms", "vs off", ".2f"),
+]
 
 
 def main(argv=None) -> int:
@@ -90,8 +96,15 @@ def main(argv=None) -> int:
     idx = torch.randint(0, 256, (args.batch, args.seq), device=args.device)
     elem = 2 if args.autocast else 4
     report = harness.Report("recompute", args, argv or [], args.device)
-    meta = {"mode": args.mode, "L": L, "C": C, "n": n, "tokens": idx.numel(), "backend": args.backend,
-            "autocast_bf16": args.autocast}
+    meta = {
+        "mode": args.mode,
+        "L": L,
+        "C": C,
+        "n": n,
+        "tokens": idx.numel(),
+        "backend": args.backend,
+        "autocast_bf16": args.autocast,
+    }
     for block in ["0"] + args.blocks.split(","):
         cfg.recompute_block = block if block == "auto" else int(block)
         m = GPT(cfg).to(args.device)
@@ -111,8 +124,10 @@ def main(argv=None) -> int:
             r["x_off_ms"] = r["step_ms"] / plain["step_ms"]
         if r["recompute_block"] == "auto":
             r["L_r"] = f"{r['L_r']}*"
-    print(f"\n{args.mode}, L={L}, C={C}, n={n}, tokens={idx.numel()}, {args.device}, backend={args.backend}, "
-          f"{'bf16 autocast' if args.autocast else 'fp32'}; torch {torch.__version__}")
+    print(
+        f"\n{args.mode}, L={L}, C={C}, n={n}, tokens={idx.numel()}, {args.device}, backend={args.backend}, "
+        f"{'bf16 autocast' if args.autocast else 'fp32'}; torch {torch.__version__}"
+    )
     harness.print_table(report.rows, COLUMNS)
     print("wrote", report.save())
     return 0

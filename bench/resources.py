@@ -10,6 +10,7 @@ registers and by shared memory (the driver reserves 1 KiB of shared memory per C
 compiled it. Too many registers cap the CTAs per SM; a stack frame turns register traffic into local-memory traffic.
 A kernel compiled for several specialisations (dtypes, divisibility, constexprs) has one row each.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,18 +25,30 @@ import torch
 
 from bench import harness
 
-MODES = {"mhc": dict(residual_mode="mhc"), "mhc-rebuilt": dict(residual_mode="mhc", rebuild_branch_input=True),
-         "mhc-per-sublayer": dict(residual_mode="mhc", chain_sublayers=False),
-         "hc": dict(residual_mode="hc", bias_init="hc_identity")}
+MODES = {
+    "mhc": dict(residual_mode="mhc"),
+    "mhc-rebuilt": dict(residual_mode="mhc", rebuild_branch_input=True),
+    "mhc-per-sublayer": dict(residual_mode="mhc", chain_sublayers=False),
+    "hc": dict(residual_mode="hc", bias_init="hc_identity"),
+}
 RESERVED_SHARED_PER_CTA = 1024
-COLUMNS = [("kernel", "kernel", ""), ("registers", "regs", "d"), ("stack_bytes", "stack", "d"),
-           ("local_bytes", "local", "d"), ("shared_bytes", "smem", "d"), ("num_warps", "warps", "d"),
-           ("num_stages", "stages", ""), ("ctas_per_sm_by_registers", "CTAs/SM regs", "d"),
-           ("ctas_per_sm_by_shared", "CTAs/SM smem", "d"), ("compiled_in", "compiled in", "")]
+COLUMNS = [
+    ("kernel", "kernel", ""),
+    ("registers", "regs", "d"),
+    ("stack_bytes", "stack", "d"),
+    ("local_bytes", "local", "d"),
+    ("shared_bytes", "smem", "d"),
+    ("num_warps", "warps", "d"),
+    ("num_stages", "stages", ""),
+    ("ctas_per_sm_by_registers", "CTAs/SM regs", "d"),
+    ("ctas_per_sm_by_shared", "CTAs/SM smem", "d"),
+    ("compiled_in", "compiled in", ""),
+]
 
 
 def resource_usage(cuobjdump_text: str) -> dict:
     """Registers, stack and local bytes of the (one) function in `cuobjdump --dump-resource-usage` output."""
+
     def field(name):
         m = re.search(rf"{name}:(\d+)", cuobjdump_text)
         return int(m.group(1)) if m else None
@@ -58,11 +71,18 @@ def compiled_kernels(cache: Path) -> list[dict]:
     rows = []
     for cubin in sorted(cache.glob("*/*.cubin")):
         meta = json.loads(cubin.with_suffix(".json").read_text())
-        out = subprocess.run([cuobjdump(), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
-                             check=True).stdout
-        r = dict(kernel=meta.get("name", cubin.stem), hash=cubin.parent.name, num_warps=meta.get("num_warps"),
-                 num_stages=meta.get("num_stages"), maxnreg=meta.get("maxnreg"), shared_bytes=meta.get("shared", 0),
-                 **resource_usage(out))
+        out = subprocess.run(
+            [cuobjdump(), "--dump-resource-usage", str(cubin)], capture_output=True, text=True, check=True
+        ).stdout
+        r = dict(
+            kernel=meta.get("name", cubin.stem),
+            hash=cubin.parent.name,
+            num_warps=meta.get("num_warps"),
+            num_stages=meta.get("num_stages"),
+            maxnreg=meta.get("maxnreg"),
+            shared_bytes=meta.get("shared", 0),
+            **resource_usage(out),
+        )
         if r["registers"] and r["num_warps"]:
             r["ctas_per_sm_by_registers"] = regs_per_sm // (r["registers"] * 32 * r["num_warps"])
         r["ctas_per_sm_by_shared"] = shared_per_sm // (r["shared_bytes"] + RESERVED_SHARED_PER_CTA)

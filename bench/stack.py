@@ -15,6 +15,7 @@ compile did not finish on an H200. Ratios are against the residual of the same p
 bandwidth and bf16 GEMM rate of the device, measured first, go to env (copy_tb_s, bf16_mm_tflops). --profile: per
 eager mHC variant, device time per kernel over one step, and each fused kernel against its bytes (% of copy).
 """
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -31,12 +32,26 @@ from bench.profiling import print_rows, time_per_name
 SHAPES = {"1024": (1024, 16, 12, 8, 2048), "2048": (2048, 16, 8, 4, 2048)}
 SMOKE_SHAPES = {"1024": (64, 4, 1, 2, 16), "2048": (96, 4, 1, 1, 24)}
 OPT_IN = ("mhc chained+compile",)  # only when --variants names them
-COLUMNS = [("C", "C", ""), ("variant", "variant", ""), ("ms", "ms/step", ".1f"), ("host_ms", "host ms", ".1f"),
-           ("x_residual", "x resid", ".3f"), ("x_residual_compiled", "x res.comp", ".3f"),
-           ("x_residual_cudagraph", "x res.graph", ".3f"), ("peak_gib", "peak GiB", ".2f"),
-           ("x_residual_peak", "x peak", ".2f"), ("note", "error / skipped", "")]
-KERNEL_COLUMNS = [("kernel", "kernel", ""), ("mb_per_call", "MB/call", ".0f"), ("floor_us", "floor us", ".1f"),
-                  ("us", "us", ".1f"), ("pct_copy", "% copy", ".0f"), ("ms_per_step", "ms/step", ".2f")]
+COLUMNS = [
+    ("C", "C", ""),
+    ("variant", "variant", ""),
+    ("ms", "ms/step", ".1f"),
+    ("host_ms", "host ms", ".1f"),
+    ("x_residual", "x resid", ".3f"),
+    ("x_residual_compiled", "x res.comp", ".3f"),
+    ("x_residual_cudagraph", "x res.graph", ".3f"),
+    ("peak_gib", "peak GiB", ".2f"),
+    ("x_residual_peak", "x peak", ".2f"),
+    ("note", "error / skipped", ""),
+]
+KERNEL_COLUMNS = [
+    ("kernel", "kernel", ""),
+    ("mb_per_call", "MB/call", ".0f"),
+    ("floor_us", "floor us", ".1f"),
+    ("us", "us", ".1f"),
+    ("pct_copy", "% copy", ".0f"),
+    ("ms_per_step", "ms/step", ".2f"),
+]
 
 
 def _version(dist: str) -> str:
@@ -103,6 +118,7 @@ def variants(c, heads, blocks, x, opts) -> list[tuple[str, callable]]:
 def selected(names: list[str], keep, drop, smoke: bool) -> list[str]:
     """The variants to run: --variants (opt-in ones only when named), minus --skip; residual always. A token picks the
     variant of exactly that name ("hc"), else every variant whose name contains it ("cudagraph")."""
+
     def picks(name, tokens):
         return any(t == name or (t not in names and t in name) for t in tokens)
 
@@ -177,8 +193,11 @@ def add_ratios(rows: list[dict]) -> None:
         for r in rows:
             if r["C"] != c or not r.get("ms"):
                 continue
-            for key, ref in (("x_residual", "residual"), ("x_residual_compiled", "residual+compile"),
-                             ("x_residual_cudagraph", "residual+cudagraph")):
+            for key, ref in (
+                ("x_residual", "residual"),
+                ("x_residual_compiled", "residual+compile"),
+                ("x_residual_cudagraph", "residual+cudagraph"),
+            ):
                 if ref in base:
                     r[key] = r["ms"] / base[ref]["ms"]
             if "residual" in base and r.get("peak_gib") and base["residual"].get("peak_gib"):
@@ -188,14 +207,21 @@ def add_ratios(rows: list[dict]) -> None:
 def main(argv=None) -> int:
     p = harness.parser("stack", __doc__)
     p.add_argument("--shapes", default="1024,2048", help=f"comma-separated, from {', '.join(SHAPES)}")
-    p.add_argument("--variants", default=None,
-                   help="comma-separated names or substrings of names: only these variants (and the residual)")
+    p.add_argument(
+        "--variants",
+        default=None,
+        help="comma-separated names or substrings of names: only these variants (and the residual)",
+    )
     p.add_argument("--skip", default=None, help="comma-separated names or substrings of names: leave these out")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--budget-s", type=float, default=420.0, help="skip the remaining variants past this wall time")
-    p.add_argument("--phi-dtype", choices=("bf16", "fp32"), default="bf16",
-                   help="phi's dtype (the rest is bf16): fp32 is what the trainer holds under bf16-mixed")
+    p.add_argument(
+        "--phi-dtype",
+        choices=("bf16", "fp32"),
+        default="bf16",
+        help="phi's dtype (the rest is bf16): fp32 is what the trainer holds under bf16-mixed",
+    )
     p.add_argument("--profile", action="store_true", help="GPU: device time per kernel of each eager mHC variant")
     p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes, 4 Sinkhorn iterations")
     args = p.parse_args(argv)
@@ -209,8 +235,12 @@ def main(argv=None) -> int:
     # the interpreter's backward time grows ~ iters^2: --smoke takes 4, as the tests do
     args.sinkhorn_iters = 4 if args.smoke else 20
     dtype = torch.float32 if args.smoke else torch.bfloat16
-    opts = dict(device=args.device, dtype=dtype, iters=args.sinkhorn_iters,
-                phi_dtype=torch.float32 if args.phi_dtype == "fp32" or args.smoke else torch.bfloat16)
+    opts = dict(
+        device=args.device,
+        dtype=dtype,
+        iters=args.sinkhorn_iters,
+        phi_dtype=torch.float32 if args.phi_dtype == "fp32" or args.smoke else torch.bfloat16,
+    )
     if args.device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     report = harness.Report("stack", args, argv or [], args.device)
@@ -227,8 +257,15 @@ def main(argv=None) -> int:
         table = dict(variants(c, heads, blocks, x, opts))
         for name in selected(list(table), keep, drop, args.smoke):
             row = report.add(run_variant(name, table[name], x, shape_row, args, t0, copy_tbps))
-            print("  " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()
-                                   if k not in ("profile",) + tuple(shape_row)), flush=True)
+            print(
+                "  "
+                + ", ".join(
+                    f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
+                    for k, v in row.items()
+                    if k not in ("profile",) + tuple(shape_row)
+                ),
+                flush=True,
+            )
             if args.device == "cuda":
                 torch.cuda.empty_cache()
     add_ratios(report.rows)

@@ -1,6 +1,7 @@
 """The models `python -m bench stack` times: pre-norm causal attention (SDPA) and pre-norm SwiGLU sublayers, summed
 by a residual or wired by mHC / HC (the project's HyperConnection), Liger-Kernel's LigerMHC or lucidrains'
 hyper-connections. Streams are expanded once after the input and sum-collapsed at the end."""
+
 from __future__ import annotations
 
 import torch
@@ -73,14 +74,23 @@ class Hyper(nn.Module):
     sublayer at a time (its enter op, the branch, its write-back); `recompute` sublayers per selective-recompute block
     (docs/design.md §9; 0 = off)."""
 
-    def __init__(self, c, heads, blocks, backend, chained=True, recompute=0, mode="mhc", rebuild=False,
-                 sinkhorn_iters=20):
+    def __init__(
+        self, c, heads, blocks, backend, chained=True, recompute=0, mode="mhc", rebuild=False, sinkhorn_iters=20
+    ):
         super().__init__()
-        cfg = dict(residual_mode=mode, n_streams=N_STREAMS, kernel_backend=backend, phi_init="normal",
-                   bias_init="a6" if mode != "hc" else "hc_identity", sinkhorn_iters=sinkhorn_iters,
-                   rebuild_branch_input=rebuild, chain_sublayers=chained)
-        self.layers = nn.ModuleList(HyperConnection(f, c, i, HyperConfig(**cfg))
-                                    for i, f in enumerate(sublayers(c, heads, blocks)))
+        cfg = dict(
+            residual_mode=mode,
+            n_streams=N_STREAMS,
+            kernel_backend=backend,
+            phi_init="normal",
+            bias_init="a6" if mode != "hc" else "hc_identity",
+            sinkhorn_iters=sinkhorn_iters,
+            rebuild_branch_input=rebuild,
+            chain_sublayers=chained,
+        )
+        self.layers = nn.ModuleList(
+            HyperConnection(f, c, i, HyperConfig(**cfg)) for i, f in enumerate(sublayers(c, heads, blocks))
+        )
         self.recompute = recompute
 
     def forward(self, x):
@@ -92,8 +102,9 @@ class Liger(nn.Module):
         super().__init__()
         from liger_kernel.transformers.mhc import LigerMHC
 
-        self.layers = nn.ModuleList(LigerMHC(f, hc=N_STREAMS, c=c, tmax=20, phi_dtype=torch.bfloat16)
-                                    for f in sublayers(c, heads, blocks))
+        self.layers = nn.ModuleList(
+            LigerMHC(f, hc=N_STREAMS, c=c, tmax=20, phi_dtype=torch.bfloat16) for f in sublayers(c, heads, blocks)
+        )
 
     def forward(self, x):
         x = expand(x)
@@ -108,8 +119,9 @@ class Lucid(nn.Module):
         from hyper_connections import mc_get_init_and_expand_reduce_stream_functions
 
         init, self.expand, self.reduce = mc_get_init_and_expand_reduce_stream_functions(N_STREAMS, sinkhorn_iters=20)
-        self.layers = nn.ModuleList(init(dim=c, branch=f, layer_index=i)
-                                    for i, f in enumerate(sublayers(c, heads, blocks)))
+        self.layers = nn.ModuleList(
+            init(dim=c, branch=f, layer_index=i) for i, f in enumerate(sublayers(c, heads, blocks))
+        )
 
     def forward(self, x):
         x = self.expand(x)

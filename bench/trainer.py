@@ -15,6 +15,7 @@ docs/kernels.md), --variant-args NAME=ARGS with more `mhc fit` arguments, --repe
 (a row keeps its median run). --profile STEPS: one more run per variant under torch.profiler, device time per kernel
 and the gaps where the GPU waited on the host (`python -m bench traffic` reads it).
 """
+
 from __future__ import annotations
 
 import json
@@ -33,10 +34,18 @@ from bench import harness
 from bench.profiling import print_rows
 
 CONF = harness.REPO / "conf"
-COLUMNS = [("variant", "variant", ""), ("devices", "devices", "d"), ("step_ms_mean", "step ms", ".1f"),
-           ("step_ms_median", "median ms", ".1f"), ("x_residual", "x resid", ".3f"),
-           ("x_residual_median", "x resid (median)", ".3f"), ("tokens_per_s", "tok/s", ",.0f"),
-           ("scaling_efficiency", "scaling", ".3f"), ("peak_gib", "peak GiB", ".2f"), ("exit", "exit", "")]
+COLUMNS = [
+    ("variant", "variant", ""),
+    ("devices", "devices", "d"),
+    ("step_ms_mean", "step ms", ".1f"),
+    ("step_ms_median", "median ms", ".1f"),
+    ("x_residual", "x resid", ".3f"),
+    ("x_residual_median", "x resid (median)", ".3f"),
+    ("tokens_per_s", "tok/s", ",.0f"),
+    ("scaling_efficiency", "scaling", ".3f"),
+    ("peak_gib", "peak GiB", ".2f"),
+    ("exit", "exit", ""),
+]
 
 
 def _cb(cls: str, **init_args) -> str:
@@ -55,8 +64,9 @@ def _env(smoke: bool, kernel_config: Optional[str] = None) -> dict:
     return env
 
 
-def run_fit(name: str, args: list[str], work: Path, smoke: bool, timeout: int,
-            kernel_config: Optional[str] = None) -> tuple[int, float]:
+def run_fit(
+    name: str, args: list[str], work: Path, smoke: bool, timeout: int, kernel_config: Optional[str] = None
+) -> tuple[int, float]:
     log = work / f"{name}.log"
     t0 = time.time()
     cmd = [sys.executable, "-m", "mhc_lightning.cli", "fit", *args]
@@ -64,8 +74,9 @@ def run_fit(name: str, args: list[str], work: Path, smoke: bool, timeout: int,
         with log.open("w") as f:
             f.write(" ".join(cmd) + "\n\n")
             f.flush()
-            rc = subprocess.run(cmd, cwd=work, env=_env(smoke, kernel_config), stdout=f, stderr=subprocess.STDOUT,
-                                timeout=timeout).returncode
+            rc = subprocess.run(
+                cmd, cwd=work, env=_env(smoke, kernel_config), stdout=f, stderr=subprocess.STDOUT, timeout=timeout
+            ).returncode
     except subprocess.TimeoutExpired:
         rc = 124
     dt = time.time() - t0
@@ -87,27 +98,49 @@ def fit_args(args, work: Path, corpus: Path, variant: str, devices: int, steps: 
     """`mhc fit` arguments of one run of MODE or MODE@NAME: the mode's preset at the benchmark's shape, no logger, the
     probe callback, --fit-args, then NAME's --variant-args."""
     mode, _, name = variant.partition("@")
-    return ["-c", str(CONF / "base.yaml"), "-c", str(CONF / "model" / f"{mode}.yaml"),
-            *machine_args(args.smoke, devices), "--seed_everything=1234", f"--data.corpus={corpus}",
-            f"--data.seq_len={args.seq}", f"--data.batch_size={args.batch}", "--data.val_fraction=0.02",
-            f"--model.arch.d_model={args.d_model}",
-            f"--model.arch.n_layers={args.layers}", f"--model.arch.n_heads={args.heads}",
-            f"--model.diagnostics_every={args.diagnostics_every}", "--model.optim.lr=1e-3",
-            "--model.optim.warmup_steps=5", f"--trainer.max_steps={steps}", "--trainer.limit_val_batches=0",
-            "--trainer.num_sanity_val_steps=0", "--trainer.val_check_interval=null",
-            "--trainer.check_val_every_n_epoch=null", "--trainer.enable_checkpointing=false", "--trainer.callbacks=[]",
-            "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
-            "--trainer.log_every_n_steps=10", f"--trainer.default_root_dir={work / 'root'}",
-            f"--trainer.precision={'32-true' if args.smoke else 'bf16-mixed'}", "--trainer.logger=false", callback,
-            *shlex.split(args.fit_args), *shlex.split(args.variant_args.get(name, ""))]
+    return [
+        "-c",
+        str(CONF / "base.yaml"),
+        "-c",
+        str(CONF / "model" / f"{mode}.yaml"),
+        *machine_args(args.smoke, devices),
+        "--seed_everything=1234",
+        f"--data.corpus={corpus}",
+        f"--data.seq_len={args.seq}",
+        f"--data.batch_size={args.batch}",
+        "--data.val_fraction=0.02",
+        f"--model.arch.d_model={args.d_model}",
+        f"--model.arch.n_layers={args.layers}",
+        f"--model.arch.n_heads={args.heads}",
+        f"--model.diagnostics_every={args.diagnostics_every}",
+        "--model.optim.lr=1e-3",
+        "--model.optim.warmup_steps=5",
+        f"--trainer.max_steps={steps}",
+        "--trainer.limit_val_batches=0",
+        "--trainer.num_sanity_val_steps=0",
+        "--trainer.val_check_interval=null",
+        "--trainer.check_val_every_n_epoch=null",
+        "--trainer.enable_checkpointing=false",
+        "--trainer.callbacks=[]",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
+        "--trainer.log_every_n_steps=10",
+        f"--trainer.default_root_dir={work / 'root'}",
+        f"--trainer.precision={'32-true' if args.smoke else 'bf16-mixed'}",
+        "--trainer.logger=false",
+        callback,
+        *shlex.split(args.fit_args),
+        *shlex.split(args.variant_args.get(name, "")),
+    ]
 
 
 def with_config_variants(modes: list[str], names: dict) -> list[str]:
     """modes plus MODE@NAME for each NAME (--kernel-config / --variant-args) and each mode but residual, unless --modes
     already names a variant of NAME: then those are NAME's only runs."""
     named = {m.partition("@")[2] for m in modes if "@" in m}
-    return modes + [f"{m}@{name}" for name in names if name not in named for m in modes
-                    if m != "residual" and "@" not in m]
+    return modes + [
+        f"{m}@{name}" for name in names if name not in named for m in modes if m != "residual" and "@" not in m
+    ]
 
 
 def headline(runs: list[dict]) -> dict:
@@ -116,9 +149,24 @@ def headline(runs: list[dict]) -> dict:
     ok = sorted((r for r in runs if "step_ms_mean" in r), key=lambda r: r["step_ms_mean"])
     head = dict(ok[(len(ok) - 1) // 2]) if ok else dict(runs[-1])
     if len(runs) > 1:
-        head["repeats"] = [{k: r.get(k) for k in ("step_ms_mean", "step_ms_median", "exit", "seconds", "phases",
-                                                  "preempted_per_step", "step_ms", "phase_steps", "gc") if k in r}
-                           for r in runs]
+        head["repeats"] = [
+            {
+                k: r.get(k)
+                for k in (
+                    "step_ms_mean",
+                    "step_ms_median",
+                    "exit",
+                    "seconds",
+                    "phases",
+                    "preempted_per_step",
+                    "step_ms",
+                    "phase_steps",
+                    "gc",
+                )
+                if k in r
+            }
+            for r in runs
+        ]
         for k in ("step_ms", "phase_steps", "gc"):  # kept once, with the run they belong to
             head.pop(k, None)
     return head
@@ -140,25 +188,38 @@ def add_ratios(rows: list[dict], gpus: int) -> None:
 def print_run(rec: dict) -> None:
     if "tokens_per_s" not in rec:
         return
-    print(f"    {rec['tokens_per_s']:,.0f} tok/s, step {rec['step_ms_mean']:.1f} ms mean / {rec['step_ms_median']:.1f} "
-          f"median, peak {rec['peak_gib'] or 0:.1f} GiB", flush=True)
-    print("    host / device ms: " + ", ".join(
-        f"{k} {v['host_ms'] or 0:.1f} (cpu {v['host_cpu_ms'] or 0:.1f}) / {v['device_ms'] or 0:.1f}"
-        for k, v in rec["phases"].items()) + f"; preempted {rec.get('preempted_per_step')} per step; gc "
+    print(
+        f"    {rec['tokens_per_s']:,.0f} tok/s, step {rec['step_ms_mean']:.1f} ms mean / {rec['step_ms_median']:.1f} "
+        f"median, peak {rec['peak_gib'] or 0:.1f} GiB",
+        flush=True,
+    )
+    print(
+        "    host / device ms: "
+        + ", ".join(
+            f"{k} {v['host_ms'] or 0:.1f} (cpu {v['host_cpu_ms'] or 0:.1f}) / {v['device_ms'] or 0:.1f}"
+            for k, v in rec["phases"].items()
+        )
+        + f"; preempted {rec.get('preempted_per_step')} per step; gc "
         f"{rec['gc']['collections']} in {sum(rec['gc']['ms'].values()):.1f} ms (longest {rec['gc']['longest_ms']:.1f})",
-        flush=True)
+        flush=True,
+    )
 
 
 def print_profile(variant: str, rec: dict) -> None:
     busy, wall = rec["busy_us_per_step"], rec["wall_us_per_step"]
-    print(f"  {variant}: {wall / 1e3:.1f} ms per profiled step, kernels {busy / 1e3:.1f} ms "
-          f"({100 * busy / wall:.0f} %)", flush=True)
+    print(
+        f"  {variant}: {wall / 1e3:.1f} ms per profiled step, kernels {busy / 1e3:.1f} ms ({100 * busy / wall:.0f} %)",
+        flush=True,
+    )
     print_rows(rec["top"], busy, top=15)
     if "idle" in rec:
         idle = rec["idle"]
-        print(f"  idle: {idle['host_us_per_step'] / 1e3:.1f} ms per step waiting on the host "
-              f"({idle['gaps_per_step']:.0f} gaps), {idle['queued_us_per_step'] / 1e3:.1f} ms on queued work; by the "
-              "host ops that launched the next work:", flush=True)
+        print(
+            f"  idle: {idle['host_us_per_step'] / 1e3:.1f} ms per step waiting on the host "
+            f"({idle['gaps_per_step']:.0f} gaps), {idle['queued_us_per_step'] / 1e3:.1f} ms on queued work; by the "
+            "host ops that launched the next work:",
+            flush=True,
+        )
         for r in idle["by_outer_ops"][:12]:
             print(f"    {r['us_per_step']:9.0f} us  {r['name']}", flush=True)
         for r in rec["syncs"][:4]:
@@ -167,19 +228,30 @@ def print_profile(variant: str, rec: dict) -> None:
 
 def run_all(args, work: Path, corpus: Path, report: harness.Report, save_logs) -> None:
     counts = " and ".join(map(str, sorted({1, args.gpus})))
-    print(f"trainer: {args.modes} on {counts} device(s), C={args.d_model}, {args.layers} blocks, "
-          f"B={args.batch}/device, T={args.seq}, {args.warmup} warm-up + {args.steps} timed steps"
-          + (f", each {args.repeat} times, alternating" if args.repeat > 1 else ""), flush=True)
+    print(
+        f"trainer: {args.modes} on {counts} device(s), C={args.d_model}, {args.layers} blocks, "
+        f"B={args.batch}/device, T={args.seq}, {args.warmup} warm-up + {args.steps} timed steps"
+        + (f", each {args.repeat} times, alternating" if args.repeat > 1 else ""),
+        flush=True,
+    )
     for devices in sorted({1, args.gpus}):
         runs: dict = {}
         for rep in range(args.repeat):
             for variant in args.modes:
                 name = f"{variant}-{devices}" + (f"-r{rep}" if args.repeat > 1 else "")
                 out = work / f"{name}.json"
-                a = fit_args(args, work, corpus, variant, devices, args.warmup + args.steps,
-                             _cb("bench.trainer_probes.Throughput", warmup=args.warmup, out=str(out)))
-                rc, dt = run_fit(name, a, work, args.smoke, args.timeout,
-                                 args.kernel_configs.get(variant.partition("@")[2]))
+                a = fit_args(
+                    args,
+                    work,
+                    corpus,
+                    variant,
+                    devices,
+                    args.warmup + args.steps,
+                    _cb("bench.trainer_probes.Throughput", warmup=args.warmup, out=str(out)),
+                )
+                rc, dt = run_fit(
+                    name, a, work, args.smoke, args.timeout, args.kernel_configs.get(variant.partition("@")[2])
+                )
                 rec = json.loads(out.read_text()) if rc == 0 and out.exists() else {}
                 rec.update(exit=rc, seconds=round(dt, 1))
                 runs.setdefault(variant, []).append(rec)
@@ -187,18 +259,38 @@ def run_all(args, work: Path, corpus: Path, report: harness.Report, save_logs) -
         for variant, recs in runs.items():
             name = variant.partition("@")[2]
             compiled = "--model.compile=true" in f"{args.fit_args} {args.variant_args.get(name, '')}"
-            report.add(dict(variant=variant, devices=devices, compiled=compiled,
-                            kernel_config=args.kernel_configs.get(name), **headline(recs)))
+            report.add(
+                dict(
+                    variant=variant,
+                    devices=devices,
+                    compiled=compiled,
+                    kernel_config=args.kernel_configs.get(name),
+                    **headline(recs),
+                )
+            )
             save_logs()
     if args.profile:
         print(f"profile: {args.profile} steps after {args.warmup} warm-up steps, one more run per variant", flush=True)
         rows = {r["variant"]: r for r in report.rows if r["devices"] == 1}
         for variant in args.modes:
             out = work / f"{variant}-profile.json"
-            a = fit_args(args, work, corpus, variant, 1, args.warmup + args.profile,
-                         _cb("bench.trainer_probes.ProfileSteps", warmup=args.warmup, steps=args.profile, out=str(out)))
-            rc, _ = run_fit(f"{variant}-profile", a, work, args.smoke, args.timeout,
-                            args.kernel_configs.get(variant.partition("@")[2]))
+            a = fit_args(
+                args,
+                work,
+                corpus,
+                variant,
+                1,
+                args.warmup + args.profile,
+                _cb("bench.trainer_probes.ProfileSteps", warmup=args.warmup, steps=args.profile, out=str(out)),
+            )
+            rc, _ = run_fit(
+                f"{variant}-profile",
+                a,
+                work,
+                args.smoke,
+                args.timeout,
+                args.kernel_configs.get(variant.partition("@")[2]),
+            )
             rec = json.loads(out.read_text()) if rc == 0 and out.exists() else {"exit": rc}
             rows[variant]["profile"] = rec
             report.save()
@@ -235,12 +327,21 @@ def main(argv=None) -> int:
     p.add_argument("--diagnostics-every", type=int, default=0, help="0: pure training throughput")
     p.add_argument("--timeout", type=int, default=240, help="seconds per `mhc fit`")
     p.add_argument("--repeat", type=int, default=1, help="run each variant this many times, the variants alternating")
-    p.add_argument("--kernel-config", action="append", default=[], metavar="NAME=JSON",
-                   help="one more variant of every mode but residual, MODE@NAME, run with MHC_KERNEL_CONFIG=JSON, "
-                        "e.g. wide='{\"coef_fwd\": {\"BT\": 128}}'; naming MODE@NAME in --modes runs only those")
-    p.add_argument("--variant-args", action="append", default=[], metavar="NAME=ARGS",
-                   help="more `mhc fit` arguments for MODE@NAME only, e.g. chain='--model.arch.hyper.chain_sublayers="
-                        "true'")
+    p.add_argument(
+        "--kernel-config",
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help="one more variant of every mode but residual, MODE@NAME, run with MHC_KERNEL_CONFIG=JSON, "
+        'e.g. wide=\'{"coef_fwd": {"BT": 128}}\'; naming MODE@NAME in --modes runs only those',
+    )
+    p.add_argument(
+        "--variant-args",
+        action="append",
+        default=[],
+        metavar="NAME=ARGS",
+        help="more `mhc fit` arguments for MODE@NAME only, e.g. chain='--model.arch.hyper.chain_sublayers=true'",
+    )
     p.add_argument("--profile", type=int, default=0, metavar="STEPS", help="one more run per variant, profiled")
     p.add_argument("--fit-args", default="", help="more `mhc fit` arguments for every run")
     p.add_argument("--work", default=None, help="folder for the runs and their logs (default: a new temporary one)")
@@ -258,12 +359,19 @@ def main(argv=None) -> int:
     modes = [m for m in args.modes.split(",") if m]
     for mode in modes:  # a variant named in --modes must be defined (else it would run the default)
         if "@" in mode and mode.partition("@")[2] not in names:
-            p.error(f"--modes {mode}: {mode.partition('@')[2]!r} is no --kernel-config or --variant-args NAME; "
-                    f"allowed: {', '.join(names) or 'none given'}")
+            p.error(
+                f"--modes {mode}: {mode.partition('@')[2]!r} is no --kernel-config or --variant-args NAME; "
+                f"allowed: {', '.join(names) or 'none given'}"
+            )
     args.modes = with_config_variants(modes, names)
     # the shape: what was given, else the trainer's (C = 1024, 12 blocks, B 8, T 2048) or --smoke's tiny one
-    for key, full, tiny in (("d_model", 1024, 64), ("layers", 12, 2), ("heads", 16, 2), ("seq", 2048, 64),
-                            ("batch", 8, 4)):
+    for key, full, tiny in (
+        ("d_model", 1024, 64),
+        ("layers", 12, 2),
+        ("heads", 16, 2),
+        ("seq", 2048, 64),
+        ("batch", 8, 4),
+    ):
         if getattr(args, key) is None:
             setattr(args, key, tiny if args.smoke else full)
     if args.smoke:

@@ -1,5 +1,6 @@
 """Lightning callbacks that `python -m bench trainer` loads into its `mhc fit` processes (the repo root on their
 PYTHONPATH): step times and phases (`Throughput`), and a profiled run's kernels and idle gaps (`ProfileSteps`)."""
+
 from __future__ import annotations
 
 import gc
@@ -101,9 +102,13 @@ class Throughput(L.Callback):
                 if a[1] is not None:
                     dev[name].append(a[1].elapsed_time(b[1]))
         med = lambda v: statistics.median(v) if v else None  # noqa: E731
-        return ({name: {"host_ms": med(host[name]), "host_cpu_ms": med(cpu[name]), "device_ms": med(dev[name])}
-                 for name in PHASES},
-                {name: {"host_ms": host[name], "device_ms": dev[name] or None} for name in PHASES})
+        return (
+            {
+                name: {"host_ms": med(host[name]), "host_cpu_ms": med(cpu[name]), "device_ms": med(dev[name])}
+                for name in PHASES
+            },
+            {name: {"host_ms": host[name], "device_ms": dev[name] or None} for name in PHASES},
+        )
 
     def gc_record(self) -> dict:
         """The timed steps' collections: count and ms by generation, the longest, and ms per step."""
@@ -115,13 +120,20 @@ class Throughput(L.Callback):
             per_step[step] += ms
             n, total = by_gen.get(str(gen), (0, 0.0))
             by_gen[str(gen)] = (n + 1, total + ms)
-        return {"collections": {g: n for g, (n, _) in by_gen.items()}, "ms": {g: t for g, (_, t) in by_gen.items()},
-                "longest_ms": max((ms for _, _, ms in self.gc_events), default=0.0), "ms_per_step": per_step}
+        return {
+            "collections": {g: n for g, (n, _) in by_gen.items()},
+            "ms": {g: t for g, (_, t) in by_gen.items()},
+            "longest_ms": max((ms for _, _, ms in self.gc_events), default=0.0),
+            "ms_per_step": per_step,
+        }
 
     def preempted_per_step(self) -> Optional[float]:
         """Median involuntary context switches of the main thread per timed step (None where not counted)."""
-        steps = [nxt["batch_start"][3] - m["batch_start"][3] for m, nxt in zip(self.marks, self.marks[1:])
-                 if "batch_start" in m and "batch_start" in nxt and m["batch_start"][3] is not None]
+        steps = [
+            nxt["batch_start"][3] - m["batch_start"][3]
+            for m, nxt in zip(self.marks, self.marks[1:])
+            if "batch_start" in m and "batch_start" in nxt and m["batch_start"][3] is not None
+        ]
         return statistics.median(steps) if steps else None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -152,12 +164,20 @@ class Throughput(L.Callback):
         med = statistics.median(times)
         cfg = pl_module.arch
         record = {
-            "mode": cfg.hyper.residual_mode, "world_size": trainer.world_size,
-            "strategy": type(trainer.strategy).__name__, "precision": str(trainer.precision),
-            "kernel_backend": cfg.hyper.kernel_backend, "d_model": cfg.d_model, "n_layers": cfg.n_layers,
+            "mode": cfg.hyper.residual_mode,
+            "world_size": trainer.world_size,
+            "strategy": type(trainer.strategy).__name__,
+            "precision": str(trainer.precision),
+            "kernel_backend": cfg.hyper.kernel_backend,
+            "d_model": cfg.d_model,
+            "n_layers": cfg.n_layers,
             "params": sum(p.numel() for p in pl_module.parameters()),
-            "tokens_per_step": self.tokens_per_step, "timed_steps": len(times),
-            "step_ms_mean": mean, "step_ms_median": med, "step_ms_min": min(times), "step_ms_max": max(times),
+            "tokens_per_step": self.tokens_per_step,
+            "timed_steps": len(times),
+            "step_ms_mean": mean,
+            "step_ms_median": med,
+            "step_ms_min": min(times),
+            "step_ms_max": max(times),
             "tokens_per_s": self.tokens_per_step / (mean / 1e3),
             "tokens_per_s_median_step": self.tokens_per_step / (med / 1e3),
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
@@ -234,8 +254,13 @@ class ProfileSteps(L.Callback):
         wall_us = 1e6 * (time.perf_counter() - self.t0) / self.steps
         self.prof.__exit__(None, None, None)
         total, rows = time_per_name(self.prof, self.steps, device=cuda)
-        record = {"steps": self.steps, "wall_us_per_step": wall_us, "busy_us_per_step": total,
-                  "device_time": cuda, "top": rows[:80]}
+        record = {
+            "steps": self.steps,
+            "wall_us_per_step": wall_us,
+            "busy_us_per_step": total,
+            "device_time": cuda,
+            "top": rows[:80],
+        }
         if cuda:
             record["syncs"] = syncs
             _, host = time_per_name(self.prof, self.steps, device=False)

@@ -24,6 +24,7 @@ Both backends expose the same functions with the same signatures and conventions
     stream_post_res(x, f, h_post, h_res | None) -> x_next
     rope_qkv(qkv, cos, sin, n_heads) -> (q, k, v)                      (the attention's RoPE, any residual mode)
 """
+
 from types import ModuleType
 
 import torch

@@ -8,6 +8,7 @@ logger and the reports, importable from the package itself:
 Each name is imported on first use (module `__getattr__`), so that `import mhc_lightning` stays cheap: the `mhc`
 command imports the package before it knows whether it needs torch or Lightning at all.
 """
+
 from __future__ import annotations
 
 import importlib

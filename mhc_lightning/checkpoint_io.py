@@ -13,6 +13,7 @@
 `VerifiedCheckpointIO` is the Trainer's checkpoint plugin that does both; the CLI installs it in every Trainer whose
 strategy uses Lightning's default TorchCheckpointIO (`use_verified_checkpoints`).
 """
+
 from __future__ import annotations
 
 import errno
@@ -69,8 +70,11 @@ def read_digest(path: Path) -> tuple[Optional[str], Optional[str]]:
     with open(path, "rb") as f:
         f.seek(size - 22 - COMMENT_LEN)
         tail = f.read()
-        if tail[:4] != EOCD or tail[-tail_len:-COMMENT_LEN] != COMMENT_LEN.to_bytes(2, "little") \
-                or not tail[-COMMENT_LEN:].startswith(MARK):
+        if (
+            tail[:4] != EOCD
+            or tail[-tail_len:-COMMENT_LEN] != COMMENT_LEN.to_bytes(2, "little")
+            or not tail[-COMMENT_LEN:].startswith(MARK)
+        ):
             return None, None
         stored = tail[-64:].decode("ascii", "replace")
         h, left = hashlib.sha256(), size - tail_len
@@ -124,8 +128,10 @@ def verify(path: Path, run_id: Optional[str] = None) -> bool:
             if run_id:
                 again += f" --trainer.logger.init_args.run_id={run_id}"
             then = f"the last good checkpoint is {good[0]} (step {good[1]}): resume from it with {again}"
-        raise CorruptCheckpoint(f"checkpoint {path} is corrupted: its bytes do not match the sha256 written with it "
-                                f"({stored[:12]}..., now {actual[:12]}...), nothing was started; {then}")
+        raise CorruptCheckpoint(
+            f"checkpoint {path} is corrupted: its bytes do not match the sha256 written with it "
+            f"({stored[:12]}..., now {actual[:12]}...), nothing was started; {then}"
+        )
     _verified[key] = stored is not None
     return _verified[key]
 
@@ -142,7 +148,7 @@ def write_whole(path: Path, parts: list) -> None:
             for part in parts:
                 view = memoryview(part)
                 while view:
-                    view = view[_os_write(fd, view[:CHUNK]):]
+                    view = view[_os_write(fd, view[:CHUNK]) :]
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -160,16 +166,21 @@ def write_whole(path: Path, parts: list) -> None:
 def write_failure(path: Path, err: OSError) -> CheckpointWriteError:
     """The one-line error for a checkpoint that could not be written, naming what is safe."""
     cause = f"{err.strerror or err} ({errno.errorcode.get(err.errno, 'OSError')})"
-    fix = {errno.ENOSPC: "Free space on its disk", errno.EDQUOT: "Free space within your quota",
-           errno.EACCES: "Make that folder writable", errno.EPERM: "Make that folder writable",
-           errno.EROFS: "Put the checkpoints on a writable file system"}.get(err.errno, "Fix that")
+    fix = {
+        errno.ENOSPC: "Free space on its disk",
+        errno.EDQUOT: "Free space within your quota",
+        errno.EACCES: "Make that folder writable",
+        errno.EPERM: "Make that folder writable",
+        errno.EROFS: "Put the checkpoints on a writable file system",
+    }.get(err.errno, "Fix that")
     good = last_good(path.parent)
     if good:
         safe = f"the last good checkpoint is {good[0]} (step {good[1]}), untouched; no partial file was left. {fix}."
     else:
         safe = f"no checkpoint of this fit was written yet; no partial file was left. {fix}, then run it again."
-    return CheckpointWriteError(f"cannot write checkpoint {path.name} in {path.parent}: {cause}; {safe}",
-                                good is not None)
+    return CheckpointWriteError(
+        f"cannot write checkpoint {path.name} in {path.parent}: {cause}; {safe}", good is not None
+    )
 
 
 class VerifiedCheckpointIO(TorchCheckpointIO):

@@ -14,6 +14,7 @@ Used by `mhc grid` (parallel `mhc fit` runs), `mhc sweep` (worker processes) and
 
 Cheap to import: no torch, no Lightning.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -55,14 +56,21 @@ def describe_exit(code: Optional[int]) -> str:
 class Child:
     """One child process: started in its own session with its output in `log`, stopped as a whole group."""
 
-    def __init__(self, argv: Sequence[str], log: Path, env: Optional[dict] = None, name: str = "",
-                 append_log: bool = False):
+    def __init__(
+        self, argv: Sequence[str], log: Path, env: Optional[dict] = None, name: str = "", append_log: bool = False
+    ):
         self.argv, self.log, self.name = list(argv), Path(log), name or Path(argv[0]).name
         self.log.parent.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ if env is None else env, **{PARENT_ENV: str(os.getpid())})
         with open(self.log, "ab" if append_log else "wb") as out:
-            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=env, start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )
         self.started = time.monotonic()
 
     @property
@@ -129,8 +137,14 @@ class ChildFailed(RuntimeError):
         super().__init__(f"{what}; end of its log:\n{log_tail(log)}")
 
 
-def run(argv: Sequence[str], log: Path, env: Optional[dict] = None, timeout_s: Optional[float] = None,
-        linger_s: float = 30.0, what: str = "") -> None:
+def run(
+    argv: Sequence[str],
+    log: Path,
+    env: Optional[dict] = None,
+    timeout_s: Optional[float] = None,
+    linger_s: float = 30.0,
+    what: str = "",
+) -> None:
     """Run one child to its end; raise ChildFailed unless it exits 0 within timeout_s. After the leader exits, the
     rest of its group (other DDP ranks) gets `linger_s` seconds to finish before it is stopped."""
     child = Child(argv, log, env)
@@ -165,8 +179,14 @@ def visible_gpus() -> int:
         return 0
 
 
-def run_parallel(jobs: Sequence[tuple[str, list[str], Path]], parallel: int, on_done, poll_s: float = 0.5,
-                 env: Optional[dict] = None, spread_gpus: bool = False) -> None:
+def run_parallel(
+    jobs: Sequence[tuple[str, list[str], Path]],
+    parallel: int,
+    on_done,
+    poll_s: float = 0.5,
+    env: Optional[dict] = None,
+    spread_gpus: bool = False,
+) -> None:
     """Run (name, argv, log) jobs, at most `parallel` at a time, in order; call on_done(name, exit code) as each
     ends. spread_gpus: with several visible GPUs, the k-th job started sees only GPU k mod count. Ctrl-C / SIGTERM
     stops every running child (its whole group) before returning."""

@@ -4,6 +4,7 @@ imports this module only for these three commands: Lightning costs seconds to im
 A problem the user can fix (a UserError, a parser error, a broken YAML file) is printed as one line,
 `mhc <command>: error: ...`, with exit status 2 and no traceback.
 """
+
 import signal
 import sys
 import warnings
@@ -71,9 +72,13 @@ class MHCLightningCLI(LightningCLI):
         parser.link_arguments("data.seq_len", "model.arch.context")
         # MFU and peak memory in every run; --utilization.peak_flops sets the device's peak where no table knows it
         parser.add_lightning_class_args(Utilization, "utilization")
-        parser.add_argument("--extend", action=ActionYesNo, default=False,
-                            help="fit --ckpt_path: continue the run to another trainer.max_steps, the cosine going on "
-                                 "from the lr reached to its minimum at the new last step (refused without it)")
+        parser.add_argument(
+            "--extend",
+            action=ActionYesNo,
+            default=False,
+            help="fit --ckpt_path: continue the run to another trainer.max_steps, the cosine going on "
+            "from the lr reached to its minimum at the new last step (refused without it)",
+        )
 
     def parse_arguments(self, parser, args) -> None:
         super().parse_arguments(parser, args)
@@ -99,8 +104,12 @@ class MHCLightningCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         if self.subcommand:
             ckpt = self.checkpoint_info
-            label_runs(self.config[self.subcommand].trainer.get("logger"), self.subcommand,
-                       ckpt.source_run_id if ckpt else None, str(ckpt.path.resolve()) if ckpt else None)
+            label_runs(
+                self.config[self.subcommand].trainer.get("logger"),
+                self.subcommand,
+                ckpt.source_run_id if ckpt else None,
+                str(ckpt.path.resolve()) if ckpt else None,
+            )
 
     def instantiate_trainer(self, **kwargs):
         trainer = super().instantiate_trainer(**kwargs)
@@ -117,8 +126,13 @@ class MHCLightningCLI(LightningCLI):
         announce_run(self.trainer, "test")
 
 
-def build_cli(args: Optional[list[str]] = None, run: bool = True, exit_on_error: bool = True,
-              cli_class: type = MHCLightningCLI, **kwargs) -> MHCLightningCLI:
+def build_cli(
+    args: Optional[list[str]] = None,
+    run: bool = True,
+    exit_on_error: bool = True,
+    cli_class: type = MHCLightningCLI,
+    **kwargs,
+) -> MHCLightningCLI:
     """The project's LightningCLI, with conf/base.yaml as every subcommand's default config (configs.py).
     exit_on_error=False: parser errors raise ArgumentError instead of printing the usage and exiting (`main`
     prints them as one line)."""
@@ -129,11 +143,18 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True, exit_on_error:
     kwargs.setdefault("auto_configure_optimizers", False)
     defaults = dict(kwargs.pop("trainer_defaults", None) or {})
     given = defaults.get("callbacks") or []
-    defaults["callbacks"] = [FinalValidation(), PerLayerArtifacts(), RunProvenance(), SystemMetrics(), ProgressLines(),
-                            GracefulStop(),
-                            *(given if isinstance(given, list) else [given])]
-    pk = parser_kwargs({"parser_mode": "omegaconf+", "default_env": False, "exit_on_error": exit_on_error}, run,
-                       TRAINER_COMMANDS)
+    defaults["callbacks"] = [
+        FinalValidation(),
+        PerLayerArtifacts(),
+        RunProvenance(),
+        SystemMetrics(),
+        ProgressLines(),
+        GracefulStop(),
+        *(given if isinstance(given, list) else [given]),
+    ]
+    pk = parser_kwargs(
+        {"parser_mode": "omegaconf+", "default_env": False, "exit_on_error": exit_on_error}, run, TRAINER_COMMANDS
+    )
     pk["prog"] = "mhc"
     for name, text in TRAINER_COMMANDS.items():
         if run:

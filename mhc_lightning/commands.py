@@ -6,6 +6,7 @@ only its own module; `fit`, `validate` and `test` import Lightning through cli.p
 Whatever the command, a problem the user can fix (a UserError, a parser error, a broken YAML file) is printed as one
 line, `mhc <command>: error: ...`, with exit status 2 and no traceback.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -36,8 +37,10 @@ class Tool(NamedTuple):
 TOOLS = {  # subcommands with their own argparse front ends; everything else is LightningCLI
     "sweep": Tool("mhc_lightning.sweeps.cli:main", "Optuna sweeps of `mhc fit`, tracked in MLflow"),
     "compare": Tool("mhc_lightning.reports.cli:main", "table and plots of MLflow runs"),
-    "report": Tool("mhc_lightning.reports.cli:report_main",
-                   "runs grouped by tags, mean +- std over seeds (= mhc compare --group-by)"),
+    "report": Tool(
+        "mhc_lightning.reports.cli:report_main",
+        "runs grouped by tags, mean +- std over seeds (= mhc compare --group-by)",
+    ),
     "grid": Tool("mhc_lightning.grid:main", "a grid of `mhc fit` runs: parallel processes here, or SLURM jobs"),
 }
 
@@ -45,9 +48,13 @@ TOOLS = {  # subcommands with their own argparse front ends; everything else is 
 def overview() -> str:
     """`mhc --help`: every command with one line."""
     width = max(map(len, [*TRAINER_COMMANDS, *TOOLS])) + 2
-    lines = ["usage: mhc <command> [options]     (`mhc <command> --help` lists a command's options)", "",
-             "Train, stress and compare residual / HC / mHC transformers, tracked in MLflow.", "",
-             "training (Lightning; -c config.yaml files from conf/ and --key=value flags, later ones win):"]
+    lines = [
+        "usage: mhc <command> [options]     (`mhc <command> --help` lists a command's options)",
+        "",
+        "Train, stress and compare residual / HC / mHC transformers, tracked in MLflow.",
+        "",
+        "training (Lightning; -c config.yaml files from conf/ and --key=value flags, later ones win):",
+    ]
     lines += [f"  {name:<{width}}{text}" for name, text in TRAINER_COMMANDS.items()]
     lines += ["", "tools:"]
     lines += [f"  {name:<{width}}{tool.summary}" for name, tool in TOOLS.items()]
@@ -69,8 +76,11 @@ def main(argv: Optional[list[str]] = None) -> None:
         sys.exit(0)
     command = args[0]
     if command not in TRAINER_COMMANDS and command not in TOOLS:
-        print(f"mhc: error: unknown command {command!r}; the commands are {', '.join([*TRAINER_COMMANDS, *TOOLS])} "
-              "(`mhc --help` says what each does)", file=sys.stderr)
+        print(
+            f"mhc: error: unknown command {command!r}; the commands are {', '.join([*TRAINER_COMMANDS, *TOOLS])} "
+            "(`mhc --help` says what each does)",
+            file=sys.stderr,
+        )
         sys.exit(EXIT_USER_ERROR)
     if command in TOOLS:
         module, _, func = TOOLS[command].target.partition(":")

@@ -5,6 +5,7 @@ read it as the parser's default config file, so every other config (quickstart.y
 holds only what it changes, and `mhc fit -c conf/quickstart.yaml` means base + quickstart. Passing `-c conf/base.yaml`
 explicitly, as older commands do, changes nothing.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable

@@ -3,6 +3,7 @@ whether the streams differ at all (stream spread, H_res's distance from I and fr
 
 Computed in float64 on one sequence every k steps (docs/design.md §7), never on a kernel's storage layout.
 """
+
 import torch
 
 from .kernels.reference import gain_report, sinkhorn_residuals
@@ -18,8 +19,10 @@ def grad_norm_summary(norms: torch.Tensor, warmup: int) -> dict[str, float]:
     if gn.numel() == 0:
         return {}
     median = gn.median()
-    return {"train/grad_norm_max": gn.max().item(),
-            "train/grad_spikes": float((gn > GRAD_SPIKE_FACTOR * median).sum().item())}
+    return {
+        "train/grad_norm_max": gn.max().item(),
+        "train/grad_spikes": float((gn > GRAD_SPIKE_FACTOR * median).sum().item()),
+    }
 
 
 def h_res_distances(h_res: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,12 +69,14 @@ def summarize(recorded: dict[str, torch.Tensor]) -> tuple[dict[str, float], dict
     if "spread" in recorded:
         spread = recorded["spread"].double()  # [L, T]: the streams each sublayer wrote
         d_eye, d_uniform = (d.mean(dim=1) for d in h_res_distances(h_res))  # [L], token means
-        scalars.update({
-            "streams/spread_last": spread[-1].mean().item(),  # what the collapse sums; 0 = the streams never parted
-            "hres/dist_identity": d_eye.mean().item(),
-            "hres/dist_identity_max": d_eye.max().item(),
-            "hres/dist_uniform_min": d_uniform.min().item(),  # near 0: some layer averages its streams flat
-        })
+        scalars.update(
+            {
+                "streams/spread_last": spread[-1].mean().item(),  # what the collapse sums; 0 = the streams never parted
+                "hres/dist_identity": d_eye.mean().item(),
+                "hres/dist_identity_max": d_eye.max().item(),
+                "hres/dist_uniform_min": d_uniform.min().item(),  # near 0: some layer averages its streams flat
+            }
+        )
     per_layer = {k: v.tolist() for k, v in report.items()}
     per_layer["sinkhorn_row_residual_max"] = row_res.amax(dim=1).tolist()
     per_layer["sinkhorn_col_residual_max"] = col_res.amax(dim=1).tolist()
@@ -81,5 +86,6 @@ def summarize(recorded: dict[str, torch.Tensor]) -> tuple[dict[str, float], dict
     if "spread" in recorded:
         per_layer["stream_spread"] = recorded["spread"].double().mean(dim=1).tolist()
         per_layer["h_res_dist_identity"], per_layer["h_res_dist_uniform"] = (
-            d.mean(dim=1).tolist() for d in h_res_distances(h_res))
+            d.mean(dim=1).tolist() for d in h_res_distances(h_res)
+        )
     return scalars, per_layer

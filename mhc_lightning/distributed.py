@@ -14,6 +14,7 @@ Every helper is a no-op returning the local answer when torch.distributed is not
 Collectives must be called by every rank in the same order: only call them under rank-uniform conditions
 (global_step, a value already reduced), never under a rank-local one.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -77,8 +78,9 @@ def _reduction(key: str) -> str:
     return "mean"
 
 
-def reduce_diagnostics(scalars: dict[str, float], per_layer: dict[str, list], device: Optional[torch.device] = None
-                       ) -> tuple[dict[str, float], dict[str, list]]:
+def reduce_diagnostics(
+    scalars: dict[str, float], per_layer: dict[str, list], device: Optional[torch.device] = None
+) -> tuple[dict[str, float], dict[str, list]]:
     """The diagnostics of one sequence per rank, reduced over ranks by key name (one all_gather, float64).
 
     Every rank must call this at the same steps (LitLM does at the diagnostics steps, which depend on
@@ -102,7 +104,7 @@ def reduce_diagnostics(scalars: dict[str, float], per_layer: dict[str, list], de
     pos = 0
     for where, k, shape in items:
         n = shape.numel()
-        seg = stacked[:, pos:pos + n]
+        seg = stacked[:, pos : pos + n]
         pos += n
         how = _reduction(k)
         red = seg.amax(0) if how == "max" else seg.amin(0) if how == "min" else seg.mean(0)
@@ -144,8 +146,7 @@ def digest(obj: Any) -> str:
 
 def state_digests(trainer, pl_module) -> dict[str, str]:
     """Digests of this rank's model weights and optimizer state."""
-    return {"model": digest(pl_module.state_dict()),
-            "optimizer": digest([o.state_dict() for o in trainer.optimizers])}
+    return {"model": digest(pl_module.state_dict()), "optimizer": digest([o.state_dict() for o in trainer.optimizers])}
 
 
 def ranks_in_sync(trainer, pl_module) -> tuple[bool, list[dict[str, str]]]:

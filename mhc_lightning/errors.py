@@ -3,6 +3,7 @@
 `mhc` prints such an error as one line naming the field or file and the fix, and exits with status 2,
 instead of a traceback. Raise it (or a subclass) before anything is written: no run, no folder, no file.
 """
+
 import re
 
 EXIT_USER_ERROR = 2  # what argparse uses for usage errors, so scripts treat both alike

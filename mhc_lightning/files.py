@@ -1,4 +1,5 @@
 """Small file helpers shared by the corpus cache and the snapshot files."""
+
 import hashlib
 from pathlib import Path
 

@@ -5,6 +5,7 @@ turn, every child process exiting 2 with the reason only in its log.
 
 One parser serves every argument list (building it takes about a second, parsing a list a fraction of that).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -47,8 +48,11 @@ def fit_args_problems(argvs: Sequence[Sequence[str]], cross_field: bool = False)
             problems.extend(problem(self, parser, argv) for argv in argvs)
             raise _Done
 
-    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()), \
-            warnings.catch_warnings():
+    with (
+        contextlib.redirect_stderr(io.StringIO()),
+        contextlib.redirect_stdout(io.StringIO()),
+        warnings.catch_warnings(),
+    ):
         warnings.simplefilter("ignore")
         try:
             build_cli([], run=False, exit_on_error=False, cli_class=ParseEach)

@@ -10,6 +10,7 @@ again, to measure the run-to-run spread that a seed spread is compared against.
 Not an Optuna sweep with a grid sampler: a grid has no objective to report, its runs are plain `mhc fit` runs named
 and tagged for the grouped report (docs/results.md reads those tags), and a study storage would add nothing to that.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,13 +57,16 @@ def load_grid(path: Path) -> dict:
         if problem:
             raise GridError(f"{path}: variants: {problem}")
         if overrides is not None and not isinstance(overrides, dict):
-            raise GridError(f"{path}: variants.{variant}: must be a mapping of `mhc fit` keys to values (or empty), "
-                            f"got {overrides!r}")
+            raise GridError(
+                f"{path}: variants.{variant}: must be a mapping of `mhc fit` keys to values (or empty), "
+                f"got {overrides!r}"
+            )
     axes = spec.setdefault("axes", {}) or {}
     spec["axes"] = axes
     if not isinstance(axes, dict) or not all(isinstance(v, list) and v for v in axes.values()):
-        raise GridError(f"{path}: 'axes' must be a mapping of `mhc fit` keys to non-empty lists of values, "
-                        f"got {axes!r}")
+        raise GridError(
+            f"{path}: 'axes' must be a mapping of `mhc fit` keys to non-empty lists of values, got {axes!r}"
+        )
     repeats = spec.setdefault("repeats", 1)
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise GridError(f"{path}: 'repeats' must be an integer >= 1 (runs per grid point), got {repeats!r}")
@@ -90,8 +94,10 @@ def expand(spec: dict, root: Path, extra: list[str]) -> list[tuple[str, dict, li
                     name, tags["replicate"] = f"{name}-r{repeat}", str(repeat)
                 argv = ["fit"] + [a for c in spec["configs"] for a in ("-c", str(root / c))]
                 argv += [_flag(k, v) for k, v in {**(overrides or {}), **point}.items()]
-                argv += [f"--trainer.logger.init_args.experiment_name={spec['experiment']}",
-                         f"--trainer.logger.init_args.run_name={name}"] + extra
+                argv += [
+                    f"--trainer.logger.init_args.experiment_name={spec['experiment']}",
+                    f"--trainer.logger.init_args.run_name={name}",
+                ] + extra
                 runs.append((name, tags, argv))
     return runs
 
@@ -132,39 +138,70 @@ parser and the model's rules: a mistake is one line and exit 2. --dry-run does t
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mhc grid", description=__doc__.split("\n")[0], epilog=HELP_FILE,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="mhc grid",
+        description=__doc__.split("\n")[0],
+        epilog=HELP_FILE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("grid", type=Path, help="grid file, e.g. conf/experiments/stability_grid.yaml (format below)")
     p.add_argument("--parallel", type=int, default=1, help="processes at once (they share the device)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra override for every run")
     p.add_argument("--logs", type=Path, default=Path("grid_logs"), help="one log file per run")
-    p.add_argument("--dry-run", action="store_true",
-                   help="check every run's arguments, print each run's name and `mhc fit` command, start nothing")
-    p.add_argument("--skip-finished", action="store_true",
-                   help="skip runs whose name already has a FINISHED run in the experiment (continue a grid in parts)")
-    c = p.add_argument_group("cluster (--launcher slurm: one SLURM job per run, a job array through submitit; "
-                             "a requeued job resumes its run from its own checkpoints)")
-    c.add_argument("--launcher", choices=["local", "slurm", "submitit-local"], default="local",
-                   help="local: parallel processes here (default); slurm: SLURM jobs; submitit-local: the slurm "
-                        "path's jobs run here by submitit's LocalExecutor")
-    c.add_argument("--runs-dir", type=Path, default=Path("runs") / "grid",
-                   help="jobs: each run's trainer.default_root_dir is <runs-dir>/<run name> (storage every node sees)")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check every run's arguments, print each run's name and `mhc fit` command, start nothing",
+    )
+    p.add_argument(
+        "--skip-finished",
+        action="store_true",
+        help="skip runs whose name already has a FINISHED run in the experiment (continue a grid in parts)",
+    )
+    c = p.add_argument_group(
+        "cluster (--launcher slurm: one SLURM job per run, a job array through submitit; "
+        "a requeued job resumes its run from its own checkpoints)"
+    )
+    c.add_argument(
+        "--launcher",
+        choices=["local", "slurm", "submitit-local"],
+        default="local",
+        help="local: parallel processes here (default); slurm: SLURM jobs; submitit-local: the slurm "
+        "path's jobs run here by submitit's LocalExecutor",
+    )
+    c.add_argument(
+        "--runs-dir",
+        type=Path,
+        default=Path("runs") / "grid",
+        help="jobs: each run's trainer.default_root_dir is <runs-dir>/<run name> (storage every node sees)",
+    )
     c.add_argument("--timeout-min", type=int, default=24 * 60, help="jobs: time limit of each job, minutes")
     c.add_argument("--partition", help="jobs: SLURM partition")
     c.add_argument("--gpus-per-node", type=int, help="jobs: GPUs per job")
     c.add_argument("--cpus-per-task", type=int, help="jobs: CPUs per job")
-    c.add_argument("--slurm", action="append", default=[], metavar="KEY=VALUE",
-                   help="jobs: any other submitit slurm_* parameter, e.g. --slurm account=proj --slurm qos=high")
+    c.add_argument(
+        "--slurm",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="jobs: any other submitit slurm_* parameter, e.g. --slurm account=proj --slurm qos=high",
+    )
     c.add_argument("--no-wait", action="store_true", help="jobs: submit and return (default: wait and report each)")
     return p
 
 
 def job_parameters(args, spec: dict) -> dict:
     """submitit parameters of a grid's jobs (AutoExecutor's generic names, slurm_* for the rest)."""
-    params = {"name": f"mhc-grid-{spec['experiment']}", "timeout_min": args.timeout_min,
-              "slurm_array_parallelism": args.parallel}
-    for key, value in (("slurm_partition", args.partition), ("gpus_per_node", args.gpus_per_node),
-                       ("cpus_per_task", args.cpus_per_task)):
+    params = {
+        "name": f"mhc-grid-{spec['experiment']}",
+        "timeout_min": args.timeout_min,
+        "slurm_array_parallelism": args.parallel,
+    }
+    for key, value in (
+        ("slurm_partition", args.partition),
+        ("gpus_per_node", args.gpus_per_node),
+        ("cpus_per_task", args.cpus_per_task),
+    ):
         if value is not None:
             params[key] = value
     for item in args.slurm:
@@ -180,9 +217,18 @@ def submit_jobs(args, spec: dict, runs: list, uri: str, exp_id: str, on_done) ->
     from .grid_jobs import GridPoint, executor_for, submit
 
     executor = executor_for(args.launcher, args.logs.resolve() / "submitit", job_parameters(args, spec))
-    points = [GridPoint(name, argv, tags, str(args.runs_dir.resolve() / file_name(name)),
-                        str(log_path(args.logs.resolve(), name)),
-                        uri, exp_id) for name, tags, argv in runs]
+    points = [
+        GridPoint(
+            name,
+            argv,
+            tags,
+            str(args.runs_dir.resolve() / file_name(name)),
+            str(log_path(args.logs.resolve(), name)),
+            uri,
+            exp_id,
+        )
+        for name, tags, argv in runs
+    ]
     submit(points, executor, wait=not args.no_wait, on_done=on_done)
 
 
@@ -227,8 +273,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             tag_runs(client, exp_id, name, tags[name])
         if code:
             failed.append(name)
-        print(f"[{time.time() - t0:7.1f}s] {name}: {'ok' if code == 0 else f'FAILED ({describe_exit(code)})'}",
-              flush=True)
+        print(
+            f"[{time.time() - t0:7.1f}s] {name}: {'ok' if code == 0 else f'FAILED ({describe_exit(code)})'}", flush=True
+        )
 
     jobs = [(name, mhc_command() + a, log_path(args.logs, name)) for name, _, a in runs]
     try:

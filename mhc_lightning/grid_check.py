@@ -3,6 +3,7 @@ fit` arguments pass `mhc fit`'s parser and the model's cross-field rules (fit_ar
 checks its trials with). Without them a misspelt `--set` started every process, each one exiting 2 with the reason
 only in grid_logs/.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -34,6 +35,8 @@ def check_runs(grid: Path, runs: list[tuple[str, dict, list[str]]]) -> None:
     if bad:
         name, problem, _ = bad[0]
         more = sum(n for _, _, n in bad) - 1
-        raise GridError(f"{grid}: `mhc fit` rejects the arguments of run {name}"
-                        + (f" and {more} more" if more else "")
-                        + f" (from the grid's configs, variants, axes or --set): {problem}; nothing was started")
+        raise GridError(
+            f"{grid}: `mhc fit` rejects the arguments of run {name}"
+            + (f" and {more} more" if more else "")
+            + f" (from the grid's configs, variants, axes or --set): {problem}; nothing was started"
+        )

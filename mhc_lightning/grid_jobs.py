@@ -14,6 +14,7 @@ Requeue (time limit or preemption) resumes the same MLflow run from the point's 
 `--launcher submitit-local` runs the same jobs on this machine through submitit's LocalExecutor (a cluster grid tried
 on one machine; the tests). Cheap to import: submitit, MLflow and Lightning are imported where they are used.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,8 +28,10 @@ from .child_processes import Child, mhc_command
 from .errors import UserError
 
 # Lightning's SLURM environment without its auto-requeue: submitit requeues (see above)
-SLURM_PLUGIN = ('--trainer.plugins={"class_path": "lightning.pytorch.plugins.environments.SLURMEnvironment", '
-                '"init_args": {"auto_requeue": false}}')
+SLURM_PLUGIN = (
+    '--trainer.plugins={"class_path": "lightning.pytorch.plugins.environments.SLURMEnvironment", '
+    '"init_args": {"auto_requeue": false}}'
+)
 CLUSTERS = {"slurm": "slurm", "submitit-local": "local"}  # --launcher -> submitit's executor
 
 
@@ -53,8 +56,17 @@ class GridPoint:
     """One grid point as a submitit job: `mhc fit` in a child process, its run tagged when it ends. Picklable (the
     job runs it on the cluster); submitit calls `checkpoint` when the job is about to be requeued."""
 
-    def __init__(self, name: str, argv: list[str], tags: dict, root: str, log: str, tracking_uri: str,
-                 experiment_id: str, resume: bool = False):
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        tags: dict,
+        root: str,
+        log: str,
+        tracking_uri: str,
+        experiment_id: str,
+        resume: bool = False,
+    ):
         self.name, self.argv, self.tags, self.root, self.log = name, list(argv), dict(tags), root, log
         self.tracking_uri, self.experiment_id, self.resume = tracking_uri, experiment_id, resume
         self._child: Optional[Child] = None
@@ -87,8 +99,11 @@ class GridPoint:
         """submitit, before it requeues the job: run this point again, resuming its run."""
         from submitit.helpers import DelayedSubmission
 
-        return DelayedSubmission(GridPoint(self.name, self.argv, self.tags, self.root, self.log, self.tracking_uri,
-                                           self.experiment_id, resume=True))
+        return DelayedSubmission(
+            GridPoint(
+                self.name, self.argv, self.tags, self.root, self.log, self.tracking_uri, self.experiment_id, resume=True
+            )
+        )
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_child": None}
@@ -101,8 +116,10 @@ def executor_for(launcher: str, folder: Path, parameters: dict):
     except ImportError:
         raise UserError(f"--launcher {launcher} needs submitit: pip install submitit") from None
     if launcher == "slurm" and shutil.which("sbatch") is None:
-        raise UserError("--launcher slurm needs SLURM's sbatch on PATH: run `mhc grid` on the cluster's login node "
-                        "(--launcher submitit-local runs the same jobs here)")
+        raise UserError(
+            "--launcher slurm needs SLURM's sbatch on PATH: run `mhc grid` on the cluster's login node "
+            "(--launcher submitit-local runs the same jobs here)"
+        )
     executor = submitit.AutoExecutor(folder=folder, cluster=CLUSTERS[launcher])
     try:
         executor.update_parameters(**parameters)

@@ -3,6 +3,7 @@
 A failed check is a UserError (one line naming the file or key and the fix), raised before the logger,
 the Trainer or any folder exists: a bad input leaves no MLflow run, no runs/ folder, no artifacts.
 """
+
 from __future__ import annotations
 
 import math
@@ -24,8 +25,16 @@ EVAL_COMMANDS = ("validate", "test")
 CKPT_KEYWORDS = ("last", "best", "hpc")
 # How the same weights are computed, not which weights: may differ between training and evaluation
 # (e.g. Triton kernels when training on a GPU, the torch reference when evaluating on a CPU).
-RUNTIME_ARCH_KEYS = frozenset({"hyper.kernel_backend", "hyper.fused_pre", "hyper.chain_sublayers",
-                               "hyper.rebuild_branch_input", "recompute_block", "stream_dtype"})
+RUNTIME_ARCH_KEYS = frozenset(
+    {
+        "hyper.kernel_backend",
+        "hyper.fused_pre",
+        "hyper.chain_sublayers",
+        "hyper.rebuild_branch_input",
+        "recompute_block",
+        "stream_dtype",
+    }
+)
 # Architecture keys set through another key (CLI links): name the one the user sets
 LINKED_FROM = {"context": "data.seq_len"}
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
@@ -49,8 +58,10 @@ def check_inputs(subcommand: str, cfg) -> Optional[CheckpointInfo]:
     ckpt = cfg.get("ckpt_path")
     if ckpt is None:
         if subcommand in EVAL_COMMANDS:
-            raise UserError(f"{subcommand} evaluates a checkpoint: pass --ckpt_path <file.ckpt> "
-                            "(fit writes runs/<experiment id>/<run id>/checkpoints/last.ckpt).")
+            raise UserError(
+                f"{subcommand} evaluates a checkpoint: pass --ckpt_path <file.ckpt> "
+                "(fit writes runs/<experiment id>/<run id>/checkpoints/last.ckpt)."
+            )
         return None
     if ckpt in CKPT_KEYWORDS or str(ckpt).startswith("registry"):
         return None
@@ -60,23 +71,30 @@ def check_inputs(subcommand: str, cfg) -> Optional[CheckpointInfo]:
 def check_checkpoint(path: Path, arch: dict) -> CheckpointInfo:
     """Refuse a missing or unreadable checkpoint, or one trained with another architecture than ``arch``."""
     if not path.exists():
-        raise UserError(f"checkpoint {path} does not exist; pass --ckpt_path with the path of a .ckpt file "
-                        "(fit writes runs/<experiment id>/<run id>/checkpoints/last.ckpt).")
+        raise UserError(
+            f"checkpoint {path} does not exist; pass --ckpt_path with the path of a .ckpt file "
+            "(fit writes runs/<experiment id>/<run id>/checkpoints/last.ckpt)."
+        )
     if not path.is_file():
         raise UserError(f"checkpoint {path} is a folder; pass --ckpt_path with a .ckpt file in it.")
     verify(path, _run_id_from_layout(path))  # CorruptCheckpoint names the newest good checkpoint beside it
     ckpt = _load(path)
     trained = (ckpt.get("hyper_parameters") or {}).get("arch")
     if not isinstance(trained, dict):
-        raise UserError(f"checkpoint {path} holds no model.arch hyperparameters, so it was not written by mhc fit; "
-                        "pass a checkpoint of an mhc fit run.")
+        raise UserError(
+            f"checkpoint {path} holds no model.arch hyperparameters, so it was not written by mhc fit; "
+            "pass a checkpoint of an mhc fit run."
+        )
     mismatches = arch_mismatches(arch, trained)
     if mismatches:
-        said = "; ".join(f"{key} is {_show(mine)} here but {_show(theirs)} in the checkpoint"
-                         for key, mine, theirs in mismatches)
+        said = "; ".join(
+            f"{key} is {_show(mine)} here but {_show(theirs)} in the checkpoint" for key, mine, theirs in mismatches
+        )
         flags = " ".join(f"--{key}={_show(theirs)}" for key, _, theirs in mismatches)
-        raise UserError(f"checkpoint {path} was trained with another architecture: {said}. Use the config it was "
-                        f"trained with (its MLflow run keeps it as config.yaml), or add: {flags}")
+        raise UserError(
+            f"checkpoint {path} was trained with another architecture: {said}. Use the config it was "
+            f"trained with (its MLflow run keeps it as config.yaml), or add: {flags}"
+        )
     run = ckpt.get(CHECKPOINT_RUN_KEY) or {}
     schedulers = ckpt.get("lr_schedulers") or [None]
     return CheckpointInfo(path, run.get("run_id") or _run_id_from_layout(path), ckpt.get("global_step"), schedulers[0])

@@ -12,6 +12,7 @@ gives a process ended by those signals, so that a script or a scheduler sees tha
 - `finish` (called by the CLI when the fit ends by an exception) marks the runs KILLED, after Lightning marked them
   FAILED, prints where the checkpoint is and the resume command, and returns the exit status.
 """
+
 from __future__ import annotations
 
 import signal

@@ -1,4 +1,5 @@
 """LightningModule: next-token LM training of the GPT with residual / HC / mHC sublayers."""
+
 import copy
 import math
 import time
@@ -72,9 +73,11 @@ def check_fused(fused: Optional[bool], precision) -> None:
     """A fused AdamW step unscales 16-mixed's gradients inside the step, after on_before_optimizer_step has logged
     them and clipping has clipped them, both still scaled: refused there (auto picks foreach)."""
     if fused and str(precision) in SCALED_PRECISIONS:
-        raise ValueError(f"model.optim.fused=true needs a precision without loss scaling, not trainer.precision="
-                         f"{precision} (the fused step unscales the gradients only after they were logged and clipped);"
-                         " allowed with it: 32-true, bf16-mixed, bf16-true; or set model.optim.fused to false or null")
+        raise ValueError(
+            f"model.optim.fused=true needs a precision without loss scaling, not trainer.precision="
+            f"{precision} (the fused step unscales the gradients only after they were logged and clipped);"
+            " allowed with it: 32-true, bf16-mixed, bf16-true; or set model.optim.fused to false or null"
+        )
 
 
 def check_compile(arch: GPTConfig, compile: bool, compile_mode: str = "default") -> None:
@@ -84,15 +87,20 @@ def check_compile(arch: GPTConfig, compile: bool, compile_mode: str = "default")
     compile_mode: one of torch.compile's modes (the list is torch's own)."""
     modes = list(torch._inductor.list_mode_options())
     if compile_mode not in modes:
-        raise ValueError(f"model.compile_mode: {compile_mode!r} is not a torch.compile mode; "
-                         f"allowed: {', '.join(modes)}")
+        raise ValueError(
+            f"model.compile_mode: {compile_mode!r} is not a torch.compile mode; allowed: {', '.join(modes)}"
+        )
     if compile and arch.hyper.chain_sublayers is True and arch.hyper.residual_mode in ("mhc", "identity"):
-        raise ValueError("model.compile=true with model.arch.hyper.chain_sublayers=true is refused: the chained stack "
-                         "does not finish compiling (docs/benchmarks.md); set one of them to false")
+        raise ValueError(
+            "model.compile=true with model.arch.hyper.chain_sublayers=true is refused: the chained stack "
+            "does not finish compiling (docs/benchmarks.md); set one of them to false"
+        )
     if compile and arch.hyper.rebuild_branch_input and arch.hyper.residual_mode != "residual":
-        raise ValueError("model.compile=true with model.arch.hyper.rebuild_branch_input=true is refused: dynamo does "
-                         "not trace the saved-tensor hooks that drop the branch's input (the compiler chooses what to "
-                         "keep); set one of them to false")
+        raise ValueError(
+            "model.compile=true with model.arch.hyper.rebuild_branch_input=true is refused: dynamo does "
+            "not trace the saved-tensor hooks that drop the branch's input (the compiler chooses what to "
+            "keep); set one of them to false"
+        )
 
 
 class LitLM(L.LightningModule):
@@ -118,9 +126,15 @@ class LitLM(L.LightningModule):
         check_compile(arch, compile, compile_mode)
         self.arch, self.optim = arch, optim
         self.diagnostics_every = diagnostics_every
-        self.save_hyperparameters({"arch": asdict(arch), "optim": asdict(optim),
-                                   "diagnostics_every": diagnostics_every, "compile": compile,
-                                   "compile_mode": compile_mode})
+        self.save_hyperparameters(
+            {
+                "arch": asdict(arch),
+                "optim": asdict(optim),
+                "diagnostics_every": diagnostics_every,
+                "compile": compile,
+                "compile_mode": compile_mode,
+            }
+        )
         self.model = GPT(arch)
         self.forward_fn = compile_model(self.model, mode=compile_mode) if compile else self.model
         # reduce-overhead replays CUDA graphs whose outputs the next replay overwrites: each model call starts a new
@@ -248,8 +262,9 @@ class LitLM(L.LightningModule):
             n_layers = len(self.model.sublayers)
             per_layer = torch.zeros(n_layers + 1, device=self.device)
             if with_grad:
-                norms = torch.stack(torch._foreach_norm([local_tensor(params[i].grad).detach().float()
-                                                         for i in with_grad]))
+                norms = torch.stack(
+                    torch._foreach_norm([local_tensor(params[i].grad).detach().float() for i in with_grad])
+                )
                 if len(with_grad) == len(params):  # the usual case: reuse the index on the device
                     g = on_device.get(norms.device)
                     if g is None:
@@ -288,7 +303,7 @@ class LitLM(L.LightningModule):
             size = max(step + 1, int(self.trainer.max_steps) if self.trainer.max_steps > 0 else 2 * (step + 1))
             grown = torch.full((size,), float("nan"), device=norm.device)
             if kept is not None:
-                grown[:min(kept.numel(), size)] = kept[:size].to(norm.device)
+                grown[: min(kept.numel(), size)] = kept[:size].to(norm.device)
             self._grad_norm_steps = kept = grown
         kept[step] = norm.float()
 
@@ -313,8 +328,10 @@ class LitLM(L.LightningModule):
         if isinstance(plan, WarmupCosine) and plan.total != total:
             before, step, lr = plan.total, self.global_step, self.optim.lr
             plan.extend(step, total)
-            rank_zero_info(f"learning-rate schedule extended at step {step}: planned for {before} steps, now {total}; "
-                           f"lr {lr * plan(step):.3g} at step {step} -> {lr * plan(total):.3g} at step {total}")
+            rank_zero_info(
+                f"learning-rate schedule extended at step {step}: planned for {before} steps, now {total}; "
+                f"lr {lr * plan(step):.3g} at step {step} -> {lr * plan(total):.3g} at step {total}"
+            )
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self._grad_norm_steps is not None:
@@ -411,7 +428,8 @@ class LitLM(L.LightningModule):
         fused = o.fused
         if fused is None:
             fused = str(self.trainer.precision) not in SCALED_PRECISIONS and all(
-                p.is_cuda for g in groups for p in g["params"])
+                p.is_cuda for g in groups for p in g["params"]
+            )
         # fused=False would also turn foreach off: None leaves torch its default
         opt = torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, fused=True if fused else None)
         total = int(self.trainer.estimated_stepping_batches)

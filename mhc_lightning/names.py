@@ -3,6 +3,7 @@ files in grid_logs/). A name holding `../` or a slash would write outside the fo
 by the user are refused with the reason (`path_name_problem`), and names put together from values (a grid axis over
 corpus paths) are turned into one safe file name (`file_name`).
 """
+
 from __future__ import annotations
 
 import re

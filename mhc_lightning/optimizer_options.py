@@ -5,6 +5,7 @@ group (weight decay on norms, biases and the HC coefficients too) and no warmup-
 `mhc` builds its CLI without them (auto_configure_optimizers=False); this check turns the parser's "unrecognized
 arguments" into the reason and the keys to use instead, for flags and for -c files alike.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -14,9 +15,11 @@ import yaml
 from .errors import UserError
 
 REFUSED = ("optimizer", "lr_scheduler")
-INSTEAD = ("the optimizer is AdamW with weight-decay groups (none on norms, biases, HC coefficients) and a linear "
-           "warmup then cosine schedule, set by model.optim.lr, weight_decay, betas, eps, warmup_steps, min_lr_ratio, "
-           "fused (README, Config reference)")
+INSTEAD = (
+    "the optimizer is AdamW with weight-decay groups (none on norms, biases, HC coefficients) and a linear "
+    "warmup then cosine schedule, set by model.optim.lr, weight_decay, betas, eps, warmup_steps, min_lr_ratio, "
+    "fused (README, Config reference)"
+)
 
 
 class RefusedOption(UserError):
@@ -52,8 +55,11 @@ def refuse_optimizer_options(args: list[str]) -> None:
         key = _flag_key(arg)
         if key is not None:
             raise RefusedOption(f"--{key} is not an option of mhc: {INSTEAD}")
-        path = args[i + 1] if arg in ("-c", "--config") and i + 1 < len(args) else (
-            arg.partition("=")[2] if arg.startswith("--config=") else None)
+        path = (
+            args[i + 1]
+            if arg in ("-c", "--config") and i + 1 < len(args)
+            else (arg.partition("=")[2] if arg.startswith("--config=") else None)
+        )
         key = _config_key(path) if path else None
         if key is not None:
             raise RefusedOption(f"`{key}:` in {path} is not an option of mhc: {INSTEAD}")

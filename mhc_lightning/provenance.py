@@ -5,6 +5,7 @@ The code is located from this package's own files, not from the command line or 
 guess (`mlflow.source.git.commit`, from `sys.argv[0]`) records nothing when the `mhc` entry point lives in a venv
 outside the checkout, in Docker or in conda, and a wrong commit when the checkout holds uncommitted code.
 """
+
 from __future__ import annotations
 
 import functools
@@ -91,8 +92,13 @@ def _version(name: str) -> str:
 
 def environment(device: Optional[torch.device] = None) -> dict[str, str]:
     """Versions of Python and the libraries in LIBRARIES, the mhc_lightning install, CUDA, and the GPU in use."""
-    env = {"python": platform.python_version(), "platform": platform.platform(), "mhc_lightning": _version(
-        "mhc-lightning"), **{name: _version(name) for name in LIBRARIES}, "torch_build": torch.__version__}
+    env = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "mhc_lightning": _version("mhc-lightning"),
+        **{name: _version(name) for name in LIBRARIES},
+        "torch_build": torch.__version__,
+    }
     env["cuda"] = torch.version.cuda or "none"
     if device is not None and device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)

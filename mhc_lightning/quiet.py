@@ -5,6 +5,7 @@ else is filtered):
 - torch's FutureWarning "`isinstance(treespec, LeafSpec)` is deprecated", raised inside Lightning's own _pytree code
   (nothing in this project to change; Lightning will follow torch).
 """
+
 from __future__ import annotations
 
 import logging

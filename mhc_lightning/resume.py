@@ -9,6 +9,7 @@ when `log_model: true` moved it there), and that run's id for the logger. The lo
 without logging a metric step twice (loggers/resilient.py); the train loader continues where the checkpoint stopped
 (a stateful loader, saved in the checkpoint by Lightning).
 """
+
 from __future__ import annotations
 
 import shlex
@@ -55,8 +56,14 @@ def resolve_last(config, subcommand: Optional[str]) -> Optional[str]:
     logger = loggers[0]
     init = logger.init_args
     uri, experiment, name = init.tracking_uri, init.experiment_name, _get(init, "run_name")
-    run_id, ckpt = find_checkpoint(uri, experiment, name, _get(init, "run_id"),
-                                   Path(cfg.trainer.default_root_dir or "."), _checkpoint_dirpath(cfg.trainer))
+    run_id, ckpt = find_checkpoint(
+        uri,
+        experiment,
+        name,
+        _get(init, "run_id"),
+        Path(cfg.trainer.default_root_dir or "."),
+        _checkpoint_dirpath(cfg.trainer),
+    )
     init.run_id = run_id
     cfg.ckpt_path = str(ckpt)
     return f"MLflow run {run_id} ({name or 'unnamed'}, experiment {experiment!r})"
@@ -73,24 +80,36 @@ def check_resume(cfg, checkpoint, run: Optional[str]) -> None:
         sched, nan = checkpoint.scheduler, float("nan")
         lr, lr_min = (sched.get("_last_lr") or [nan])[0], (sched.get("base_lrs") or [nan])[0] * lambdas[0]["min_ratio"]
         state = "finished" if step is not None and step >= planned else f"at step {step}"
-        then = (f"the lr stays at the minimum it reached, {lr:.3g}" if lr <= lr_min * (1 + 1e-6) else
-                f"the cosine goes on from the lr it reached, {lr:.3g}, to its minimum {lr_min:.3g} at step {max_steps}")
+        then = (
+            f"the lr stays at the minimum it reached, {lr:.3g}"
+            if lr <= lr_min * (1 + 1e-6)
+            else f"the cosine goes on from the lr it reached, {lr:.3g}, to its minimum {lr_min:.3g} at step {max_steps}"
+        )
         if not _get(cfg, "extend"):
             raise UserError(
                 f"--ckpt_path {checkpoint.path}: that run was planned for trainer.max_steps={planned} ({state}) and "
                 f"this command asks for trainer.max_steps={max_steps}, which would change its learning-rate schedule; "
                 f"add --extend to continue it to step {max_steps} ({then}), or resume with "
-                f"--trainer.max_steps={planned}")
+                f"--trainer.max_steps={planned}"
+            )
         if step is not None and max_steps <= step:
-            raise UserError(f"--extend: trainer.max_steps={max_steps} is not beyond the checkpoint's step {step}; "
-                            "pass a larger trainer.max_steps")
+            raise UserError(
+                f"--extend: trainer.max_steps={max_steps} is not beyond the checkpoint's step {step}; "
+                "pass a larger trainer.max_steps"
+            )
     where = f"{run} from {checkpoint.path}" if run else str(checkpoint.path)
     total = f" of {max_steps}" if max_steps > 0 else ""
     print(f"resuming {where}: it restarts at step {step}{total}", file=sys.stderr, flush=True)
 
 
-def find_checkpoint(uri: Optional[str], experiment: str, run_name: Optional[str], run_id: Optional[str],
-                    root: Path, dirpath: Optional[str]) -> tuple[str, Path]:
+def find_checkpoint(
+    uri: Optional[str],
+    experiment: str,
+    run_name: Optional[str],
+    run_id: Optional[str],
+    root: Path,
+    dirpath: Optional[str],
+) -> tuple[str, Path]:
     from mlflow import MlflowClient
 
     from .loggers.filters import equals
@@ -99,8 +118,10 @@ def find_checkpoint(uri: Optional[str], experiment: str, run_name: Optional[str]
     uri = uri or default_tracking_uri()
     db = sqlite_path(uri)
     if db is not None and not db.is_file():  # checking the store would create it: nothing may be written here
-        raise NoCheckpointToResume(f"--ckpt_path last: no MLflow store at {db}, so no earlier run to resume; run the "
-                                   "same command without --ckpt_path to start it, or pass a checkpoint file")
+        raise NoCheckpointToResume(
+            f"--ckpt_path last: no MLflow store at {db}, so no earlier run to resume; run the "
+            "same command without --ckpt_path to start it, or pass a checkpoint file"
+        )
     check_tracking(uri)
     client = MlflowClient(uri)
     if run_id:
@@ -109,9 +130,15 @@ def find_checkpoint(uri: Optional[str], experiment: str, run_name: Optional[str]
     else:
         exp = client.get_experiment_by_name(experiment)
         flt = equals("attributes.run_name", run_name) if run_name else ""
-        candidates = [] if exp is None else [
-            r for r in client.search_runs([exp.experiment_id], flt, order_by=["attributes.start_time DESC"])
-            if r.data.tags.get(STAGE_TAG, "fit") == "fit" and (not run_name or r.info.run_name == run_name)]
+        candidates = (
+            []
+            if exp is None
+            else [
+                r
+                for r in client.search_runs([exp.experiment_id], flt, order_by=["attributes.start_time DESC"])
+                if r.data.tags.get(STAGE_TAG, "fit") == "fit" and (not run_name or r.info.run_name == run_name)
+            ]
+        )
         what = f"an earlier training run named {run_name!r} in experiment {experiment!r}"
     looked = []
     for run in candidates:
@@ -131,7 +158,8 @@ def find_checkpoint(uri: Optional[str], experiment: str, run_name: Optional[str]
     where = f" (looked for {', '.join(looked[:3])} and the runs' MLflow artifact {ARTIFACT_LAST})" if looked else ""
     raise NoCheckpointToResume(
         f"--ckpt_path last: no checkpoint of {what} at {uri}{where}; run the same command without --ckpt_path to "
-        "start it, or pass a checkpoint file")
+        "start it, or pass a checkpoint file"
+    )
 
 
 def resume_command(args: list[str]) -> str:

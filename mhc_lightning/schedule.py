@@ -6,6 +6,7 @@ resumed run keeps the schedule it was planned with. A new step budget is explici
 step down to min_ratio at the new last step, so the learning rate never jumps (a run that had finished its decay stays
 at the minimum).
 """
+
 from __future__ import annotations
 
 import math

@@ -11,6 +11,7 @@ FSDP2 on every rank (Lightning's ModelParallelStrategy), and the process group o
   norms, summed over the world, give the global norm; under HYBRID_SHARD a shard repeats across replicas, which
   that sum would count twice, so it is refused.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -53,9 +54,11 @@ def shard_group(strategy) -> Optional[object]:
         if sharding == "NO_SHARD":
             return None
         if sharding not in ("FULL_SHARD", "SHARD_GRAD_OP"):
-            raise ConfigError(f"trainer.strategy.init_args.sharding_strategy={sharding}: the global gradient norm "
-                              "(logged, clipped) is summed over disjoint shards; allowed: FULL_SHARD, SHARD_GRAD_OP, "
-                              "NO_SHARD")
+            raise ConfigError(
+                f"trainer.strategy.init_args.sharding_strategy={sharding}: the global gradient norm "
+                "(logged, clipped) is summed over disjoint shards; allowed: FULL_SHARD, SHARD_GRAD_OP, "
+                "NO_SHARD"
+            )
         return dist.group.WORLD
     return None
 
@@ -72,9 +75,11 @@ def fully_shard_model(model: torch.nn.Module, device_mesh) -> None:
 
     tp = device_mesh["tensor_parallel"].size()
     if tp > 1:
-        raise ConfigError(f"trainer.strategy.init_args.tensor_parallel_size={tp}: LitLM shards with FSDP2 only (no "
-                          "tensor parallelism); allowed: 1, with data_parallel_size = the number of processes "
-                          "(conf/machine/fsdp2.yaml)")
+        raise ConfigError(
+            f"trainer.strategy.init_args.tensor_parallel_size={tp}: LitLM shards with FSDP2 only (no "
+            "tensor parallelism); allowed: 1, with data_parallel_size = the number of processes "
+            "(conf/machine/fsdp2.yaml)"
+        )
     mesh = device_mesh["data_parallel"]
     for module in [m for m in model.modules() if isinstance(m, (Attention, SwiGLU))]:
         fully_shard(module, mesh=mesh)

@@ -1,4 +1,5 @@
 """Fixtures shared across the test suite."""
+
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
 """Shared test helpers: generated English-like text, tiny CLI argument lists, and a handshake with a running fit."""
+
 from __future__ import annotations
 
 import json
@@ -19,27 +20,48 @@ make_text = english_like_text
 
 def mlflow_logger_arg(tracking_uri: str, experiment: str = "tests", run_name: str = "test", **extra) -> str:
     init = {"experiment_name": experiment, "run_name": run_name, "tracking_uri": tracking_uri, **extra}
-    return "--trainer.logger=" + json.dumps({"class_path": "mhc_lightning.loggers.ResilientMLFlowLogger", "init_args": init})
+    return "--trainer.logger=" + json.dumps(
+        {"class_path": "mhc_lightning.loggers.ResilientMLFlowLogger", "init_args": init}
+    )
 
 
-def tiny_fit_args(corpus: Path, tracking_uri: str, root: Path, mode: str = "mhc", steps: int = 4,
-                  experiment: str = "tests", run_name: str = "test") -> list[str]:
+def tiny_fit_args(
+    corpus: Path,
+    tracking_uri: str,
+    root: Path,
+    mode: str = "mhc",
+    steps: int = 4,
+    experiment: str = "tests",
+    run_name: str = "test",
+) -> list[str]:
     """`mhc fit` arguments for a model small enough to take a few seconds on CPU."""
     return [
-        "fit", "-c", str(CONF / "base.yaml"), "-c", str(CONF / "model" / f"{mode}.yaml"),
-        "-c", str(CONF / "presets" / "debug.yaml"),
-        f"--data.corpus={corpus}", "--data.seq_len=32", "--data.batch_size=4",
-        "--model.arch.n_layers=2", "--model.arch.d_model=32", "--model.arch.n_heads=2",
-        f"--trainer.max_steps={steps}", f"--trainer.default_root_dir={root}",
-        "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+        "fit",
+        "-c",
+        str(CONF / "base.yaml"),
+        "-c",
+        str(CONF / "model" / f"{mode}.yaml"),
+        "-c",
+        str(CONF / "presets" / "debug.yaml"),
+        f"--data.corpus={corpus}",
+        "--data.seq_len=32",
+        "--data.batch_size=4",
+        "--model.arch.n_layers=2",
+        "--model.arch.d_model=32",
+        "--model.arch.n_heads=2",
+        f"--trainer.max_steps={steps}",
+        f"--trainer.default_root_dir={root}",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
         mlflow_logger_arg(tracking_uri, experiment, run_name),
     ]
 
 
 def handshake_arg(dirpath: Path, steps: list[int]) -> str:
     """`mhc fit` argument adding the Handshake callback below (the process needs tests/ on PYTHONPATH)."""
-    return "--trainer.callbacks+=" + json.dumps({"class_path": "helpers.Handshake",
-                                                 "init_args": {"dirpath": str(dirpath), "steps": steps}})
+    return "--trainer.callbacks+=" + json.dumps(
+        {"class_path": "helpers.Handshake", "init_args": {"dirpath": str(dirpath), "steps": steps}}
+    )
 
 
 def wait_for(path: Path, timeout: float = 300, proc=None, log: Path = None) -> None:
@@ -47,8 +69,9 @@ def wait_for(path: Path, timeout: float = 300, proc=None, log: Path = None) -> N
     deadline = time.monotonic() + timeout
     while not path.exists():
         if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"process ended ({proc.returncode}) before {path.name}:\n"
-                                 + (log.read_text()[-3000:] if log else ""))
+            raise AssertionError(
+                f"process ended ({proc.returncode}) before {path.name}:\n" + (log.read_text()[-3000:] if log else "")
+            )
         if time.monotonic() > deadline:
             raise AssertionError(f"{path} did not appear within {timeout} s")
         time.sleep(0.1)
@@ -83,8 +106,9 @@ def derived_spec(path: Path, name: str, **changes) -> Path:
     return path
 
 
-def wait_for_running_trial(name: str, storage, proc, log: Path, timeout: float, worker_pid: int | None = None,
-                           poll: float = 0.5):
+def wait_for_running_trial(
+    name: str, storage, proc, log: Path, timeout: float, worker_pid: int | None = None, poll: float = 0.5
+):
     """The first RUNNING trial of study `name` that already has its MLflow run (its `mhc fit` is training), of the
     worker process `worker_pid` when given; None after `timeout`. Fails with the log's tail if `proc` ends first."""
     import optuna
@@ -108,4 +132,3 @@ def trial_worker_pid(trial) -> int | None:
     """The pid in a trial's `worker` attribute ("host:pid")."""
     parts = str(trial.user_attrs.get("worker", "")).split(":")
     return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else None
-

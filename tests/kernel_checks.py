@@ -7,6 +7,7 @@ is first imported); with CUDA the same tests run at larger shapes. Every kernel 
 Tolerances follow docs/design.md §11 (Liger tiers): fp32 5e-4 / 1e-3 / 2e-3, bf16 1.5e-2 / 2.5e-2 / 5e-2, with atol
 scaled by the reference's magnitude (reductions over tokens grow with N).
 """
+
 import os
 from contextlib import contextmanager
 
@@ -17,8 +18,7 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 
-from mhc_lightning.kernels import MHCOptions  # noqa: E402
-from mhc_lightning.kernels import fused  # noqa: E402
+from mhc_lightning.kernels import MHCOptions, fused  # noqa: E402
 from mhc_lightning.kernels import reference as R  # noqa: E402
 from mhc_lightning.kernels.fused import host, launch_config  # noqa: E402
 from mhc_lightning.kernels.fused.launch_cache import Launcher  # noqa: E402
@@ -46,7 +46,9 @@ def poisoned_outputs():
 
 
 def check(out, ref, tol, name=""):
-    assert out is not None and out.shape == ref.shape, f"{name}: shape {None if out is None else out.shape} != {ref.shape}"
+    assert out is not None and out.shape == ref.shape, (
+        f"{name}: shape {None if out is None else out.shape} != {ref.shape}"
+    )
     out = out.detach().double()
     assert torch.isfinite(out).all(), f"{name}: {(~torch.isfinite(out)).sum().item()} non-finite elements"
     scale = max(1.0, ref.abs().max().item())
@@ -96,14 +98,32 @@ def boundary_inputs(lead, c, n, dtype, prev_res=True, next_res=True, phi_dtype=t
 def hc_inputs(lead, c, n, dtype):
     """x and HC's nine parameters, all away from their (zero / one) inits so every term of the tail is exercised."""
     x = torch.randn(*lead, n, c, device=DEV).to(dtype)
-    ps = [torch.rand(c, device=DEV) + 0.5, torch.randn(c, device=DEV) / c ** 0.5, torch.randn(c, device=DEV) / c ** 0.5,
-          torch.randn(c, n, device=DEV) / c ** 0.5, torch.tensor(0.4, device=DEV), torch.tensor(0.9, device=DEV),
-          torch.randn(n, device=DEV), torch.randn(n, device=DEV), torch.randn(n, n, device=DEV)]
+    ps = [
+        torch.rand(c, device=DEV) + 0.5,
+        torch.randn(c, device=DEV) / c**0.5,
+        torch.randn(c, device=DEV) / c**0.5,
+        torch.randn(c, n, device=DEV) / c**0.5,
+        torch.tensor(0.4, device=DEV),
+        torch.tensor(0.9, device=DEV),
+        torch.randn(n, device=DEV),
+        torch.randn(n, device=DEV),
+        torch.randn(n, n, device=DEV),
+    ]
     return [leaf(t) for t in (x, *ps)]
 
 
-HC_PARAM_GRADS = ("dx", "dnorm_weight", "dw_beta", "dw_m", "dw_r", "ds_alpha", "ds_beta", "db_static", "dam_static",
-                  "dar_static")
+HC_PARAM_GRADS = (
+    "dx",
+    "dnorm_weight",
+    "dw_beta",
+    "dw_m",
+    "dw_r",
+    "ds_alpha",
+    "ds_beta",
+    "db_static",
+    "dam_static",
+    "dar_static",
+)
 
 
 def run_pre(inputs, dtype, used=(True, True, True, True), **kw):

@@ -1,6 +1,7 @@
 """Every benchmark of `python -m bench` runs its CPU path at tiny sizes and writes the one JSON layout; the GPU-only
 ones are checked for their arguments here and run by the `gpu`-marked smokes. The GPU numbers themselves live in
 docs/benchmarks.md, not in tests."""
+
 import argparse
 import io
 import json
@@ -23,8 +24,18 @@ EAGER_PROFILE = REPO / "docs" / "benchmarks" / "2026-12-04-h200-trainer-eager-pr
 def _layout(path):
     data = json.loads(path.read_text())
     assert set(data) == {"benchmark", "env", "args", "rows"}, set(data)
-    assert {"date", "host", "device", "python", "torch", "triton", "lightning", "git_commit", "git_dirty",
-            "command"} <= set(data["env"])
+    assert {
+        "date",
+        "host",
+        "device",
+        "python",
+        "torch",
+        "triton",
+        "lightning",
+        "git_commit",
+        "git_dirty",
+        "command",
+    } <= set(data["env"])
     return data
 
 
@@ -38,8 +49,9 @@ def _refused(main, argv, capsys) -> str:
 
 # ---- the entry point and the harness ---------------------------------------------------------------------------
 def test_help_lists_every_benchmark_with_one_line():
-    proc = subprocess.run([sys.executable, "-m", "bench", "--help"], cwd=REPO, capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--help"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr
     listed = {line.split()[0]: line for line in proc.stdout.splitlines() if line.startswith("  ")}
     assert set(listed) == set(entry.BENCHMARKS)
@@ -75,8 +87,24 @@ def test_the_json_goes_under_out_when_it_is_set(monkeypatch, tmp_path):
 # ---- stack -----------------------------------------------------------------------------------------------------
 def test_stack_smoke_times_each_variant_against_the_residual(tmp_path):
     out = tmp_path / "stack.json"
-    assert stack.main(["--smoke", "--shapes", "1024", "--iters", "1", "--warmup", "0", "--variants", "mhc chained,hc",
-                       "--out", str(out)]) == 0
+    assert (
+        stack.main(
+            [
+                "--smoke",
+                "--shapes",
+                "1024",
+                "--iters",
+                "1",
+                "--warmup",
+                "0",
+                "--variants",
+                "mhc chained,hc",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = {r["variant"]: r for r in _layout(out)["rows"]}
     assert set(rows) == {"residual", "mhc chained", "hc"}
     assert all(r["ms"] > 0 and r["host_ms"] > 0 and r["C"] == 64 for r in rows.values())
@@ -84,55 +112,93 @@ def test_stack_smoke_times_each_variant_against_the_residual(tmp_path):
 
 
 def test_stack_selects_variants_by_substring_and_keeps_the_residual():
-    names = ["residual", "mhc chained", "residual+compile", "mhc per-sublayer+cudagraph", "hc", "liger",
-             "mhc chained+compile"]
+    names = [
+        "residual",
+        "mhc chained",
+        "residual+compile",
+        "mhc per-sublayer+cudagraph",
+        "hc",
+        "liger",
+        "mhc chained+compile",
+    ]
     assert stack.selected(names, None, None, False) == names[:-1]  # the chained compile only when named
     assert stack.selected(names, ["chained"], None, False) == ["residual", "mhc chained", "mhc chained+compile"]
     assert stack.selected(names, ["hc"], None, False) == ["residual", "hc"]  # a whole name picks that variant alone
-    assert stack.selected(names, None, ["compile", "liger"], False) == ["residual", "mhc chained",
-                                                                        "mhc per-sublayer+cudagraph", "hc"]
+    assert stack.selected(names, None, ["compile", "liger"], False) == [
+        "residual",
+        "mhc chained",
+        "mhc per-sublayer+cudagraph",
+        "hc",
+    ]
     # --smoke: no compile, CUDA graphs or peers
     assert stack.selected(names, None, None, True) == ["residual", "mhc chained", "hc"]
 
 
 def test_stack_refuses_an_unknown_shape(capsys):
-    assert _refused(stack.main, ["--smoke", "--shapes", "4096"], capsys).endswith(
-        "--shapes: 4096; allowed: 1024, 2048")
+    assert _refused(stack.main, ["--smoke", "--shapes", "4096"], capsys).endswith("--shapes: 4096; allowed: 1024, 2048")
 
 
 @pytest.mark.gpu
 @needs_gpu
 def test_stack_on_the_gpu(tmp_path):
     out = tmp_path / "stack.json"
-    assert stack.main(["--shapes", "1024", "--variants", "mhc chained", "--iters", "1", "--warmup", "0",
-                       "--out", str(out)]) == 0
+    assert (
+        stack.main(
+            ["--shapes", "1024", "--variants", "mhc chained", "--iters", "1", "--warmup", "0", "--out", str(out)]
+        )
+        == 0
+    )
     data = _layout(out)
     assert data["env"]["copy_tb_s"] > 0 and all(r["peak_gib"] > 0 for r in data["rows"])
 
 
 # ---- trainer ---------------------------------------------------------------------------------------------------
 def test_trainer_variants_get_their_fit_arguments_and_kernel_config(tmp_path):
-    args = argparse.Namespace(smoke=True, d_model=64, layers=2, heads=2, seq=64, batch=4, diagnostics_every=0,
-                              fit_args="--trainer.max_steps=3",
-                              variant_args={"chain": "--model.arch.hyper.chain_sublayers=true"})
+    args = argparse.Namespace(
+        smoke=True,
+        d_model=64,
+        layers=2,
+        heads=2,
+        seq=64,
+        batch=4,
+        diagnostics_every=0,
+        fit_args="--trainer.max_steps=3",
+        variant_args={"chain": "--model.arch.hyper.chain_sublayers=true"},
+    )
     chained = trainer.fit_args(args, tmp_path, tmp_path / "corpus.txt", "mhc@chain", 1, 5, "--trainer.callbacks=[]")
     plain = trainer.fit_args(args, tmp_path, tmp_path / "corpus.txt", "mhc", 1, 5, "--trainer.callbacks=[]")
     assert chained == plain + ["--model.arch.hyper.chain_sublayers=true"]  # last: it wins over --fit-args
     assert plain[-1] == "--trainer.max_steps=3" and "model/mhc.yaml" in " ".join(plain)
     assert trainer.with_config_variants(["residual", "mhc", "hc"], {"a": None, "b": None}) == [
-        "residual", "mhc", "hc", "mhc@a", "hc@a", "mhc@b", "hc@b"]
+        "residual",
+        "mhc",
+        "hc",
+        "mhc@a",
+        "hc@a",
+        "mhc@b",
+        "hc@b",
+    ]
     assert trainer.with_config_variants(["residual", "mhc", "hc", "mhc@a"], {"a": None}) == [
-        "residual", "mhc", "hc", "mhc@a"]  # a variant named in --modes: NAME's only runs
+        "residual",
+        "mhc",
+        "hc",
+        "mhc@a",
+    ]  # a variant named in --modes: NAME's only runs
     env = trainer._env(False, '{"coef_fwd": {"BT": 128}}')
     assert env["MHC_KERNEL_CONFIG"] == '{"coef_fwd": {"BT": 128}}' and str(REPO) in env["PYTHONPATH"]
 
 
-@pytest.mark.parametrize("argv,line", [
-    (["--modes", "residual,mhc@nope", "--kernel-config", "old={}"],
-     "--modes mhc@nope: 'nope' is no --kernel-config or --variant-args NAME; allowed: old"),
-    (["--variant-args", "a-b=--x"], "--variant-args: expected NAME=VALUE with a NAME of letters, digits and _"),
-    (["--kernel-config", "a={x"], "--kernel-config a: not JSON"),
-])
+@pytest.mark.parametrize(
+    "argv,line",
+    [
+        (
+            ["--modes", "residual,mhc@nope", "--kernel-config", "old={}"],
+            "--modes mhc@nope: 'nope' is no --kernel-config or --variant-args NAME; allowed: old",
+        ),
+        (["--variant-args", "a-b=--x"], "--variant-args: expected NAME=VALUE with a NAME of letters, digits and _"),
+        (["--kernel-config", "a={x"], "--kernel-config a: not JSON"),
+    ],
+)
 def test_trainer_refuses_a_variant_it_cannot_run_before_any_fit(tmp_path, capsys, argv, line):
     assert line in _refused(trainer.main, ["--smoke", *argv, "--out", str(tmp_path / "t.json")], capsys)
     assert not (tmp_path / "t.json").exists()
@@ -142,9 +208,11 @@ def test_trainer_headline_takes_the_median_run_and_ratios_pair_devices():
     runs = [{"step_ms_mean": m, "step_ms_median": m, "step_ms": [m], "gc": {}} for m in (12.0, 10.0, 11.0)]
     head = trainer.headline(runs)
     assert head["step_ms_mean"] == 11.0 and len(head["repeats"]) == 3 and "step_ms" not in head
-    rows = [dict(variant="residual", devices=1, step_ms_mean=10.0, step_ms_median=9.0, tokens_per_s=100.0),
-            dict(variant="mhc", devices=1, step_ms_mean=12.0, step_ms_median=9.9, tokens_per_s=80.0),
-            dict(variant="mhc", devices=2, step_ms_mean=13.0, step_ms_median=13.0, tokens_per_s=150.0)]
+    rows = [
+        dict(variant="residual", devices=1, step_ms_mean=10.0, step_ms_median=9.0, tokens_per_s=100.0),
+        dict(variant="mhc", devices=1, step_ms_mean=12.0, step_ms_median=9.9, tokens_per_s=80.0),
+        dict(variant="mhc", devices=2, step_ms_mean=13.0, step_ms_median=13.0, tokens_per_s=150.0),
+    ]
     trainer.add_ratios(rows, 2)
     assert rows[1]["x_residual"] == 1.2 and rows[1]["x_residual_median"] == pytest.approx(1.1)
     assert rows[2]["scaling_efficiency"] == 150.0 / 160.0 and "x_residual" not in rows[2]  # no residual on 2
@@ -164,8 +232,24 @@ def test_trainer_smoke_runs_one_fit(tmp_path):
 @pytest.mark.slow
 def test_trainer_repeats_alternate_and_a_profiled_run_follows(tmp_path):
     out = tmp_path / "trainer.json"
-    assert trainer.main(["--smoke", "--modes", "residual", "--repeat", "2", "--profile", "2", "--out", str(out),
-                         "--work", str(tmp_path / "w")]) == 0
+    assert (
+        trainer.main(
+            [
+                "--smoke",
+                "--modes",
+                "residual",
+                "--repeat",
+                "2",
+                "--profile",
+                "2",
+                "--out",
+                str(out),
+                "--work",
+                str(tmp_path / "w"),
+            ]
+        )
+        == 0
+    )
     (row,) = _layout(out)["rows"]
     means = [r["step_ms_mean"] for r in row["repeats"]]
     assert len(means) == 2 and row["step_ms_mean"] == min(means)  # the lower middle one of two
@@ -187,8 +271,9 @@ def test_traffic_tabulates_a_committed_trainer_profile(tmp_path):
     assert post["mb_per_call"] == 18512 * 16384 / 1e6 and post["floor_us"] == pytest.approx(18512 * 16384 / 4.17e6)
     assert post["calls_per_step"] == 24 and rows["mhc", "_pre_fwd"]["u_bytes"] == 4  # eager bf16-mixed: fp32 u
     assert rows["mhc", "all"]["pct_copy"] == pytest.approx(87, abs=1)
-    assert rows["mhc", "all"]["ms_per_step"] == pytest.approx(sum(
-        r["ms_per_step"] for (v, k), r in rows.items() if v == "mhc" and k != "all"))
+    assert rows["mhc", "all"]["ms_per_step"] == pytest.approx(
+        sum(r["ms_per_step"] for (v, k), r in rows.items() if v == "mhc" and k != "all")
+    )
 
 
 def test_traffic_reads_the_trainer_benchmarks_rows_and_u_in_the_streams_dtype_when_compiled(tmp_path):
@@ -202,10 +287,13 @@ def test_traffic_reads_the_trainer_benchmarks_rows_and_u_in_the_streams_dtype_wh
     assert rows["mhc"]["mb_per_call"] == (4 * 256 * 2 + 4 * 4 + 256 * 2) * 1024 / 1e6 and rows["mhc"]["us"] == 40.0
 
 
-@pytest.mark.parametrize("extra,line", [
-    (["--copy-tbps", "0"], "--copy-tbps: 0.0; allowed: a bandwidth above 0 (TB/s)"),
-    (["--copy-tbps", "4", "--variant", "x"], "--variant: x not profiled; allowed: residual, mhc"),
-])
+@pytest.mark.parametrize(
+    "extra,line",
+    [
+        (["--copy-tbps", "0"], "--copy-tbps: 0.0; allowed: a bandwidth above 0 (TB/s)"),
+        (["--copy-tbps", "4", "--variant", "x"], "--variant: x not profiled; allowed: residual, mhc"),
+    ],
+)
 def test_traffic_refuses_bad_input_with_one_line(capsys, extra, line):
     assert _refused(traffic.main, [str(EAGER_PROFILE), *extra], capsys).endswith(line)
 
@@ -242,8 +330,9 @@ def test_host_model_lists_mhcs_extra_host_functions(tmp_path):
 @pytest.mark.slow
 def test_host_model_compiled_runs_the_fused_ops_as_custom_ops(tmp_path):
     out = tmp_path / "model.json"
-    assert host.main(["--model", "--compile", "--sublayers", "2", "--steps", "1", "--top", "80",
-                      "--out", str(out)]) == 0
+    assert (
+        host.main(["--model", "--compile", "--sublayers", "2", "--steps", "1", "--top", "80", "--out", str(out)]) == 0
+    )
     rows = {r["mode"]: r for r in _layout(out)["rows"]}
     assert all(r["compiled"] and r["first_call_s"] > 0 for r in rows.values())
     assert any(f["function"].startswith("custom_ops.py:") for f in rows["mhc"]["extra_functions"])  # torch.library's
@@ -258,7 +347,8 @@ def test_resources_reads_cuobjdumps_resource_usage_and_checks_its_arguments(caps
     text = "Resource usage:\n Function _coef_fwd:\n  REG:92 STACK:0 SHARED:0 LOCAL:8 CONSTANT[0]:540 TEXTURE:0\n"
     assert resources.resource_usage(text) == dict(registers=92, stack_bytes=0, local_bytes=8)
     assert _refused(resources.main, ["--modes", "mhc,nope"], capsys).endswith(
-        "--modes: nope; allowed: mhc, mhc-rebuilt, mhc-per-sublayer, hc")
+        "--modes: nope; allowed: mhc, mhc-rebuilt, mhc-per-sublayer, hc"
+    )
     if not torch.cuda.is_available():
         assert "needs a CUDA device" in _refused(resources.main, [], capsys)
 
@@ -278,8 +368,28 @@ TINY_MODEL = ["--layers", "1", "--width", "32", "--seq", "16", "--batch", "2"]
 
 def test_callbacks_pairs_blocks_per_configuration(tmp_path):
     out = tmp_path / "callbacks.json"
-    assert callbacks.main([*TINY_MODEL, "--heads", "2", "--threads", "1", "--block", "2", "--pairs", "2", "--warmup",
-                           "2", "--configs", "stability,sinkhorn", "--out", str(out)]) == 0
+    assert (
+        callbacks.main(
+            [
+                *TINY_MODEL,
+                "--heads",
+                "2",
+                "--threads",
+                "1",
+                "--block",
+                "2",
+                "--pairs",
+                "2",
+                "--warmup",
+                "2",
+                "--configs",
+                "stability,sinkhorn",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = {r["config"]: r for r in _layout(out)["rows"]}
     assert set(rows) == {"stability", "sinkhorn"} and all(r["pairs"] == 2 for r in rows.values())
     assert rows["stability"]["snapshot_ms"] > 0 and "snapshot_ms" not in rows["sinkhorn"]
@@ -287,8 +397,12 @@ def test_callbacks_pairs_blocks_per_configuration(tmp_path):
 
 def test_diagnostics_times_off_every_step_and_every_k(tmp_path):
     out = tmp_path / "diagnostics.json"
-    assert diagnostics.main([*TINY_MODEL, "--threads", "1", "--steps", "4", "--warmup", "1", "--k", "2",
-                             "--out", str(out)]) == 0
+    assert (
+        diagnostics.main(
+            [*TINY_MODEL, "--threads", "1", "--steps", "4", "--warmup", "1", "--k", "2", "--out", str(out)]
+        )
+        == 0
+    )
     rows = _layout(out)["rows"]
     assert [r["every"] for r in rows] == [0, 1, 2] and all(r["median_ms"] > 0 for r in rows)
     assert "overhead_at_k" in rows[2]
@@ -296,8 +410,31 @@ def test_diagnostics_times_off_every_step_and_every_k(tmp_path):
 
 def test_recompute_counts_the_bytes_each_block_size_keeps(tmp_path):
     out = tmp_path / "recompute.json"
-    assert recompute.main(["--device", "cpu", "--layers", "2", "--width", "32", "--heads", "2", "--seq", "16",
-                           "--batch", "2", "--blocks", "1,auto", "--steps", "0", "--out", str(out)]) == 0
+    assert (
+        recompute.main(
+            [
+                "--device",
+                "cpu",
+                "--layers",
+                "2",
+                "--width",
+                "32",
+                "--heads",
+                "2",
+                "--seq",
+                "16",
+                "--batch",
+                "2",
+                "--blocks",
+                "1,auto",
+                "--steps",
+                "0",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = _layout(out)["rows"]
     assert [r["recompute_block"] for r in rows] == ["0", "1", "auto"]
     assert rows[0]["bytes_per_token"] == pytest.approx(rows[0]["saved_tensors_hooks_bytes_per_token"], rel=1e-3)
@@ -312,8 +449,15 @@ def test_idle_gaps_charges_each_gap_to_the_host_ops_that_launched_the_work_after
     from bench.profiling import idle_gaps
 
     def x(cat, name, ts, dur, tid=1, corr=None):
-        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid,
-                "args": {} if corr is None else {"correlation": corr}}
+        return {
+            "ph": "X",
+            "cat": cat,
+            "name": name,
+            "ts": ts,
+            "dur": dur,
+            "tid": tid,
+            "args": {} if corr is None else {"correlation": corr},
+        }
 
     events = [
         x("user_annotation", "Optimizer.step#AdamW.step", 0, 20),
@@ -322,14 +466,14 @@ def test_idle_gaps_charges_each_gap_to_the_host_ops_that_launched_the_work_after
         x("cpu_op", "autograd::engine::evaluate_function: MulBackward0", 40, 100, tid=2),
         x("cpu_op", "aten::mul", 45, 10, tid=2),
         x("cuda_runtime", "cudaLaunchKernel", 48, 2, tid=2, corr=2),
-        x("kernel", "mul", 50, 40, tid=7, corr=2),            # gap 20 -> 50: 30 us, host (launched at 48)
+        x("kernel", "mul", 50, 40, tid=7, corr=2),  # gap 20 -> 50: 30 us, host (launched at 48)
         x("cuda_runtime", "cudaLaunchKernel", 60, 2, tid=2, corr=3),
-        x("kernel", "other_stream", 70, 30, tid=8, corr=3),   # overlaps: busy until 100
+        x("kernel", "other_stream", 70, 30, tid=8, corr=3),  # overlaps: busy until 100
         x("cpu_op", "aten::add", 140, 20, tid=2),
         x("cuda_runtime", "cudaLaunchKernel", 148, 2, tid=2, corr=4),
-        x("kernel", "add", 150, 10, tid=7, corr=4),           # gap 100 -> 150: 50 us, host
+        x("kernel", "add", 150, 10, tid=7, corr=4),  # gap 100 -> 150: 50 us, host
         x("cuda_runtime", "cudaLaunchKernel", 152, 2, tid=2, corr=5),
-        x("kernel", "late_queued", 200, 10, tid=7, corr=5),   # gap 160 -> 200, launched at 152: queued
+        x("kernel", "late_queued", 200, 10, tid=7, corr=5),  # gap 160 -> 200, launched at 152: queued
     ]
     got = idle_gaps({"traceEvents": events}, steps=2)
     assert got["gaps_per_step"] == 1.5
@@ -344,24 +488,34 @@ def test_idle_gaps_charges_each_gap_to_the_host_ops_that_launched_the_work_after
 def test_curve_draws_the_ratio_against_the_width_from_point_jsons(tmp_path):
     for width, ratio in ((1024, 1.4), (4096, 1.1)):
         for kind in ("eager", "compiled"):
-            rows = [{"variant": "residual", "devices": 1, "tokens_per_s": 1e5, "peak_gib": 10.0,
-                     "step_ms_median": 50.0},
-                    {"variant": "mhc", "devices": 1, "tokens_per_s": 1e5 / ratio, "peak_gib": 13.0,
-                     "step_ms_median": 50.0 * ratio, "x_residual_median": ratio}]
+            rows = [
+                {"variant": "residual", "devices": 1, "tokens_per_s": 1e5, "peak_gib": 10.0, "step_ms_median": 50.0},
+                {
+                    "variant": "mhc",
+                    "devices": 1,
+                    "tokens_per_s": 1e5 / ratio,
+                    "peak_gib": 13.0,
+                    "step_ms_median": 50.0 * ratio,
+                    "x_residual_median": ratio,
+                },
+            ]
             curve.point_path(tmp_path, width, kind).write_text(json.dumps({"args": {"layers": 12}, "rows": rows}))
     assert curve.main(["--draw", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "curve.json").read_text())
     mhc = [r for r in data["rows"] if r["variant"] == "mhc" and r["kind"] == "eager"]
-    assert [(r["width"], r["x_residual_median"], r["peak_x_residual"]) for r in mhc] == [(1024, 1.4, 1.3),
-                                                                                       (4096, 1.1, 1.3)]
+    assert [(r["width"], r["x_residual_median"], r["peak_x_residual"]) for r in mhc] == [
+        (1024, 1.4, 1.3),
+        (4096, 1.1, 1.3),
+    ]
     assert (tmp_path / "curve.png").stat().st_size > 5000
 
 
 @pytest.mark.slow
 def test_curve_smoke_runs_a_trainer_call_per_point(tmp_path):
     out = tmp_path / "curve" / "curve.json"
-    assert curve.main(["--smoke", "--kinds", "eager", "--modes", "residual,mhc", "--widths", "64",
-                       "--out", str(out)]) == 0
+    assert (
+        curve.main(["--smoke", "--kinds", "eager", "--modes", "residual,mhc", "--widths", "64", "--out", str(out)]) == 0
+    )
     rows = json.loads(out.read_text())["rows"]
     assert [r["width"] for r in rows] == [64, 64] and all(r["tokens_per_s"] for r in rows)
     assert all(r["x_residual_median"] for r in rows if r["variant"] == "mhc")

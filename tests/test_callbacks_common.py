@@ -1,4 +1,5 @@
 """Shared pieces of the stability-callback tests: a tiny in-process fit and fault injectors."""
+
 from __future__ import annotations
 
 import contextlib
@@ -22,14 +23,22 @@ def one_thread():
         torch.set_num_threads(before)
 
 
-def tiny_module(mode: str = "mhc", lr: float = 3e-3, n_layers: int = 2, d_model: int = 32,
-                diagnostics_every: int = 5, seed: int = 0, **hyper):
+def tiny_module(
+    mode: str = "mhc",
+    lr: float = 3e-3,
+    n_layers: int = 2,
+    d_model: int = 32,
+    diagnostics_every: int = 5,
+    seed: int = 0,
+    **hyper,
+):
     from mhc_lightning.model import GPTConfig, HyperConfig
     from mhc_lightning.module import LitLM, OptimConfig
 
     L.seed_everything(seed, verbose=False)
-    arch = GPTConfig(n_layers=n_layers, d_model=d_model, n_heads=2, context=32,
-                     hyper=HyperConfig(residual_mode=mode, **hyper))
+    arch = GPTConfig(
+        n_layers=n_layers, d_model=d_model, n_heads=2, context=32, hyper=HyperConfig(residual_mode=mode, **hyper)
+    )
     return LitLM(arch=arch, optim=OptimConfig(lr=lr, warmup_steps=5), diagnostics_every=diagnostics_every)
 
 
@@ -38,8 +47,17 @@ def tiny_module(mode: str = "mhc", lr: float = 3e-3, n_layers: int = 2, d_model:
 ACCELERATOR = os.environ.get("MHC_TEST_ACCELERATOR", "cpu")
 
 
-def tiny_fit(corpus: Path, callbacks: list, steps: int, module=None, logger=False, ckpt_path=None,
-             seed: int = 0, data_seed: Optional[int] = 1234, **trainer_kwargs):
+def tiny_fit(
+    corpus: Path,
+    callbacks: list,
+    steps: int,
+    module=None,
+    logger=False,
+    ckpt_path=None,
+    seed: int = 0,
+    data_seed: Optional[int] = 1234,
+    **trainer_kwargs,
+):
     """Fit a tiny model in-process for `steps` optimizer steps; returns (trainer, module). data_seed: the data
     order, held fixed by default so that the callback tests' trajectories do not move with `seed` (None: follow it)."""
     from mhc_lightning.data import ByteTextDataModule
@@ -47,8 +65,17 @@ def tiny_fit(corpus: Path, callbacks: list, steps: int, module=None, logger=Fals
     module = module if module is not None else tiny_module(seed=seed)
     L.seed_everything(seed, verbose=False)
     dm = ByteTextDataModule(corpus=str(corpus), seq_len=32, batch_size=4, seed=data_seed)
-    kw = dict(max_steps=steps, accelerator=ACCELERATOR, devices=1, logger=logger, enable_checkpointing=False,
-              enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
+    kw = dict(
+        max_steps=steps,
+        accelerator=ACCELERATOR,
+        devices=1,
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
     kw.update(trainer_kwargs)
     trainer = L.Trainer(callbacks=callbacks, **kw)
     with one_thread():

@@ -1,4 +1,5 @@
 """InstabilityDetector with injected faults on a tiny CPU model (figures: docs/stability.md)."""
+
 from __future__ import annotations
 
 import json
@@ -22,16 +23,21 @@ def test_nan_gradient_detected_and_skipped_with_mlflow_record(tiny_corpus, mlflo
 
     logger = MLFlowLogger(experiment_name="stability", tracking_uri=mlflow_uri)
     rec = StepRecorder()
-    trainer, module = tiny_fit(tiny_corpus, [NaNGradAt(12), InstabilityDetector(), rec], steps=25, logger=logger,
-                               log_every_n_steps=1)
+    trainer, module = tiny_fit(
+        tiny_corpus, [NaNGradAt(12), InstabilityDetector(), rec], steps=25, logger=logger, log_every_n_steps=1
+    )
     events = _events(module)
     assert [(e.step, e.kind, e.action) for e in events] == [(12, "nonfinite_grad", "skip")]
     assert trainer.global_step == 25 and params_finite(module)
     assert math.isfinite(rec.final_loss())
 
     client = logger.experiment
-    path = mlflow.artifacts.download_artifacts(run_id=logger.run_id, artifact_path="stability/events.json",
-                                               tracking_uri=mlflow_uri, dst_path=str(tmp_path / "dl"))
+    path = mlflow.artifacts.download_artifacts(
+        run_id=logger.run_id,
+        artifact_path="stability/events.json",
+        tracking_uri=mlflow_uri,
+        dst_path=str(tmp_path / "dl"),
+    )
     table = json.loads(open(path).read())
     rows = [dict(zip(table["columns"], r)) for r in table["data"]]
     assert rows[0]["step"] == 12 and rows[0]["kind"] == "nonfinite_grad" and rows[0]["action"] == "skip"
@@ -62,8 +68,9 @@ def test_stop_action_stops_with_message(tiny_corpus):
 def test_rollback_without_snapshots_degrades_to_skip(tiny_corpus):
     rec = StepRecorder()
     with pytest.warns(UserWarning, match="no GradientSnapshots"):
-        _, module = tiny_fit(tiny_corpus, [NaNGradAt(6), InstabilityDetector(on_nonfinite_grad="rollback"), rec],
-                             steps=10)
+        _, module = tiny_fit(
+            tiny_corpus, [NaNGradAt(6), InstabilityDetector(on_nonfinite_grad="rollback"), rec], steps=10
+        )
     (event,) = _events(module)
     assert event.action == "skip" and "rollback unavailable" in event.detail
     assert params_finite(module)
@@ -115,13 +122,18 @@ def test_loss_spike_and_grad_explosion_thresholds():
     assert det._evaluate(trainer, module, 16, 2.0, 1.0, [0.5, 0.5], 1.0) == []  # a falling loss is fine
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"on_loss_spike": "explode"},
-     r"InstabilityDetector.on_loss_spike must be one of \['log', 'skip', 'rollback', 'stop'\]"),
-    ({"loss_z_threshold": -1.0}, r"InstabilityDetector.loss_z_threshold must be a number > 0"),
-    ({"loss_min_history": 500}, r"InstabilityDetector.loss_min_history must be an integer >= 2 and <= 100"),
-    ({"grad_factor": 0.5}, r"InstabilityDetector.grad_factor must be a number > 1"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (
+            {"on_loss_spike": "explode"},
+            r"InstabilityDetector.on_loss_spike must be one of \['log', 'skip', 'rollback', 'stop'\]",
+        ),
+        ({"loss_z_threshold": -1.0}, r"InstabilityDetector.loss_z_threshold must be a number > 0"),
+        ({"loss_min_history": 500}, r"InstabilityDetector.loss_min_history must be an integer >= 2 and <= 100"),
+        ({"grad_factor": 0.5}, r"InstabilityDetector.grad_factor must be a number > 1"),
+    ],
+)
 def test_validation_names_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):
         InstabilityDetector(**kwargs)

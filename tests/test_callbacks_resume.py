@@ -1,5 +1,6 @@
 """The stability preset through the real CLI: composition from YAML, and a SIGKILLed fit resumed from `last`
 (README's resume command, with the preset)."""
+
 from __future__ import annotations
 
 import os
@@ -42,8 +43,10 @@ def test_preset_composes_with_base_and_overrides(tiny_corpus, mlflow_uri, tmp_pa
 
 def test_bad_action_in_yaml_is_rejected_naming_the_field(tiny_corpus, mlflow_uri, tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("trainer:\n  callbacks+:\n    - class_path: mhc_lightning.callbacks.InstabilityDetector\n"
-                   "      init_args:\n        on_loss_spike: explode\n")
+    bad.write_text(
+        "trainer:\n  callbacks+:\n    - class_path: mhc_lightning.callbacks.InstabilityDetector\n"
+        "      init_args:\n        on_loss_spike: explode\n"
+    )
     with pytest.raises(SystemExit):
         build_cli(_args(tiny_corpus, mlflow_uri, tmp_path, 2)[1:] + ["-c", str(bad)], run=False)
     err = capsys.readouterr().err
@@ -57,12 +60,29 @@ QUICKSTART = str(CONF / "quickstart.yaml")
 def _quickstart(corpus, uri: str, root: Path, *extra: str) -> list[str]:
     """`mhc fit -c conf/quickstart.yaml` with the stability preset, made tiny: 12 steps, validation and checkpoint every
     4, every step logged."""
-    return [str(Path(sys.executable).with_name("mhc")), "fit", "-c", QUICKSTART, "-c", STABILITY,
-            f"--data.corpus={corpus}", "--data.seq_len=32", "--data.batch_size=4", "--model.arch.n_layers=1", "--model.arch.d_model=32",
-            "--model.arch.n_heads=2", "--trainer.max_steps=12", "--trainer.val_check_interval=4",
-            "--trainer.limit_val_batches=2", "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false",
-            "--trainer.enable_model_summary=false", f"--trainer.default_root_dir={root}",
-            f"--trainer.logger.init_args.tracking_uri={uri}", *extra]
+    return [
+        str(Path(sys.executable).with_name("mhc")),
+        "fit",
+        "-c",
+        QUICKSTART,
+        "-c",
+        STABILITY,
+        f"--data.corpus={corpus}",
+        "--data.seq_len=32",
+        "--data.batch_size=4",
+        "--model.arch.n_layers=1",
+        "--model.arch.d_model=32",
+        "--model.arch.n_heads=2",
+        "--trainer.max_steps=12",
+        "--trainer.val_check_interval=4",
+        "--trainer.limit_val_batches=2",
+        "--trainer.log_every_n_steps=1",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
+        f"--trainer.default_root_dir={root}",
+        f"--trainer.logger.init_args.tracking_uri={uri}",
+        *extra,
+    ]
 
 
 def _history(client, run_id: str, key: str) -> list[tuple[int, float]]:
@@ -77,17 +97,26 @@ def test_killed_quickstart_resumes_the_same_run_with_ckpt_path_last(tiny_corpus,
     checkpoint stopped), and the final weights, optimizer state and stability callbacks' state equal it bit for bit.
     (One killed fit for both the documented command and the stability preset: each `mhc fit` costs CI its start-up.)"""
     import mlflow
-
     from helpers import handshake_arg, wait_for
+
     from mhc_lightning.cli import main
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+    )
     uri, straight_uri = f"sqlite:///{tmp_path / 'mlflow.db'}", f"sqlite:///{tmp_path / 'straight.db'}"
     hs, log = tmp_path / "handshake", tmp_path / "killed.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen(_quickstart(tiny_corpus, uri, tmp_path / "runs", handshake_arg(hs, [7])),
-                                cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            _quickstart(tiny_corpus, uri, tmp_path / "runs", handshake_arg(hs, [7])),
+            cwd=tmp_path,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         wait_for(hs / "at7", proc=proc, log=log)
     finally:
@@ -96,21 +125,36 @@ def test_killed_quickstart_resumes_the_same_run_with_ckpt_path_last(tiny_corpus,
     (ckpt_dir,) = (tmp_path / "runs").glob("*/*/checkpoints")
     assert torch.load(ckpt_dir / "last.ckpt", weights_only=False)["global_step"] == 4  # lost: steps 5-6
 
-    killed = mlflow.MlflowClient(uri).search_runs([mlflow.MlflowClient(uri).get_experiment_by_name("quickstart")
-                                                   .experiment_id])[0]
+    killed = mlflow.MlflowClient(uri).search_runs(
+        [mlflow.MlflowClient(uri).get_experiment_by_name("quickstart").experiment_id]
+    )[0]
     # steps 4-6 were logged after the step-4 checkpoint: the resumed run trains them again and must not log them twice
     assert [s for s, _ in _history(mlflow.MlflowClient(uri), killed.info.run_id, "train/loss")] == list(range(7))
 
     with pytest.raises(SystemExit) as stopped:  # in-process: the same `main` as the `mhc` script
-        main(_quickstart(tiny_corpus, uri, tmp_path / "elsewhere", "--ckpt_path", "last",
-                         "--trainer.logger.init_args.run_name=never-ran")[1:])
+        main(
+            _quickstart(
+                tiny_corpus,
+                uri,
+                tmp_path / "elsewhere",
+                "--ckpt_path",
+                "last",
+                "--trainer.logger.init_args.run_name=never-ran",
+            )[1:]
+        )
     assert stopped.value.code == 2
     err = capsys.readouterr().err
     assert "mhc fit: error: --ckpt_path last: no checkpoint of an earlier training run named 'never-ran'" in err
     assert not (tmp_path / "elsewhere").exists()
 
-    resumed = subprocess.run(_quickstart(tiny_corpus, uri, tmp_path / "runs", "--ckpt_path", "last"), cwd=tmp_path,
-                             env=env, capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(
+        _quickstart(tiny_corpus, uri, tmp_path / "runs", "--ckpt_path", "last"),
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming MLflow run" in resumed.stderr and "not resumable" not in resumed.stdout + resumed.stderr
     monkeypatch.chdir(tmp_path)  # where the subprocesses ran: MLflow's artifacts go under ./mlruns
@@ -134,7 +178,8 @@ def test_killed_quickstart_resumes_the_same_run_with_ckpt_path_last(tiny_corpus,
     assert a["state_dict"].keys() == b["state_dict"].keys()
     assert all(torch.equal(a["state_dict"][k], b["state_dict"][k]) for k in a["state_dict"])
     sa, sb = a["optimizer_states"][0]["state"], b["optimizer_states"][0]["state"]
-    assert all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
+    differ = [(i, k) for i in sa for k in sa[i] if not torch.equal(sa[i][k], sb[i][k])]
+    assert not differ, differ[:5]
     assert a["callbacks"]["SinkhornScheduler"]["iters"] == b["callbacks"]["SinkhornScheduler"]["iters"]
     assert a["callbacks"]["InstabilityDetector"]["losses"] == b["callbacks"]["InstabilityDetector"]["losses"]
     print("[figures] resume: killed before step 7, checkpoint of step 4; 12/12 steps once each, values = straight run")
@@ -142,7 +187,7 @@ def test_killed_quickstart_resumes_the_same_run_with_ckpt_path_last(tiny_corpus,
 
 @pytest.mark.slow
 def test_log_model_keeps_the_one_copy_in_mlflow_and_resume_downloads_it(tiny_corpus, mlflow_uri, tmp_path):
-    """Checkpoint policy (issue 15): with `log_model: true` the checkpoints end up as run artifacts only (the local files
+    """Checkpoint policy: with `log_model: true` the checkpoints end up as run artifacts only (the local files
     are removed once uploaded); `--ckpt_path last` then fetches last.ckpt from the run and continues the same run."""
     import mlflow
 
@@ -157,9 +202,12 @@ def test_log_model_keeps_the_one_copy_in_mlflow_and_resume_downloads_it(tiny_cor
     assert "last/last.ckpt" in {a.path for a in client.list_artifacts(run.info.run_id, "last")}
     assert not list(root.rglob("*.ckpt"))  # one copy: in MLflow
 
-    main([a if not a.startswith("--trainer.max_steps") else "--trainer.max_steps=6" for a in args]
-         + ["--ckpt_path", "last", "--extend"])  # 4 -> 6 steps: an explicit extension
+    main(
+        [a if not a.startswith("--trainer.max_steps") else "--trainer.max_steps=6" for a in args]
+        + ["--ckpt_path", "last", "--extend"]
+    )  # 4 -> 6 steps: an explicit extension
     (again,) = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
     assert again.info.run_id == run.info.run_id and again.info.status == "FINISHED"
-    assert [m.step for m in sorted(client.get_metric_history(run.info.run_id, "train/loss"), key=lambda m: m.step)] \
-        == list(range(6))
+    assert [
+        m.step for m in sorted(client.get_metric_history(run.info.run_id, "train/loss"), key=lambda m: m.step)
+    ] == list(range(6))

@@ -1,4 +1,5 @@
 """SinkhornScheduler: converged -> fewer iterations, tightened tolerance -> more, bounds, triggers, logging."""
+
 from __future__ import annotations
 
 import pytest
@@ -55,8 +56,9 @@ def test_converged_sinkhorn_goes_down_and_is_logged_per_layer(tiny_corpus):
 
 
 def test_counts_reach_sublayers_under_an_activation_checkpoint_wrapper(tiny_corpus):
-    """Sublayers wrapped by `apply_activation_checkpointing` (what FSDPStrategy's activation_checkpointing_policy applies):
-    the counts reach the sublayers themselves, not the wrappers, which keep attributes written through them."""
+    """Sublayers wrapped by `apply_activation_checkpointing` (what FSDPStrategy's activation_checkpointing_policy
+    applies): the counts reach the sublayers themselves, not the wrappers, which keep attributes written through
+    them."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
     from mhc_lightning.model import HyperConnection, hyper_connections
@@ -108,12 +110,15 @@ def test_no_sinkhorn_layers_is_a_noop(tiny_corpus):
     assert sched.history.maxlen and not sched.history
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"min_iters": 10, "max_iters": 5}, r"SinkhornScheduler.max_iters must be an integer >= 10"),
-    ({"init_iters": 100}, r"SinkhornScheduler.init_iters must be an integer >= 4 and <= 50 or null"),
-    ({"up_factor": 1.0}, r"SinkhornScheduler.up_factor must be a number > 1"),
-    ({"intensity": "high"}, r"SinkhornScheduler.intensity must be a number"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"min_iters": 10, "max_iters": 5}, r"SinkhornScheduler.max_iters must be an integer >= 10"),
+        ({"init_iters": 100}, r"SinkhornScheduler.init_iters must be an integer >= 4 and <= 50 or null"),
+        ({"up_factor": 1.0}, r"SinkhornScheduler.up_factor must be a number > 1"),
+        ({"intensity": "high"}, r"SinkhornScheduler.intensity must be a number"),
+    ],
+)
 def test_validation_names_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SinkhornScheduler(**kwargs)

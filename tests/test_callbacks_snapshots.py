@@ -1,4 +1,5 @@
 """GradientSnapshots: rollback after a loss spike, validation of snapshots, rollback cap, exact resume."""
+
 from __future__ import annotations
 
 import math
@@ -48,8 +49,9 @@ def test_loss_spike_rolls_back_skips_window_and_cools_down(tiny_corpus):
     rec, weights, watch = StepRecorder(), WeightsAt(40, 46), Watch()
     snaps = GradientSnapshots(every_n_steps=10, skip_batches=2, cooldown_steps=5, cooldown_sinkhorn_iters=30)
     sched = SinkhornScheduler(every=5, max_iters=40)
-    trainer, module = tiny_fit(tiny_corpus, [CorruptBatchAt(45), _detector(), snaps, sched, rec, weights, watch],
-                               steps=60)
+    trainer, module = tiny_fit(
+        tiny_corpus, [CorruptBatchAt(45), _detector(), snaps, sched, rec, weights, watch], steps=60
+    )
     kinds = _kinds(module)
     assert [(s, k) for s, k, _ in kinds] == [(45, "loss_spike"), (45, "rollback")]
     assert kinds[1][2] == 40.0  # restored the newest snapshot, taken before step 40
@@ -76,13 +78,14 @@ def test_corrupted_snapshot_on_disk_is_refused_and_previous_used(tiny_corpus, tm
             if trainer.global_step == 33:
                 f = snap_dir / "snapshot-step00000030.pt"
                 data = bytearray(f.read_bytes())
-                data[len(data) // 2: len(data) // 2 + 64] = bytes(64)  # silent corruption: same size
+                data[len(data) // 2 : len(data) // 2 + 64] = bytes(64)  # silent corruption: same size
                 f.write_bytes(bytes(data))
 
     snaps = GradientSnapshots(every_n_steps=10, keep=0, dirpath=str(snap_dir), keep_on_disk=3, cooldown_steps=0)
     rec = StepRecorder()
-    trainer, module = tiny_fit(tiny_corpus, [CorruptBatchAt(35), _detector(), snaps, CorruptNewestFile(), rec],
-                               steps=45)
+    trainer, module = tiny_fit(
+        tiny_corpus, [CorruptBatchAt(35), _detector(), snaps, CorruptNewestFile(), rec], steps=45
+    )
     kinds = _kinds(module)
     assert [(s, k) for s, k, _ in kinds] == [(35, "loss_spike"), (35, "rollback_rejected"), (35, "rollback")]
     assert kinds[1][2] == 30.0 and "checksum mismatch" in channel_of(module).events[1].detail
@@ -107,8 +110,11 @@ def test_in_memory_snapshot_validation_and_gradient_check(tiny_corpus):
     snaps = GradientSnapshots(every_n_steps=10, keep=3, cooldown_steps=0)
     _, module = tiny_fit(tiny_corpus, [CorruptBatchAt(35), _detector(), snaps, Tamper(snaps)], steps=40)
     events = channel_of(module).events
-    assert [(e.kind, e.value) for e in events[1:]] == [("rollback_rejected", 30.0), ("rollback_rejected", 20.0),
-                                                        ("rollback", 10.0)]
+    assert [(e.kind, e.value) for e in events[1:]] == [
+        ("rollback_rejected", 30.0),
+        ("rollback_rejected", 20.0),
+        ("rollback", 10.0),
+    ]
     assert "in-memory checksum mismatch" in events[1].detail
     assert "gradient consistency check failed" in events[2].detail
     assert params_finite(module)
@@ -139,8 +145,11 @@ def test_snapshot_writes_into_the_evicted_snapshots_buffers(tiny_corpus):
 
 def test_rollback_cap_stops_with_clear_error(tiny_corpus):
     snaps = GradientSnapshots(every_n_steps=10, max_rollbacks=1, rollback_window=100, cooldown_steps=0)
-    with pytest.raises(RollbackError, match=r"1 rollback\(s\) already happened within the last 100 steps "
-                                            r"\(max_rollbacks=1, at steps \[35\]\)"):
+    with pytest.raises(
+        RollbackError,
+        match=r"1 rollback\(s\) already happened within the last 100 steps "
+        r"\(max_rollbacks=1, at steps \[35\]\)",
+    ):
         tiny_fit(tiny_corpus, [CorruptBatchAt(35, 38), _detector(), snaps], steps=45)
 
 
@@ -180,20 +189,26 @@ def test_resume_mid_epoch_equals_uninterrupted(tmp_path, monkeypatch):
     assert [l.sinkhorn_iters for l in trainer.lightning_module.model.sublayers] == sched.iters
 
     plain_loader = ByteTextDataModule._loader
-    monkeypatch.setattr(ByteTextDataModule, "_loader",
-                        lambda self, dataset, loader=DataLoader, **kw: plain_loader(self, dataset, DataLoader, **kw))
+    monkeypatch.setattr(
+        ByteTextDataModule,
+        "_loader",
+        lambda self, dataset, loader=DataLoader, **kw: plain_loader(self, dataset, DataLoader, **kw),
+    )
     with pytest.warns(UserWarning, match="not resumable"):
         run("c")
         plain, _, _ = run("d", ckpt_path=str(tmp_path / "c" / "epoch=1-step=25.ckpt"))
     assert not all(torch.equal(straight[k], plain[k]) for k in straight)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"keep": 0}, r"GradientSnapshots.keep is 0 and GradientSnapshots.dirpath is null"),
-    ({"device": "gpu"}, r"GradientSnapshots.device must be one of \['cpu', 'same'\]"),
-    ({"cooldown_lr_factor": 2.0}, r"GradientSnapshots.cooldown_lr_factor must be a number > 0 and <= 1"),
-    ({"every_n_steps": 0}, r"GradientSnapshots.every_n_steps must be an integer >= 1"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"keep": 0}, r"GradientSnapshots.keep is 0 and GradientSnapshots.dirpath is null"),
+        ({"device": "gpu"}, r"GradientSnapshots.device must be one of \['cpu', 'same'\]"),
+        ({"cooldown_lr_factor": 2.0}, r"GradientSnapshots.cooldown_lr_factor must be a number > 0 and <= 1"),
+        ({"every_n_steps": 0}, r"GradientSnapshots.every_n_steps must be an integer >= 1"),
+    ],
+)
 def test_validation_names_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):
         GradientSnapshots(**kwargs)

@@ -1,5 +1,6 @@
 """Checkpoint files under faults: a corrupted checkpoint (same size) is refused before a resume starts, naming the last
 good one; a full disk or a read-only checkpoint folder stops the fit with one line and leaves no partial file."""
+
 from __future__ import annotations
 
 import ctypes
@@ -29,8 +30,10 @@ def _files(root: Path) -> dict[str, tuple[int, int]]:
 
 def _runs(uri: str) -> list[tuple[str, str]]:
     client = MlflowClient(uri)
-    return sorted((r.info.run_id, r.info.status) for r in client.search_runs([client.get_experiment_by_name("tests")
-                                                                               .experiment_id]))
+    return sorted(
+        (r.info.run_id, r.info.status)
+        for r in client.search_runs([client.get_experiment_by_name("tests").experiment_id])
+    )
 
 
 def _error_lines(text: str) -> list[str]:
@@ -97,8 +100,9 @@ def test_corrupted_last_checkpoint_is_refused_naming_the_last_good_one(tiny_corp
     assert _runs(mlflow_uri) == [(run_id, "FINISHED")]
 
 
-def test_full_disk_stops_with_one_line_and_leaves_no_partial_file(tiny_corpus, mlflow_uri, tmp_path, capsys,
-                                                                  monkeypatch):
+def test_full_disk_stops_with_one_line_and_leaves_no_partial_file(
+    tiny_corpus, mlflow_uri, tmp_path, capsys, monkeypatch
+):
     """The disk fills up halfway through the checkpoint of step 4 (writes after the step-2 checkpoints fail with
     ENOSPC): one line naming the folder and the last good checkpoint, exit 2; the folder holds only whole, verified
     files (before: a truncated best checkpoint and an 83-102-line traceback)."""
@@ -148,12 +152,16 @@ def test_read_only_checkpoint_folder_stops_a_real_fit_with_one_line(tiny_corpus,
     """`mhc fit` whose checkpoint folder becomes read-only after the step-2 checkpoint: at step 4 it stops with exit 2
     and one line naming the folder, the cause, the last good checkpoint and the resume command; no traceback."""
     uri, root, hs, log = f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "runs", tmp_path / "hs", tmp_path / "fit.log"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(TESTS),
-                                                                               os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+    }
     cmd = [str(Path(sys.executable).with_name("mhc")), *_fit_args(tiny_corpus, uri, root, 6, handshake_arg(hs, [3]))]
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                preexec_fn=_without_root_override)
+        proc = subprocess.Popen(
+            cmd, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_without_root_override
+        )
     try:
         wait_for(hs / "at3", proc=proc, log=log)
         (folder,) = root.glob("*/*/checkpoints")

@@ -1,24 +1,25 @@
 """`mhc fit|validate|test` end to end: MLflow runs with params, metrics and artifacts; configs; errors."""
+
 import os
 import shlex
 import shutil
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
-import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
 import mlflow
 import pytest
 import yaml
-
 from helpers import CONF, tiny_fit_args
+
 from mhc_lightning.cli import TOOLS, TRAINER_COMMANDS, build_cli, main
 from mhc_lightning.errors import UserError
-from mhc_lightning.model.config import RESIDUAL_MODES
 from mhc_lightning.loggers.tags import CHECKPOINT_TAG, SOURCE_RUN_TAG
+from mhc_lightning.model.config import RESIDUAL_MODES
 
 
 def runs_of(uri: str, experiment: str = "tests"):
@@ -38,8 +39,10 @@ def test_diagnostics_are_logged_at_the_steps_they_were_taken(tiny_corpus, mlflow
     """Every diagnostics step reaches MLflow under its own step, whatever the logger's flush cadence (through
     self.log, k = 7 with a flush every 10 steps had logged step 7's values as step 9 and lost step 0's), and the
     per-layer artifact is named after the step it was recorded at."""
-    main(tiny_fit_args(tiny_corpus, mlflow_uri, tmp_path / "root", steps=16) + [
-        "--model.diagnostics_every=7", "--trainer.log_every_n_steps=10", "--trainer.val_check_interval=16"])
+    main(
+        tiny_fit_args(tiny_corpus, mlflow_uri, tmp_path / "root", steps=16)
+        + ["--model.diagnostics_every=7", "--trainer.log_every_n_steps=10", "--trainer.val_check_interval=16"]
+    )
     client, (run,) = runs_of(mlflow_uri)
     for key in ("amax/composite_bwd_max", "streams/spread_last", "hres/dist_identity"):
         assert [m.step for m in client.get_metric_history(run.info.run_id, key)] == [0, 7, 14], key
@@ -71,11 +74,18 @@ def test_fit_writes_an_mlflow_run(mode, tiny_corpus, mlflow_uri, tmp_path):
         assert abs(m["amax/composite_fwd_max"] - 1) < 0.5
     arts = artifact_paths(client, run.info.run_id)
     assert "config.yaml" in arts
-    assert not any(a.endswith(".ckpt") for a in arts) and list((tmp_path / "root").glob("*/*/checkpoints/last.ckpt"))  # one copy (log_model: false)
+    assert not any(a.endswith(".ckpt") for a in arts) and list(
+        (tmp_path / "root").glob("*/*/checkpoints/last.ckpt")
+    )  # one copy (log_model: false)
     if mode != "residual":
         assert any(a.startswith("diagnostics/amax_per_layer") and a.endswith(".png") for a in arts)
-    cfg = yaml.safe_load(Path(mlflow.artifacts.download_artifacts(
-        run_id=run.info.run_id, artifact_path="config.yaml", tracking_uri=mlflow_uri)).read_text())
+    cfg = yaml.safe_load(
+        Path(
+            mlflow.artifacts.download_artifacts(
+                run_id=run.info.run_id, artifact_path="config.yaml", tracking_uri=mlflow_uri
+            )
+        ).read_text()
+    )
     assert cfg["model"]["arch"]["hyper"]["residual_mode"] == mode
 
 
@@ -115,8 +125,13 @@ def test_every_shipped_config_parses(path, tmp_path, monkeypatch):
     extra = [] if path.name in ("base.yaml", "quickstart.yaml") else ["-c", str(CONF / "base.yaml")]
     if path.name == "fsdp.yaml":  # Lightning refuses FSDP on CPU; tests/test_distributed.py checks this preset
         extra += ["--trainer.strategy=auto"]
-    cli = build_cli(extra[:2] + ["-c", str(path)] + extra[2:] + ["--trainer.logger=false", "--trainer.accelerator=cpu",
-                             "--trainer.precision=32-true"], run=False)
+    cli = build_cli(
+        extra[:2]
+        + ["-c", str(path)]
+        + extra[2:]
+        + ["--trainer.logger=false", "--trainer.accelerator=cpu", "--trainer.precision=32-true"],
+        run=False,
+    )
     assert cli.model.arch.hyper.residual_mode in RESIDUAL_MODES
     # jsonargparse reads `limit_val_batches: 1` as the float 1.0, i.e. 100 % of the batches: never ship it
     raw = yaml.safe_load(path.read_text()) or {}
@@ -125,29 +140,49 @@ def test_every_shipped_config_parses(path, tmp_path, monkeypatch):
 
 def test_interpolation_follows_later_overrides(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    cli = build_cli(["-c", str(CONF / "base.yaml"), "-c", str(CONF / "model" / "hc.yaml"),
-                     "--model.arch.d_model=64", "--trainer.logger.init_args.tracking_uri=sqlite:///x.db"], run=False)
+    cli = build_cli(
+        [
+            "-c",
+            str(CONF / "base.yaml"),
+            "-c",
+            str(CONF / "model" / "hc.yaml"),
+            "--model.arch.d_model=64",
+            "--trainer.logger.init_args.tracking_uri=sqlite:///x.db",
+        ],
+        run=False,
+    )
     assert cli.trainer.logger._run_name == "hc-L4-C64"
 
 
-@pytest.mark.parametrize("arg,message", [
-    ("--model.arch.hyper.residual_mode=dense", "residual_mode"),
-    ("--model.arch.hyper.n_streams=0", "model.arch.hyper.n_streams must be >= 1"),
-    ("--model.arch.hyper.sinkhorn_iters=0", "model.arch.hyper.sinkhorn_iters must be >= 1"),
-    ("--model.arch.n_heads=3", "model.arch.d_model must be divisible by n_heads"),
-    ("--model.optim.lr=-0.1", "model.optim.lr must be > 0"),
-    ("--model.optim.fused=true --trainer.precision=16-mixed",
-     "model.optim.fused=true needs a precision without loss scaling, not trainer.precision=16-mixed"),
-    ("--model.arch.hyper.bias_init=ones", "bias_init"),
-    ("--model.compile=true --model.arch.hyper.chain_sublayers=true",
-     "model.compile=true with model.arch.hyper.chain_sublayers=true is refused"),
-    ("--model.arch.hyper.chain_sublayers=sometimes", "chain_sublayers"),
-    ("--model.compile=true --model.arch.hyper.rebuild_branch_input=true",
-     "model.compile=true with model.arch.hyper.rebuild_branch_input=true is refused"),
-    ("--model.arch.recompute_block=2 --model.arch.hyper.rebuild_branch_input=true",
-     "recompute_block=2 with hyper.rebuild_branch_input=true is refused"),
-    ("--model.compile_mode=fast", "model.compile_mode: 'fast' is not a torch.compile mode; allowed: default,"),
-])
+@pytest.mark.parametrize(
+    "arg,message",
+    [
+        ("--model.arch.hyper.residual_mode=dense", "residual_mode"),
+        ("--model.arch.hyper.n_streams=0", "model.arch.hyper.n_streams must be >= 1"),
+        ("--model.arch.hyper.sinkhorn_iters=0", "model.arch.hyper.sinkhorn_iters must be >= 1"),
+        ("--model.arch.n_heads=3", "model.arch.d_model must be divisible by n_heads"),
+        ("--model.optim.lr=-0.1", "model.optim.lr must be > 0"),
+        (
+            "--model.optim.fused=true --trainer.precision=16-mixed",
+            "model.optim.fused=true needs a precision without loss scaling, not trainer.precision=16-mixed",
+        ),
+        ("--model.arch.hyper.bias_init=ones", "bias_init"),
+        (
+            "--model.compile=true --model.arch.hyper.chain_sublayers=true",
+            "model.compile=true with model.arch.hyper.chain_sublayers=true is refused",
+        ),
+        ("--model.arch.hyper.chain_sublayers=sometimes", "chain_sublayers"),
+        (
+            "--model.compile=true --model.arch.hyper.rebuild_branch_input=true",
+            "model.compile=true with model.arch.hyper.rebuild_branch_input=true is refused",
+        ),
+        (
+            "--model.arch.recompute_block=2 --model.arch.hyper.rebuild_branch_input=true",
+            "recompute_block=2 with hyper.rebuild_branch_input=true is refused",
+        ),
+        ("--model.compile_mode=fast", "model.compile_mode: 'fast' is not a torch.compile mode; allowed: default,"),
+    ],
+)
 def test_bad_values_fail_at_parse_time(arg, message, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["fit", "-c", str(CONF / "base.yaml"), *arg.split()])
@@ -187,8 +222,10 @@ def test_unknown_command_is_one_line(capsys):
         main(["predict", "-c", str(CONF / "base.yaml")])
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert err == ("mhc: error: unknown command 'predict'; the commands are fit, validate, test, sweep, compare, "
-                   "report, grid (`mhc --help` says what each does)")
+    assert err == (
+        "mhc: error: unknown command 'predict'; the commands are fit, validate, test, sweep, compare, "
+        "report, grid (`mhc --help` says what each does)"
+    )
 
 
 def test_user_error_from_a_tool_is_one_line(monkeypatch, capsys):
@@ -205,8 +242,10 @@ def test_user_error_from_a_tool_is_one_line(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["compare", "--experiment", "x"])
     assert exc.value.code == 2
-    assert capsys.readouterr().err == ("mhc compare: error: MLflow tracking server http://127.0.0.1:1 is "
-                                       "unreachable; start it or pass --tracking-uri\n")
+    assert capsys.readouterr().err == (
+        "mhc compare: error: MLflow tracking server http://127.0.0.1:1 is "
+        "unreachable; start it or pass --tracking-uri\n"
+    )
 
 
 @pytest.mark.slow
@@ -220,13 +259,17 @@ def test_console_script_help():
 # ---- the end of a fit: a last validation, and how to look at the run --------------------------------------
 
 
-@pytest.mark.parametrize("steps,interval,validated_at", [
-    (3, 2, [2, 3]),  # not a multiple: one more validation at the end
-    pytest.param(4, 2, [2, 4], marks=pytest.mark.slow),  # a multiple: the last validation is not repeated
-    pytest.param(2, 100, [2], marks=pytest.mark.slow),  # below the interval: the only validation
-])
-def test_fit_ends_with_one_validation_of_the_final_weights(steps, interval, validated_at, tiny_corpus, mlflow_uri,
-                                                           tmp_path):
+@pytest.mark.parametrize(
+    "steps,interval,validated_at",
+    [
+        (3, 2, [2, 3]),  # not a multiple: one more validation at the end
+        pytest.param(4, 2, [2, 4], marks=pytest.mark.slow),  # a multiple: the last validation is not repeated
+        pytest.param(2, 100, [2], marks=pytest.mark.slow),  # below the interval: the only validation
+    ],
+)
+def test_fit_ends_with_one_validation_of_the_final_weights(
+    steps, interval, validated_at, tiny_corpus, mlflow_uri, tmp_path
+):
     args = tiny_fit_args(tiny_corpus, mlflow_uri, tmp_path / "root", steps=steps)[1:]
     cli = build_cli(args + [f"--trainer.val_check_interval={interval}"], run=False)
     seen = []
@@ -281,11 +324,17 @@ def test_printed_ui_hint_runs_as_printed(tiny_corpus, tmp_path):
     assert tags["mhc.git.commit"] == code_state().commit and tags["mhc.code"] == code_state().label
     assert tags["mhc.env.torch"] and tags["mhc.data.train_sha256"]
     hint = next(ln for ln in fit.stdout.splitlines() if ln.startswith("view it:"))
-    command = hint[len("view it:"):].split("   (then open")[0].strip()
+    command = hint[len("view it:") :].split("   (then open")[0].strip()
     port = _free_port()
     bare = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp"), "MLFLOW_PORT": str(port)}
-    ui = subprocess.Popen(shlex.split(command), cwd=elsewhere, env=bare, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, start_new_session=True)
+    ui = subprocess.Popen(
+        shlex.split(command),
+        cwd=elsewhere,
+        env=bare,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         deadline, body = time.time() + 120, None
         while time.time() < deadline and ui.poll() is None:

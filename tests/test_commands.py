@@ -1,4 +1,5 @@
 """The `mhc` dispatcher: help without Lightning, and LightningCLI's optimizer keys refused in one line."""
+
 from __future__ import annotations
 
 import subprocess
@@ -8,25 +9,32 @@ from argparse import ArgumentError
 import pytest
 from helpers import CONF
 
-REFUSAL = ("is not an option of mhc: the optimizer is AdamW with weight-decay groups (none on norms, biases, HC "
-           "coefficients) and a linear warmup then cosine schedule, set by model.optim.lr")
+REFUSAL = (
+    "is not an option of mhc: the optimizer is AdamW with weight-decay groups (none on norms, biases, HC "
+    "coefficients) and a linear warmup then cosine schedule, set by model.optim.lr"
+)
 
 
 def test_help_and_the_tools_import_neither_torch_nor_lightning():
     """`mhc --help` answers before anything heavy is imported (Lightning alone costs seconds)."""
-    code = ("import sys, contextlib, io\nfrom mhc_lightning.commands import main\n"
-            "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n    main(['--help'])\n"
-            "import mhc_lightning.grid, mhc_lightning.reports.cli, mhc_lightning.sweeps.cli\n"
-            "print(sorted(m for m in ('torch', 'lightning', 'mlflow', 'optuna', 'pandas') if m in sys.modules))")
+    code = (
+        "import sys, contextlib, io\nfrom mhc_lightning.commands import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n    main(['--help'])\n"
+        "import mhc_lightning.grid, mhc_lightning.reports.cli, mhc_lightning.sweeps.cli\n"
+        "print(sorted(m for m in ('torch', 'lightning', 'mlflow', 'optuna', 'pandas') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize("flag, named", [
-    ("--optimizer=Adam", "--optimizer"),
-    ("--optimizer.lr=0.1", "--optimizer"),
-    ("--lr_scheduler=StepLR", "--lr_scheduler"),
-])
+@pytest.mark.parametrize(
+    "flag, named",
+    [
+        ("--optimizer=Adam", "--optimizer"),
+        ("--optimizer.lr=0.1", "--optimizer"),
+        ("--lr_scheduler=StepLR", "--lr_scheduler"),
+    ],
+)
 def test_optimizer_flags_are_refused_in_one_line(flag, named, capsys):
     from mhc_lightning.commands import main
 
@@ -58,11 +66,23 @@ def test_the_cli_keeps_the_decay_groups_and_the_schedule(tmp_path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ArgumentError, match="optimizer"):
-        build_cli(["-c", str(CONF / "presets" / "debug.yaml"), "--optimizer=Adam", "--trainer.logger=false"],
-                  run=False, exit_on_error=False)
-    cli = build_cli(["-c", str(CONF / "presets" / "debug.yaml"), "--trainer.logger=false",
-                     "--model.arch.n_layers=1", "--model.arch.d_model=32", "--model.arch.n_heads=2"],
-                    run=False, exit_on_error=False)
+        build_cli(
+            ["-c", str(CONF / "presets" / "debug.yaml"), "--optimizer=Adam", "--trainer.logger=false"],
+            run=False,
+            exit_on_error=False,
+        )
+    cli = build_cli(
+        [
+            "-c",
+            str(CONF / "presets" / "debug.yaml"),
+            "--trainer.logger=false",
+            "--model.arch.n_layers=1",
+            "--model.arch.d_model=32",
+            "--model.arch.n_heads=2",
+        ],
+        run=False,
+        exit_on_error=False,
+    )
     assert type(cli.model).configure_optimizers is LitLM.configure_optimizers
     assert "configure_optimizers" not in vars(cli.model)  # not replaced on the instance either
     cli.trainer.strategy.connect(cli.model)

@@ -1,4 +1,5 @@
 """`mhc compare` on runs written straight to an MLflow store (no training): table, plots, logging, errors."""
+
 from __future__ import annotations
 
 import csv
@@ -26,9 +27,18 @@ def fake_run(client, exp_id, name, mode, final, amax=None, tps=1000.0, tags=None
     tags = {"mhc.data.train_sha256": "ab" * 32, **(tags or {})}
     run = client.create_run(exp_id, run_name=name, tags=tags)
     rid, now = run.info.run_id, int(time.time() * 1000)
-    params = {"arch/hyper/residual_mode": mode, "arch/hyper/n_streams": "4", "arch/hyper/sinkhorn_iters": "20",
-              "optim/lr": "0.002", "arch/n_layers": "2", "trainer/max_steps": "40", "seed_everything": "1",
-              "data/seed": "1", "corpus": "shakespeare", **(extra or {})}
+    params = {
+        "arch/hyper/residual_mode": mode,
+        "arch/hyper/n_streams": "4",
+        "arch/hyper/sinkhorn_iters": "20",
+        "optim/lr": "0.002",
+        "arch/n_layers": "2",
+        "trainer/max_steps": "40",
+        "seed_everything": "1",
+        "data/seed": "1",
+        "corpus": "shakespeare",
+        **(extra or {}),
+    }
     metrics = []
     for step in range(0, 40):
         metrics.append(Metric("train/grad_norm", 1.0 + (amax or 1.0) * step / 40, now, step))
@@ -39,8 +49,10 @@ def fake_run(client, exp_id, name, mode, final, amax=None, tps=1000.0, tags=None
     client.log_batch(rid, metrics=metrics, params=[Param(k, v) for k, v in params.items()])
     if amax is not None:
         layers = 4
-        per_layer = {"composite_fwd_max": [amax ** ((layers - l) / layers) for l in range(layers)],
-                     "composite_bwd_max": [amax ** ((l + 1) / layers) for l in range(layers)]}
+        per_layer = {
+            "composite_fwd_max": [amax ** ((layers - l) / layers) for l in range(layers)],
+            "composite_bwd_max": [amax ** ((l + 1) / layers) for l in range(layers)],
+        }
         client.log_dict(rid, per_layer, "diagnostics/per_layer_step0000020.json")
         client.log_dict(rid, {k: [1.0] * layers for k in per_layer}, "diagnostics/per_layer_step0000005.json")
     client.set_terminated(rid, "FINISHED")
@@ -51,9 +63,11 @@ def fake_run(client, exp_id, name, mode, final, amax=None, tps=1000.0, tags=None
 def runs(mlflow_uri):
     client = MlflowClient(mlflow_uri)
     exp = client.create_experiment("cmp")
-    ids = {"mhc": fake_run(client, exp, "mhc-run", "mhc", 2.0, amax=1.0),
-           "hc": fake_run(client, exp, "hc-run", "hc", 2.3, amax=300.0, tps=1500.0),
-           "residual": fake_run(client, exp, "res-run", "residual", 2.6, tps=2500.0)}
+    ids = {
+        "mhc": fake_run(client, exp, "mhc-run", "mhc", 2.0, amax=1.0),
+        "hc": fake_run(client, exp, "hc-run", "hc", 2.3, amax=300.0, tps=1500.0),
+        "residual": fake_run(client, exp, "res-run", "residual", 2.6, tps=2500.0),
+    }
     return client, ids
 
 
@@ -76,15 +90,24 @@ def test_compare_experiment_table_plots_and_logging(runs, mlflow_uri, tmp_path, 
     # three runs -> three curve colours in the loss plot
     assert all(colour_pixels(out / "val_loss.png", c) > 300 for c in TAB)
     # Amax plot: the two multi-stream runs only (the residual baseline has no diagnostics), from the last file
-    assert colour_pixels(out / "amax_vs_layer.png", TAB[0]) > 300 and colour_pixels(out / "amax_vs_layer.png", TAB[1]) > 300
+    assert (
+        colour_pixels(out / "amax_vs_layer.png", TAB[0]) > 300
+        and colour_pixels(out / "amax_vs_layer.png", TAB[1]) > 300
+    )
     assert colour_pixels(out / "amax_vs_layer.png", TAB[2]) < 50
 
     exp = client.get_experiment_by_name("cmp")
     logged = [r for r in client.search_runs([exp.experiment_id]) if r.data.tags.get("mhc.kind") == "comparison"]
     assert len(logged) == 1 and logged[0].info.status == "FINISHED"
     arts = {a.path for a in client.list_artifacts(logged[0].info.run_id, "comparison")}
-    assert {"comparison/runs.md", "comparison/runs.csv", "comparison/val_loss.png", "comparison/amax_vs_layer.png",
-            "comparison/grad_norm.png", "comparison/tokens_per_sec.png"} <= arts
+    assert {
+        "comparison/runs.md",
+        "comparison/runs.csv",
+        "comparison/val_loss.png",
+        "comparison/amax_vs_layer.png",
+        "comparison/grad_norm.png",
+        "comparison/tokens_per_sec.png",
+    } <= arts
     # a second comparison does not compare the first comparison run
     assert compare_main(["--experiment", "cmp", "--tracking-uri", mlflow_uri, "--out", str(out), "--no-log"]) == 0
     assert len(list(csv.DictReader(open(out / "runs.csv")))) == 3
@@ -95,10 +118,16 @@ def test_the_table_shows_run_ids_and_the_settings_that_differ(mlflow_uri, tmp_pa
     client = MlflowClient(mlflow_uri)
     exp = client.create_experiment("differ")
     base = fake_run(client, exp, "base", "mhc", 2.0)
-    ids = [base] + [fake_run(client, exp, name, "mhc", 2.1 + i / 10, extra=extra, tags=tags) for i, (name, extra, tags)
-                    in enumerate([("longer", {"trainer/max_steps": "80"}, None),
-                                  ("seed2", {"seed_everything": "2", "data/seed": "2"}, None),
-                                  ("other-text", {"corpus": "/data/wiki.txt"}, {"mhc.data.train_sha256": "cd" * 32})])]
+    ids = [base] + [
+        fake_run(client, exp, name, "mhc", 2.1 + i / 10, extra=extra, tags=tags)
+        for i, (name, extra, tags) in enumerate(
+            [
+                ("longer", {"trainer/max_steps": "80"}, None),
+                ("seed2", {"seed_everything": "2", "data/seed": "2"}, None),
+                ("other-text", {"corpus": "/data/wiki.txt"}, {"mhc.data.train_sha256": "cd" * 32}),
+            ]
+        )
+    ]
     out = tmp_path / "differ"
     assert compare_main(["--experiment", "differ", "--tracking-uri", mlflow_uri, "--out", str(out), "--no-log"]) == 0
     rows = {r["run"]: r for r in csv.DictReader(open(out / "runs.csv"))}
@@ -117,15 +146,33 @@ def test_the_table_shows_run_ids_and_the_settings_that_differ(mlflow_uri, tmp_pa
 def test_compare_run_ids_and_study(runs, mlflow_uri, tmp_path):
     client, ids = runs
     out = tmp_path / "two"
-    assert compare_main(["--runs", ids["hc"], ids["residual"], "--tracking-uri", mlflow_uri, "--out", str(out),
-                         "--no-log"]) == 0
+    assert (
+        compare_main(
+            ["--runs", ids["hc"], ids["residual"], "--tracking-uri", mlflow_uri, "--out", str(out), "--no-log"]
+        )
+        == 0
+    )
     assert [r["run"] for r in csv.DictReader(open(out / "runs.csv"))] == ["hc-run", "res-run"]
     exp = client.get_experiment_by_name("cmp").experiment_id
-    parent = client.create_run(exp, run_name="study", tags={"optuna.role": "study", "optuna.study_name": "s1"}).info.run_id
+    parent = client.create_run(
+        exp, run_name="study", tags={"optuna.role": "study", "optuna.study_name": "s1"}
+    ).info.run_id
     for n in range(2):
-        fake_run(client, exp, f"s1-t{n}", "mhc", 2.0 + n, amax=2.0,
-                 tags={"optuna.role": "trial", "optuna.study_name": "s1", "optuna.trial": str(n),
-                       "optuna.state": "COMPLETE", "mlflow.parentRunId": parent})
+        fake_run(
+            client,
+            exp,
+            f"s1-t{n}",
+            "mhc",
+            2.0 + n,
+            amax=2.0,
+            tags={
+                "optuna.role": "trial",
+                "optuna.study_name": "s1",
+                "optuna.trial": str(n),
+                "optuna.state": "COMPLETE",
+                "mlflow.parentRunId": parent,
+            },
+        )
     out = tmp_path / "study"
     assert compare_main(["--study", "s1", "--tracking-uri", mlflow_uri, "--out", str(out)]) == 0
     rows = list(csv.DictReader(open(out / "runs.csv")))
@@ -144,7 +191,9 @@ def test_compare_errors(mlflow_uri, tmp_path, capsys):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    assert compare_main(["--experiment", "x", "--tracking-uri", f"http://127.0.0.1:{port}", "--out", str(tmp_path)]) == 2
+    assert (
+        compare_main(["--experiment", "x", "--tracking-uri", f"http://127.0.0.1:{port}", "--out", str(tmp_path)]) == 2
+    )
     assert f"http://127.0.0.1:{port}" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         compare_main(["--experiment", "a", "--study", "b"])  # exactly one selection
@@ -167,8 +216,12 @@ def test_evaluation_runs_are_kept_apart_and_never_mislabelled(runs, mlflow_uri, 
     rows = list(csv.DictReader(open(out / "runs.csv")))
     assert ev not in {r["run_id"] for r in rows} and len(rows) == 3 and "stage" not in rows[0]
     out = tmp_path / "with_eval"
-    assert compare_main(["--experiment", "cmp", "--tracking-uri", mlflow_uri, "--out", str(out), "--no-log",
-                         "--include-eval"]) == 0
+    assert (
+        compare_main(
+            ["--experiment", "cmp", "--tracking-uri", mlflow_uri, "--out", str(out), "--no-log", "--include-eval"]
+        )
+        == 0
+    )
     rows = {r["run_id"]: r for r in csv.DictReader(open(out / "runs.csv"))}
     assert rows[ev]["stage"] == "validate" and rows[ids["mhc"]]["stage"] == "fit"
 
@@ -195,10 +248,13 @@ def test_the_best_run_is_drawn_over_a_run_that_trains_alike(tmp_path):
     from mhc_lightning.reports import plots
 
     steps, values = [2, 4, 6], [4.1, 3.3, 3.16]
-    path = plots.curves([("best", steps, values, None), ("alike", steps, values, None)], "t", "val/loss",
-                        tmp_path / "c.png")
+    path = plots.curves(
+        [("best", steps, values, None), ("alike", steps, values, None)], "t", "val/loss", tmp_path / "c.png"
+    )
     img = mpimg.imread(path)[..., :3]
-    px = [int((np.abs(img - np.array(rgb)).max(axis=-1) < 0.06).sum()) for rgb in ((0.12, 0.47, 0.71), (1.0, 0.50, 0.05))]
+    px = [
+        int((np.abs(img - np.array(rgb)).max(axis=-1) < 0.06).sum()) for rgb in ((0.12, 0.47, 0.71), (1.0, 0.50, 0.05))
+    ]
     assert px[0] > 500 and px[1] < px[0] // 10, px
 
 
@@ -210,8 +266,10 @@ def test_amax_plot_keeps_the_default_colours_in_another_style(tmp_path):
 
     from mhc_lightning.reports import plots
 
-    series = [("flat", {"composite_fwd_max": [1.0, 1.0, 1.0], "composite_bwd_max": [1.0, 1.0, 1.0]}),
-              ("growing", {"composite_fwd_max": [30.0, 8.0, 2.0], "composite_bwd_max": [2.0, 8.0, 30.0]})]
+    series = [
+        ("flat", {"composite_fwd_max": [1.0, 1.0, 1.0], "composite_bwd_max": [1.0, 1.0, 1.0]}),
+        ("growing", {"composite_fwd_max": [30.0, 8.0, 2.0], "composite_bwd_max": [2.0, 8.0, 30.0]}),
+    ]
     with plt.style.context("ggplot"):
         path = plots.save(plots.amax_vs_layer(series), tmp_path / "amax.png")
     assert colour_pixels(path, TAB[0]) > 300 and colour_pixels(path, TAB[1]) > 300

@@ -2,6 +2,7 @@
 
 The running topology itself is exercised with real processes in test_tracking_server.py.
 """
+
 from __future__ import annotations
 
 import re
@@ -10,7 +11,6 @@ import subprocess
 
 import pytest
 import yaml
-
 from helpers import REPO
 
 COMPOSE = yaml.safe_load((REPO / "docker-compose.yml").read_text())
@@ -34,6 +34,7 @@ class Refused(Exception):
 
 def interpolate(text: str, env: dict[str, str]) -> str:
     """Compose's interpolation: ${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:?message}, ${VAR?message}."""
+
     def one(m) -> str:
         name, op, arg = m.group(1), m.group(2), m.group(3)
         value = env.get(name)
@@ -102,7 +103,10 @@ def test_urls_point_at_the_services_and_databases():
     env = filled_env()
     ml_env = {k: interpolate(str(v), env) for k, v in SERVICES["mlflow"]["environment"].items()}
     pg_user, pg_pass = env["POSTGRES_USER"], env["POSTGRES_PASSWORD"]
-    assert ml_env["MLFLOW_BACKEND_STORE_URI"] == f"postgresql+psycopg2://{pg_user}:{pg_pass}@postgres:5432/{env['POSTGRES_DB']}"
+    assert (
+        ml_env["MLFLOW_BACKEND_STORE_URI"]
+        == f"postgresql+psycopg2://{pg_user}:{pg_pass}@postgres:5432/{env['POSTGRES_DB']}"
+    )
     assert ml_env["MLFLOW_ARTIFACTS_DESTINATION"] in [v.split(":", 1)[1] for v in SERVICES["mlflow"]["volumes"]]
     hosts = ml_env["MLFLOW_SERVER_ALLOWED_HOSTS"].split(",")  # the variable `mlflow server` reads
     assert "mlflow:5000" in hosts and f"localhost:{env['MLFLOW_PORT']}" in hosts  # containers call it by name
@@ -177,10 +181,24 @@ def _has_compose() -> bool:
 
 @pytest.mark.skipif(not _has_compose(), reason="no `docker compose` here (the structure is checked above)")
 def test_docker_compose_config(tmp_path):
-    (tmp_path / ".env").write_text((REPO / ".env.example").read_text().replace(
-        "POSTGRES_PASSWORD=\n", f"POSTGRES_PASSWORD={TEST_PASSWORD}\n"))
-    res = subprocess.run(["docker", "compose", "-f", str(REPO / "docker-compose.yml"), "--env-file", str(tmp_path / ".env"),
-                          "config", "-q"], capture_output=True, text=True, timeout=60)
+    (tmp_path / ".env").write_text(
+        (REPO / ".env.example").read_text().replace("POSTGRES_PASSWORD=\n", f"POSTGRES_PASSWORD={TEST_PASSWORD}\n")
+    )
+    res = subprocess.run(
+        [
+            "docker",
+            "compose",
+            "-f",
+            str(REPO / "docker-compose.yml"),
+            "--env-file",
+            str(tmp_path / ".env"),
+            "config",
+            "-q",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 0, res.stderr
 
 
@@ -216,9 +234,15 @@ def test_the_database_password_is_required_and_has_no_default():
 
 def test_the_docs_say_how_to_expose_the_stack_behind_a_login():
     docs = (REPO / "docs" / "sweeps.md").read_text()
-    section = docs[docs.index("### Exposure and logins"):]
-    for piece in ("BIND_ADDRESS", "--app-name basic-auth", "MLFLOW_AUTH_ADMIN_PASSWORD", "MLFLOW_TRACKING_USERNAME",
-                  "reverse proxy", "optuna-dashboard"):
+    section = docs[docs.index("### Exposure and logins") :]
+    for piece in (
+        "BIND_ADDRESS",
+        "--app-name basic-auth",
+        "MLFLOW_AUTH_ADMIN_PASSWORD",
+        "MLFLOW_TRACKING_USERNAME",
+        "reverse proxy",
+        "optuna-dashboard",
+    ):
         assert piece in section, piece
 
 
@@ -235,11 +259,22 @@ def test_postgres_init_script_creates_the_sweeps_database():
         pytest.skip(f"PostgreSQL unreachable at 127.0.0.1:5432: {err}")
     conn.autocommit = True
     name = f"mhc_init_{uuid.uuid4().hex[:8]}"
-    env = {"PATH": "/usr/bin:/bin:/usr/local/bin", "PGHOST": "127.0.0.1", "PGPORT": "5432",
-           "POSTGRES_USER": "postgres", "POSTGRES_DB": "test", "SWEEPS_DB": name}
+    env = {
+        "PATH": "/usr/bin:/bin:/usr/local/bin",
+        "PGHOST": "127.0.0.1",
+        "PGPORT": "5432",
+        "POSTGRES_USER": "postgres",
+        "POSTGRES_DB": "test",
+        "SWEEPS_DB": name,
+    }
     try:
-        res = subprocess.run(["sh", str(REPO / "docker" / "postgres" / "init-sweeps.sh")], env=env,
-                             capture_output=True, text=True, timeout=60)
+        res = subprocess.run(
+            ["sh", str(REPO / "docker" / "postgres" / "init-sweeps.sh")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert res.returncode == 0, res.stderr
         with conn.cursor() as cur:
             cur.execute("select 1 from pg_database where datname = %s", (name,))

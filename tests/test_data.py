@@ -1,4 +1,5 @@
 """Tests for mhc_lightning.data: corpus loading, splitting and the byte-window DataModule."""
+
 from __future__ import annotations
 
 import hashlib
@@ -10,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import make_text
+
 from mhc_lightning.data import ByteTextDataModule, CorpusError, load_corpus
 from mhc_lightning.data import corpus as corpus_mod
 
@@ -174,7 +175,7 @@ def test_data_seed_follows_seed_everything_unless_set(text_file: Path, monkeypat
     fixed = _dm(text_file, seed=1)
     assert (fixed.hparams.seed, fixed.seed_source) == (1, "data.seed")
     data = text_file.read_bytes()
-    assert fixed.train_sha256 == hashlib.sha256(data[:fixed.train_bytes]).hexdigest()
+    assert fixed.train_sha256 == hashlib.sha256(data[: fixed.train_bytes]).hexdigest()
 
 
 def test_too_short_corpus(tmp_path: Path):
@@ -189,8 +190,9 @@ def test_too_short_corpus(tmp_path: Path):
         _dm(p, seq_len=32, batch_size=2, val_fraction=0.05)
 
 
-@pytest.mark.parametrize("kw", [{"seq_len": 0}, {"batch_size": 0}, {"val_fraction": 1.0}, {"val_works": 0},
-                                {"seed": -1}, {"seed": 1.5}])
+@pytest.mark.parametrize(
+    "kw", [{"seq_len": 0}, {"batch_size": 0}, {"val_fraction": 1.0}, {"val_works": 0}, {"seed": -1}, {"seed": 1.5}]
+)
 def test_bad_arguments(kw):
     with pytest.raises(ValueError, match=next(iter(kw))):
         ByteTextDataModule(**kw)
@@ -237,7 +239,9 @@ def test_pin_memory_follows_the_trainers_device(text_file: Path):
 
 
 def _random_bytes(n: int, seed: int = 0) -> bytes:
-    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8).numpy().tobytes()
+    return (
+        torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8).numpy().tobytes()
+    )
 
 
 def test_text_share_separates_text_from_binary():
@@ -260,8 +264,11 @@ def test_text_share_separates_text_from_binary():
 def test_random_bytes_are_refused_unless_allowed(tmp_path: Path):
     blob = tmp_path / "random.txt"
     blob.write_bytes(_random_bytes(100_000))
-    for call in (lambda: load_corpus(str(blob)), lambda: corpus_mod.split_sizes(str(blob)),
-                 lambda: ByteTextDataModule(corpus=str(blob)).check_corpus()):
+    for call in (
+        lambda: load_corpus(str(blob)),
+        lambda: corpus_mod.split_sizes(str(blob)),
+        lambda: ByteTextDataModule(corpus=str(blob)).check_corpus(),
+    ):
         with pytest.raises(CorpusError, match="does not look like text") as e:
             call()
         assert str(blob) in str(e.value) and "data.allow_binary=true" in str(e.value)

@@ -1,11 +1,24 @@
 """trainer.deterministic: true gives run-to-run identical fits, on the fused kernels too (they reduce in a fixed
 order, with no atomics: docs/kernels.md). On the CPU the fused path runs under the Triton interpreter."""
+
 import pytest
 import torch
+from test_callbacks_common import tiny_fit, tiny_module
 
 from mhc_lightning.callbacks.run_provenance import weights_digest
 from mhc_lightning.kernels import fused, get_ops
-from test_callbacks_common import tiny_fit, tiny_module
+
+
+@pytest.fixture(autouse=True)
+def restore_deterministic_mode():
+    """Lightning turns torch's deterministic mode on for deterministic=True and never back off: later tests in this
+    process would run other kernels than the processes they compare with."""
+    mode, warn_only = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    yield
+    torch.use_deterministic_algorithms(mode, warn_only=warn_only)
 
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.slow)])

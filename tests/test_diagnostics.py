@@ -1,4 +1,5 @@
 """The logged diagnostics (mhc_lightning/diagnostics.py) say what their names say: worst token vs token mean."""
+
 import torch
 
 from mhc_lightning.diagnostics import grad_norm_summary, summarize
@@ -13,8 +14,9 @@ def test_min_colsum_is_the_worst_token_and_the_token_mean_beside_it():
     """Two tokens through two layers: token 0's composite columns sum to 1, token 1's smallest column to 0.25."""
     eye = torch.eye(2, dtype=torch.float64)
     squash = torch.tensor([[1.0, 0.5], [0.0, 0.5]], dtype=torch.float64)  # rows sum to 1, columns to 1 and 1
-    lossy = torch.tensor([[0.5, 0.5], [0.5, 0.5]], dtype=torch.float64) @ torch.diag(torch.tensor([1.5, 0.5],
-                                                                                                 dtype=torch.float64))
+    lossy = torch.tensor([[0.5, 0.5], [0.5, 0.5]], dtype=torch.float64) @ torch.diag(
+        torch.tensor([1.5, 0.5], dtype=torch.float64)
+    )
     h_res = torch.stack([torch.stack([eye, lossy]), torch.stack([eye, squash])])  # [L=2, T=2, 2, 2]
     scalars, _ = summarize(_recorded(h_res))
     composite_1 = squash @ lossy  # token 1: layer 1 after layer 0

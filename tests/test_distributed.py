@@ -3,6 +3,7 @@
 Each DDP run re-executes `mhc fit ...` once for rank 1 (Lightning's `ddp` launcher), exactly as on GPUs; nothing is
 spawned from inside pytest. Probe callbacks below are loaded by the `mhc` processes from this file (PYTHONPATH).
 """
+
 from __future__ import annotations
 
 import json
@@ -15,7 +16,6 @@ import lightning as L
 import mlflow
 import pytest
 import torch
-
 from helpers import CONF, REPO, tiny_fit_args
 
 MHC = Path(sys.executable).with_name("mhc")
@@ -38,21 +38,35 @@ class StepProbe(L.Callback):
         loss = outputs["loss"].detach() if isinstance(outputs, dict) and outputs.get("loss") is not None else None
         local = float("nan") if loss is None else float(loss)
         skipped = loss is None or (hasattr(pl_module, "last_loss") and pl_module.last_loss is None)
-        self.steps.append({"step": trainer.global_step - 1, "local": local, "skipped": skipped,
-                           "global": float(mean_across_ranks(local)), "first": batch[0][:, :4].tolist()})
+        self.steps.append(
+            {
+                "step": trainer.global_step - 1,
+                "local": local,
+                "skipped": skipped,
+                "global": float(mean_across_ranks(local)),
+                "first": batch[0][:, :4].tolist(),
+            }
+        )
 
     def on_train_end(self, trainer, pl_module) -> None:
         from mhc_lightning.distributed import state_digests
 
         self.dirpath.mkdir(parents=True, exist_ok=True)
         r = trainer.global_rank
-        record = {"rank": r, "world_size": trainer.world_size, "steps": self.steps,
-                  "diagnostics": getattr(pl_module, "last_diagnostics", None),
-                  "per_layer": pl_module.last_per_layer, **state_digests(trainer, pl_module)}
+        record = {
+            "rank": r,
+            "world_size": trainer.world_size,
+            "steps": self.steps,
+            "diagnostics": getattr(pl_module, "last_diagnostics", None),
+            "per_layer": pl_module.last_per_layer,
+            **state_digests(trainer, pl_module),
+        }
         (self.dirpath / f"probe-rank{r}.json").write_text(json.dumps(record))
         if r == 0:
-            torch.save({k: v.detach().cpu() for k, v in pl_module.model.state_dict().items()},
-                       self.dirpath / "probe-weights.pt")
+            torch.save(
+                {k: v.detach().cpu() for k, v in pl_module.model.state_dict().items()},
+                self.dirpath / "probe-weights.pt",
+            )
 
 
 class CorruptBatchOnRanks(L.Callback):
@@ -84,13 +98,18 @@ class CheckpointProbe(L.Callback):
         self.wrapped = sum(type(m).__name__ == "CheckpointWrapper" for m in pl_module.model.modules())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.losses.append(float(outputs["loss"]) if isinstance(outputs, dict) and outputs.get("loss") is not None
-                           else float("nan"))
+        self.losses.append(
+            float(outputs["loss"]) if isinstance(outputs, dict) and outputs.get("loss") is not None else float("nan")
+        )
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.dirpath.mkdir(parents=True, exist_ok=True)
-        record = {"losses": self.losses, "wrapped": self.wrapped, "sublayers": len(self.sublayers),
-                  "branch_calls_per_step": self.calls / len(self.losses)}
+        record = {
+            "losses": self.losses,
+            "wrapped": self.wrapped,
+            "sublayers": len(self.sublayers),
+            "branch_calls_per_step": self.calls / len(self.losses),
+        }
         (self.dirpath / "checkpoint-probe.json").write_text(json.dumps(record))
 
 
@@ -100,8 +119,12 @@ def _callback_arg(cls: str, **init_args) -> str:
 
 
 def _start(args: list[str], cwd: Path, log: Path) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        [str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]), MLFLOW_ENABLE_ASYNC_LOGGING="false")
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
+        MLFLOW_ENABLE_ASYNC_LOGGING="false",
+    )
     env.pop("MLFLOW_TRACKING_URI", None)
     return subprocess.Popen([str(MHC), *args], cwd=cwd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
@@ -111,7 +134,7 @@ def _wait(proc: subprocess.Popen, log: Path) -> str:
         rc = proc.wait(timeout=TIMEOUT)
     except subprocess.TimeoutExpired:
         proc.kill()
-        raise AssertionError(f"`mhc fit` timed out; log tail:\n{log.read_text()[-4000:]}")
+        raise AssertionError(f"`mhc fit` timed out; log tail:\n{log.read_text()[-4000:]}") from None
     out = log.read_text()
     assert rc == 0, f"`mhc fit` exited {rc}; log tail:\n{out[-4000:]}"
     return out
@@ -138,11 +161,16 @@ def test_ddp_matches_single_process_and_writes_one_mlflow_run(tiny_corpus, mlflo
     steps = 4
     runs = {}
     for name, per_rank, extra in (("single", 8, []), ("ddp", 4, _ddp_args())):
-        args = tiny_fit_args(tiny_corpus, mlflow_uri, tmp_path / name, mode="mhc", steps=steps,
-                             experiment=name, run_name=name)
+        args = tiny_fit_args(
+            tiny_corpus, mlflow_uri, tmp_path / name, mode="mhc", steps=steps, experiment=name, run_name=name
+        )
         args = [a for a in args if not a.startswith("--data.batch_size")]
-        args += [f"--data.batch_size={per_rank}", "--data.shuffle=false", *extra,
-                 _callback_arg("test_distributed.StepProbe", dirpath=str(tmp_path / name / "probe"))]
+        args += [
+            f"--data.batch_size={per_rank}",
+            "--data.shuffle=false",
+            *extra,
+            _callback_arg("test_distributed.StepProbe", dirpath=str(tmp_path / name / "probe")),
+        ]
         log = tmp_path / f"{name}.log"
         runs[name] = (_start(args, tmp_path, log), log)  # both at once: DDP's rank 1 import overlaps the single run
     out = {name: _wait(proc, log) for name, (proc, log) in runs.items()}
@@ -179,16 +207,23 @@ def test_ddp_matches_single_process_and_writes_one_mlflow_run(tiny_corpus, mlflo
     history = client.get_metric_history(run.info.run_id, "train/loss")
     assert sorted(m.step for m in history) == list(range(steps))  # once per step, not once per rank
     # train/loss is logged from rank 0: its share of the global batch
-    torch.testing.assert_close(torch.tensor([m.value for m in sorted(history, key=lambda m: m.step)]),
-                               torch.tensor([s["local"] for s in ddp[0]["steps"]]), rtol=1e-6, atol=0)
+    torch.testing.assert_close(
+        torch.tensor([m.value for m in sorted(history, key=lambda m: m.step)]),
+        torch.tensor([s["local"] for s in ddp[0]["steps"]]),
+        rtol=1e-6,
+        atol=0,
+    )
     m = run.data.metrics
     assert {"amax/composite_fwd_max", "sinkhorn/col_residual_max", "val/loss", "train/grad_norm"} <= m.keys()
-    amax_steps = [sorted(m.step for m in client.get_metric_history(r.info.run_id, "amax/composite_fwd_max"))
-                  for r in (run, single_runs[0])]
+    amax_steps = [
+        sorted(m.step for m in client.get_metric_history(r.info.run_id, "amax/composite_fwd_max"))
+        for r in (run, single_runs[0])
+    ]
     assert amax_steps[0] and amax_steps[0] == amax_steps[1]  # diagnostics at the same steps as one process
     # validation metrics are reduced over ranks (torchmetrics): the 2 x 2 x 4 windows are the single run's 2 x 8
-    torch.testing.assert_close(torch.tensor(m["val/loss"]), torch.tensor(single_runs[0].data.metrics["val/loss"]),
-                               rtol=1e-4, atol=0)
+    torch.testing.assert_close(
+        torch.tensor(m["val/loss"]), torch.tensor(single_runs[0].data.metrics["val/loss"]), rtol=1e-4, atol=0
+    )
     arts = [a.path for a in client.list_artifacts(run.info.run_id)]
     assert "config.yaml" in arts
 
@@ -201,23 +236,32 @@ def _stability_available() -> bool:
     return True
 
 
-def _rollback_fit(tiny_corpus, mlflow_uri, tmp_path: Path, name: str, fault_ranks: list[int],
-                  skip_batches: int = 0) -> list[dict]:
+def _rollback_fit(
+    tiny_corpus, mlflow_uri, tmp_path: Path, name: str, fault_ranks: list[int], skip_batches: int = 0
+) -> list[dict]:
     """60 steps of DDP with the stability callbacks, a loss spike injected at step 55 on `fault_ranks`; checks that
     the spike was rolled back and that every rank held the same state after every step (RankConsistencyCheck);
     returns each rank's probe record."""
-    args = tiny_fit_args(tiny_corpus, mlflow_uri, tmp_path / name, mode="mhc", steps=60, experiment=name,
-                         run_name=name)
-    args += [*_ddp_args(), "--trainer.val_check_interval=60", "--model.diagnostics_every=10",
-             "--trainer.log_every_n_steps=10",
-             # short windows: the tiny model's loss still falls fast (as in tests/test_callbacks_snapshots.py)
-             _callback_arg("mhc_lightning.callbacks.InstabilityDetector", loss_window=20, loss_min_history=10),
-             _callback_arg("mhc_lightning.callbacks.GradientSnapshots", every_n_steps=10, skip_batches=skip_batches,
-                           cooldown_steps=3),
-             _callback_arg("test_distributed.CorruptBatchOnRanks", steps=[55], ranks=fault_ranks),
-             _callback_arg("mhc_lightning.callbacks.RankConsistencyCheck", every_n_steps=1, on_mismatch="warn",
-                           dirpath=str(tmp_path / name / "consistency")),
-             _callback_arg("test_distributed.StepProbe", dirpath=str(tmp_path / name / "probe"))]
+    args = tiny_fit_args(tiny_corpus, mlflow_uri, tmp_path / name, mode="mhc", steps=60, experiment=name, run_name=name)
+    args += [
+        *_ddp_args(),
+        "--trainer.val_check_interval=60",
+        "--model.diagnostics_every=10",
+        "--trainer.log_every_n_steps=10",
+        # short windows: the tiny model's loss still falls fast (as in tests/test_callbacks_snapshots.py)
+        _callback_arg("mhc_lightning.callbacks.InstabilityDetector", loss_window=20, loss_min_history=10),
+        _callback_arg(
+            "mhc_lightning.callbacks.GradientSnapshots", every_n_steps=10, skip_batches=skip_batches, cooldown_steps=3
+        ),
+        _callback_arg("test_distributed.CorruptBatchOnRanks", steps=[55], ranks=fault_ranks),
+        _callback_arg(
+            "mhc_lightning.callbacks.RankConsistencyCheck",
+            every_n_steps=1,
+            on_mismatch="warn",
+            dirpath=str(tmp_path / name / "consistency"),
+        ),
+        _callback_arg("test_distributed.StepProbe", dirpath=str(tmp_path / name / "probe")),
+    ]
     log = tmp_path / f"{name}.log"
     _wait(_start(args, tmp_path, log), log)
     client = mlflow.MlflowClient(tracking_uri=mlflow_uri)
@@ -233,8 +277,9 @@ def _rollback_fit(tiny_corpus, mlflow_uri, tmp_path: Path, name: str, fault_rank
 
 @pytest.mark.skipif(not _stability_available(), reason="stability callbacks (mhc_lightning.callbacks) not present")
 @pytest.mark.slow
-def test_rollback_under_ddp_fault_on_one_rank_keeps_ranks_equal_and_skips_the_same_batches(tiny_corpus, mlflow_uri,
-                                                                                          tmp_path):
+def test_rollback_under_ddp_fault_on_one_rank_keeps_ranks_equal_and_skips_the_same_batches(
+    tiny_corpus, mlflow_uri, tmp_path
+):
     """The hard case: only rank 0's batch is bad (a corrupt shard). Every rank must take the same decision (veto
     the update, restore the same snapshot, skip the same batch after it), or the weights diverge silently: checked
     after every step. (One run covers both: each DDP fit costs two processes' start-up in CI.)"""
@@ -246,8 +291,9 @@ def test_rollback_under_ddp_fault_on_one_rank_keeps_ranks_equal_and_skips_the_sa
 
 
 # ---- presets -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("env, nodes", [({}, 1), ({"SLURM_NNODES": "4"}, 4),
-                                        ({"SLURM_NNODES": "4", "MHC_NUM_NODES": "2"}, 2)])
+@pytest.mark.parametrize(
+    "env, nodes", [({}, 1), ({"SLURM_NNODES": "4"}, 4), ({"SLURM_NNODES": "4", "MHC_NUM_NODES": "2"}, 2)]
+)
 def test_multinode_preset_reads_the_node_count(env, nodes, monkeypatch, capsys):
     import yaml
 
@@ -258,8 +304,18 @@ def test_multinode_preset_reads_the_node_count(env, nodes, monkeypatch, capsys):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     with pytest.raises(SystemExit) as exit_:
-        main(["fit", "-c", str(CONF / "base.yaml"), "-c", str(CONF / "machine" / "ddp.yaml"),
-              "-c", str(CONF / "machine" / "multinode.yaml"), "--print_config"])
+        main(
+            [
+                "fit",
+                "-c",
+                str(CONF / "base.yaml"),
+                "-c",
+                str(CONF / "machine" / "ddp.yaml"),
+                "-c",
+                str(CONF / "machine" / "multinode.yaml"),
+                "--print_config",
+            ]
+        )
     assert exit_.value.code in (0, None)
     trainer = yaml.safe_load(capsys.readouterr().out)["trainer"]
     assert trainer["num_nodes"] == nodes and trainer["devices"] == "auto"
@@ -294,15 +350,25 @@ def test_fsdp_activation_checkpointing_policy_on_one_gpu(tiny_corpus, mlflow_uri
     bf16-mixed, as the preset: FSDP then computes each branch in bf16, the case where the recomputation once saved
     other tensors than the forward and torch's checkpoint stopped the fit."""
     policy = "--trainer.strategy.init_args.activation_checkpointing_policy=[mhc_lightning.model.HyperConnection]"
-    variants = {"plain": [], "checkpointed": [policy],
-                "checkpointed_rebuilt": [policy, "--model.arch.hyper.rebuild_branch_input=true"]}
+    variants = {
+        "plain": [],
+        "checkpointed": [policy],
+        "checkpointed_rebuilt": [policy, "--model.arch.hyper.rebuild_branch_input=true"],
+    }
     probes = {}
     for name, extra in variants.items():
-        args = tiny_fit_args(tiny_corpus, mlflow_uri, tmp_path / name, mode="mhc", steps=4, experiment=name,
-                             run_name=name)
-        args += ["-c", str(CONF / "machine" / "fsdp.yaml"), "--trainer.devices=1",
-                 "--data.shuffle=false", "--model.arch.hyper.kernel_backend=triton", *extra,
-                 _callback_arg("test_distributed.CheckpointProbe", dirpath=str(tmp_path / name))]
+        args = tiny_fit_args(
+            tiny_corpus, mlflow_uri, tmp_path / name, mode="mhc", steps=4, experiment=name, run_name=name
+        )
+        args += [
+            "-c",
+            str(CONF / "machine" / "fsdp.yaml"),
+            "--trainer.devices=1",
+            "--data.shuffle=false",
+            "--model.arch.hyper.kernel_backend=triton",
+            *extra,
+            _callback_arg("test_distributed.CheckpointProbe", dirpath=str(tmp_path / name)),
+        ]
         log = tmp_path / f"{name}.log"
         _wait(_start(args, tmp_path, log), log)
         probes[name] = json.loads((tmp_path / name / "checkpoint-probe.json").read_text())

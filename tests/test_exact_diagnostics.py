@@ -1,6 +1,7 @@
 """Diagnostics of mhc_lite and kromhc (docs/design.md §7, §15): composite gains exactly 1 over 48 sublayers while
 mHC's 20 Sinkhorn iterations drift, the model's recording feeding every reading, and the Sinkhorn tools (scheduler,
 sweep dimension) declining the families that have no Sinkhorn."""
+
 import pytest
 import torch
 from helpers import CONF
@@ -14,8 +15,14 @@ from mhc_lightning.sweeps.spec import SpecError, parse_spec
 
 EXACT = ["mhc_lite", "kromhc"]
 L, T, N = 48, 64, 4
-COMPOSITE = ("amax/composite_fwd_max", "amax/composite_bwd_max", "amax/composite_fwd_tokmean",
-             "amax/composite_bwd_tokmean", "amax/composite_min_colsum_worst", "amax/composite_min_colsum_tokmean")
+COMPOSITE = (
+    "amax/composite_fwd_max",
+    "amax/composite_bwd_max",
+    "amax/composite_fwd_tokmean",
+    "amax/composite_bwd_tokmean",
+    "amax/composite_min_colsum_worst",
+    "amax/composite_min_colsum_tokmean",
+)
 
 
 def trained_like_logits(family: str, seed: int = 0) -> torch.Tensor:
@@ -98,8 +105,11 @@ def test_recorded_model_feeds_every_reading(mode):
 @pytest.mark.parametrize("mode", EXACT)
 def test_sinkhorn_scheduler_declines_in_one_line(mode, tiny_corpus):
     sched = SinkhornScheduler(every=2)
-    with pytest.warns(UserWarning, match=rf"^SinkhornScheduler: residual_mode={mode} makes H_res exactly doubly "
-                                         r"stochastic without Sinkhorn; nothing to schedule\.$"):
+    with pytest.warns(
+        UserWarning,
+        match=rf"^SinkhornScheduler: residual_mode={mode} makes H_res exactly doubly "
+        r"stochastic without Sinkhorn; nothing to schedule\.$",
+    ):
         _, module = tiny_fit(tiny_corpus, [sched], steps=3, module=tiny_module(mode))
     assert not sched.history and module.last_diagnostics["amax/composite_bwd_max"] == pytest.approx(1, abs=1e-5)
 
@@ -112,13 +122,19 @@ def test_sweep_refuses_a_sinkhorn_dimension_for_the_exact_modes():
     modes = {"type": "categorical", "choices": ["mhc", "mhc_lite", "kromhc"]}
     iters = {"type": "int", "low": 1, "high": 20}
     key, at = "model.arch.hyper.residual_mode", "model.arch.hyper.sinkhorn_iters"
-    with pytest.raises(SpecError, match=rf"space.{at}: residual_mode \['mhc_lite', 'kromhc'\] has no Sinkhorn .*"
-                                        r"sample it only for mhc, when: \{model.arch.hyper.residual_mode: \[mhc\]\}"):
+    with pytest.raises(
+        SpecError,
+        match=rf"space.{at}: residual_mode \['mhc_lite', 'kromhc'\] has no Sinkhorn .*"
+        r"sample it only for mhc, when: \{model.arch.hyper.residual_mode: \[mhc\]\}",
+    ):
         parse_spec(sweep({key: modes, at: iters}))
     parse_spec(sweep({key: modes, at: {**iters, "when": {key: ["mhc"]}}}))  # allowed: mHC trials only
     with pytest.raises(SpecError, match=r"callbacks.SinkhornScheduler.intensity: residual_mode \['kromhc'\]"):
-        parse_spec(sweep({"callbacks.SinkhornScheduler.intensity": {"type": "float", "low": 0, "high": 3}},
-                         fixed={key: "kromhc"}))
+        parse_spec(
+            sweep(
+                {"callbacks.SinkhornScheduler.intensity": {"type": "float", "low": 0, "high": 3}}, fixed={key: "kromhc"}
+            )
+        )
     with pytest.raises(SpecError, match=r"residual_mode \['mhc_lite'\]"):  # the mode from a base config
         parse_spec(sweep({at: iters}, base=("base.yaml", "model/mhc_lite.yaml")))
     parse_spec(sweep({at: iters}))  # conf/base.yaml's mhc

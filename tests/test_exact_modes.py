@@ -1,6 +1,7 @@
 """residual_mode mhc_lite and kromhc in the model (docs/design.md §15): their init, their config checks, the sublayer
 against the float64 reference (forward and every gradient), the reference ops as their only path, and training that
 moves H_res off I while rows and columns stay exact."""
+
 import math
 
 import pytest
@@ -80,14 +81,23 @@ def test_symmetric_init_keeps_the_streams_identical_bit_for_bit(mode):
 
 
 def test_bad_stream_counts_and_backends_are_refused_in_one_line():
-    with pytest.raises(ValueError, match=r"^n_streams for residual_mode=mhc_lite must be one of \[2, 3, 4, 5\], "
-                                         r"got 6$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^n_streams for residual_mode=mhc_lite must be one of \[2, 3, 4, 5\], "
+        r"got 6$",
+    ):
         HyperConfig(residual_mode="mhc_lite", n_streams=6)
-    with pytest.raises(ValueError, match=r"^n_streams for residual_mode=kromhc must be one of \[2, 4, 8, 16\], "
-                                         r"got 3$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^n_streams for residual_mode=kromhc must be one of \[2, 4, 8, 16\], "
+        r"got 3$",
+    ):
         HyperConfig(residual_mode="kromhc", n_streams=3)
-    with pytest.raises(ValueError, match=r"kernel_backend=triton has no kernels for residual_mode=kromhc.*"
-                                         r"one of \['auto', 'torch'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"kernel_backend=triton has no kernels for residual_mode=kromhc.*"
+        r"one of \['auto', 'torch'\]",
+    ):
         HyperConfig(residual_mode="kromhc", kernel_backend="triton")
     assert HyperConfig(residual_mode="mhc_lite", kernel_backend="auto").ops_backend == "torch"
     assert HyperConfig(residual_mode="mhc", kernel_backend="auto").ops_backend == "auto"
@@ -104,6 +114,7 @@ class Poisoned:
 def test_exact_modes_never_ask_get_ops_for_their_ops(mode, monkeypatch):
     """kernel_backend auto picks the fused ops on CUDA; the exact families must not reach them: every op they run,
     the stream's expand and collapse included, is the reference's, whatever get_ops would answer."""
+
     def only_reference(backend, device):
         return R if backend == "torch" else Poisoned()
 
@@ -179,9 +190,14 @@ def test_recompute_and_rebuilt_branch_input_give_the_same_gradients(mode):
     grads = []
     for extra in ({}, {"recompute_block": 2}, {"rebuild": True}):
         torch.manual_seed(0)
-        cfg = GPTConfig(n_layers=2, d_model=32, n_heads=2, context=16, recompute_block=extra.get("recompute_block", 0),
-                        hyper=HyperConfig(residual_mode=mode, phi_init="normal",
-                                          rebuild_branch_input=extra.get("rebuild", False)))
+        cfg = GPTConfig(
+            n_layers=2,
+            d_model=32,
+            n_heads=2,
+            context=16,
+            recompute_block=extra.get("recompute_block", 0),
+            hyper=HyperConfig(residual_mode=mode, phi_init="normal", rebuild_branch_input=extra.get("rebuild", False)),
+        )
         m = GPT(cfg)
         F.cross_entropy(m(idx[:, :-1]).flatten(0, 1), idx[:, 1:].flatten()).backward()
         grads.append([p.grad.clone() for p in m.parameters()])
@@ -200,8 +216,11 @@ def test_compiled_model_matches_eager_in_one_graph(mode):
     from mhc_lightning.model.compiled import compile_model
 
     torch.manual_seed(0)
-    m = GPT(GPTConfig(n_layers=1, d_model=32, n_heads=2, context=16,
-                      hyper=HyperConfig(residual_mode=mode, phi_init="normal")))
+    m = GPT(
+        GPTConfig(
+            n_layers=1, d_model=32, n_heads=2, context=16, hyper=HyperConfig(residual_mode=mode, phi_init="normal")
+        )
+    )
     idx = text_batches(1, B=2, T=16)[0][:, :-1]
     counter = CompileCounterWithBackend("aot_eager")
     torch._dynamo.reset()

@@ -1,6 +1,7 @@
 """The exactly doubly stochastic H^res references (docs/design.md §15): mHC-lite's convex combination of permutations
 and KromHC's Kronecker product of 2 x 2 factors, against constructions written out by hand, in float64 with every
 gradient checked by gradcheck, and their exactness."""
+
 import itertools
 import math
 
@@ -10,8 +11,15 @@ import torch
 from mhc_lightning.kernels import reference as R
 from mhc_lightning.kernels.options import MHCOptions
 
-FAMILIES = [("mhc_lite", 2), ("mhc_lite", 3), ("mhc_lite", 4), ("mhc_lite", 5), ("kromhc", 2), ("kromhc", 4),
-            ("kromhc", 8)]
+FAMILIES = [
+    ("mhc_lite", 2),
+    ("mhc_lite", 3),
+    ("mhc_lite", 4),
+    ("mhc_lite", 5),
+    ("kromhc", 2),
+    ("kromhc", 4),
+    ("kromhc", 8),
+]
 
 
 def lite_by_hand(z: torch.Tensor, n: int) -> torch.Tensor:
@@ -114,8 +122,8 @@ def test_coefficients_match_the_equations(family, n):
     flat = x.flatten(-2)
     proj = flat @ phi / torch.sqrt(flat.square().mean(-1, keepdim=True) + opts.rms_eps)
     torch.testing.assert_close(h_pre, torch.sigmoid(alpha[0] * proj[:, :n] + bias[:n]) + 1e-3)
-    torch.testing.assert_close(h_post, 1.5 * torch.sigmoid(alpha[1] * proj[:, n:2 * n] + bias[n:2 * n]))
-    z = alpha[2] * proj[:, 2 * n:] + bias[2 * n:]
+    torch.testing.assert_close(h_post, 1.5 * torch.sigmoid(alpha[1] * proj[:, n : 2 * n] + bias[n : 2 * n]))
+    z = alpha[2] * proj[:, 2 * n :] + bias[2 * n :]
     torch.testing.assert_close(R.exact_res_logits(x, phi, bias, alpha, family, opts), z)
     torch.testing.assert_close(h_res, by_hand(z, family, n))
 

@@ -1,6 +1,7 @@
 """First-hour papercuts of the tools, each as a user meets it: the dashboard the sweep suggests, `mhc sweep status`
 after an extension, the hint of an unreachable server, `--ckpt_path last` with nothing to resume, and what a fit
 prints with its progress bar off."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -30,10 +31,13 @@ def test_the_dashboard_hint_says_how_to_install_it(monkeypatch):
     """README's first command does not install optuna-dashboard (an extra): the hint says how."""
     label = "sqlite:////tmp/sweeps.db"
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "optuna_dashboard" else real(name))
-    assert dashboard_hint(label) == (f"[mhc sweep] dashboard:  optuna-dashboard {label}   (not installed here: "
-                                     'pip install optuna-dashboard, or pip install -e ".[dashboard]")')
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "optuna_dashboard" else real(name)
+    )
+    assert dashboard_hint(label) == (
+        f"[mhc sweep] dashboard:  optuna-dashboard {label}   (not installed here: "
+        'pip install optuna-dashboard, or pip install -e ".[dashboard]")'
+    )
     monkeypatch.setattr(importlib.util, "find_spec", real)
     assert dashboard_hint(label) == f"[mhc sweep] dashboard:  optuna-dashboard {label}"
 
@@ -42,8 +46,13 @@ def test_status_shows_the_budget_the_study_was_extended_to(tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path)
     name = f"budget-{uuid.uuid4().hex[:6]}"
     spec = derived_spec(tmp_path / "b.yaml", name, enqueue=[], budget={"n_trials": 1, "max_failed": 0})
-    common = [str(spec), "--storage", f"sqlite:///{tmp_path / 'sweeps.db'}",
-              "--tracking-uri", f"sqlite:///{tmp_path / 'mlflow.db'}"]
+    common = [
+        str(spec),
+        "--storage",
+        f"sqlite:///{tmp_path / 'sweeps.db'}",
+        "--tracking-uri",
+        f"sqlite:///{tmp_path / 'mlflow.db'}",
+    ]
     # the trial fails at once (no corpus): only the launch's record of its budget matters here
     assert sweep_main(["run", *common, "--n-trials", "3", "--set", f"data.corpus={tmp_path / 'none'}"]) == 3
     capsys.readouterr()
@@ -68,8 +77,9 @@ def test_ckpt_path_last_with_no_earlier_run_writes_nothing(tiny_corpus, tmp_path
     work = tmp_path / "work"
     work.mkdir()
     args = tiny_fit_args(tiny_corpus, "sqlite:///mlflow.db", Path("runs"))
-    res = subprocess.run([MHC, *args, "--ckpt_path", "last"], cwd=work, env=_env(), capture_output=True, text=True,
-                         timeout=300)
+    res = subprocess.run(
+        [MHC, *args, "--ckpt_path", "last"], cwd=work, env=_env(), capture_output=True, text=True, timeout=300
+    )
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("mhc fit: error: --ckpt_path last: no MLflow store at "), lines
@@ -81,8 +91,14 @@ def test_a_fit_without_its_progress_bar_reports_each_validation_and_no_noise(tin
     """With the bar off nothing was printed until the end; every fit printed Lightning's litlogger tip and torch's
     LeafSpec deprecation warning."""
     args = tiny_fit_args(tiny_corpus, f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "runs", steps=4)
-    res = subprocess.run([MHC, *args, "--trainer.val_check_interval=2"], cwd=tmp_path, env=_env(),
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [MHC, *args, "--trainer.val_check_interval=2"],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     progress = [ln for ln in res.stdout.splitlines() if ln.startswith("[mhc fit] step ")]
     assert [ln.split()[3] for ln in progress] == ["2/4", "4/4"], res.stdout

@@ -1,6 +1,7 @@
 """Ctrl-C and SIGTERM sent to a real `mhc fit`: a checkpoint of the step reached, the MLflow run KILLED, exit 130 / 143,
 and the printed resume command continues the run exactly (the stops used to exit 0 for SIGTERM, and Ctrl-C left a
 FAILED run with no hint)."""
+
 from __future__ import annotations
 
 import json
@@ -25,12 +26,26 @@ MHC = str(Path(sys.executable).with_name("mhc"))
 
 def _args(corpus, uri: str, root: Path, *extra: str) -> list[str]:
     """conf/quickstart.yaml made tiny: 12 steps, validation and checkpoint every 4, every step logged."""
-    return ["fit", "-c", str(CONF / "quickstart.yaml"), f"--data.corpus={corpus}", "--data.seq_len=32",
-            "--data.batch_size=4", "--model.arch.n_layers=1", "--model.arch.d_model=32", "--model.arch.n_heads=2",
-            "--trainer.max_steps=12", "--trainer.val_check_interval=4", "--trainer.limit_val_batches=2",
-            "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false",
-            "--trainer.enable_model_summary=false", f"--trainer.default_root_dir={root}",
-            f"--trainer.logger.init_args.tracking_uri={uri}", *extra]
+    return [
+        "fit",
+        "-c",
+        str(CONF / "quickstart.yaml"),
+        f"--data.corpus={corpus}",
+        "--data.seq_len=32",
+        "--data.batch_size=4",
+        "--model.arch.n_layers=1",
+        "--model.arch.d_model=32",
+        "--model.arch.n_heads=2",
+        "--trainer.max_steps=12",
+        "--trainer.val_check_interval=4",
+        "--trainer.limit_val_batches=2",
+        "--trainer.log_every_n_steps=1",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
+        f"--trainer.default_root_dir={root}",
+        f"--trainer.logger.init_args.tracking_uri={uri}",
+        *extra,
+    ]
 
 
 def _stopped_line(text: str) -> str:
@@ -59,8 +74,12 @@ def test_ctrl_c_and_sigterm_stop_with_a_checkpoint_killed_run_and_resume_command
     again: exits 130, 143, 0; checkpoints of steps 3 and 7 (the periodic ones are at 4 and 8); the run KILLED after
     each stop, then FINISHED; every step logged once, with the values of an uninterrupted run."""
     uri, root, hs = f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "runs", tmp_path / "handshake"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
+    }
     first = [MHC, *_args(tiny_corpus, uri, root, handshake_arg(hs, [2, 6]))]
     client = MlflowClient(uri)
 
@@ -81,15 +100,19 @@ def test_ctrl_c_and_sigterm_stop_with_a_checkpoint_killed_run_and_resume_command
     (folder,) = root.glob("*/*/checkpoints")
     (run,) = client.search_runs([client.get_experiment_by_name("quickstart").experiment_id])
     line = _stopped_line(text)
-    assert line.startswith(f"mhc fit: stopped by Ctrl-C (SIGINT) at step 3; checkpoint of step 3 saved as "
-                           f"{folder / 'last.ckpt'}; MLflow run {run.info.run_id} marked KILLED. Resume with: mhc fit ")
+    assert line.startswith(
+        f"mhc fit: stopped by Ctrl-C (SIGINT) at step 3; checkpoint of step 3 saved as "
+        f"{folder / 'last.ckpt'}; MLflow run {run.info.run_id} marked KILLED. Resume with: mhc fit "
+    )
     assert _resume_argv(line) == [*first, "--ckpt_path", "last"]  # the same arguments, shell-quoted
     assert run.info.status == "KILLED" and _step(folder) == 3 and "Traceback" not in text
 
     code, text = stop_at(_resume_argv(line), 6, signal.SIGTERM, tmp_path / "sigterm.log")
     assert code == 143, text[-3000:]
-    assert f"resuming MLflow run {run.info.run_id} (quickstart-mhc, experiment 'quickstart') from " \
-           f"{folder / 'last.ckpt'}: it restarts at step 3 of 12" in text
+    assert (
+        f"resuming MLflow run {run.info.run_id} (quickstart-mhc, experiment 'quickstart') from "
+        f"{folder / 'last.ckpt'}: it restarts at step 3 of 12" in text
+    )
     line = _stopped_line(text)
     assert line.startswith("mhc fit: stopped by SIGTERM at step 7; checkpoint of step 7 saved as ")
     assert _resume_argv(line) == [*first, "--ckpt_path", "last"]
@@ -110,8 +133,10 @@ def test_ctrl_c_and_sigterm_stop_with_a_checkpoint_killed_run_and_resume_command
         got, want = _history(client, run.info.run_id, key), _history(reference, ref.info.run_id, key)
         assert [s for s, _ in got] == [s for s, _ in want], key  # each step once, none missing
         assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-6), key
-    print(f"[figures] Ctrl-C -> exit 130, SIGTERM -> exit 143, both KILLED with checkpoints of steps 3 and 7; "
-          f"resumed run = uninterrupted run over {len(got)} validations and 12 training steps")
+    print(
+        f"[figures] Ctrl-C -> exit 130, SIGTERM -> exit 143, both KILLED with checkpoints of steps 3 and 7; "
+        f"resumed run = uninterrupted run over {len(got)} validations and 12 training steps"
+    )
 
 
 class SigtermInValidation(L.Callback):
@@ -134,8 +159,9 @@ def test_sigterm_during_a_validation_stops_once_it_is_complete(tiny_corpus, tmp_
     # KeyboardInterrupt, and Lightning would call it too)
     previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    hook = "--trainer.callbacks+=" + json.dumps({"class_path": f"{__name__}.SigtermInValidation",
-                                                 "init_args": {"step": 4}})
+    hook = "--trainer.callbacks+=" + json.dumps(
+        {"class_path": f"{__name__}.SigtermInValidation", "init_args": {"step": 4}}
+    )
     try:
         with one_thread(), pytest.raises(SystemExit) as stopped:
             main(_args(tiny_corpus, uri, tmp_path / "runs", hook))

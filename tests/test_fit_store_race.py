@@ -1,5 +1,6 @@
 """Several `mhc fit` processes started together on a SQLite MLflow store that does not exist yet: the first client
 to open a new store migrates it, and two migrations at once collide in alembic (crashes, a store left unusable)."""
+
 from __future__ import annotations
 
 import os
@@ -24,9 +25,17 @@ def test_fits_started_together_on_a_new_sqlite_store_all_finish(tiny_corpus, tmp
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MLFLOW_ENABLE_ASYNC_LOGGING": "false"}
     env.pop("MLFLOW_TRACKING_URI", None)
     t0 = time.monotonic()
-    procs = [subprocess.Popen([MHC, *tiny_fit_args(tiny_corpus, uri, tmp_path / "runs", steps=2, run_name=f"fit{i}")],
-                              cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(3)]
+    procs = [
+        subprocess.Popen(
+            [MHC, *tiny_fit_args(tiny_corpus, uri, tmp_path / "runs", steps=2, run_name=f"fit{i}")],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(3)
+    ]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     took = time.monotonic() - t0
     codes = [p.returncode for p in procs]

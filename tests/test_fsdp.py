@@ -1,6 +1,7 @@
 """Sharded training on CPU: weight decay by parameter name (whatever shapes a sharding strategy leaves), and FSDP2
 through Lightning's ModelParallelStrategy (2 gloo processes) with the global gradient norm and clipping of the
 one-process fit. Lightning's FSDPStrategy (FSDP1) refuses a CPU accelerator: it is covered on GPUs."""
+
 from __future__ import annotations
 
 import json
@@ -21,9 +22,16 @@ def old_rule(name: str, p: torch.Tensor) -> bool:
     return p.ndim == 2 and (".branch." in name or name == "embed.weight")
 
 
-@pytest.mark.parametrize("hyper, tied", [({"residual_mode": "residual"}, True), ({"residual_mode": "hc"}, True),
-                                         ({"residual_mode": "mhc"}, True), ({"residual_mode": "identity"}, True),
-                                         ({"residual_mode": "mhc", "collapse": "head"}, False)])
+@pytest.mark.parametrize(
+    "hyper, tied",
+    [
+        ({"residual_mode": "residual"}, True),
+        ({"residual_mode": "hc"}, True),
+        ({"residual_mode": "mhc"}, True),
+        ({"residual_mode": "identity"}, True),
+        ({"residual_mode": "mhc", "collapse": "head"}, False),
+    ],
+)
 def test_decay_by_name_is_the_shape_rule_on_whole_parameters(hyper, tied):
     from mhc_lightning.model import GPT, GPTConfig, HyperConfig
     from mhc_lightning.sharding import decays
@@ -52,17 +60,27 @@ def _fsdp1_rank(rank: int, pg_file: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{pg_file}", rank=rank, world_size=2)
     try:
         module = tiny_module("mhc", diagnostics_every=0)
-        module.model = FullyShardedDataParallel(module.model, auto_wrap_policy=ModuleWrapPolicy({Attention, SwiGLU}),
-                                                use_orig_params=True, device_id=torch.device("cpu"))
+        module.model = FullyShardedDataParallel(
+            module.model,
+            auto_wrap_policy=ModuleWrapPolicy({Attention, SwiGLU}),
+            use_orig_params=True,
+            device_id=torch.device("cpu"),
+        )
         module._shard_group = dist.group.WORLD
         x = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(rank))
         module.lm_loss(module.model(x), x.roll(-1, 1)).backward()
         total, per_layer = module.grad_norms()
-        decayed = [clean_name(n) for n, p in module.model.named_parameters()
-                   if any(p is q for q in module.param_groups()[0]["params"])]
+        decayed = [
+            clean_name(n)
+            for n, p in module.model.named_parameters()
+            if any(p is q for q in module.param_groups()[0]["params"])
+        ]
         flat = [clean_name(n) for n, p in module.model.named_parameters() if p.ndim != 2 and ".qkv." in n]
-        Path(out).write_text(json.dumps({"total": float(total), "per_layer": per_layer.tolist(), "decayed": decayed,
-                                         "flat_matrices": flat}))
+        Path(out).write_text(
+            json.dumps(
+                {"total": float(total), "per_layer": per_layer.tolist(), "decayed": decayed, "flat_matrices": flat}
+            )
+        )
     finally:
         dist.destroy_process_group()
 
@@ -74,9 +92,12 @@ def test_fsdp1_global_grad_norm_and_decay_over_two_ranks(tmp_path):
     import torch.multiprocessing as mp
     from test_callbacks_common import tiny_module
 
-    procs = [mp.get_context("spawn").Process(target=_fsdp1_rank, args=(r, str(tmp_path / "pg"),
-                                                                          str(tmp_path / f"rank{r}.json")))
-             for r in (0, 1)]
+    procs = [
+        mp.get_context("spawn").Process(
+            target=_fsdp1_rank, args=(r, str(tmp_path / "pg"), str(tmp_path / f"rank{r}.json"))
+        )
+        for r in (0, 1)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -112,12 +133,15 @@ class ShardProbe(L.Callback):
         from mhc_lightning.sharding import local_tensor
 
         names = {id(p): n for n, p in pl_module.model.named_parameters()}
-        groups = [{"weight_decay": g["weight_decay"], "params": sorted(names[id(p)] for p in g["params"])}
-                  for g in trainer.optimizers[0].param_groups]
+        groups = [
+            {"weight_decay": g["weight_decay"], "params": sorted(names[id(p)] for p in g["params"])}
+            for g in trainer.optimizers[0].param_groups
+        ]
         local = {n: local_tensor(p.data).numel() for n, p in pl_module.model.named_parameters()}
         self.dirpath.mkdir(parents=True, exist_ok=True)
-        (self.dirpath / f"rank{trainer.global_rank}.json").write_text(json.dumps(
-            {"steps": self.steps, "groups": groups, "local": local, "world": trainer.world_size}))
+        (self.dirpath / f"rank{trainer.global_rank}.json").write_text(
+            json.dumps({"steps": self.steps, "groups": groups, "local": local, "world": trainer.world_size})
+        )
 
 
 @pytest.mark.slow
@@ -126,22 +150,39 @@ def test_fsdp2_matches_one_process_with_clipping(tiny_corpus, mlflow_uri, tmp_pa
     sharded, the decay groups are the one-process ones, the logged grad norm is the global one, and with clipping
     engaged every step (clip 0.05) the losses follow the one-process fit step by step."""
     steps, procs = 4, {}
-    strategy = json.dumps({"class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
-                           "init_args": {"data_parallel_size": 2, "tensor_parallel_size": 1,
-                                         "save_distributed_checkpoint": False}})
-    for name, per_rank, extra in (("single", 8, []),
-                                  ("fsdp2", 4, ["-c", str(CONF / "machine" / "ddp-cpu.yaml"),
-                                                f"--trainer.strategy={strategy}"])):
+    strategy = json.dumps(
+        {
+            "class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
+            "init_args": {"data_parallel_size": 2, "tensor_parallel_size": 1, "save_distributed_checkpoint": False},
+        }
+    )
+    for name, per_rank, extra in (
+        ("single", 8, []),
+        ("fsdp2", 4, ["-c", str(CONF / "machine" / "ddp-cpu.yaml"), f"--trainer.strategy={strategy}"]),
+    ):
         args = tiny_fit_args(tiny_corpus, mlflow_uri, tmp_path / name, steps=steps, experiment=name, run_name=name)
         args = [a for a in args if not a.startswith("--data.batch_size")]
         probe = json.dumps({"class_path": "test_fsdp.ShardProbe", "init_args": {"dirpath": str(tmp_path / name)}})
-        args += [f"--data.batch_size={per_rank}", "--data.shuffle=false", "--trainer.gradient_clip_val=0.05",
-                 *extra, f"--trainer.callbacks+={probe}"]
-        env = dict(os.environ, OMP_NUM_THREADS="1",
-                   PYTHONPATH=os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]))
+        args += [
+            f"--data.batch_size={per_rank}",
+            "--data.shuffle=false",
+            "--trainer.gradient_clip_val=0.05",
+            *extra,
+            f"--trainer.callbacks+={probe}",
+        ]
+        env = dict(
+            os.environ,
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
+        )
         log = (tmp_path / f"{name}.log").open("w")
-        procs[name] = subprocess.Popen([str(Path(sys.executable).with_name("mhc")), *args], cwd=tmp_path, env=env,
-                                       stdout=log, stderr=subprocess.STDOUT)
+        procs[name] = subprocess.Popen(
+            [str(Path(sys.executable).with_name("mhc")), *args],
+            cwd=tmp_path,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     for name, proc in procs.items():
         assert proc.wait(timeout=600) == 0, (tmp_path / f"{name}.log").read_text()[-4000:]
 
@@ -162,8 +203,9 @@ def test_fsdp2_matches_one_process_with_clipping(tiny_corpus, mlflow_uri, tmp_pa
     client = mlflow.MlflowClient(tracking_uri=mlflow_uri)
     (run,) = client.search_runs([client.get_experiment_by_name("fsdp2").experiment_id])
     assert run.info.status == "FINISHED" and run.data.params["trainer/strategy"] == "ModelParallelStrategy"
-    logged = [m.value for m in sorted(client.get_metric_history(run.info.run_id, "train/grad_norm"),
-                                      key=lambda m: m.step)]
+    logged = [
+        m.value for m in sorted(client.get_metric_history(run.info.run_id, "train/grad_norm"), key=lambda m: m.step)
+    ]
     torch.testing.assert_close(torch.tensor(logged, dtype=torch.float64), norms[1], rtol=1e-5, atol=0)
 
 

@@ -1,5 +1,6 @@
-"""The experiment grid runner: expansion of variants x axes into `mhc fit` argument lists, and `mhc grid` running them as
-tagged child processes that die with it."""
+"""The experiment grid runner: expansion of variants x axes into `mhc fit` argument lists, and `mhc grid` running
+them as tagged child processes that die with it."""
+
 import json
 import os
 import subprocess
@@ -8,8 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from helpers import CONF, REPO
+
 from mhc_lightning.cli import build_cli
 from mhc_lightning.grid import GridError, expand, load_grid
 
@@ -28,8 +29,11 @@ def test_stability_grid_expands_to_54_distinct_runs():
 def test_grid_argv_is_what_the_cli_parses(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     spec = load_grid(CONF / "experiments" / "stability_grid.yaml")
-    name, tags, argv = next(r for r in expand(spec, REPO, ["--trainer.accelerator=cpu", "--trainer.precision=32-true"])
-                            if r[0] == "hc_noclip-L12-s2")
+    name, tags, argv = next(
+        r
+        for r in expand(spec, REPO, ["--trainer.accelerator=cpu", "--trainer.precision=32-true"])
+        if r[0] == "hc_noclip-L12-s2"
+    )
     cli = build_cli(argv[1:], run=False)  # without the subcommand, as run=False expects
     assert cli.model.arch.hyper.residual_mode == "hc" and cli.model.arch.n_layers == 12
     assert cli.trainer.gradient_clip_val is None
@@ -43,20 +47,44 @@ def test_bad_grid_file_names_the_missing_key(tmp_path):
         load_grid(bad)
 
 
-TINY_GRID = {"experiment": "tiny-grid", "configs": ["conf/model/mhc.yaml", "conf/presets/debug.yaml"],
-             "variants": {"mhc": {}, "hc": {"model.arch.hyper.residual_mode": "hc"}},
-             "axes": {"seed_everything": [1]}}
+TINY_GRID = {
+    "experiment": "tiny-grid",
+    "configs": ["conf/model/mhc.yaml", "conf/presets/debug.yaml"],
+    "variants": {"mhc": {}, "hc": {"model.arch.hyper.residual_mode": "hc"}},
+    "axes": {"seed_everything": [1]},
+}
 
 
 def _tiny_grid(tmp_path, corpus, steps: int) -> list[str]:
     grid = tmp_path / "grid.yaml"
     grid.write_text(json.dumps(TINY_GRID))
-    return [str(Path(sys.executable).with_name("mhc")), "grid", str(grid), "--parallel", "2",
-            "--logs", str(tmp_path / "logs"),
-            "--set", f"data.corpus={corpus}", "--set", "data.seq_len=32", "--set", "data.batch_size=4",
-            "--set", "model.arch.n_layers=1", "--set", "model.arch.d_model=32", "--set", "model.arch.n_heads=2",
-            "--set", f"trainer.max_steps={steps}", "--set", f"trainer.default_root_dir={tmp_path / 'runs'}",
-            "--set", "trainer.enable_progress_bar=false"]
+    return [
+        str(Path(sys.executable).with_name("mhc")),
+        "grid",
+        str(grid),
+        "--parallel",
+        "2",
+        "--logs",
+        str(tmp_path / "logs"),
+        "--set",
+        f"data.corpus={corpus}",
+        "--set",
+        "data.seq_len=32",
+        "--set",
+        "data.batch_size=4",
+        "--set",
+        "model.arch.n_layers=1",
+        "--set",
+        "model.arch.d_model=32",
+        "--set",
+        "model.arch.n_heads=2",
+        "--set",
+        f"trainer.max_steps={steps}",
+        "--set",
+        f"trainer.default_root_dir={tmp_path / 'runs'}",
+        "--set",
+        "trainer.enable_progress_bar=false",
+    ]
 
 
 @pytest.mark.slow
@@ -64,8 +92,9 @@ def test_grid_runs_every_point_as_a_tagged_mhc_fit(tiny_corpus, tmp_path):
     import mlflow
 
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
-    res = subprocess.run(_tiny_grid(tmp_path, tiny_corpus, 4), cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=600)
+    res = subprocess.run(
+        _tiny_grid(tmp_path, tiny_corpus, 4), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert "2/2 runs finished" in res.stdout
     client = mlflow.MlflowClient(env["MLFLOW_TRACKING_URI"])
@@ -78,12 +107,18 @@ def test_grid_runs_every_point_as_a_tagged_mhc_fit(tiny_corpus, tmp_path):
 
 @pytest.mark.slow
 def test_killed_grid_takes_its_runs_along(tiny_corpus, tmp_path):
-    """SIGKILL on `mhc grid` (no chance to clean up): its `mhc fit` children die with it (child_processes.die_with_parent)."""
+    """SIGKILL on `mhc grid` (no chance to clean up): its `mhc fit` children die with it
+    (child_processes.die_with_parent)."""
     import psutil
 
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
-    grid = subprocess.Popen(_tiny_grid(tmp_path, tiny_corpus, 100000), cwd=tmp_path, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    grid = subprocess.Popen(
+        _tiny_grid(tmp_path, tiny_corpus, 100000),
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 240
         children = []
@@ -104,7 +139,11 @@ def test_repeats_run_each_point_again_under_its_own_name(tmp_path):
     grid.write_text(json.dumps({**TINY_GRID, "repeats": 2}))
     runs = expand(load_grid(grid), REPO, [])
     assert [(name, tags["replicate"]) for name, tags, _ in runs] == [
-        ("mhc-s1-r1", "1"), ("hc-s1-r1", "1"), ("mhc-s1-r2", "2"), ("hc-s1-r2", "2")]
+        ("mhc-s1-r1", "1"),
+        ("hc-s1-r1", "1"),
+        ("mhc-s1-r2", "2"),
+        ("hc-s1-r2", "2"),
+    ]
     assert runs[0][2] == runs[2][2][:-1] + [runs[0][2][-1]]  # the same command but for the run name
     for bad in (0, "2", True):
         grid.write_text(json.dumps({**TINY_GRID, "repeats": bad}))
@@ -123,17 +162,26 @@ def test_a_misspelt_set_is_refused_before_any_run_starts(tiny_corpus, tmp_path):
     assert res.stderr.strip().splitlines() == [
         f"mhc grid: error: {tmp_path / 'grid.yaml'}: `mhc fit` rejects the arguments of run mhc-s1 and 1 more (from "
         "the grid's configs, variants, axes or --set): unrecognized arguments: --trainer.max_stepz=3; "
-        "nothing was started"]
+        "nothing was started"
+    ]
     assert not (tmp_path / "logs").exists() and not (tmp_path / "mlflow.db").exists()
     print(f"[figures] misspelt --set: refused in {time.monotonic() - t0:.1f} s, 0 runs started")
 
 
-@pytest.mark.parametrize("change, says", [
-    ({"variants": {"mhc": {"model.arch.n_heads": 3}}},
-     ["run mhc-s1 (", "invalid model configuration: model.arch.d_model must be divisible by n_heads"]),
-    ({"axes": {"trainer.max_steps": ["many"]}}, ["run mhc-max_stepsmany and 1 more (", '"trainer.max_steps"', "many"]),
-    ({"configs": ["conf/model/nope.yaml"]}, ["run mhc-s1 and 1 more (", "nope.yaml"]),
-])
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        (
+            {"variants": {"mhc": {"model.arch.n_heads": 3}}},
+            ["run mhc-s1 (", "invalid model configuration: model.arch.d_model must be divisible by n_heads"],
+        ),
+        (
+            {"axes": {"trainer.max_steps": ["many"]}},
+            ["run mhc-max_stepsmany and 1 more (", '"trainer.max_steps"', "many"],
+        ),
+        ({"configs": ["conf/model/nope.yaml"]}, ["run mhc-s1 and 1 more (", "nope.yaml"]),
+    ],
+)
 def test_every_run_is_checked_by_the_fit_parser_with_dry_run_too(change, says, tmp_path, monkeypatch, capsys):
     from mhc_lightning.grid import main
 
@@ -146,13 +194,19 @@ def test_every_run_is_checked_by_the_fit_parser_with_dry_run_too(change, says, t
     assert all(piece in err[0] for piece in says) and err[0].endswith("; nothing was started"), err
 
 
-@pytest.mark.parametrize("grid, says", [
-    ({**TINY_GRID, "axis": {"seed_everything": [1, 2]}}, "unknown key(s) ['axis']; allowed keys: ['experiment'"),
-    ({**TINY_GRID, "axes": {"seed_everything": []}}, "'axes' must be a mapping of `mhc fit` keys to non-empty lists"),
-    ({**TINY_GRID, "variants": {"mhc": ["x"]}}, "variants.mhc: must be a mapping"),
-    ({**TINY_GRID, "experiment": ""}, "'experiment' must be an MLflow experiment name"),
-    ({**TINY_GRID, "configs": "conf/model/mhc.yaml"}, "'configs' must be a list of config files"),
-])
+@pytest.mark.parametrize(
+    "grid, says",
+    [
+        ({**TINY_GRID, "axis": {"seed_everything": [1, 2]}}, "unknown key(s) ['axis']; allowed keys: ['experiment'"),
+        (
+            {**TINY_GRID, "axes": {"seed_everything": []}},
+            "'axes' must be a mapping of `mhc fit` keys to non-empty lists",
+        ),
+        ({**TINY_GRID, "variants": {"mhc": ["x"]}}, "variants.mhc: must be a mapping"),
+        ({**TINY_GRID, "experiment": ""}, "'experiment' must be an MLflow experiment name"),
+        ({**TINY_GRID, "configs": "conf/model/mhc.yaml"}, "'configs' must be a list of config files"),
+    ],
+)
 def test_grid_file_mistakes_name_the_key(grid, says, tmp_path):
     path = tmp_path / "g.yaml"
     path.write_text(json.dumps(grid))

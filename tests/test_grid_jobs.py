@@ -1,5 +1,6 @@
 """`mhc grid --launcher slurm`'s jobs (submitit), run here by submitit's LocalExecutor (`--launcher submitit-local`):
 one tagged MLflow run per point, each point in its own checkpoint folder, and a requeued job resuming the same run."""
+
 from __future__ import annotations
 
 import json
@@ -29,10 +30,21 @@ class PauseAt(L.Callback):
             wait_for(self.dirpath / f"go{self.step}", 600)
 
 
-GRID = {"experiment": "jobs", "configs": ["conf/model/mhc.yaml", "conf/presets/debug.yaml"],
-        "variants": {"mhc": {}}, "axes": {"seed_everything": [1]}}
-SLURM_LIKE = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "mhc-grid", "SLURM_NTASKS": "1", "SLURM_PROCID": "0",
-              "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost"}
+GRID = {
+    "experiment": "jobs",
+    "configs": ["conf/model/mhc.yaml", "conf/presets/debug.yaml"],
+    "variants": {"mhc": {}},
+    "axes": {"seed_everything": [1]},
+}
+SLURM_LIKE = {
+    "SLURM_JOB_ID": "4242",
+    "SLURM_JOB_NAME": "mhc-grid",
+    "SLURM_NTASKS": "1",
+    "SLURM_PROCID": "0",
+    "SLURM_LOCALID": "0",
+    "SLURM_NODEID": "0",
+    "SLURM_NODELIST": "localhost",
+}
 
 
 def test_grid_help_offers_the_cluster_launcher():
@@ -45,11 +57,29 @@ def test_grid_help_offers_the_cluster_launcher():
 def test_slurm_parameters_and_bad_ones(tmp_path):
     from mhc_lightning.grid import GridError, build_parser, job_parameters
 
-    args = build_parser().parse_args(["g.yaml", "--launcher", "slurm", "--parallel", "4", "--gpus-per-node", "1",
-                                      "--slurm", "account=proj", "--slurm", "mem_gb=64"])
+    args = build_parser().parse_args(
+        [
+            "g.yaml",
+            "--launcher",
+            "slurm",
+            "--parallel",
+            "4",
+            "--gpus-per-node",
+            "1",
+            "--slurm",
+            "account=proj",
+            "--slurm",
+            "mem_gb=64",
+        ]
+    )
     assert job_parameters(args, {"experiment": "x"}) == {
-        "name": "mhc-grid-x", "timeout_min": 1440, "slurm_array_parallelism": 4, "gpus_per_node": 1,
-        "slurm_account": "proj", "slurm_mem_gb": 64}
+        "name": "mhc-grid-x",
+        "timeout_min": 1440,
+        "slurm_array_parallelism": 4,
+        "gpus_per_node": 1,
+        "slurm_account": "proj",
+        "slurm_mem_gb": 64,
+    }
     args = build_parser().parse_args(["g.yaml", "--slurm", "account"])
     with pytest.raises(GridError, match="--slurm 'account': expected KEY=VALUE"):
         job_parameters(args, {"experiment": "x"})
@@ -71,16 +101,46 @@ def test_requeued_job_resumes_its_own_run_under_slurm_like_env(tiny_corpus, tmp_
     pause = tmp_path / "pause"
     callback = json.dumps({"class_path": "test_grid_jobs.PauseAt", "init_args": {"dirpath": str(pause), "step": 3}})
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    env = {**os.environ, **SLURM_LIKE, "MLFLOW_TRACKING_URI": uri,
-           "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
-    argv = [str(Path(sys.executable).with_name("mhc")), "grid", str(grid), "--launcher", "submitit-local",
-            "--timeout-min", "30", "--logs", str(tmp_path / "logs"), "--runs-dir", str(runs_dir),
-            "--set", f"data.corpus={tiny_corpus}", "--set", "data.seq_len=32", "--set", "data.batch_size=4",
-            "--set", "model.arch.n_layers=1", "--set", "model.arch.d_model=32", "--set", "model.arch.n_heads=2",
-            "--set", "trainer.max_steps=6", "--set", "trainer.enable_progress_bar=false",
-            "--set", f"trainer.callbacks+={callback}"]
-    grid_proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 text=True)
+    env = {
+        **os.environ,
+        **SLURM_LIKE,
+        "MLFLOW_TRACKING_URI": uri,
+        "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
+    }
+    argv = [
+        str(Path(sys.executable).with_name("mhc")),
+        "grid",
+        str(grid),
+        "--launcher",
+        "submitit-local",
+        "--timeout-min",
+        "30",
+        "--logs",
+        str(tmp_path / "logs"),
+        "--runs-dir",
+        str(runs_dir),
+        "--set",
+        f"data.corpus={tiny_corpus}",
+        "--set",
+        "data.seq_len=32",
+        "--set",
+        "data.batch_size=4",
+        "--set",
+        "model.arch.n_layers=1",
+        "--set",
+        "model.arch.d_model=32",
+        "--set",
+        "model.arch.n_heads=2",
+        "--set",
+        "trainer.max_steps=6",
+        "--set",
+        "trainer.enable_progress_bar=false",
+        "--set",
+        f"trainer.callbacks+={callback}",
+    ]
+    grid_proc = subprocess.Popen(
+        argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     log = tmp_path / "logs" / "mhc-s1.log"
     try:
         wait_for(pause / "at3", 300, grid_proc)

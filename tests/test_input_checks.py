@@ -3,6 +3,7 @@
 Each case injects one bad input (corpus, checkpoint, config file, value) and checks that the store holds
 no run at all (not even a FAILED one), and that no checkpoint folder or artifact folder was created.
 """
+
 import os
 import shutil
 import subprocess
@@ -12,9 +13,9 @@ from pathlib import Path
 import mlflow
 import pytest
 import torch
+from helpers import CONF, make_text, tiny_fit_args
 from mlflow.entities import ViewType
 
-from helpers import CONF, make_text, tiny_fit_args
 from mhc_lightning.cli import main
 from mhc_lightning.input_checks import arch_mismatches
 
@@ -124,13 +125,19 @@ def test_file_that_is_not_a_checkpoint(content, tiny_corpus, mlflow_uri, tmp_pat
 
 def test_architecture_mismatch_names_every_key(trained, mlflow_uri, tmp_path, capsys):
     args = _eval_args("validate", trained["corpus"], mlflow_uri, tmp_path / "root", trained["ckpt"])
-    args += ["--model.arch.n_layers=3", "--model.arch.hyper.residual_mode=hc", "--data.seq_len=16",
-             "--model.arch.hyper.kernel_backend=torch"]  # a runtime choice, not a mismatch
+    args += [
+        "--model.arch.n_layers=3",
+        "--model.arch.hyper.residual_mode=hc",
+        "--data.seq_len=16",
+        "--model.arch.hyper.kernel_backend=torch",
+    ]  # a runtime choice, not a mismatch
     line = one_error_line(args, capsys)
     assert f"checkpoint {trained['ckpt']} was trained with another architecture" in line
-    for said in ("model.arch.n_layers is 3 here but 2 in the checkpoint",
-                 "model.arch.hyper.residual_mode is hc here but mhc in the checkpoint",
-                 "data.seq_len is 16 here but 32 in the checkpoint"):
+    for said in (
+        "model.arch.n_layers is 3 here but 2 in the checkpoint",
+        "model.arch.hyper.residual_mode is hc here but mhc in the checkpoint",
+        "data.seq_len is 16 here but 32 in the checkpoint",
+    ):
         assert said in line
     assert "kernel_backend" not in line
     assert line.endswith("--model.arch.n_layers=2 --data.seq_len=32 --model.arch.hyper.residual_mode=mhc")
@@ -149,12 +156,32 @@ def test_the_printed_fix_runs(trained, mlflow_uri, tmp_path, capsys):
 
 
 def test_arch_mismatches_ignores_runtime_keys_and_compares_floats_loosely():
-    trained = {"n_layers": 2, "mlp_ratio": 8 / 3, "stream_dtype": "bfloat16", "recompute_block": "auto",
-               "hyper": {"kernel_backend": "triton", "fused_pre": True, "n_streams": 4, "chain_sublayers": True,
-                         "rebuild_branch_input": True}}
-    config = {"n_layers": 2, "mlp_ratio": 2.666666666666667, "stream_dtype": "auto", "recompute_block": 0,
-              "hyper": {"kernel_backend": "torch", "fused_pre": False, "n_streams": 4, "chain_sublayers": "auto",
-                        "rebuild_branch_input": False}}
+    trained = {
+        "n_layers": 2,
+        "mlp_ratio": 8 / 3,
+        "stream_dtype": "bfloat16",
+        "recompute_block": "auto",
+        "hyper": {
+            "kernel_backend": "triton",
+            "fused_pre": True,
+            "n_streams": 4,
+            "chain_sublayers": True,
+            "rebuild_branch_input": True,
+        },
+    }
+    config = {
+        "n_layers": 2,
+        "mlp_ratio": 2.666666666666667,
+        "stream_dtype": "auto",
+        "recompute_block": 0,
+        "hyper": {
+            "kernel_backend": "torch",
+            "fused_pre": False,
+            "n_streams": 4,
+            "chain_sublayers": "auto",
+            "rebuild_branch_input": False,
+        },
+    }
     assert arch_mismatches(config, trained) == []
     config["hyper"]["n_streams"] = 2
     assert arch_mismatches(config, trained) == [("model.arch.hyper.n_streams", 2, 4)]
@@ -168,14 +195,17 @@ def test_yaml_syntax_error_names_the_file_and_line(tiny_corpus, mlflow_uri, tmp_
     assert_nothing_written(mlflow_uri, tmp_path, tmp_path / "root")
 
 
-@pytest.mark.parametrize("arg,says", [
-    ("--trainer.max_stepz=3", "unrecognized arguments: --trainer.max_stepz=3"),
-    ("--trainer.max_steps=abc", 'Parser key "trainer.max_steps": Expected a <class \'int\'>. Got value: abc'),
-    ("--trainer.logger.init_args.colour=red", "Option 'colour' is not accepted"),
-    ("--model.arch.n_heads=3", "model.arch.d_model must be divisible by n_heads"),
-    ("--config=/nonexistent/mine.yaml", "File does not exist: '/nonexistent/mine.yaml'"),
-    ("--trainer.callbacks+=nowhere.Callback", "No module named 'nowhere'"),
-])
+@pytest.mark.parametrize(
+    "arg,says",
+    [
+        ("--trainer.max_stepz=3", "unrecognized arguments: --trainer.max_stepz=3"),
+        ("--trainer.max_steps=abc", "Parser key \"trainer.max_steps\": Expected a <class 'int'>. Got value: abc"),
+        ("--trainer.logger.init_args.colour=red", "Option 'colour' is not accepted"),
+        ("--model.arch.n_heads=3", "model.arch.d_model must be divisible by n_heads"),
+        ("--config=/nonexistent/mine.yaml", "File does not exist: '/nonexistent/mine.yaml'"),
+        ("--trainer.callbacks+=nowhere.Callback", "No module named 'nowhere'"),
+    ],
+)
 def test_parser_errors_are_one_line_with_a_pointer_to_help(arg, says, tiny_corpus, mlflow_uri, tmp_path, capsys):
     line = one_error_line(tiny_fit_args(tiny_corpus, mlflow_uri, tmp_path / "root") + [arg], capsys)
     assert says in line and line.endswith("(options: `mhc fit --help`)")
@@ -192,8 +222,14 @@ def test_console_script_refuses_with_one_line_and_leaves_nothing(case, tmp_path)
     if case == "random_corpus":
         args = ["fit", "-c", str(CONF / "quickstart.yaml"), f"--data.corpus={corpus}"]
     else:
-        args = ["validate", "-c", str(CONF / "quickstart.yaml"), "--data.allow_binary=true",
-                f"--data.corpus={corpus}", f"--ckpt_path={tmp_path / 'runs' / 'last.ckpt'}"]
+        args = [
+            "validate",
+            "-c",
+            str(CONF / "quickstart.yaml"),
+            "--data.allow_binary=true",
+            f"--data.corpus={corpus}",
+            f"--ckpt_path={tmp_path / 'runs' / 'last.ckpt'}",
+        ]
     exe = Path(sys.executable).with_name("mhc")
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}  # the config's default store
     out = subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=300, cwd=work, env=env)

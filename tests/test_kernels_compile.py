@@ -4,6 +4,7 @@ compiled against eager, the enter ops' routed gradient, and no recompile or re-J
 On the CPU the compiled checks use aot_eager (graph capture, fake impls and autograd: what inductor would be handed);
 with CUDA, inductor.
 """
+
 import importlib
 
 import pytest
@@ -44,8 +45,17 @@ def _hc_params(x, phi, bias, alpha, w):
     """HC's nine parameters cut from the test's leaves (phi's first rows as the projection weights), so that they all
     get gradients: strided views, as a model's would not be."""
     n, c = x.shape[-2], x.shape[-1]
-    return (w + 1.0, phi[:c, 0], phi[:c, 1], phi[:c, 2:2 + n], alpha[0], alpha[1], bias[:n], bias[n:2 * n],
-            bias[2 * n:2 * n + n * n].reshape(n, n))
+    return (
+        w + 1.0,
+        phi[:c, 0],
+        phi[:c, 1],
+        phi[:c, 2 : 2 + n],
+        alpha[0],
+        alpha[1],
+        bias[:n],
+        bias[n : 2 * n],
+        bias[2 * n : 2 * n + n * n].reshape(n, n),
+    )
 
 
 def _block_hc(x, phi, bias, alpha, w, iters=3):
@@ -88,9 +98,11 @@ def _compiled_matches_eager(block, seed, before_compile=lambda: None):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("block", [_block, _block_pre, _block_enter, _block_chain, _block_hc, _block_hc_enter,
-                                   _block_hc_enter_folded],
-                         ids=["three_ops", "mhc_pre", "mhc_enter", "boundary", "hc", "hc_enter", "hc_enter_folded"])
+@pytest.mark.parametrize(
+    "block",
+    [_block, _block_pre, _block_enter, _block_chain, _block_hc, _block_hc_enter, _block_hc_enter_folded],
+    ids=["three_ops", "mhc_pre", "mhc_enter", "boundary", "hc", "hc_enter", "hc_enter_folded"],
+)
 def test_compile_fullgraph_matches_eager(block):
     _compiled_matches_eager(block, 9)
 
@@ -106,34 +118,48 @@ def test_fake_impls_give_the_real_outputs_strides():
     h_post = torch.rand(N, n, device=DEV)
     h_res = torch.rand(N, n, n, device=DEV).transpose(1, 2)
     assert not h_res.is_contiguous() and not h_pre.is_contiguous()
-    for op, args in ((write_back.post_fwd, (x, f, h_post, h_res)), (write_back.post_bwd, (g, x, f, h_post, h_res)),
-                     (read_out.pre_fwd, (x, h_pre)), (read_out.pre_bwd, (f, x, h_pre)),
-                     (hc.rms_proj_fwd, (x.reshape(N * n, C), torch.randn(C, n + 2, device=DEV).t().contiguous().t(),
-                                        1e-6))):
+    for op, args in (
+        (write_back.post_fwd, (x, f, h_post, h_res)),
+        (write_back.post_bwd, (g, x, f, h_post, h_res)),
+        (read_out.pre_fwd, (x, h_pre)),
+        (read_out.pre_bwd, (f, x, h_pre)),
+        (hc.rms_proj_fwd, (x.reshape(N * n, C), torch.randn(C, n + 2, device=DEV).t().contiguous().t(), 1e-6)),
+    ):
         torch.library.opcheck(op, args, test_utils=("test_faketensor",))
     # HC's one op, forward and backward (H^res transposed in, contiguous out)
     w, statics = torch.randn(C, n + 2, device=DEV), torch.randn(2 + 2 * n + n * n, device=DEV)
     outs = hc.hc_coef_fwd(x.reshape(N * n, C), w, statics, n, 1e-6, True)
     assert all(t.is_contiguous() for t in outs)
-    torch.library.opcheck(hc.hc_coef_fwd, (x.reshape(N * n, C), w, statics, n, 1e-6, True),
-                          test_utils=("test_faketensor",))
+    torch.library.opcheck(
+        hc.hc_coef_fwd, (x.reshape(N * n, C), w, statics, n, 1e-6, True), test_utils=("test_faketensor",)
+    )
     grads = (torch.randn(N * n, device=DEV), torch.randn(N * n, device=DEV), h_res)
-    torch.library.opcheck(hc.hc_coef_bwd, (*grads, x.reshape(N * n, C), w, statics, outs[3], outs[4], n, True),
-                          test_utils=("test_faketensor",))
+    torch.library.opcheck(
+        hc.hc_coef_bwd,
+        (*grads, x.reshape(N * n, C), w, statics, outs[3], outs[4], n, True),
+        test_utils=("test_faketensor",),
+    )
     # hc_enter: u beside the same outputs; its backward with and without the write-back's dx
     outs = hc.hc_enter_fwd(x, w, statics, 1e-6, True)
     assert all(t.is_contiguous() for t in outs)
     torch.library.opcheck(hc.hc_enter_fwd, (x, w, statics, 1e-6, True), test_utils=("test_faketensor",))
     for dx_in in (None, g):
-        torch.library.opcheck(hc.hc_enter_bwd, (*grads, f, x, w, statics, outs[4], outs[5], outs[1], True),
-                              {"dx_in": dx_in}, test_utils=("test_faketensor",))
+        torch.library.opcheck(
+            hc.hc_enter_bwd,
+            (*grads, f, x, w, statics, outs[4], outs[5], outs[1], True),
+            {"dx_in": dx_in},
+            test_utils=("test_faketensor",),
+        )
     # mHC's coefficient op and its backward
     phi, bias, alpha = torch.randn(n * C, 24, device=DEV) * 0.1, torch.randn(24, device=DEV), torch.rand(3, device=DEV)
     args = (x, phi, bias, alpha, 3, 1e-6, False, False, 1e-6, 1e-6, 2.0)
     outs = mhc.coef_fwd(*args)
     torch.library.opcheck(mhc.coef_fwd, args, test_utils=("test_faketensor",))
-    torch.library.opcheck(mhc.coef_bwd, (x, phi, bias, alpha, outs[3], outs[4], None, outs[1], outs[2], 3, 1e-6,
-                                         False, False, 2.0), test_utils=("test_faketensor",))
+    torch.library.opcheck(
+        mhc.coef_bwd,
+        (x, phi, bias, alpha, outs[3], outs[4], None, outs[1], outs[2], 3, 1e-6, False, False, 2.0),
+        test_utils=("test_faketensor",),
+    )
 
 
 def test_eager_path_skips_the_dispatcher_and_compile_sees_the_custom_ops():
@@ -159,8 +185,11 @@ def test_eager_path_skips_the_dispatcher_and_compile_sees_the_custom_ops():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("block,module,x_pass", [(_block_enter, projection, "x_pass"), (_block_hc_enter, hc, "backward")],
-                         ids=["mhc_enter", "hc_enter"])
+@pytest.mark.parametrize(
+    "block,module,x_pass",
+    [(_block_enter, projection, "x_pass"), (_block_hc_enter, hc, "backward")],
+    ids=["mhc_enter", "hc_enter"],
+)
 def test_compiled_write_back_hands_its_gradient_of_x_to_the_enter_op(block, module, x_pass, monkeypatch):
     """Under torch.compile an enter op cannot return x's alias: x' is `Routed` (x, a storage-less route), the
     write-back returns its gradient of x as the route's, and the enter op's x pass adds it (dx_in) into the one dx
@@ -174,7 +203,9 @@ def test_compiled_write_back_hands_its_gradient_of_x_to_the_enter_op(block, modu
         return routes[-1]
 
     def record():
-        monkeypatch.setattr(module, x_pass, lambda *a, **k: seen.append(k.get("dx_in") is not None) or real_pass(*a, **k))
+        monkeypatch.setattr(
+            module, x_pass, lambda *a, **k: seen.append(k.get("dx_in") is not None) or real_pass(*a, **k)
+        )
         monkeypatch.setattr(mhc, "route_of", route_of)
         monkeypatch.setattr(hc, "route_of", route_of)
 
@@ -209,10 +240,16 @@ def test_token_count_change_does_not_recompile():
 def test_token_or_sinkhorn_count_change_does_not_rejit():
     """Neither a new token count nor a new Sinkhorn count (the scheduler's) compiles a kernel again; Triton would
     otherwise specialise an int argument equal to 1 or divisible by 16 (a ~1 s stall when a count hits 16)."""
-    mods = [importlib.import_module(f"mhc_lightning.kernels.fused.{m}") for m in
-            ("mhc", "projection", "read_out", "sinkhorn", "write_back")]
-    kernels = {k: getattr(m, k) for m in mods for k in dir(m) if k.startswith(("_coef_", "_pre_", "_post_"))
-               and hasattr(getattr(m, k), "run")}
+    mods = [
+        importlib.import_module(f"mhc_lightning.kernels.fused.{m}")
+        for m in ("mhc", "projection", "read_out", "sinkhorn", "write_back")
+    ]
+    kernels = {
+        k: getattr(m, k)
+        for m in mods
+        for k in dir(m)
+        if k.startswith(("_coef_", "_pre_", "_post_")) and hasattr(getattr(m, k), "run")
+    }
     assert {"_coef_fwd", "_coef_bwd_tok", "_coef_bwd_x", "_pre_fwd", "_pre_bwd", "_post_fwd"} <= set(kernels)
     kernels = list(kernels.values())
     dev = torch.cuda.current_device()

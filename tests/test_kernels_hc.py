@@ -1,10 +1,27 @@
 """HC's fused ops (kernels/fused/hc.py, hc_operands.py) against the float64 reference: `rms_proj`,
 `hc_coefficients`, `hc_enter` with its write-back, and HC's operands made inside the op."""
+
 import pytest
 import torch
-from kernel_checks import (CUDA, DEV, HC_PARAM_GRADS, SHAPES, TOL, check, check_u_in_the_branchs_dtype,
-                           config_changed, consumers, f64, grads, hc_block, hc_inputs, leaf, poisoned_outputs,
-                           producer, upstream)
+from kernel_checks import (
+    CUDA,
+    DEV,
+    HC_PARAM_GRADS,
+    SHAPES,
+    TOL,
+    check,
+    check_u_in_the_branchs_dtype,
+    config_changed,
+    consumers,
+    f64,
+    grads,
+    hc_block,
+    hc_inputs,
+    leaf,
+    poisoned_outputs,
+    producer,
+    upstream,
+)
 
 from mhc_lightning.kernels import fused
 from mhc_lightning.kernels import reference as R
@@ -14,8 +31,9 @@ pytestmark = pytest.mark.usefixtures(poisoned_outputs.__name__)
 
 
 @pytest.mark.parametrize("m", [3, 6, 10, 20])  # n + 2 for n = 1, 4, 8; and wider
-@pytest.mark.parametrize("dtype,w_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
-                                           (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "dtype,w_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)]
+)
 def test_rms_proj(m, dtype, w_dtype):
     """HC's projection RMSNorm(x) w (one read of x; the projection without a tail), forward and both gradients
     against float64, over several token blocks and a C that is not a power of two; with bf16 x, an fp32 w as pairs
@@ -23,7 +41,7 @@ def test_rms_proj(m, dtype, w_dtype):
     torch.manual_seed(100 + m)
     lead, c = SHAPES[1]
     x = leaf(torch.randn(*lead, 4, c, device=DEV).to(dtype) * 3)
-    w = leaf((torch.randn(c, m, device=DEV) / c ** 0.5).to(w_dtype))
+    w = leaf((torch.randn(c, m, device=DEV) / c**0.5).to(w_dtype))
     out = fused.rms_proj(x, w)
     assert out.dtype == torch.float32 and out.shape == (*lead, 4, m)
     ref_in = f64([x, w])
@@ -80,9 +98,11 @@ def test_hc_enter_then_write_back_matches_reference(n, dtype, use_tanh, layout, 
     torch.manual_seed(120 + n + 10 * use_tanh)
     seen, entries = [], []
     real_pass, real_tiles = projection.x_pass, projection.tiles
-    monkeypatch.setattr(projection, "x_pass", lambda *a, **k: seen.append((k.get("du") is not None,
-                                                                            k.get("dx_in") is not None))
-                        or real_pass(*a, **k))
+    monkeypatch.setattr(
+        projection,
+        "x_pass",
+        lambda *a, **k: seen.append((k.get("du") is not None, k.get("dx_in") is not None)) or real_pass(*a, **k),
+    )
     monkeypatch.setattr(projection, "tiles", lambda name, *a, **k: entries.append(name) or real_tiles(name, *a, **k))
     inputs = hc_inputs(SHAPES[0][0], SHAPES[0][1], n, dtype)
     x, g, *params = inputs
@@ -150,8 +170,12 @@ def test_u_in_the_branchs_dtype_is_the_cast_bitwise(layout, monkeypatch):
     torch.manual_seed(91)
     lead, c = SHAPES[1]
     shape = _strided if layout == "strided" else (lambda p: p)
-    check_u_in_the_branchs_dtype("hc_enter", lambda i, d: fused.hc_enter(i[0], shape(i[1]), *i[2:], u_dtype=d),
-                                 hc_inputs(lead, c, 4, torch.bfloat16), monkeypatch)
+    check_u_in_the_branchs_dtype(
+        "hc_enter",
+        lambda i, d: fused.hc_enter(i[0], shape(i[1]), *i[2:], u_dtype=d),
+        hc_inputs(lead, c, 4, torch.bfloat16),
+        monkeypatch,
+    )
 
 
 def test_hc_static_and_float64_go_to_the_reference():

@@ -4,6 +4,7 @@ The key is checked on the CPU; the launches themselves need compiled kernels (CU
 bit-identical outputs to Triton's own, keep one kernel per key, hand a misaligned tensor its own key, and step
 aside while a launch hook is installed.
 """
+
 import importlib
 
 import pytest
@@ -15,12 +16,41 @@ from mhc_lightning.kernels import reference as R
 from mhc_lightning.kernels.fused import launch_cache, mhc, projection, write_back
 from mhc_lightning.kernels.fused.launch_cache import Launcher, call_key, launcher
 
-MODULES = [importlib.import_module(f"mhc_lightning.kernels.fused.{m}") for m in (
-    "boundary", "hc", "hc_operands", "mhc", "partial_sums", "projection", "read_out", "rope", "sinkhorn", "stream_ends",
-    "write_back")]
-KERNELS = {"_coef_bwd_tok", "_coef_bwd_x", "_coef_fwd", "_coef_tail", "_expand", "_hc_fwd", "_hc_operand_grads",
-           "_hc_operands", "_hc_tail_bwd", "_param_grad_sum", "_post_bwd_2d", "_post_fwd", "_pre_bwd", "_pre_fwd",
-           "_rope_bwd", "_rope_fwd", "_sum_streams"}
+MODULES = [
+    importlib.import_module(f"mhc_lightning.kernels.fused.{m}")
+    for m in (
+        "boundary",
+        "hc",
+        "hc_operands",
+        "mhc",
+        "partial_sums",
+        "projection",
+        "read_out",
+        "rope",
+        "sinkhorn",
+        "stream_ends",
+        "write_back",
+    )
+]
+KERNELS = {
+    "_coef_bwd_tok",
+    "_coef_bwd_x",
+    "_coef_fwd",
+    "_coef_tail",
+    "_expand",
+    "_hc_fwd",
+    "_hc_operand_grads",
+    "_hc_operands",
+    "_hc_tail_bwd",
+    "_param_grad_sum",
+    "_post_bwd_2d",
+    "_post_fwd",
+    "_pre_bwd",
+    "_pre_fwd",
+    "_rope_bwd",
+    "_rope_fwd",
+    "_sum_streams",
+}
 
 
 def test_every_kernel_is_launched_through_its_launcher(monkeypatch):
@@ -53,8 +83,9 @@ def test_every_kernel_is_launched_through_its_launcher(monkeypatch):
     x0 = fused.expand_streams(x.sum(1), 4, torch.bfloat16)
     xt, u, _, h_post, h_res = fused.mhc_enter(x0, phi, bias, alpha, opts)
     xb, u, _, h_post, h_res = fused.mhc_boundary(xt, torch.tanh(u), h_post, h_res, phi, bias, alpha, opts)
-    out = fused.stream_post_res(xb, torch.tanh(fused.stream_pre(xb, h_pre=fused.mhc_pre(xb, phi, bias, alpha, opts)[1])),
-                                h_post, h_res)
+    out = fused.stream_post_res(
+        xb, torch.tanh(fused.stream_pre(xb, h_pre=fused.mhc_pre(xb, phi, bias, alpha, opts)[1])), h_post, h_res
+    )
     hx, *params = hc_inputs((9,), 16, 4, torch.bfloat16)
     hxt, hu, _, hh_post, hh_res = fused.hc_enter(hx, *params)
     hout = fused.stream_post_res(hxt, torch.tanh(hu), hh_post, hh_res)
@@ -90,9 +121,9 @@ def test_call_key_tells_apart_what_triton_specialises_on():
 
 
 def test_call_key_keeps_tma_descriptors_by_dtype_and_block():
-    """A TMA descriptor argument (the x pass's tiles, projection.x_pass) is kept by its dtype and block shape, what Triton
-    specialises it on: another tensor or token count of the same kind takes the kept launch (the launcher encodes each
-    call's descriptor); another block or dtype does not."""
+    """A TMA descriptor argument (the x pass's tiles, projection.x_pass) is kept by its dtype and block shape, what
+    Triton specialises it on: another tensor or token count of the same kind takes the kept launch (the launcher encodes
+    each call's descriptor); another block or dtype does not."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     def desc(t, block=(64, 64)):
@@ -101,8 +132,11 @@ def test_call_key_keeps_tma_descriptors_by_dtype_and_block():
     x = torch.randn(128, 256, device=DEV, dtype=torch.bfloat16)
     base = call_key(0, (desc(x), 128), dict(BT=64))
     assert call_key(0, (desc(torch.randn(96, 256, device=DEV, dtype=torch.bfloat16)), 128), dict(BT=64)) == base
-    others = [call_key(0, (desc(x, (32, 64)), 128), dict(BT=64)), call_key(0, (desc(x.float()), 128), dict(BT=64)),
-              call_key(0, (x, 128), dict(BT=64))]
+    others = [
+        call_key(0, (desc(x, (32, 64)), 128), dict(BT=64)),
+        call_key(0, (desc(x.float()), 128), dict(BT=64)),
+        call_key(0, (x, 128), dict(BT=64)),
+    ]
     assert all(k != base for k in others) and len(set(others)) == len(others)
 
 
@@ -120,7 +154,9 @@ def test_descriptors_after_the_first_of_a_block_skip_only_tritons_checks():
         assert type(d) is TensorDescriptor and d.base is x
         assert {k: v for k, v in vars(d).items() if k != "base"} == {k: v for k, v in vars(ref).items() if k != "base"}
         assert projection.rows_descriptor(x, tuple(block)).shape == [rows, 1024]  # the x pass's own route to it
-    with pytest.raises((AssertionError, ValueError)):  # not a power of two: Triton's check, on the block's first descriptor
+    with pytest.raises(
+        (AssertionError, ValueError)
+    ):  # not a power of two: Triton's check, on the block's first descriptor
         launch_cache.descriptor(x, [16, 1024], [1024, 1], [16, 24])
 
 
@@ -200,14 +236,16 @@ def test_eager_ops_enter_autograd_by_its_c_apply(monkeypatch):
 
     calls = []
     plain = Function.apply.__func__
-    monkeypatch.setattr(Function, "apply", classmethod(lambda cls, *a, **k: calls.append(cls.__name__) or plain(cls, *a, **k)))
+    monkeypatch.setattr(
+        Function, "apply", classmethod(lambda cls, *a, **k: calls.append(cls.__name__) or plain(cls, *a, **k))
+    )
     torch.manual_seed(7)
     n, c = 4, 32
     x = torch.randn(6, n, c, device=DEV, requires_grad=True)
     phi = (0.1 * torch.randn(n * c, n * n + 2 * n, device=DEV)).requires_grad_()
     bias = torch.randn(n * n + 2 * n, device=DEV, requires_grad=True)
     alpha = torch.rand(3, device=DEV, requires_grad=True)
-    f_w = torch.randn(c, c, device=DEV) / c ** 0.5
+    f_w = torch.randn(c, c, device=DEV) / c**0.5
 
     def sublayer():
         xt, u, h_pre, h_post, h_res = fused.mhc_enter(x, phi, bias, alpha)

@@ -1,5 +1,6 @@
 """The sublayer boundary op (kernels/fused/boundary.py, `mhc_boundary`) against the float64 reference composition:
 sublayer l's write-back and sublayer l + 1's coefficients and input, every output and every input's gradient."""
+
 import pytest
 import torch
 from kernel_checks import ITERS, SHAPES, boundary_inputs, poisoned_outputs, run_boundary
@@ -16,12 +17,20 @@ pytestmark = pytest.mark.usefixtures(poisoned_outputs.__name__)
 def test_boundary_fp32(n, exact_axis):
     torch.manual_seed(80 + n + len(exact_axis))
     for lead, c in SHAPES:
-        run_boundary(boundary_inputs(lead, c, n, torch.float32), torch.float32, sinkhorn_iters=ITERS,
-                     exact_axis=exact_axis, res_layout="dst_src" if n == 4 else "src_dst")
+        run_boundary(
+            boundary_inputs(lead, c, n, torch.float32),
+            torch.float32,
+            sinkhorn_iters=ITERS,
+            exact_axis=exact_axis,
+            res_layout="dst_src" if n == 4 else "src_dst",
+        )
 
 
-@pytest.mark.parametrize("prev_res,next_res", [(False, False), (False, True), (True, False)],
-                         ids=["identity", "identity-mhc", "mhc-identity"])
+@pytest.mark.parametrize(
+    "prev_res,next_res",
+    [(False, False), (False, True), (True, False)],
+    ids=["identity", "identity-mhc", "mhc-identity"],
+)
 @pytest.mark.parametrize("n", [2, 4])
 def test_boundary_identity_hc(prev_res, next_res, n):
     """H^res = I on either side of the boundary (identity-HC sublayers), in any combination."""
@@ -35,8 +44,10 @@ def test_boundary_bf16_partial_grads():
     a bf16 one) and unused outputs (no upstream gradient)."""
     torch.manual_seed(95)
     lead, c = SHAPES[1]
-    for phi_dtype, used in ((torch.float32, (True, True, False, True, True)),
-                            (torch.bfloat16, (True, False, True, False, True))):
+    for phi_dtype, used in (
+        (torch.float32, (True, True, False, True, True)),
+        (torch.bfloat16, (True, False, True, False, True)),
+    ):
         inputs = boundary_inputs(lead, c, 4, torch.bfloat16, phi_dtype=phi_dtype)
         run_boundary(inputs, torch.bfloat16, used=used, sinkhorn_iters=ITERS, exact_axis="cols")
 
@@ -48,10 +59,12 @@ def test_boundary_backward_by_the_x_pass(monkeypatch):
     torch.manual_seed(99)
     seen = []
     real_x, real_post = projection.x_pass, boundary.post_backward
-    monkeypatch.setattr(projection, "x_pass", lambda *a, **k: seen.append(("x pass", k.get("dx_in") is not None)) or
-                        real_x(*a, **k))
-    monkeypatch.setattr(boundary, "post_backward", lambda *a, **k: seen.append(("write-back", True)) or
-                        real_post(*a, **k))
+    monkeypatch.setattr(
+        projection, "x_pass", lambda *a, **k: seen.append(("x pass", k.get("dx_in") is not None)) or real_x(*a, **k)
+    )
+    monkeypatch.setattr(
+        boundary, "post_backward", lambda *a, **k: seen.append(("write-back", True)) or real_post(*a, **k)
+    )
     lead, c = SHAPES[1]
     run_boundary(boundary_inputs(lead, c, 4, torch.bfloat16), torch.bfloat16, sinkhorn_iters=ITERS)
     assert seen == [("x pass", True), ("write-back", True)], seen

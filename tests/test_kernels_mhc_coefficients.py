@@ -1,10 +1,30 @@
 """mHC's coefficients and the sublayer's entry (kernels/fused/mhc.py, projection.py, sinkhorn.py) against the float64
 reference: `mhc_coefficients`, `mhc_pre`, `mhc_enter` (with its write-back), the x pass, and the fallbacks."""
+
 import pytest
 import torch
-from kernel_checks import (CUDA, DEV, ITERS, SHAPES, TOL, boundary_inputs, check, check_u_in_the_branchs_dtype,
-                           coef_inputs, config_changed, enter_block, f64, grads, leaf, on_launch, poisoned_outputs,
-                           producer, run_boundary, run_pre, upstream)
+from kernel_checks import (
+    CUDA,
+    DEV,
+    ITERS,
+    SHAPES,
+    TOL,
+    boundary_inputs,
+    check,
+    check_u_in_the_branchs_dtype,
+    coef_inputs,
+    config_changed,
+    enter_block,
+    f64,
+    grads,
+    leaf,
+    on_launch,
+    poisoned_outputs,
+    producer,
+    run_boundary,
+    run_pre,
+    upstream,
+)
 
 from mhc_lightning.kernels import MHCOptions, fused
 from mhc_lightning.kernels import reference as R
@@ -77,8 +97,13 @@ def _run_coef(inputs, dtype, **kw):
 def test_coefficients_fp32(n, exact_axis, res_layout):
     torch.manual_seed(n * 7 + len(exact_axis) + len(res_layout))
     for lead, c in SHAPES:
-        out = _run_coef(coef_inputs(lead, c, n, torch.float32), torch.float32, sinkhorn_iters=ITERS,
-                        exact_axis=exact_axis, res_layout=res_layout)
+        out = _run_coef(
+            coef_inputs(lead, c, n, torch.float32),
+            torch.float32,
+            sinkhorn_iters=ITERS,
+            exact_axis=exact_axis,
+            res_layout=res_layout,
+        )
         h_res = out[2].detach()
         assert (h_res >= 0).all()
         rows, cols = R.sinkhorn_residuals(h_res)
@@ -91,8 +116,7 @@ def test_coefficients_fp32_20_iters_and_saturation():
     lead, c = SHAPES[0]
     _run_coef(coef_inputs(lead, c, 4, torch.float32), torch.float32, sinkhorn_iters=20)
     # x10 logits: near-permutation H^res, the slow-convergence regime trained models reach
-    _run_coef(coef_inputs(lead, c, 4, torch.float32, gate=10.0), torch.float32, sinkhorn_iters=ITERS,
-              exact_axis="cols")
+    _run_coef(coef_inputs(lead, c, 4, torch.float32, gate=10.0), torch.float32, sinkhorn_iters=ITERS, exact_axis="cols")
 
 
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
@@ -108,8 +132,12 @@ def test_coefficients_identity_hc(n):
 def test_coefficients_bf16(phi_dtype, exact_axis):
     torch.manual_seed(3)
     for lead, c in SHAPES:
-        _run_coef(coef_inputs(lead, c, 4, torch.bfloat16, phi_dtype=phi_dtype), torch.bfloat16,
-                  sinkhorn_iters=ITERS, exact_axis=exact_axis)
+        _run_coef(
+            coef_inputs(lead, c, 4, torch.bfloat16, phi_dtype=phi_dtype),
+            torch.bfloat16,
+            sinkhorn_iters=ITERS,
+            exact_axis=exact_axis,
+        )
 
 
 def test_reference_mhc_pre_is_the_composition():
@@ -129,8 +157,13 @@ def test_mhc_pre_fp32(n, mode):
     torch.manual_seed(60 + n + len(mode))
     for lead, c in SHAPES:
         inputs = coef_inputs(lead, c, n, torch.float32, with_res=mode != "identity")
-        run_pre(inputs, torch.float32, sinkhorn_iters=ITERS, exact_axis="cols" if mode == "cols" else "rows",
-                res_layout="dst_src" if n == 2 else "src_dst")
+        run_pre(
+            inputs,
+            torch.float32,
+            sinkhorn_iters=ITERS,
+            exact_axis="cols" if mode == "cols" else "rows",
+            res_layout="dst_src" if n == 2 else "src_dst",
+        )
 
 
 def test_mhc_pre_bf16_partial_grads_and_both_sinkhorn_launches(monkeypatch):
@@ -143,8 +176,11 @@ def test_mhc_pre_bf16_partial_grads_and_both_sinkhorn_launches(monkeypatch):
     monkeypatch.setattr(mhc, "token_backward", lambda *a, **k: seen.add(a[6] is None) or real(*a, **k))
     on_launch(monkeypatch, ("_coef_fwd",), lambda _, kw: sinks.add(kw["SINK"]))
     lead, c = SHAPES[1]
-    for phi_dtype, used in ((torch.float32, (True, False, True, True)), (torch.bfloat16, (False, True, True, True)),
-                            (torch.float32, (True, True, False, False))):
+    for phi_dtype, used in (
+        (torch.float32, (True, False, True, True)),
+        (torch.bfloat16, (False, True, True, True)),
+        (torch.float32, (True, True, False, False)),
+    ):
         inputs = coef_inputs(lead, c, 4, torch.bfloat16, phi_dtype=phi_dtype)
         run_pre(inputs, torch.bfloat16, used=used, sinkhorn_iters=ITERS)
     # 20 iterations on saturated logits (near-permutation H^res): the O(iters) Sinkhorn walk-back
@@ -154,9 +190,15 @@ def test_mhc_pre_bf16_partial_grads_and_both_sinkhorn_launches(monkeypatch):
 
 
 @pytest.mark.parametrize("u_inside_max_c", [0, 4096])
-@pytest.mark.parametrize("n,dtype,phi_dtype", [
-    (4, torch.bfloat16, torch.float32), (4, torch.bfloat16, torch.bfloat16), (4, torch.bfloat16, torch.float16),
-    (2, torch.float32, torch.float32)])
+@pytest.mark.parametrize(
+    "n,dtype,phi_dtype",
+    [
+        (4, torch.bfloat16, torch.float32),
+        (4, torch.bfloat16, torch.bfloat16),
+        (4, torch.bfloat16, torch.float16),
+        (2, torch.float32, torch.float32),
+    ],
+)
 def test_mhc_pre_u_in_or_after_the_coefficient_kernel(u_inside_max_c, n, dtype, phi_dtype):
     """u in the coefficient kernel's own loop, or by stream_pre's kernel after it (CONFIG coef_fwd u_inside_max_c, in
     each tile set), at every dot the projection takes: phi as pairs, native, tf32 (a phi of another 16-bit dtype),
@@ -204,8 +246,10 @@ def _check_x_pass(lead, c, n, phi_dtype, with_u=True):
     check(dx, ref_dx, 1e-4, "dx")
 
 
-@pytest.mark.parametrize("n,phi_dtype", [(4, torch.float32), (4, torch.bfloat16), (1, torch.float32),
-                                         (2, torch.bfloat16), (8, torch.float32)])
+@pytest.mark.parametrize(
+    "n,phi_dtype",
+    [(4, torch.float32), (4, torch.bfloat16), (1, torch.float32), (2, torch.bfloat16), (8, torch.float32)],
+)
 def test_x_pass_on_16_bit_parts(n, phi_dtype):
     """With bf16 x the x pass's dots take dL and phi as bf16 hi + lo parts (`projection.grad_dots`). The phi gradient
     x^T dL and dx (into an fp32 buffer) keep 16 mantissa bits of dL and phi (checked at 1e-4 against float64, tighter
@@ -215,8 +259,7 @@ def test_x_pass_on_16_bit_parts(n, phi_dtype):
     assert projection.grad_dots(torch.bfloat16, phi_dtype)["SPLIT"]
     _check_x_pass(lead, c, n, phi_dtype)
     run_pre(coef_inputs(lead, c, n, torch.bfloat16, phi_dtype=phi_dtype), torch.bfloat16, sinkhorn_iters=ITERS)
-    run_boundary(boundary_inputs(lead, c, n, torch.bfloat16, phi_dtype=phi_dtype), torch.bfloat16,
-                 sinkhorn_iters=ITERS)
+    run_boundary(boundary_inputs(lead, c, n, torch.bfloat16, phi_dtype=phi_dtype), torch.bfloat16, sinkhorn_iters=ITERS)
 
 
 TMA_SHAPE = ((150,), 64) if not CUDA else ((2, 1031), 1024)  # C a multiple of the x pass's BK: u's columns tile
@@ -236,8 +279,7 @@ def test_x_pass_by_tma_descriptors(n, phi_dtype, monkeypatch):
     _check_x_pass(lead, c, n, phi_dtype)
     assert launched == [True]
     run_pre(coef_inputs(lead, c, n, torch.bfloat16, phi_dtype=phi_dtype), torch.bfloat16, sinkhorn_iters=ITERS)
-    run_boundary(boundary_inputs(lead, c, n, torch.bfloat16, phi_dtype=phi_dtype), torch.bfloat16,
-                 sinkhorn_iters=ITERS)
+    run_boundary(boundary_inputs(lead, c, n, torch.bfloat16, phi_dtype=phi_dtype), torch.bfloat16, sinkhorn_iters=ITERS)
     assert len(launched) >= 3 and all(launched)
     launched.clear()
     _check_x_pass(lead, 40, n, phi_dtype)  # C = 40: u's tiles would straddle two streams
@@ -267,12 +309,21 @@ def _check_enter_block(n, dtype, mode):
     g = upstream(ref, out)
     t_h, _, t_g = TOL[dtype]
     check(out, ref, t_h, "x_next")
-    for name, a, b in zip(("dx", "dphi", "dbias", "dalpha", "dw"), grads([out], inputs, [g]), grads([ref], ref_in, [g])):
+    for name, a, b in zip(
+        ("dx", "dphi", "dbias", "dalpha", "dw"), grads([out], inputs, [g]), grads([ref], ref_in, [g])
+    ):
         check(a, b, t_g, name)
 
 
-@pytest.mark.parametrize("n,dtype,mode", [(4, torch.bfloat16, "rows"), (2, torch.float32, "cols"),
-                                          (4, torch.float32, "identity"), (1, torch.bfloat16, "rows")])
+@pytest.mark.parametrize(
+    "n,dtype,mode",
+    [
+        (4, torch.bfloat16, "rows"),
+        (2, torch.float32, "cols"),
+        (4, torch.float32, "identity"),
+        (1, torch.bfloat16, "rows"),
+    ],
+)
 def test_mhc_enter_then_write_back_matches_reference(n, dtype, mode, monkeypatch):
     """x has two consumers (the coefficients and u; the write-back): through mhc_enter the write-back's gradient of x
     enters the pre op's backward and is added in its x pass (checked: the x pass receives it), matching float64. The
@@ -280,8 +331,9 @@ def test_mhc_enter_then_write_back_matches_reference(n, dtype, mode, monkeypatch
     torch.manual_seed(78 + n)
     seen, entries = [], []
     real_pass, real_tiles = projection.x_pass, projection.tiles
-    monkeypatch.setattr(projection, "x_pass", lambda *a, **k: seen.append(k.get("dx_in") is not None) or
-                        real_pass(*a, **k))
+    monkeypatch.setattr(
+        projection, "x_pass", lambda *a, **k: seen.append(k.get("dx_in") is not None) or real_pass(*a, **k)
+    )
     monkeypatch.setattr(projection, "tiles", lambda name, *a, **k: entries.append(name) or real_tiles(name, *a, **k))
     _check_enter_block(n, dtype, mode)
     assert seen == [True]
@@ -299,9 +351,11 @@ def test_the_trainers_sublayer_takes_no_avoidable_launch(monkeypatch):
     monkeypatch.setattr(torch, "zeros", lambda *a, **k: calls.append("zeros") or zeros(*a, **k))
     torch.manual_seed(91)
     lead, c = SHAPES[1]
-    for phi_dtype, rows_max_c, want in ((torch.float32, 1024, ["_param_grad_sum"]),
-                                        (torch.bfloat16, 1024, ["_coef_tail", "_param_grad_sum"]),
-                                        (torch.float32, 0, ["_param_grad_sum", "_param_grad_sum"])):
+    for phi_dtype, rows_max_c, want in (
+        (torch.float32, 1024, ["_param_grad_sum"]),
+        (torch.bfloat16, 1024, ["_coef_tail", "_param_grad_sum"]),
+        (torch.float32, 0, ["_param_grad_sum", "_param_grad_sum"]),
+    ):
         inputs = coef_inputs(lead, c, 4, torch.bfloat16, phi_dtype=phi_dtype) + [leaf(torch.randn(c, device=DEV))]
         calls.clear()
         with config_changed("post_bwd", rows_max_c=rows_max_c, BC=16):
@@ -316,8 +370,11 @@ def test_the_gradient_loops_take_their_pipelining_depth_from_config(stages, monk
     the loop an async copy on the GPU; the interpreter runs the same loop), with the same float64-checked gradients
     either way."""
     launched = {}
-    on_launch(monkeypatch, ("_coef_bwd_tok", "_coef_bwd_x"),
-              lambda name, kwargs: launched.__setitem__(name, kwargs["LOOP_STAGES"]))
+    on_launch(
+        monkeypatch,
+        ("_coef_bwd_tok", "_coef_bwd_x"),
+        lambda name, kwargs: launched.__setitem__(name, kwargs["LOOP_STAGES"]),
+    )
     torch.manual_seed(92)
     lead, c = SHAPES[1]
     inputs = coef_inputs(lead, c, 4, torch.bfloat16) + [leaf(torch.randn(c, device=DEV))]

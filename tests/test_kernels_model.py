@@ -1,5 +1,6 @@
 """The fused kernels inside the GPT: one training step on the fused ops against the reference ops (and against float64
 under bf16-mixed), each branch's input in its own dtype, and the branch input rebuilt in the backward."""
+
 import pytest
 import torch
 from kernel_checks import CUDA, DEV, ITERS, check, poisoned_outputs
@@ -20,9 +21,19 @@ def test_model_training_step_kernels_equal_reference(mode):
 
     def step(backend):
         torch.manual_seed(0)
-        cfg = GPTConfig(n_layers=1, d_model=24, n_heads=2, context=16, hyper=HyperConfig(
-            residual_mode=mode, sinkhorn_iters=ITERS, phi_init="normal", bias_init="hc_identity",
-            kernel_backend=backend))
+        cfg = GPTConfig(
+            n_layers=1,
+            d_model=24,
+            n_heads=2,
+            context=16,
+            hyper=HyperConfig(
+                residual_mode=mode,
+                sinkhorn_iters=ITERS,
+                phi_init="normal",
+                bias_init="hc_identity",
+                kernel_backend=backend,
+            ),
+        )
         model = GPT(cfg).to(DEV)
         g = torch.Generator().manual_seed(1)
         idx = torch.randint(0, 256, (2, 17), generator=g).to(DEV)
@@ -53,9 +64,20 @@ def test_model_hands_each_branch_its_input_without_a_cast(mode, chain, monkeypat
 
     def step(inside):
         torch.manual_seed(0)
-        cfg = GPTConfig(n_layers=2, d_model=32, n_heads=2, context=16, stream_dtype="bfloat16", hyper=HyperConfig(
-            residual_mode=mode, sinkhorn_iters=ITERS, phi_init="normal", kernel_backend="triton",
-            chain_sublayers=chain))
+        cfg = GPTConfig(
+            n_layers=2,
+            d_model=32,
+            n_heads=2,
+            context=16,
+            stream_dtype="bfloat16",
+            hyper=HyperConfig(
+                residual_mode=mode,
+                sinkhorn_iters=ITERS,
+                phi_init="normal",
+                kernel_backend="triton",
+                chain_sublayers=chain,
+            ),
+        )
         model = GPT(cfg).to(DEV)
         seen = []
 
@@ -90,9 +112,16 @@ def test_model_hands_each_branch_its_input_without_a_cast(mode, chain, monkeypat
         assert ((a - b).norm() / b.norm()).item() < 1e-2
 
 
-@pytest.mark.parametrize("mode,chain,via", [("mhc", True, "write-back"), ("mhc", False, "write-back"),
-                                            ("hc", "auto", "write-back"), ("identity", True, "write-back"),
-                                            ("mhc", True, "rebuild_u")])
+@pytest.mark.parametrize(
+    "mode,chain,via",
+    [
+        ("mhc", True, "write-back"),
+        ("mhc", False, "write-back"),
+        ("hc", "auto", "write-back"),
+        ("identity", True, "write-back"),
+        ("mhc", True, "rebuild_u"),
+    ],
+)
 def test_model_rebuilds_the_branch_input_bitwise_and_keeps_less(mode, chain, via, monkeypatch):
     """HyperConfig.rebuild_branch_input under the trainer's bf16-mixed: the step (loss, every gradient) is bitwise the
     one that keeps u, and what autograd keeps between forward and backward is smaller by exactly one fp32 u per
@@ -110,9 +139,21 @@ def test_model_rebuilds_the_branch_input_bitwise_and_keeps_less(mode, chain, via
 
     def step(rebuild):
         torch.manual_seed(0)
-        cfg = GPTConfig(n_layers=2, d_model=32, n_heads=2, context=16, stream_dtype="bfloat16", hyper=HyperConfig(
-            residual_mode=mode, sinkhorn_iters=ITERS, phi_init="normal", kernel_backend="triton",
-            chain_sublayers=chain, rebuild_branch_input=rebuild))
+        cfg = GPTConfig(
+            n_layers=2,
+            d_model=32,
+            n_heads=2,
+            context=16,
+            stream_dtype="bfloat16",
+            hyper=HyperConfig(
+                residual_mode=mode,
+                sinkhorn_iters=ITERS,
+                phi_init="normal",
+                kernel_backend="triton",
+                chain_sublayers=chain,
+                rebuild_branch_input=rebuild,
+            ),
+        )
         model = GPT(cfg).to(DEV)
         idx = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(1)).to(DEV)
         with torch.autocast(DEV, dtype=torch.bfloat16):
@@ -123,7 +164,10 @@ def test_model_rebuilds_the_branch_input_bitwise_and_keeps_less(mode, chain, via
         return loss, {k: p.grad for k, p in model.named_parameters()}, kept["bytes"]
 
     loss, grads, kept = step(True)
-    assert len(rebuilt) == (4 if via == "rebuild_u" else 0) and len(write_back._REQUESTS) == 0, (rebuilt, dict(write_back._REQUESTS))
+    assert len(rebuilt) == (4 if via == "rebuild_u" else 0) and len(write_back._REQUESTS) == 0, (
+        rebuilt,
+        dict(write_back._REQUESTS),
+    )
     loss_kept, grads_kept, kept_u = step(False)
     assert torch.equal(loss, loss_kept)
     for name, g in grads_kept.items():
@@ -142,10 +186,20 @@ def test_model_step_under_bf16_autocast_matches_float64(mode):
 
     def step(backend, dtype):
         torch.manual_seed(0)
-        cfg = GPTConfig(n_layers=1, d_model=32, n_heads=2, context=16,
-                        stream_dtype="bfloat16" if dtype == torch.bfloat16 else "auto", hyper=HyperConfig(
-                            residual_mode=mode, sinkhorn_iters=ITERS, phi_init="normal", bias_init="hc_identity",
-                            kernel_backend=backend))
+        cfg = GPTConfig(
+            n_layers=1,
+            d_model=32,
+            n_heads=2,
+            context=16,
+            stream_dtype="bfloat16" if dtype == torch.bfloat16 else "auto",
+            hyper=HyperConfig(
+                residual_mode=mode,
+                sinkhorn_iters=ITERS,
+                phi_init="normal",
+                bias_init="hc_identity",
+                kernel_backend=backend,
+            ),
+        )
         model = GPT(cfg).to(DEV)
         model = model.double() if dtype == torch.float64 else model
         idx = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(1)).to(DEV)

@@ -1,4 +1,5 @@
 """The gradient kernels' partial sums summed in one launch (kernels/fused/partial_sums.py), against float64."""
+
 import pytest
 import torch
 from kernel_checks import DEV, check, poisoned_outputs
@@ -17,8 +18,10 @@ def test_parameter_gradient_partials_summed_in_one_launch(splits, rows):
     torch.manual_seed(splits + rows)
     wpart, vpart = torch.randn(splits, 97, 24, device=DEV), torch.randn(27, rows, device=DEV)
     w_ref, v_ref = wpart.double().sum(0), vpart.double().sum(1)
-    dw, da, db = (host.empty(shape, dt, DEV) for shape, dt in (((97, 24), torch.float32), ((24,), torch.float32),
-                                                               ((3,), torch.bfloat16)))
+    dw, da, db = (
+        host.empty(shape, dt, DEV)
+        for shape, dt in (((97, 24), torch.float32), ((24,), torch.float32), ((3,), torch.bfloat16))
+    )
     partial_sums.sum_partials(wpart, dw, vpart, da, db)
     check(dw, w_ref, 1e-6, "dw")
     check(da, v_ref[:24], 1e-6, "da")

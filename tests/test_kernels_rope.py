@@ -3,6 +3,7 @@
 Without CUDA the kernels run under the Triton interpreter at small shapes. Outputs start NaN-filled
 (kernel_checks.poisoned_outputs), so an element a kernel fails to write fails the comparison.
 """
+
 import pytest
 import torch
 from kernel_checks import CUDA, DEV, poisoned_outputs
@@ -18,8 +19,9 @@ def _close(out, ref, tol, name):
     assert out.shape == ref.shape, name
     out = out.detach().double()
     assert torch.isfinite(out).all(), f"{name}: non-finite elements"
-    torch.testing.assert_close(out, ref.detach(), atol=tol * max(1.0, ref.abs().max().item()), rtol=tol,
-                               msg=lambda m: f"{name}: {m}")
+    torch.testing.assert_close(
+        out, ref.detach(), atol=tol * max(1.0, ref.abs().max().item()), rtol=tol, msg=lambda m: f"{name}: {m}"
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -65,7 +67,7 @@ def test_rope_qkv_gradient_with_unused_outputs_and_strided_gradients():
     (fused.rope_qkv(leaf, cos, sin, H)[0] * g).sum().backward()
     (reference.rope_qkv(leaf64, cos, sin, H)[0] * g.double()).sum().backward()
     _close(leaf.grad, leaf64.grad, TOL[torch.float32], "d(qkv)")
-    assert leaf.grad[..., H * D:].abs().max() == 0  # k's and v's columns
+    assert leaf.grad[..., H * D :].abs().max() == 0  # k's and v's columns
 
 
 def test_rope_qkv_takes_the_reference_for_float64():

@@ -1,5 +1,6 @@
 """The stream's two ends (kernels/fused/stream_ends.py): `expand_streams` (the embedding cast and copied into n
 streams) and `sum_streams` (the "sum" collapse), one kernel each way, against float64."""
+
 import pytest
 import torch
 from kernel_checks import DEV, SHAPES, TOL, check, f64, grads, leaf, poisoned_outputs, upstream
@@ -11,8 +12,10 @@ pytestmark = pytest.mark.usefixtures(poisoned_outputs.__name__)
 
 
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
-@pytest.mark.parametrize("h_dtype,stream_dtype", [(torch.float32, torch.bfloat16), (torch.float32, torch.float32),
-                                                  (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "h_dtype,stream_dtype",
+    [(torch.float32, torch.bfloat16), (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)],
+)
 def test_the_streams_ends(n, h_dtype, stream_dtype):
     """Values and gradients against float64, each stream's own values (random upstream gradients per stream, so a
     mixed-up stream index fails)."""
@@ -48,7 +51,10 @@ def test_the_streams_ends_under_compile_are_the_references():
 
     torch._dynamo.reset()
     h = torch.randn(2, 5, 8, device=DEV)
-    out = torch.compile(lambda t: fused.sum_streams(fused.expand_streams(t, 4, torch.bfloat16), torch.float32),
-                        fullgraph=True, backend=backend)(h)
+    out = torch.compile(
+        lambda t: fused.sum_streams(fused.expand_streams(t, 4, torch.bfloat16), torch.float32),
+        fullgraph=True,
+        backend=backend,
+    )(h)
     torch.testing.assert_close(out, R.sum_streams(R.expand_streams(h, 4, torch.bfloat16), torch.float32))
     assert counts and "mhc_lightning" not in counts[0] and "Streams" not in counts[0]

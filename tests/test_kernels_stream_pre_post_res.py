@@ -1,12 +1,29 @@
 """The branch's input and the write-back (kernels/fused/read_out.py, write_back.py) against the float64 reference:
 `stream_pre`, `stream_post_res` at each of its backward tiles, and u rebuilt for a branch that dropped it
 (`rebuild_u`, `request_u`)."""
+
 import math
 
 import pytest
 import torch
-from kernel_checks import (CUDA, DEV, ITERS, SHAPES, TOL, boundary_inputs, check, coef_inputs, config_changed, f64,
-                           grads, hc_inputs, leaf, on_launch, poisoned_outputs, upstream)
+from kernel_checks import (
+    CUDA,
+    DEV,
+    ITERS,
+    SHAPES,
+    TOL,
+    boundary_inputs,
+    check,
+    coef_inputs,
+    config_changed,
+    f64,
+    grads,
+    hc_inputs,
+    leaf,
+    on_launch,
+    poisoned_outputs,
+    upstream,
+)
 
 from mhc_lightning.kernels import MHCOptions, fused
 from mhc_lightning.kernels import reference as R
@@ -45,17 +62,28 @@ def test_stream_pre_fallbacks_match_reference():
 # (direct writes). C=1024 on CUDA: 4 blocks of 256; on CPU (C = 24, 40) 2-3 blocks of 16. "looped": fewer programs
 # than token blocks, each walking several blocks in its pipelined loop; on the CPU one SM, so 2 programs (with
 # partials: one per C block) and 37 / 38 tokens leave a partial last block of BT 4; on an H200 one row per program.
-POST_BWD_TILES = {"partials": dict(BT=8, BC=256 if CUDA else 16, rows_max_c=0), "rows": dict(BT=4, BC=4096, rows_max_c=0),
-                  "looped": dict(BT=1 if CUDA else 4, BC=4096, rows_max_c=0, loop_stages=2, programs_per_sm=2),
-                  "looped partials": dict(BT=8, BC=256 if CUDA else 16, rows_max_c=0, loop_stages=3,
-                                          programs_per_sm=2)}
+POST_BWD_TILES = {
+    "partials": dict(BT=8, BC=256 if CUDA else 16, rows_max_c=0),
+    "rows": dict(BT=4, BC=4096, rows_max_c=0),
+    "looped": dict(BT=1 if CUDA else 4, BC=4096, rows_max_c=0, loop_stages=2, programs_per_sm=2),
+    "looped partials": dict(BT=8, BC=256 if CUDA else 16, rows_max_c=0, loop_stages=3, programs_per_sm=2),
+}
 
 
-@pytest.mark.parametrize("n,dtype,tiles", [
-    (1, torch.float32, "rows"), (2, torch.bfloat16, "partials"), (4, torch.float32, "partials"),
-    (4, torch.bfloat16, "rows"), (8, torch.float32, "rows"), (8, torch.bfloat16, "partials"),
-    (2, torch.float32, "looped"), (4, torch.bfloat16, "looped"), (8, torch.bfloat16, "looped partials"),
-])
+@pytest.mark.parametrize(
+    "n,dtype,tiles",
+    [
+        (1, torch.float32, "rows"),
+        (2, torch.bfloat16, "partials"),
+        (4, torch.float32, "partials"),
+        (4, torch.bfloat16, "rows"),
+        (8, torch.float32, "rows"),
+        (8, torch.bfloat16, "partials"),
+        (2, torch.float32, "looped"),
+        (4, torch.bfloat16, "looped"),
+        (8, torch.bfloat16, "looped partials"),
+    ],
+)
 @pytest.mark.parametrize("with_res", [True, False])
 def test_stream_post_res(n, dtype, tiles, with_res, monkeypatch):
     launches = []
@@ -100,14 +128,22 @@ def test_rebuilt_u_is_the_ops_u_bitwise(monkeypatch):
     opts = MHCOptions(sinkhorn_iters=ITERS)
     in_gemm = []
     on_launch(monkeypatch, ("_coef_fwd",), lambda name, kw: in_gemm.append(kw["HAS_U"]))
-    ops = [("mhc_pre", lambda i, d: fused.mhc_pre(*i, opts, d), coef_inputs(lead, c, 4, torch.bfloat16)),
-           ("mhc_enter", lambda i, d: fused.mhc_enter(*i, opts, d), coef_inputs(lead, c, 4, torch.bfloat16)),
-           ("mhc_boundary", lambda i, d: fused.mhc_boundary(*i, opts, d), boundary_inputs(lead, c, 4, torch.bfloat16)),
-           ("hc_enter", lambda i, d: fused.hc_enter(*i, u_dtype=d), hc_inputs(lead, c, 4, torch.bfloat16)),
-           ("mhc_enter, bf16 phi", lambda i, d: fused.mhc_enter(*i, opts, d),
-            coef_inputs(lead, c, 4, torch.bfloat16, phi_dtype=torch.bfloat16)),
-           ("mhc_boundary, bf16 phi", lambda i, d: fused.mhc_boundary(*i, opts, d),
-            boundary_inputs(lead, c, 4, torch.bfloat16, phi_dtype=torch.bfloat16))]
+    ops = [
+        ("mhc_pre", lambda i, d: fused.mhc_pre(*i, opts, d), coef_inputs(lead, c, 4, torch.bfloat16)),
+        ("mhc_enter", lambda i, d: fused.mhc_enter(*i, opts, d), coef_inputs(lead, c, 4, torch.bfloat16)),
+        ("mhc_boundary", lambda i, d: fused.mhc_boundary(*i, opts, d), boundary_inputs(lead, c, 4, torch.bfloat16)),
+        ("hc_enter", lambda i, d: fused.hc_enter(*i, u_dtype=d), hc_inputs(lead, c, 4, torch.bfloat16)),
+        (
+            "mhc_enter, bf16 phi",
+            lambda i, d: fused.mhc_enter(*i, opts, d),
+            coef_inputs(lead, c, 4, torch.bfloat16, phi_dtype=torch.bfloat16),
+        ),
+        (
+            "mhc_boundary, bf16 phi",
+            lambda i, d: fused.mhc_boundary(*i, opts, d),
+            boundary_inputs(lead, c, 4, torch.bfloat16, phi_dtype=torch.bfloat16),
+        ),
+    ]
     for name, call, inputs in ops:
         for u_dtype in (None, torch.float32):
             in_gemm.clear()

@@ -1,17 +1,17 @@
 """The package's layout: no import cycles between its modules, imports that go one way only (docs/design.md §14),
 module names that say one thing, every module imports in a fresh interpreter, no private Optuna API in the sweeps, no
 citation of documents that are not in the repository."""
+
 from __future__ import annotations
 
 import ast
 import re
-from collections import defaultdict
 import subprocess
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
-
 from helpers import REPO
 
 # source folder -> the package name it is imported as (kernels/ is installed as mhc_lightning.kernels)
@@ -116,8 +116,14 @@ def within(name: str, *packages: str) -> bool:
 def test_training_does_not_import_reporting_or_tools():
     """The LightningModule and all it imports stay below reports, sweeps, grid and the CLI: per-layer figures are
     drawn by a callback (callbacks/per_layer_artifacts.py), never by the module."""
-    upper = ("mhc_lightning.reports", "mhc_lightning.sweeps", "mhc_lightning.grid", "mhc_lightning.cli",
-             "mhc_lightning.callbacks", "mhc_lightning.loggers")
+    upper = (
+        "mhc_lightning.reports",
+        "mhc_lightning.sweeps",
+        "mhc_lightning.grid",
+        "mhc_lightning.cli",
+        "mhc_lightning.callbacks",
+        "mhc_lightning.loggers",
+    )
     assert sorted(m for m in reachable(import_graph(), "mhc_lightning.module") if within(m, *upper)) == []
 
 
@@ -132,18 +138,30 @@ def external_imports(path: Path) -> set[str]:
     return out - {"__future__"}
 
 
-@pytest.mark.parametrize("package, allowed_inside, allowed_outside", [
-    # the model: plain nn.Modules over the kernels, usable without Lightning, MLflow or the rest of the package
-    ("mhc_lightning.model", ("mhc_lightning.model", "mhc_lightning.kernels"), {"torch"}),
-    # the kernels: the reference ops and the fused Triton kernels, below everything else
-    ("mhc_lightning.kernels", ("mhc_lightning.kernels",), {"torch", "triton"}),
-])
+@pytest.mark.parametrize(
+    "package, allowed_inside, allowed_outside",
+    [
+        # the model: plain nn.Modules over the kernels, usable without Lightning, MLflow or the rest of the package
+        ("mhc_lightning.model", ("mhc_lightning.model", "mhc_lightning.kernels"), {"torch"}),
+        # the kernels: the reference ops and the fused Triton kernels, below everything else
+        ("mhc_lightning.kernels", ("mhc_lightning.kernels",), {"torch", "triton"}),
+    ],
+)
 def test_lower_layers_import_only_what_is_below_them(package, allowed_inside, allowed_outside):
     graph, mods = import_graph(), modules()
-    inside = {f"{name} imports {dep}" for name in graph if within(name, package)
-              for dep in graph[name] if not within(dep, *allowed_inside)}
-    outside = {f"{name} imports {top}" for name, path in mods.items() if within(name, package)
-               for top in external_imports(path) - allowed_outside - set(sys.stdlib_module_names)}
+    inside = {
+        f"{name} imports {dep}"
+        for name in graph
+        if within(name, package)
+        for dep in graph[name]
+        if not within(dep, *allowed_inside)
+    }
+    outside = {
+        f"{name} imports {top}"
+        for name, path in mods.items()
+        if within(name, package)
+        for top in external_imports(path) - allowed_outside - set(sys.stdlib_module_names)
+    }
     assert sorted(inside | outside) == []
 
 
@@ -160,8 +178,11 @@ def test_module_names_say_one_thing():
         if path.name not in ("__init__.py", "__main__.py"):
             package, _, stem = name.rpartition(".")
             by_stem[stem].append(package)
-    repeated = {stem: packages for stem, packages in by_stem.items() if len(packages) > 1 and stem not in REPEATABLE
-                and sorted(packages) != sorted(MIRRORS)}
+    repeated = {
+        stem: packages
+        for stem, packages in by_stem.items()
+        if len(packages) > 1 and stem not in REPEATABLE and sorted(packages) != sorted(MIRRORS)
+    }
     assert repeated == {}
 
 
@@ -173,31 +194,59 @@ def test_the_cycle_check_finds_a_cycle():
 def test_every_module_imports_in_a_fresh_interpreter():
     names = sorted(n for n in modules() if not n.endswith("__main__"))
     code = "import importlib, sys\nfor n in sys.argv[1:]:\n    importlib.import_module(n)\n"
-    res = subprocess.run([sys.executable, "-c", code, *names], capture_output=True, text=True, timeout=300,
-                         env={**__import__("os").environ, "TRITON_INTERPRET": "1"})
+    res = subprocess.run(
+        [sys.executable, "-c", code, *names],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, "TRITON_INTERPRET": "1"},
+    )
     assert res.returncode == 0, res.stderr[-3000:]
 
 
 def test_sweeps_use_no_private_optuna_api():
     private = re.compile(r"\._storage\b|\._trial_id\b|\._study_id\b|optuna\.[a-z_.]*\._[a-z]")
-    hits = [f"{p.name}:{i + 1}" for p in (REPO / "mhc_lightning" / "sweeps").glob("*.py")
-            for i, line in enumerate(p.read_text().splitlines()) if private.search(line)]
+    hits = [
+        f"{p.name}:{i + 1}"
+        for p in (REPO / "mhc_lightning" / "sweeps").glob("*.py")
+        for i, line in enumerate(p.read_text().splitlines())
+        if private.search(line)
+    ]
     assert hits == []
 
 
-OWNED_TEXT = ["mhc_lightning/sweeps", "mhc_lightning/reports", "mhc_lightning/loggers",
-              "mhc_lightning/callbacks/snapshots.py", "mhc_lightning/callbacks/snapshot_state.py",
-              "mhc_lightning/callbacks/snapshot_files.py", "mhc_lightning/callbacks/rank_consistency.py",
-              "mhc_lightning/child_processes.py", "mhc_lightning/grid.py", "mhc_lightning/resume.py",
-              "mhc_lightning/distributed.py", "conf", "sweeps", "docs/sweeps.md", "docs/stability.md",
-              "docs/distributed.md"]
+OWNED_TEXT = [
+    "mhc_lightning/sweeps",
+    "mhc_lightning/reports",
+    "mhc_lightning/loggers",
+    "mhc_lightning/callbacks/snapshots.py",
+    "mhc_lightning/callbacks/snapshot_state.py",
+    "mhc_lightning/callbacks/snapshot_files.py",
+    "mhc_lightning/callbacks/rank_consistency.py",
+    "mhc_lightning/child_processes.py",
+    "mhc_lightning/grid.py",
+    "mhc_lightning/resume.py",
+    "mhc_lightning/distributed.py",
+    "conf",
+    "sweeps",
+    "docs/sweeps.md",
+    "docs/stability.md",
+    "docs/distributed.md",
+]
 
 
 def test_no_citations_of_documents_outside_the_repo():
     bad = re.compile(r"mhc-math|ecosystem-notes")
-    files = [f for entry in OWNED_TEXT for f in ([REPO / entry] if (REPO / entry).is_file()
-                                                  else (REPO / entry).rglob("*")) if f.is_file()
-             and f.suffix in (".py", ".md", ".yaml")]
-    hits = [f"{f.relative_to(REPO)}:{i + 1}" for f in files for i, line in enumerate(f.read_text().splitlines())
-            if bad.search(line)]
+    files = [
+        f
+        for entry in OWNED_TEXT
+        for f in ([REPO / entry] if (REPO / entry).is_file() else (REPO / entry).rglob("*"))
+        if f.is_file() and f.suffix in (".py", ".md", ".yaml")
+    ]
+    hits = [
+        f"{f.relative_to(REPO)}:{i + 1}"
+        for f in files
+        for i, line in enumerate(f.read_text().splitlines())
+        if bad.search(line)
+    ]
     assert hits == []

@@ -1,10 +1,11 @@
 """The GPT with residual / HC / mHC / identity-HC / mHC-lite / KromHC sublayers: shapes, causality, init identities,
 training."""
+
 import pytest
 import torch
 import torch.nn.functional as F
-
 from helpers import make_text
+
 from mhc_lightning.kernels import reference
 from mhc_lightning.kernels.reference import gain_report
 from mhc_lightning.model import GPT, GPTConfig, HyperConfig
@@ -13,8 +14,9 @@ MODES = ["residual", "hc", "mhc", "identity", "mhc_lite", "kromhc"]
 
 
 def tiny(mode="mhc", n_layers=2, d_model=32, **hyper) -> GPTConfig:
-    return GPTConfig(n_layers=n_layers, d_model=d_model, n_heads=2, context=32,
-                     hyper=HyperConfig(residual_mode=mode, **hyper))
+    return GPTConfig(
+        n_layers=n_layers, d_model=d_model, n_heads=2, context=32, hyper=HyperConfig(residual_mode=mode, **hyper)
+    )
 
 
 def text_batch(B=4, T=32, seed=0) -> torch.Tensor:
@@ -58,11 +60,11 @@ def test_causality(mode):
     idx = text_batch(B=1)[:, :-1]
     t = 17
     idx2 = idx.clone()
-    idx2[0, t + 1:] = (idx2[0, t + 1:] + 11) % 256
+    idx2[0, t + 1 :] = (idx2[0, t + 1 :] + 11) % 256
     with torch.no_grad():
         a, b = m(idx), m(idx2)
     torch.testing.assert_close(a[:, : t + 1], b[:, : t + 1], rtol=0, atol=1e-6)
-    assert (a[:, t + 1:] - b[:, t + 1:]).abs().max() > 1e-3
+    assert (a[:, t + 1 :] - b[:, t + 1 :]).abs().max() > 1e-3
 
 
 def test_hc_at_init_equals_a_prenorm_residual_model():
@@ -96,7 +98,7 @@ def test_streams_persist_across_blocks():
             layer.ar_static.mul_(c)
             layer.branch.out.weight.zero_()
     idx = text_batch()[:, :-1]
-    torch.testing.assert_close(final_hidden(m, idx), 4 * c ** cfg.n_sublayers * m.embed(idx).detach())
+    torch.testing.assert_close(final_hidden(m, idx), 4 * c**cfg.n_sublayers * m.embed(idx).detach())
 
 
 def test_composite_gain_depends_on_hc_depth():
@@ -109,8 +111,8 @@ def test_composite_gain_depends_on_hc_depth():
             m(text_batch()[:, :-1])
         return gain_report(m.recorded()["h_res"])["composite_fwd_max"][0].item()
 
-    assert composite(1) == pytest.approx(1.1 ** 2)
-    assert composite(3) == pytest.approx(1.1 ** 6)
+    assert composite(1) == pytest.approx(1.1**2)
+    assert composite(3) == pytest.approx(1.1**6)
 
 
 def test_recorded_mhc_coefficients():
@@ -173,8 +175,11 @@ def test_each_mode_trains(mode):
 
 
 def test_config_errors_name_field_and_allowed_values():
-    with pytest.raises(ValueError, match=r"residual_mode must be one of "
-                                         r"\['residual', 'hc', 'mhc', 'identity', 'mhc_lite', 'kromhc'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"residual_mode must be one of "
+        r"\['residual', 'hc', 'mhc', 'identity', 'mhc_lite', 'kromhc'\]",
+    ):
         HyperConfig(residual_mode="dense")
     with pytest.raises(ValueError, match="n_streams must be >= 1"):
         HyperConfig(n_streams=0)
@@ -247,8 +252,13 @@ def test_compiled_model_traces_once_more_when_the_sinkhorn_count_changes():
     from mhc_lightning.model.compiled import compile_model
 
     torch.manual_seed(0)
-    cfg = GPTConfig(n_layers=1, d_model=32, n_heads=2, context=16, hyper=HyperConfig(
-        residual_mode="mhc", kernel_backend="triton", sinkhorn_iters=4, phi_init="normal"))
+    cfg = GPTConfig(
+        n_layers=1,
+        d_model=32,
+        n_heads=2,
+        context=16,
+        hyper=HyperConfig(residual_mode="mhc", kernel_backend="triton", sinkhorn_iters=4, phi_init="normal"),
+    )
     m = GPT(cfg)
     counter = CompileCounterWithBackend("aot_eager")  # graph capture + autograd; no C++ build on CPU
     torch._dynamo.reset()

@@ -1,4 +1,5 @@
 """LitLM's training step (mhc_lightning/module.py): what it leaves on the device."""
+
 from __future__ import annotations
 
 import math
@@ -7,7 +8,6 @@ import sys
 import lightning as L
 import pytest
 import torch
-
 from test_callbacks_common import tiny_fit
 
 SYNCS = ("item", "tolist", "__float__", "__int__", "__bool__")
@@ -58,8 +58,9 @@ def test_training_steps_read_nothing_back_to_the_host(tiny_corpus, monkeypatch, 
         return log(self, name, value, *a, **k)
 
     monkeypatch.setattr(L.LightningModule, "log", checked_log)
-    trainer, module = tiny_fit(tiny_corpus, [counter], steps=4, module=tiny_module(mode, diagnostics_every=0),
-                               gradient_clip_val=1.0)
+    trainer, module = tiny_fit(
+        tiny_corpus, [counter], steps=4, module=tiny_module(mode, diagnostics_every=0), gradient_clip_val=1.0
+    )
     assert trainer.global_step == 4
     assert counter.calls == []
     assert numbers == []
@@ -73,8 +74,9 @@ def test_last_grad_norm_is_the_pre_clip_norm(tiny_corpus):
 
     class Probe(L.Callback):
         def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-            seen["norm"] = math.sqrt(sum(float(p.grad.double().square().sum()) for p in pl_module.parameters()
-                                         if p.grad is not None))
+            seen["norm"] = math.sqrt(
+                sum(float(p.grad.double().square().sum()) for p in pl_module.parameters() if p.grad is not None)
+            )
 
     _, module = tiny_fit(tiny_corpus, [Probe()], steps=2, gradient_clip_val=1e-3)
     assert seen["norm"] > 1e-3  # clipping engaged, and the module kept the norm from before it
@@ -106,8 +108,10 @@ def test_progress_bar_reads_the_loss_back_every_log_interval(tiny_corpus, monkey
     assert bar["loss"] == pytest.approx(float(module.last_loss))
 
 
-@pytest.mark.parametrize("mode,graphed", [("default", False), ("reduce-overhead", True), ("max-autotune", True),
-                                          ("max-autotune-no-cudagraphs", False)])
+@pytest.mark.parametrize(
+    "mode,graphed",
+    [("default", False), ("reduce-overhead", True), ("max-autotune", True), ("max-autotune-no-cudagraphs", False)],
+)
 def test_compile_mode_reaches_torch_compile_and_graphed_modes_mark_each_call(monkeypatch, mode, graphed):
     """model.compile_mode goes to torch.compile; with CUDA graphs each model call first starts a new graph step (the
     previous replay's outputs may then be overwritten), without them nothing is marked."""
@@ -115,11 +119,11 @@ def test_compile_mode_reaches_torch_compile_and_graphed_modes_mark_each_call(mon
     from mhc_lightning.model.config import GPTConfig
 
     seen, marks = {}, []
-    monkeypatch.setattr(module_mod, "compile_model",
-                        lambda model, **kw: seen.update(kw) or (lambda idx: model(idx)))
+    monkeypatch.setattr(module_mod, "compile_model", lambda model, **kw: seen.update(kw) or (lambda idx: model(idx)))
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
-    lit = module_mod.LitLM(arch=GPTConfig(n_layers=1, d_model=32, n_heads=2, context=16), compile=True,
-                           compile_mode=mode)
+    lit = module_mod.LitLM(
+        arch=GPTConfig(n_layers=1, d_model=32, n_heads=2, context=16), compile=True, compile_mode=mode
+    )
     assert seen == {"mode": mode} and lit.hparams.compile_mode == mode
     idx = torch.randint(0, 256, (2, 16))
     lit(idx)
@@ -175,19 +179,24 @@ def test_norm_clipping_reuses_the_logged_norm_and_matches_clip_grad_norm(tiny_co
             torch.testing.assert_close(g1.double(), g0.double() * coef, rtol=1e-5, atol=1e-12)
 
 
-@pytest.mark.parametrize("fused,precision", [(True, "bf16-mixed"), (True, "32-true"), (None, "32-true"),
-                                             (False, "32-true")])
+@pytest.mark.parametrize(
+    "fused,precision", [(True, "bf16-mixed"), (True, "32-true"), (None, "32-true"), (False, "32-true")]
+)
 def test_optimizer_implementation_follows_model_optim_fused(tiny_corpus, fused, precision):
     """model.optim.fused: true runs torch's fused AdamW (and keeps norm clipping under bf16-mixed, which Lightning's
     mixed-precision plugin refuses for an optimizer that could unscale in its step), false torch's default, null
     (auto) fused on CUDA and the default on a CPU; the clipped step trains either way."""
     from test_callbacks_common import ACCELERATOR
+
     from mhc_lightning.model import GPTConfig
     from mhc_lightning.module import LitLM, OptimConfig
 
     L.seed_everything(0, verbose=False)
-    module = LitLM(arch=GPTConfig(n_layers=1, d_model=32, n_heads=2, context=32),
-                   optim=OptimConfig(lr=3e-3, warmup_steps=1, fused=fused), diagnostics_every=0)
+    module = LitLM(
+        arch=GPTConfig(n_layers=1, d_model=32, n_heads=2, context=32),
+        optim=OptimConfig(lr=3e-3, warmup_steps=1, fused=fused),
+        diagnostics_every=0,
+    )
     before = [p.detach().clone() for p in module.parameters()]
     trainer, module = tiny_fit(tiny_corpus, [], steps=2, module=module, gradient_clip_val=1e-3, precision=precision)
     opt = trainer.optimizers[0]
@@ -219,11 +228,13 @@ def test_grad_norm_max_and_spikes_cover_every_step(tiny_corpus):
             self.seen[trainer.global_step - 1] = pl_module.last_grad_norm  # the step just taken
 
     logger, norms = Collect(), Norms()
-    tiny_fit(tiny_corpus, [norms], steps=12, logger=logger, log_every_n_steps=5, limit_val_batches=1,
-             val_check_interval=6)
+    tiny_fit(
+        tiny_corpus, [norms], steps=12, logger=logger, log_every_n_steps=5, limit_val_batches=1, val_check_interval=6
+    )
     summaries = [(step, m) for step, m in logger.metrics if "train/grad_norm_max" in m]
     assert [step for step, _ in summaries] == [6, 12]  # after each validation
     after_warmup = [v for step, v in norms.seen.items() if step >= 5]  # tiny_module: warmup_steps=5
     assert summaries[-1][1]["train/grad_norm_max"] == pytest.approx(max(after_warmup), rel=1e-6)
-    assert summaries[-1][1]["train/grad_spikes"] == sum(v > 4 * torch.tensor(after_warmup).median().item()
-                                                        for v in after_warmup)
+    assert summaries[-1][1]["train/grad_spikes"] == sum(
+        v > 4 * torch.tensor(after_warmup).median().item() for v in after_warmup
+    )

@@ -2,6 +2,7 @@
 is refused before anything is written (one line, exit 2), a run name made of axis values stays one file name, and a
 run name with quotes is found again by `--ckpt_path last`, the grid's tagging and the sweep's parent-run lookup.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,7 +21,7 @@ from mhc_lightning.loggers.filters import equals
 from mhc_lightning.names import ALLOWED, file_name, path_name_problem
 
 MHC = str(Path(sys.executable).with_name("mhc"))
-QUOTED = "o'neil \"run\""  # both quotes: MLflow's filter parser has no escape for either
+QUOTED = 'o\'neil "run"'  # both quotes: MLflow's filter parser has no escape for either
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
@@ -49,13 +50,32 @@ def test_a_study_name_with_dotdot_is_refused_before_any_worker_starts(tmp_path):
     work.mkdir()
     spec = derived_spec(tmp_path / "s.yaml", "names", enqueue=[], budget={"n_trials": 1, "max_failed": 0})
     escape = f"escape-{uuid.uuid4().hex[:6]}"
-    res = subprocess.run([MHC, "sweep", "run", str(spec), "--workers", "2", "--study-name", f"../../{escape}",
-                          "--storage", f"sqlite:///{work / 'sweeps.db'}", "--set", f"data.corpus={tmp_path / 'none'}"],
-                         cwd=work, env=_env(work), capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [
+            MHC,
+            "sweep",
+            "run",
+            str(spec),
+            "--workers",
+            "2",
+            "--study-name",
+            f"../../{escape}",
+            "--storage",
+            f"sqlite:///{work / 'sweeps.db'}",
+            "--set",
+            f"data.corpus={tmp_path / 'none'}",
+        ],
+        cwd=work,
+        env=_env(work),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
     assert res.stderr.strip().splitlines() == [
         f"mhc sweep: error: --study-name: '../../{escape}' cannot be a file or folder name ({ALLOWED}): it names the "
-        "folder of the workers' logs"]
+        "folder of the workers' logs"
+    ]
     assert not (tmp_path / escape).exists() and _everything_under(work) == set()
 
 
@@ -64,13 +84,28 @@ def test_a_grid_variant_with_dotdot_is_refused_before_any_run_starts(tmp_path):
     work.mkdir()
     escape = f"escape-{uuid.uuid4().hex[:6]}"
     grid = tmp_path / "g.yaml"
-    grid.write_text(json.dumps({"experiment": "names", "configs": ["conf/model/mhc.yaml"],
-                                "variants": {f"../../{escape}": {}}, "axes": {"seed_everything": [1]}}))
-    res = subprocess.run([MHC, "grid", str(grid), "--logs", str(work / "logs")], cwd=work, env=_env(work),
-                         capture_output=True, text=True, timeout=300)
+    grid.write_text(
+        json.dumps(
+            {
+                "experiment": "names",
+                "configs": ["conf/model/mhc.yaml"],
+                "variants": {f"../../{escape}": {}},
+                "axes": {"seed_everything": [1]},
+            }
+        )
+    )
+    res = subprocess.run(
+        [MHC, "grid", str(grid), "--logs", str(work / "logs")],
+        cwd=work,
+        env=_env(work),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
     assert res.stderr.strip().splitlines() == [
-        f"mhc grid: error: {grid}: variants: '../../{escape}' cannot be a file or folder name ({ALLOWED})"]
+        f"mhc grid: error: {grid}: variants: '../../{escape}' cannot be a file or folder name ({ALLOWED})"
+    ]
     assert not list(tmp_path.glob(f"{escape}*")) and _everything_under(work) == set()
     with pytest.raises(GridError, match="variants"):
         load_grid(grid)
@@ -79,7 +114,7 @@ def test_a_grid_variant_with_dotdot_is_refused_before_any_run_starts(tmp_path):
 def test_run_names_with_quotes_are_found_by_search_filters(mlflow_uri):
     client = MlflowClient(mlflow_uri)
     exp = client.create_experiment("quotes")
-    names = ["it's", 'say "hi"', QUOTED, "plain", "o_neil \"run\""]  # the last one only LIKE-matches QUOTED
+    names = ["it's", 'say "hi"', QUOTED, "plain", 'o_neil "run"']  # the last one only LIKE-matches QUOTED
     for name in names:
         client.create_run(exp, run_name=name)
     for name in names[:4]:
@@ -95,8 +130,14 @@ def test_ckpt_path_last_resumes_a_run_whose_name_has_quotes(tiny_corpus, tmp_pat
     args = [a for a in args if not a.startswith("--trainer.logger=")] + [mlflow_logger_arg(uri, "quotes", QUOTED)]
     first = subprocess.run([MHC, *args], cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]
-    again = subprocess.run([MHC, *args, "--trainer.max_steps=6", "--ckpt_path", "last"], cwd=tmp_path,
-                           env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    again = subprocess.run(
+        [MHC, *args, "--trainer.max_steps=6", "--extend", "--ckpt_path", "last"],
+        cwd=tmp_path,
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert again.returncode == 0, again.stderr[-3000:]
     client = MlflowClient(uri)
     (run,) = client.search_runs([client.get_experiment_by_name("quotes").experiment_id])
@@ -110,7 +151,7 @@ def test_grid_tags_runs_whose_names_have_quotes(mlflow_uri):
     client = MlflowClient(mlflow_uri)
     exp = client.create_experiment("grid-quotes")
     run = client.create_run(exp, run_name=QUOTED)
-    other = client.create_run(exp, run_name="o_neil \"run\"")
+    other = client.create_run(exp, run_name='o_neil "run"')
     tag_runs(client, exp, QUOTED, {"variant": "v"})
     assert client.get_run(run.info.run_id).data.tags["variant"] == "v"
     assert "variant" not in client.get_run(other.info.run_id).data.tags

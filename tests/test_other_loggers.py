@@ -1,5 +1,6 @@
 """`mhc fit` with a Lightning logger other than MLflow: training, metrics and checkpoints as usual, and the resolved
 config saved by Lightning's own SaveConfigCallback behaviour, as config.yaml in the logger's log_dir."""
+
 from __future__ import annotations
 
 import csv
@@ -19,10 +20,13 @@ def fit_with_logger(corpus, tmp_path, class_path: str) -> None:
     main(args + ["--trainer.logger=" + json.dumps(logger)])
 
 
-@pytest.mark.parametrize("class_path", [
-    "lightning.pytorch.loggers.CSVLogger",
-    pytest.param("lightning.pytorch.loggers.TensorBoardLogger", marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "class_path",
+    [
+        "lightning.pytorch.loggers.CSVLogger",
+        pytest.param("lightning.pytorch.loggers.TensorBoardLogger", marks=pytest.mark.slow),
+    ],
+)
 def test_fit_with_another_logger_saves_its_config_in_the_log_dir(class_path, tiny_corpus, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for _ in range(2):  # a second fit gets its own version folder, no clash with the first's config.yaml

@@ -1,5 +1,6 @@
 """Run provenance (mhc_lightning/provenance.py, callbacks/run_provenance.py): the code, environment, data and settings
 every run records, wherever it was started from."""
+
 from __future__ import annotations
 
 import hashlib
@@ -8,11 +9,11 @@ from pathlib import Path
 
 import mlflow
 import pytest
+from test_callbacks_common import tiny_fit
 
 from mhc_lightning import provenance
 from mhc_lightning.callbacks.run_provenance import RunProvenance, weights_digest
 from mhc_lightning.loggers import ResilientMLFlowLogger
-from test_callbacks_common import tiny_fit
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -78,9 +79,18 @@ def test_weights_digest_takes_scalar_parameters():
 
 def test_every_run_records_code_environment_data_and_settings(tiny_corpus, mlflow_uri, tmp_path):
     logger = ResilientMLFlowLogger(experiment_name="prov", tracking_uri=mlflow_uri)
-    trainer, module = tiny_fit(tiny_corpus, [RunProvenance()], steps=2, logger=logger, seed=3, data_seed=None,
-                          gradient_clip_val=0.5,
-                          accumulate_grad_batches=2, precision="32-true", default_root_dir=tmp_path)
+    trainer, module = tiny_fit(
+        tiny_corpus,
+        [RunProvenance()],
+        steps=2,
+        logger=logger,
+        seed=3,
+        data_seed=None,
+        gradient_clip_val=0.5,
+        accumulate_grad_batches=2,
+        precision="32-true",
+        default_root_dir=tmp_path,
+    )
     run = _run(mlflow_uri, logger.run_id)
     tags, params = run.data.tags, run.data.params
     code = provenance.code_state()

@@ -1,22 +1,28 @@
 """Selective recompute of the mHC ops over blocks of L_r sublayers (docs/design.md §9, model/recompute.py)."""
+
 import math
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
-
 from helpers import CONF
-from mhc_lightning.model import GPT, GPTConfig, HyperConfig, hyper_connections
-from mhc_lightning.model import recompute
+
+from mhc_lightning.model import GPT, GPTConfig, HyperConfig, hyper_connections, recompute
 from mhc_lightning.model.recompute import live_activation_bytes, optimal_block, run_sublayers, saved_tensor_bytes
 
 B, T = 2, 8
 
 
 def model(mode="mhc", block=0, n_layers=2, d_model=32, **hyper) -> GPT:
-    cfg = GPTConfig(n_layers=n_layers, d_model=d_model, n_heads=2, context=T, recompute_block=block,
-                    hyper=HyperConfig(residual_mode=mode, phi_init="normal", bias_init="hc_identity", **hyper))
+    cfg = GPTConfig(
+        n_layers=n_layers,
+        d_model=d_model,
+        n_heads=2,
+        context=T,
+        recompute_block=block,
+        hyper=HyperConfig(residual_mode=mode, phi_init="normal", bias_init="hc_identity", **hyper),
+    )
     return GPT(cfg)
 
 
@@ -55,9 +61,17 @@ def test_auto_block_and_residual():
     assert model("residual", block=2).recompute_block == 0  # no mHC ops: nothing to recompute
 
 
-@pytest.mark.parametrize("mode,backend", [
-    ("mhc", "torch"), ("mhc", "triton"), ("hc", "torch"), ("hc", "triton"), ("identity", "torch"), ("identity", "triton"),
-])
+@pytest.mark.parametrize(
+    "mode,backend",
+    [
+        ("mhc", "torch"),
+        ("mhc", "triton"),
+        ("hc", "torch"),
+        ("hc", "triton"),
+        ("identity", "torch"),
+        ("identity", "triton"),
+    ],
+)
 def test_recompute_gives_the_same_loss_and_gradients(mode, backend):
     # the Triton interpreter's time goes mostly into the Sinkhorn loops: fewer iterations, same code paths
     opts = dict(kernel_backend=backend, sinkhorn_iters=4 if backend == "triton" else 20)
@@ -72,7 +86,9 @@ def test_recompute_gives_the_same_loss_and_gradients(mode, backend):
         loss, grads = loss_and_grads(m, idx)
         torch.testing.assert_close(loss, loss0, rtol=1e-6, atol=1e-6)
         for name, g in grads.items():
-            torch.testing.assert_close(g, grads0[name], rtol=1e-6, atol=1e-7, msg=lambda s: f"{block} {name}: {s}")
+            torch.testing.assert_close(
+                g, grads0[name], rtol=1e-6, atol=1e-7, msg=lambda s, block=block, name=name: f"{block} {name}: {s}"
+            )
 
 
 def saved_bytes(m: GPT, idx: torch.Tensor) -> int:
@@ -120,8 +136,9 @@ def test_a_policy_that_saves_everything_saves_no_memory(monkeypatch):
     monkeypatch.setattr(recompute, "saves_output", lambda op, args: True)
     # the reference Sinkhorn adds eps in place to a softmax output: let the cache hold it (memory only here)
     real = recompute.create_selective_checkpoint_contexts
-    monkeypatch.setattr(recompute, "create_selective_checkpoint_contexts",
-                        lambda policy: real(policy, allow_cache_entry_mutation=True))
+    monkeypatch.setattr(
+        recompute, "create_selective_checkpoint_contexts", lambda policy: real(policy, allow_cache_entry_mutation=True)
+    )
     base.recompute_block = 3
     assert saved_bytes(base, idx) >= 0.95 * plain
 
@@ -189,8 +206,11 @@ def test_chain_equals_one_sublayer_at_a_time(mode, backend):
     m = randomized(model(mode, kernel_backend=backend, sinkhorn_iters=4, chain_sublayers=True))
     x = torch.randn(B, T, m.n, 32, requires_grad=True)
     results = []
-    for run in (lambda x: run_sublayers(m.sublayers, x, 0), lambda x: recompute._run(m.sublayers, None, x),
-                lambda x: [x := layer(x) for layer in m.sublayers][-1]):
+    for run in (
+        lambda x: run_sublayers(m.sublayers, x, 0),
+        lambda x: recompute._run(m.sublayers, None, x),
+        lambda x: [x := layer(x) for layer in m.sublayers][-1],
+    ):
         m.zero_grad(set_to_none=True)
         with m.recording():
             out = run(x)
@@ -205,7 +225,7 @@ def test_chain_equals_one_sublayer_at_a_time(mode, backend):
         torch.testing.assert_close(out, out0, **tol)
         torch.testing.assert_close(gx, gx0, **tol)
         for name, g in grads.items():
-            torch.testing.assert_close(g, grads0[name], **tol, msg=lambda s: f"{name}: {s}")
+            torch.testing.assert_close(g, grads0[name], **tol, msg=lambda s, name=name: f"{name}: {s}")
         logits = set() if mode == "identity" else {"logit_range"}  # identity-HC has no res logits
         assert rec.keys() == rec0.keys() == {"h_pre", "h_post", "h_res", "spread"} | logits
         for k in rec:
@@ -223,12 +243,20 @@ def test_chain_sublayers_auto_chains_where_the_boundary_op_is_fused_and_eager(mo
         for setting in ("auto", True, False):
             layers = list(model(mode, kernel_backend=backend, chain_sublayers=setting).sublayers)
             decided[mode, backend, setting] = recompute._chains(layers, x)
-    assert decided == {("mhc", "triton", "auto"): True, ("mhc", "torch", "auto"): False,
-                       ("identity", "triton", "auto"): True, ("hc", "triton", "auto"): False,
-                       **{(m, b, True): m != "hc" for m, b in (("mhc", "triton"), ("mhc", "torch"), ("identity", "triton"),
-                                                              ("hc", "triton"))},
-                       **{(m, b, False): False for m, b in (("mhc", "triton"), ("mhc", "torch"), ("identity", "triton"),
-                                                           ("hc", "triton"))}}
+    assert decided == {
+        ("mhc", "triton", "auto"): True,
+        ("mhc", "torch", "auto"): False,
+        ("identity", "triton", "auto"): True,
+        ("hc", "triton", "auto"): False,
+        **{
+            (m, b, True): m != "hc"
+            for m, b in (("mhc", "triton"), ("mhc", "torch"), ("identity", "triton"), ("hc", "triton"))
+        },
+        **{
+            (m, b, False): False
+            for m, b in (("mhc", "triton"), ("mhc", "torch"), ("identity", "triton"), ("hc", "triton"))
+        },
+    }
     fused = randomized(model("mhc", kernel_backend="triton"))
     entered = []
     chain = type(fused.sublayers[0]).chain
@@ -238,6 +266,7 @@ def test_chain_sublayers_auto_chains_where_the_boundary_op_is_fused_and_eager(mo
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # as while torch.compile traces the model
     assert not recompute._chains(list(fused.sublayers), x)
     from mhc_lightning.module import check_compile
+
     check_compile(GPTConfig(hyper=HyperConfig(residual_mode="mhc")), True)  # auto compiles (one sublayer at a time)
     with pytest.raises(ValueError, match="refused"):
         check_compile(GPTConfig(hyper=HyperConfig(residual_mode="mhc", chain_sublayers=True)), True)
@@ -292,14 +321,16 @@ def test_rebuilt_branch_input_same_step_less_memory(mode):
         assert saved_bytes(lean, idx) == saved_bytes(base, idx)  # so holding x for a rebuild would cost more: off
 
 
-@pytest.mark.parametrize("backend,device", [("torch", "cpu"), ("triton", "cpu")]
-                         + ([("triton", "cuda")] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize(
+    "backend,device",
+    [("torch", "cpu"), ("triton", "cpu")] + ([("triton", "cuda")] if torch.cuda.is_available() else []),
+)
 def test_activation_checkpointing_from_outside_is_honoured(backend, device):
     """Activation checkpointing applied from outside, as Lightning's FSDPStrategy(activation_checkpointing_policy=...)
-    applies it (`apply_activation_checkpointing` wraps each sublayer): the step is bitwise the plain model's, and autograd
-    keeps only what the checkpoints keep. Two ways it was defeated without a word: the fused backend's chain called the
-    wrapped sublayers' `chain` through the wrapper (no checkpoint ran at all), and rebuild_branch_input's hooks, entered
-    inside the checkpoint, took over from its own and kept every activation of the branch."""
+    applies it (`apply_activation_checkpointing` wraps each sublayer): the step is bitwise the plain model's, and
+    autograd keeps only what the checkpoints keep. Two ways it was defeated without a word: the fused backend's chain
+    called the wrapped sublayers' `chain` through the wrapper (no checkpoint ran at all), and rebuild_branch_input's
+    hooks, entered inside the checkpoint, took over from its own and kept every activation of the branch."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
     from mhc_lightning.model.hyper_connection import HyperConnection
@@ -373,8 +404,13 @@ def test_external_checkpoint_under_fsdp_mixed_precision(wrapper, tmp_path):
         m.load_state_dict(base.state_dict())
         if wrapper == "FullyShardedDataParallel":
             mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16)
-            m = FullyShardedDataParallel(m, auto_wrap_policy=ModuleWrapPolicy({Attention, SwiGLU}), mixed_precision=mp,
-                                         use_orig_params=True, device_id=torch.device("cpu"))
+            m = FullyShardedDataParallel(
+                m,
+                auto_wrap_policy=ModuleWrapPolicy({Attention, SwiGLU}),
+                mixed_precision=mp,
+                use_orig_params=True,
+                device_id=torch.device("cpu"),
+            )
         else:
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             mesh = init_device_mesh("cpu", (1,))  # not the GPU's, where there is one: the model stays on the CPU
@@ -397,9 +433,11 @@ def test_external_checkpoint_under_fsdp_mixed_precision(wrapper, tmp_path):
         forward = seen[:]
         loss.backward()
         assert not [w for w in caught if "Mismatch dtype" in str(w.message)]  # input and weight of the norms agree
-        grads = {n.replace("_checkpoint_wrapped_module.", ""): getattr(p.grad, "full_tensor", p.grad.clone)()
-                 for n, p in m.named_parameters()}  # fully_shard's are DTensors: gathered while the group lives
-        return loss.detach(), grads, forward, seen[len(forward):]
+        grads = {
+            n.replace("_checkpoint_wrapped_module.", ""): getattr(p.grad, "full_tensor", p.grad.clone)()
+            for n, p in m.named_parameters()
+        }  # fully_shard's are DTensors: gathered while the group lives
+        return loss.detach(), grads, forward, seen[len(forward) :]
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:

@@ -1,4 +1,5 @@
 """The pure-PyTorch reference ops against docs/design.md: Sinkhorn, coefficients, streams, Amax gain."""
+
 import math
 
 import pytest
@@ -7,8 +8,15 @@ from torch.autograd import gradcheck
 
 from mhc_lightning.kernels import MHCOptions, get_ops, reference
 from mhc_lightning.kernels.reference import (
-    composite_products, gain_metrics, gain_report, hc_coefficients, mhc_coefficients, sinkhorn,
-    sinkhorn_residuals, stream_post_res, stream_pre,
+    composite_products,
+    gain_metrics,
+    gain_report,
+    hc_coefficients,
+    mhc_coefficients,
+    sinkhorn,
+    sinkhorn_residuals,
+    stream_post_res,
+    stream_pre,
 )
 
 
@@ -18,6 +26,7 @@ def logits(*shape, scale=3.0, seed=0, dtype=torch.float64):
 
 
 # ---- Sinkhorn -------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("start", ["softmax_eps", "exp", "log_domain"])
 def test_rows_exact_after_t_iterations(start):
@@ -71,6 +80,7 @@ def test_sinkhorn_bad_arguments_name_the_field():
 
 # ---- coefficients ---------------------------------------------------------------------------------------
 
+
 def mhc_inputs(n=4, C=6, T=5, seed=1, dtype=torch.float64, with_res=True):
     g = torch.Generator().manual_seed(seed)
     m = 2 * n + (n * n if with_res else 0)
@@ -90,8 +100,8 @@ def test_mhc_coefficients_match_the_unfused_equations():
     xn = flat / torch.sqrt(flat.square().mean(-1, keepdim=True) + 1e-6)
     t = xn @ phi
     torch.testing.assert_close(h_pre, torch.sigmoid(alpha[0] * t[:, :n] + bias[:n]) + 1e-6)
-    torch.testing.assert_close(h_post, 2 * torch.sigmoid(alpha[1] * t[:, n:2 * n] + bias[n:2 * n]))
-    R = (alpha[2] * t[:, 2 * n:] + bias[2 * n:]).reshape(-1, n, n)  # R[src, dst]
+    torch.testing.assert_close(h_post, 2 * torch.sigmoid(alpha[1] * t[:, n : 2 * n] + bias[n : 2 * n]))
+    R = (alpha[2] * t[:, 2 * n :] + bias[2 * n :]).reshape(-1, n, n)  # R[src, dst]
     torch.testing.assert_close(h_res, sinkhorn(R.mT, 20))
     # Liger's layout reads the same logits as H directly
     _, _, h_liger = mhc_coefficients(x, phi, bias, alpha, MHCOptions(res_layout="dst_src"))
@@ -130,8 +140,17 @@ def test_hc_init_is_a_prenorm_residual():
     x = torch.randn(5, n, C, dtype=torch.float64)
     z = torch.zeros
     h_pre, h_post, h_res = hc_coefficients(
-        x, torch.ones(C), z(C), z(C), z(C, n), torch.tensor(0.01), torch.tensor(0.01),
-        torch.ones(n), torch.eye(n)[k % n], torch.eye(n))
+        x,
+        torch.ones(C),
+        z(C),
+        z(C),
+        z(C, n),
+        torch.tensor(0.01),
+        torch.tensor(0.01),
+        torch.ones(n),
+        torch.eye(n)[k % n],
+        torch.eye(n),
+    )
     assert torch.equal(h_pre, torch.eye(n, dtype=x.dtype)[k % n].expand(5, n))
     assert torch.equal(h_post, torch.ones(5, n, dtype=x.dtype))
     assert torch.equal(h_res, torch.eye(n, dtype=x.dtype).expand(5, n, n))
@@ -153,6 +172,7 @@ def test_hc_dynamic_rows_come_from_their_own_stream():
 
 
 # ---- stream ops -----------------------------------------------------------------------------------------
+
 
 def test_stream_ops_match_the_update_equation():
     x, _, _, _ = mhc_inputs()
@@ -177,6 +197,7 @@ def test_stream_ops_gradcheck_float64():
 
 
 # ---- Amax gain ------------------------------------------------------------------------------------------
+
 
 def test_amax_definitions_on_hand_built_matrices():
     P = torch.tensor([[2.0, -1.0], [0.5, 0.5]], dtype=torch.float64)

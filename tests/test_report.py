@@ -1,4 +1,5 @@
 """`mhc report`: runs grouped by their tags, mean +- std over seeds, tables, plots and the markdown report."""
+
 import json
 import math
 import time
@@ -17,25 +18,40 @@ def make_runs(uri: str):
     for variant, gain in (("hc", 10.0), ("mhc", 1.0)):
         for depth in (2, 4):
             for seed in (1, 2):
-                run = client.create_run(exp, run_name=f"{variant}-L{depth}-s{seed}",
-                                        tags={"variant": variant, "model.arch.n_layers": str(depth), "seed_everything": str(seed)})
+                run = client.create_run(
+                    exp,
+                    run_name=f"{variant}-L{depth}-s{seed}",
+                    tags={"variant": variant, "model.arch.n_layers": str(depth), "seed_everything": str(seed)},
+                )
                 rid, now = run.info.run_id, int(time.time() * 1000)
                 metrics = [Metric("val/bpb", 2.0 + 0.1 * seed, now, 50)]
                 for step in range(0, 50, 10):
                     metrics += [
                         Metric("train/grad_norm", 1.0 + (9.0 if step == 30 and variant == "hc" else 0.0), now, step),
-                        Metric("amax/composite_fwd_max", 1.0 + (gain - 1) * depth * step / 40 if variant == "hc" else 1.0,
-                               now, step),
-                        Metric("amax/composite_bwd_max", 1.0 + (gain - 1) * depth * step / 50 if variant == "hc" else 1.0,
-                               now, step),
-                        Metric("train/tokens_per_sec", 1000.0 * seed, now, step)]
+                        Metric(
+                            "amax/composite_fwd_max",
+                            1.0 + (gain - 1) * depth * step / 40 if variant == "hc" else 1.0,
+                            now,
+                            step,
+                        ),
+                        Metric(
+                            "amax/composite_bwd_max",
+                            1.0 + (gain - 1) * depth * step / 50 if variant == "hc" else 1.0,
+                            now,
+                            step,
+                        ),
+                        Metric("train/tokens_per_sec", 1000.0 * seed, now, step),
+                    ]
                 client.log_batch(rid, metrics=metrics, params=[Param("optim/warmup_steps", "0")])
                 with open("per_layer.json", "w") as f:
                     json.dump({"composite_fwd_max": [gain, 1.0], "composite_bwd_max": [gain, 1.0]}, f)
                 client.log_artifact(rid, "per_layer.json", "diagnostics")  # not per_layer_step*: ignored
                 # the loader looks for per_layer_stepNNNNNNN.json
-                client.log_dict(rid, {"composite_fwd_max": [gain, 1.0], "composite_bwd_max": [gain, 1.0]},
-                                "diagnostics/per_layer_step0000040.json")
+                client.log_dict(
+                    rid,
+                    {"composite_fwd_max": [gain, 1.0], "composite_bwd_max": [gain, 1.0]},
+                    "diagnostics/per_layer_step0000040.json",
+                )
                 client.set_terminated(rid, "FINISHED")
     broken = client.create_run(exp, run_name="hc-L2-s3", tags={"variant": "hc", "model.arch.n_layers": "2"})
     client.log_metric(broken.info.run_id, "val/bpb", 99.0)
@@ -48,8 +64,23 @@ def test_report_groups_over_seeds(mlflow_uri, tmp_path, capsys):
     notes.write_text("## Reading\nhand-written text\n")
     out, rep = tmp_path / "results", tmp_path / "results.md"
     with pytest.raises(SystemExit) as exc:
-        main(["report", "--experiment", "grid", "--group-by", "variant,model.arch.n_layers",
-              "--tracking-uri", mlflow_uri, "--out", str(out), "--report", str(rep), "--notes", str(notes)])
+        main(
+            [
+                "report",
+                "--experiment",
+                "grid",
+                "--group-by",
+                "variant,model.arch.n_layers",
+                "--tracking-uri",
+                mlflow_uri,
+                "--out",
+                str(out),
+                "--report",
+                str(rep),
+                "--notes",
+                str(notes),
+            ]
+        )
     assert exc.value.code == 0
     table = (out / "groups.md").read_text().splitlines()
     assert len(table) == 2 + 4  # header, rule, 4 groups; the FAILED run is not counted
@@ -66,14 +97,29 @@ def test_report_groups_over_seeds(mlflow_uri, tmp_path, capsys):
     for png in ("bpb_vs_depth", "amax_vs_depth", "amax_over_training", "amax_vs_layer", "grad_norm", "val_bpb_curves"):
         assert (out / f"{png}.png").stat().st_size > 5000
     text = rep.read_text()
-    assert "mhc compare --experiment grid" in text and "hand-written text" in text and "](results/amax_vs_depth.png)" in text
+    assert (
+        "mhc compare --experiment grid" in text
+        and "hand-written text" in text
+        and "](results/amax_vs_depth.png)" in text
+    )
 
 
 def test_report_names_missing_group_tags(mlflow_uri, tmp_path, capsys):
     make_runs(mlflow_uri)
     with pytest.raises(SystemExit) as exc:
-        main(["report", "--experiment", "grid", "--group-by", "variant,depth", "--tracking-uri", mlflow_uri,
-              "--out", str(tmp_path / "r")])
+        main(
+            [
+                "report",
+                "--experiment",
+                "grid",
+                "--group-by",
+                "variant,depth",
+                "--tracking-uri",
+                mlflow_uri,
+                "--out",
+                str(tmp_path / "r"),
+            ]
+        )
     assert exc.value.code == 2
     assert "depth" in capsys.readouterr().err
 
@@ -89,8 +135,12 @@ def make_effect_runs(uri: str, code: dict[str, str] = None):
         shared = rng.gauss(0, 0.05)
         for variant, effect in (("residual", 0.0), ("mhc", -0.03), ("hc", 0.0)):
             name = f"{variant}-s{seed}"
-            tags = {"variant": variant, "model.arch.n_layers": "4", "seed_everything": str(seed),
-                    "mhc.code": (code or {}).get(name, "abc123def")}
+            tags = {
+                "variant": variant,
+                "model.arch.n_layers": "4",
+                "seed_everything": str(seed),
+                "mhc.code": (code or {}).get(name, "abc123def"),
+            }
             rid = client.create_run(exp, run_name=name, tags=tags).info.run_id
             client.log_metric(rid, "val/bpb", 2.0 + shared + effect + rng.gauss(0, 0.003), step=10)
             client.set_terminated(rid, "FINISHED")
@@ -100,11 +150,28 @@ def test_report_baseline_prints_paired_intervals(mlflow_uri, tmp_path, capsys):
     make_effect_runs(mlflow_uri)
     out, rep = tmp_path / "r", tmp_path / "report.md"
     with pytest.raises(SystemExit) as exc:
-        main(["report", "--experiment", "effects", "--group-by", "variant,model.arch.n_layers", "--baseline",
-              "residual", "--tracking-uri", mlflow_uri, "--out", str(out), "--report", str(rep)])
+        main(
+            [
+                "report",
+                "--experiment",
+                "effects",
+                "--group-by",
+                "variant,model.arch.n_layers",
+                "--baseline",
+                "residual",
+                "--tracking-uri",
+                mlflow_uri,
+                "--out",
+                str(out),
+                "--report",
+                str(rep),
+            ]
+        )
     assert exc.value.code == 0
-    rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
-            for line in (out / "vs_residual.md").read_text().splitlines()[2:]}
+    rows = {
+        line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
+        for line in (out / "vs_residual.md").read_text().splitlines()[2:]
+    }
     assert set(rows) == {"hc", "mhc"}
     mhc, hc = rows["mhc"], rows["hc"]
     assert mhc[-1] == "lower" and "paired by seed, n=6" in mhc and float(mhc[3]) < 0
@@ -120,8 +187,17 @@ def test_report_baseline_prints_paired_intervals(mlflow_uri, tmp_path, capsys):
 
 def test_report_refuses_to_pool_runs_of_different_code(mlflow_uri, tmp_path, capsys):
     make_effect_runs(mlflow_uri, code={"mhc-s2": "abc123def+1234abcd", "mhc-s5": "0f0f0f0f0"})
-    args = ["report", "--experiment", "effects", "--group-by", "variant,model.arch.n_layers", "--tracking-uri",
-            mlflow_uri, "--out", str(tmp_path / "r")]
+    args = [
+        "report",
+        "--experiment",
+        "effects",
+        "--group-by",
+        "variant,model.arch.n_layers",
+        "--tracking-uri",
+        mlflow_uri,
+        "--out",
+        str(tmp_path / "r"),
+    ]
     with pytest.raises(SystemExit) as exc:
         main(args)
     assert exc.value.code == 2
@@ -143,24 +219,45 @@ def test_lr_scan_report_compares_each_variant_at_its_best_lr(mlflow_uri, tmp_pat
     """Known curves: the residual is best at 2e-3 and diverges at 8e-3; mHC is best at 4e-3 and trains at 8e-3."""
     client = mlflow.MlflowClient(mlflow_uri)
     exp = client.create_experiment("lrs")
-    curve = {"residual": {1e-3: 2.10, 2e-3: 2.00, 4e-3: 2.05, 8e-3: 7.5},
-             "mhc": {1e-3: 2.12, 2e-3: 2.02, 4e-3: 1.96, 8e-3: 2.20}}
+    curve = {
+        "residual": {1e-3: 2.10, 2e-3: 2.00, 4e-3: 2.05, 8e-3: 7.5},
+        "mhc": {1e-3: 2.12, 2e-3: 2.02, 4e-3: 1.96, 8e-3: 2.20},
+    }
     for variant, by_lr in curve.items():
         for lr, bpb in by_lr.items():
             for seed in (1, 2, 3):
-                rid = client.create_run(exp, run_name=f"{variant}-lr{lr}-s{seed}", tags={
-                    "variant": variant, "model.optim.lr": str(lr), "seed_everything": str(seed)}).info.run_id
+                rid = client.create_run(
+                    exp,
+                    run_name=f"{variant}-lr{lr}-s{seed}",
+                    tags={"variant": variant, "model.optim.lr": str(lr), "seed_everything": str(seed)},
+                ).info.run_id
                 client.log_metric(rid, "val/bpb", bpb + 0.01 * seed, step=5)
                 client.set_terminated(rid, "FINISHED")
     out, rep = tmp_path / "r", tmp_path / "r.md"
     with pytest.raises(SystemExit) as exc:
-        main(["report", "--experiment", "lrs", "--group-by", "variant,model.optim.lr", "--baseline", "residual",
-              "--tracking-uri", mlflow_uri, "--out", str(out), "--report", str(rep)])
+        main(
+            [
+                "report",
+                "--experiment",
+                "lrs",
+                "--group-by",
+                "variant,model.optim.lr",
+                "--baseline",
+                "residual",
+                "--tracking-uri",
+                mlflow_uri,
+                "--out",
+                str(out),
+                "--report",
+                str(rep),
+            ]
+        )
     assert exc.value.code == 0
     lines = (out / "lr_sensitivity.md").read_text().splitlines()
     header = [c.strip() for c in lines[0].strip("|").split("|")]
-    rows = {r["variant"]: r for r in (dict(zip(header, (c.strip() for c in ln.strip("|").split("|"))))
-                                     for ln in lines[2:])}
+    rows = {
+        r["variant"]: r for r in (dict(zip(header, (c.strip() for c in ln.strip("|").split("|")))) for ln in lines[2:])
+    }
     assert rows["residual"]["best lr"] == "0.002" and rows["residual"]["highest lr that trains"] == "0.004"
     assert rows["residual"]["diverged at"] == "0.008"
     assert rows["mhc"]["best lr"] == "0.004" and rows["mhc"]["highest lr that trains"] == "0.008"

@@ -1,5 +1,6 @@
 """A resume that would change the experiment: `--ckpt_path last` with another trainer.max_steps than the run was planned
 for is refused unless `--extend` says to continue it, and then the learning rate goes on from where it was."""
+
 from __future__ import annotations
 
 import pytest
@@ -17,8 +18,9 @@ def _lr(client: MlflowClient, run_id: str) -> list[tuple[int, float]]:
     return sorted((m.step, m.value) for m in client.get_metric_history(run_id, "train/lr"))
 
 
-def test_extending_a_finished_run_is_refused_without_extend_and_continues_the_lr_with_it(tiny_corpus, mlflow_uri,
-                                                                                         tmp_path, capsys):
+def test_extending_a_finished_run_is_refused_without_extend_and_continues_the_lr_with_it(
+    tiny_corpus, mlflow_uri, tmp_path, capsys
+):
     """A 4-step run FINISHED; the same command with max_steps 6 and `--ckpt_path last` stops with one line naming both
     budgets and --extend, exit 2, nothing written (it used to reopen the run and restart the cosine: the lr went back
     up). With --extend the same run goes on to step 6 at the lr it had reached (its minimum), and the run records

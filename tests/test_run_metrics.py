@@ -1,5 +1,6 @@
 """What a run records beyond the loss: MLflow system metrics, MFU and peak memory, tokens/s and lr on the progress
 bar, the H_res heatmaps; and `mhc compare`'s training-loss curves and heatmaps side by side."""
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,9 @@ def test_model_flops_per_token_is_6n_plus_attention():
     from mhc_lightning.model import GPT, GPTConfig, HyperConfig
 
     for tied in (True, False):
-        arch = GPTConfig(n_layers=2, d_model=32, n_heads=2, context=16, tied_head=tied,
-                         hyper=HyperConfig(residual_mode="mhc"))
+        arch = GPTConfig(
+            n_layers=2, d_model=32, n_heads=2, context=16, tied_head=tied, hyper=HyperConfig(residual_mode="mhc")
+        )
         model = GPT(arch)
         n = sum(p.numel() for p in model.parameters()) - (0 if tied else model.embed.weight.numel())
         assert model_flops_per_token(arch) == 6 * n + 12 * 2 * 32 * 16
@@ -58,8 +60,9 @@ def test_mfu_with_a_given_peak_and_none_without_one_on_the_cpu(tiny_corpus):
 
 
 @pytest.mark.slow
-def test_fit_logs_system_metrics_mfu_and_h_res_heatmaps_and_compare_draws_them(tiny_corpus, mlflow_uri, tmp_path,
-                                                                              monkeypatch):
+def test_fit_logs_system_metrics_mfu_and_h_res_heatmaps_and_compare_draws_them(
+    tiny_corpus, mlflow_uri, tmp_path, monkeypatch
+):
     """One tiny `mhc fit`: MLflow's system metrics (sampled every second here) in the run, train/mfu with a given
     peak, the per-layer H_res heatmaps as artifacts; then `mhc compare` on it draws the training-loss curve and the
     heatmaps of the run's last diagnostics."""
@@ -67,8 +70,10 @@ def test_fit_logs_system_metrics_mfu_and_h_res_heatmaps_and_compare_draws_them(t
     from mhc_lightning.reports.compare import compare
 
     monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "1")
-    main(tiny_fit_args(tiny_corpus, mlflow_uri, tmp_path / "root", steps=4)
-         + ["--utilization.peak_flops=1e12", "--trainer.log_every_n_steps=1"])
+    main(
+        tiny_fit_args(tiny_corpus, mlflow_uri, tmp_path / "root", steps=4)
+        + ["--utilization.peak_flops=1e12", "--trainer.log_every_n_steps=1"]
+    )
     client = mlflow.MlflowClient(tracking_uri=mlflow_uri)
     (run,) = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
     metrics = run.data.metrics

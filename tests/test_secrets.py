@@ -6,6 +6,7 @@ Real processes: an `mlflow server` on a free loopback port behind a relay that r
 header (the server itself ignores basic auth), `mhc sweep` with two worker processes, `mhc grid` with two `mhc fit`
 runs.
 """
+
 from __future__ import annotations
 
 import base64
@@ -85,8 +86,11 @@ def server(tmp_path_factory):
     srv.start()
     relay = AuthRecorder(srv.url)
     try:
-        yield {"url": f"http://127.0.0.1:{relay.port}", "with_secret": f"http://{USER}:{SECRET}@127.0.0.1:{relay.port}",
-               "seen": relay.seen}
+        yield {
+            "url": f"http://127.0.0.1:{relay.port}",
+            "with_secret": f"http://{USER}:{SECRET}@127.0.0.1:{relay.port}",
+            "seen": relay.seen,
+        }
     finally:
         relay.httpd.shutdown()
         srv.stop()
@@ -113,8 +117,10 @@ def run_watching_children(cmd: list[str], cwd: Path, uri: str, timeout: float = 
             for child in psutil.Process(proc.pid).children(recursive=True):
                 if child.pid not in seen:
                     try:
-                        seen[child.pid] = (Path(f"/proc/{child.pid}/cmdline").read_text(),
-                                           Path(f"/proc/{child.pid}/environ").read_text())
+                        seen[child.pid] = (
+                            Path(f"/proc/{child.pid}/cmdline").read_text(),
+                            Path(f"/proc/{child.pid}/environ").read_text(),
+                        )
                     except OSError:
                         pass
         except psutil.NoSuchProcess:
@@ -176,8 +182,14 @@ def test_a_fit_config_keeps_the_password_in_the_environment(tiny_corpus, tmp_pat
     for k in (USER_ENV, PASSWORD_ENV):
         monkeypatch.delenv(k, raising=False)
     with pytest.raises(Parsed) as parsed:
-        build_cli(["fit", f"--data.corpus={tiny_corpus}",
-                   f"--trainer.logger.init_args.tracking_uri=http://{USER}:{SECRET}@127.0.0.1:9"], cli_class=ConfigOnly)
+        build_cli(
+            [
+                "fit",
+                f"--data.corpus={tiny_corpus}",
+                f"--trainer.logger.init_args.tracking_uri=http://{USER}:{SECRET}@127.0.0.1:9",
+            ],
+            cli_class=ConfigOnly,
+        )
     config = parsed.value.args[0]
     assert config.fit.trainer.logger.init_args.tracking_uri == "http://127.0.0.1:9"
     assert SECRET not in repr(config) and os.environ[PASSWORD_ENV] == SECRET
@@ -186,13 +198,29 @@ def test_a_fit_config_keeps_the_password_in_the_environment(tiny_corpus, tmp_pat
 @pytest.mark.slow
 def test_sweep_keeps_the_tracking_password_out_of_outputs_artifacts_and_argv(server, corpus, tmp_path):
     name = f"secret-{uuid.uuid4().hex[:6]}"
-    spec = derived_spec(tmp_path / "s.yaml", name, enqueue=[], pruner={"name": "none"},
-                        fixed={"trainer.max_steps": 4, "trainer.val_check_interval": 2},
-                        budget={"n_trials": 2, "max_failed": 0})
+    spec = derived_spec(
+        tmp_path / "s.yaml",
+        name,
+        enqueue=[],
+        pruner={"name": "none"},
+        fixed={"trainer.max_steps": 4, "trainer.val_check_interval": 2},
+        budget={"n_trials": 2, "max_failed": 0},
+    )
     storage, first = f"sqlite:///{tmp_path / 'sweeps.db'}", len(server["seen"])
-    cmd = [str(Path(sys.executable).with_name("mhc")), "sweep", "run", str(spec), "--workers", "2",
-           "--storage", storage, "--set", f"data.corpus={corpus}",
-           "--set", f"trainer.default_root_dir={tmp_path / 'runs'}"]
+    cmd = [
+        str(Path(sys.executable).with_name("mhc")),
+        "sweep",
+        "run",
+        str(spec),
+        "--workers",
+        "2",
+        "--storage",
+        storage,
+        "--set",
+        f"data.corpus={corpus}",
+        "--set",
+        f"trainer.default_root_dir={tmp_path / 'runs'}",
+    ]
     code, out, children = run_watching_children(cmd, tmp_path, server["with_secret"])
     assert code == 0, out[-3000:]
     assert SECRET not in out and "s3cr3t" not in files_text(tmp_path / "sweep_logs")

@@ -1,4 +1,5 @@
 """Confidence intervals of group differences (reports/stats.py) on synthetic runs with known effects."""
+
 import math
 import random
 

@@ -1,11 +1,12 @@
 """mHC that is mHC (docs/design.md §6): the default init keeps H_res ~ I at t = 0, yet the streams part and H_res
 learns; an init that keeps the streams identical is refused at start-up and caught by the detector at run time."""
+
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import make_text
 from test_callbacks_common import tiny_fit, tiny_module
 
-from helpers import make_text
 from mhc_lightning.callbacks import InstabilityDetector, channel_of
 from mhc_lightning.diagnostics import h_res_distances, summarize
 from mhc_lightning.model import GPT, GPTConfig, HyperConfig
@@ -15,8 +16,15 @@ from mhc_lightning.model.stream_spread import stream_spread
 def quick_model(mode: str, **hyper) -> GPT:
     """The quickstart's shape (3 blocks, C = 128, n = 4), on the reference ops."""
     torch.manual_seed(0)
-    return GPT(GPTConfig(n_layers=3, d_model=128, n_heads=4, context=64,
-                         hyper=HyperConfig(residual_mode=mode, kernel_backend="torch", **hyper)))
+    return GPT(
+        GPTConfig(
+            n_layers=3,
+            d_model=128,
+            n_heads=4,
+            context=64,
+            hyper=HyperConfig(residual_mode=mode, kernel_backend="torch", **hyper),
+        )
+    )
 
 
 def text_batches(steps: int, B: int = 8, T: int = 64) -> torch.Tensor:
@@ -76,9 +84,12 @@ def test_symmetric_init_keeps_the_streams_identical_bit_for_bit(mode):
 @pytest.mark.parametrize("scheme", ["zeros", "near_identity"])
 @pytest.mark.parametrize("mode", ["mhc", "identity"])
 def test_identical_stream_configs_are_refused_naming_the_keys(mode, scheme):
-    with pytest.raises(ValueError, match=r"bias_init=.* with phi_init=zeros keeps all 4 streams identical.*"
-                                         r"set bias_init to one of \['home', 'a6', 'hc_identity'\].*"
-                                         r"phi_init to one of \['normal', 'xavier'\].*allow_identical_streams"):
+    with pytest.raises(
+        ValueError,
+        match=r"bias_init=.* with phi_init=zeros keeps all 4 streams identical.*"
+        r"set bias_init to one of \['home', 'a6', 'hc_identity'\].*"
+        r"phi_init to one of \['normal', 'xavier'\].*allow_identical_streams",
+    ):
         HyperConfig(residual_mode=mode, bias_init=scheme)
     HyperConfig(residual_mode=mode, bias_init=scheme, phi_init="normal")  # random phi parts them: allowed
     HyperConfig(residual_mode="hc", bias_init=scheme)  # HC has its own (home-stream) init
@@ -87,6 +98,7 @@ def test_identical_stream_configs_are_refused_naming_the_keys(mode, scheme):
 
 def test_cli_refuses_identical_streams_naming_the_keys(capsys):
     from helpers import CONF
+
     from mhc_lightning.cli import main
 
     with pytest.raises(SystemExit) as exc:
@@ -114,11 +126,17 @@ def test_sinkhorn_count_changes_h_res_in_the_default_config():
     assert (one.sum(-2) - 1).abs().max() > (twenty.sum(-2) - 1).abs().max()  # more iterations: columns closer
 
 
-@pytest.mark.parametrize("scheme,extra,diag", [
-    ("home", {}, 0.99256), ("home", {"res_gap": 4.0}, 0.94794), ("a6", {}, 0.99256),
-    ("hc_identity", {}, 0.47537), ("zeros", {"allow_identical_streams": True}, 0.25),
-    ("near_identity", {"allow_identical_streams": True}, 0.99986),
-])
+@pytest.mark.parametrize(
+    "scheme,extra,diag",
+    [
+        ("home", {}, 0.99256),
+        ("home", {"res_gap": 4.0}, 0.94794),
+        ("a6", {}, 0.99256),
+        ("hc_identity", {}, 0.47537),
+        ("zeros", {"allow_identical_streams": True}, 0.25),
+        ("near_identity", {"allow_identical_streams": True}, 0.99986),
+    ],
+)
 def test_bias_init_schemes_give_documented_h_res(scheme, extra, diag):
     """docs/design.md §6 table: H_res at step 0 with phi = 0 and n = 4."""
     m = quick_model("mhc", bias_init=scheme, **extra)
@@ -138,7 +156,7 @@ def test_diagnostics_report_spread_and_h_res_distances():
     assert stream_spread(x)[0, 0].item() == pytest.approx(expected)
     eye, uniform = torch.eye(4, dtype=torch.float64), torch.full((4, 4), 0.25, dtype=torch.float64)
     d_i, d_u = h_res_distances(torch.stack([eye, uniform]))
-    assert d_i.tolist() == pytest.approx([0.0, 3 ** 0.5]) and d_u.tolist() == pytest.approx([3 ** 0.5, 0.0])
+    assert d_i.tolist() == pytest.approx([0.0, 3**0.5]) and d_u.tolist() == pytest.approx([3**0.5, 0.0])
     scalars, per_layer = summarize(recorded(quick_model("mhc"), text_batches(1)[0][:1, :-1]))
     assert scalars["streams/spread_last"] < 1e-6  # t = 0: the streams have not parted yet (rounding only)
     assert scalars["hres/dist_identity"] == pytest.approx(0.01711, abs=1e-4)  # res_gap 6: H_res ~ I

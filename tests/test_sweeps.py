@@ -1,5 +1,6 @@
 """A 4-trial CPU sweep on SQLite (one worker, in process): MLflow parent/child runs, pruning, best trial,
 Optuna plots, resuming, and `mhc compare` on the sweep's runs."""
+
 from __future__ import annotations
 
 import shutil
@@ -9,9 +10,9 @@ import matplotlib.image as mpimg
 import numpy as np
 import optuna
 import pytest
+from helpers import REPO, make_text
 from mlflow import MlflowClient
 
-from helpers import REPO, make_text
 from mhc_lightning.sweeps.cli import main as sweep_main
 
 SMOKE = REPO / "sweeps" / "smoke.yaml"
@@ -28,8 +29,18 @@ def sweep(tmp_path_factory, _mlflow_template):
     corpus.write_text(make_text(60_000, seed=7))
     shutil.copy(_mlflow_template, root / "mlflow.db")
     uri = f"sqlite:///{root / 'mlflow.db'}"
-    argv = ["run", str(SMOKE), "--tracking-uri", uri, "--set", f"data.corpus={corpus}",
-            "--set", f"trainer.default_root_dir={root / 'runs'}", "--spool-dir", str(root / "spool")]
+    argv = [
+        "run",
+        str(SMOKE),
+        "--tracking-uri",
+        uri,
+        "--set",
+        f"data.corpus={corpus}",
+        "--set",
+        f"trainer.default_root_dir={root / 'runs'}",
+        "--spool-dir",
+        str(root / "spool"),
+    ]
     mp = pytest.MonkeyPatch()
     mp.chdir(root)  # MLflow's sqlite store puts artifacts under ./mlruns
     try:
@@ -93,7 +104,9 @@ def check_records(sweep):
     assert parent.data.tags["sweep.status"] == "complete" and parent.info.status == "FINISHED"
     plots = {a.path for a in client.list_artifacts(parent.info.run_id, "plots")}
     assert "plots/history.png" in plots and "plots/parallel_coordinate.png" in plots
-    assert {"best_trial.json", "trials.csv", "sweep.yaml"} <= {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"best_trial.json", "trials.csv", "sweep.yaml"} <= {
+        a.path for a in client.list_artifacts(parent.info.run_id)
+    }
 
     # the trial is what `mhc fit` would run: its command line is the base configs plus the trial's values
     cmd = Path(client.download_artifacts(by_trial[0].info.run_id, "trial_command.txt", str(sweep["root"]))).read_text()

@@ -3,6 +3,7 @@
 The sweep worker runs in the test process (`sweeps.cli.main`); each trial starts `mhc fit` as a child, and Lightning
 starts the second rank from it, as in tests/test_distributed.py. Spec checks of the `trial` block are at the end.
 """
+
 from __future__ import annotations
 
 import math
@@ -17,28 +18,40 @@ import optuna
 import psutil
 import pytest
 import yaml
+from helpers import CONF, REPO
 from mlflow import MlflowClient
 
-from helpers import CONF, REPO
 from mhc_lightning import child_processes
 from mhc_lightning.sweeps.cli import main as sweep_main
 from mhc_lightning.sweeps.spec import SpecError, parse_spec
 from mhc_lightning.sweeps.trial_args import trial_args
 
 S = optuna.trial.TrialState
-TINY = {"model.arch.n_layers": 2, "model.arch.d_model": 32, "model.arch.n_heads": 2, "model.optim.warmup_steps": 0,
-        "data.seq_len": 32, "data.batch_size": 4, "trainer.max_steps": 4, "trainer.val_check_interval": 2,
-        "trainer.limit_val_batches": 2, "model.diagnostics_every": 2}
+TINY = {
+    "model.arch.n_layers": 2,
+    "model.arch.d_model": 32,
+    "model.arch.n_heads": 2,
+    "model.optim.warmup_steps": 0,
+    "data.seq_len": 32,
+    "data.batch_size": 4,
+    "trainer.max_steps": 4,
+    "trainer.val_check_interval": 2,
+    "trainer.limit_val_batches": 2,
+    "model.diagnostics_every": 2,
+}
 
 
 def ddp_spec(name: str, **over) -> dict:
-    spec = {"name": name, "base": [str(CONF / "base.yaml"), str(CONF / "model" / "mhc.yaml"),
-                                   str(CONF / "presets" / "debug.yaml")],
-            "trial": {"launcher": "subprocess", "args": ["-c", str(CONF / "machine" / "ddp-cpu.yaml")], "timeout_s": 300},
-            "fixed": dict(TINY),
-            "space": {"model.optim.lr": {"type": "float", "low": 1.0e-5, "high": 3.0e-2, "log": True}},
-            "objectives": [{"metric": "val/loss", "direction": "minimize"}],
-            "sampler": {"name": "random", "seed": 0}, "storage": {"heartbeat_interval": 5, "grace_period": 120}}
+    spec = {
+        "name": name,
+        "base": [str(CONF / "base.yaml"), str(CONF / "model" / "mhc.yaml"), str(CONF / "presets" / "debug.yaml")],
+        "trial": {"launcher": "subprocess", "args": ["-c", str(CONF / "machine" / "ddp-cpu.yaml")], "timeout_s": 300},
+        "fixed": dict(TINY),
+        "space": {"model.optim.lr": {"type": "float", "low": 1.0e-5, "high": 3.0e-2, "log": True}},
+        "objectives": [{"metric": "val/loss", "direction": "minimize"}],
+        "sampler": {"name": "random", "seed": 0},
+        "storage": {"heartbeat_interval": 5, "grace_period": 120},
+    }
     spec.update(over)
     return spec
 
@@ -47,8 +60,19 @@ def run_sweep(tmp_path: Path, mlflow_uri: str, spec: dict, *sets: str):
     path = tmp_path / f"{spec['name']}.yaml"
     path.write_text(yaml.safe_dump(spec))
     storage = f"sqlite:///{tmp_path / 'sweeps.db'}"
-    argv = ["run", str(path), "--tracking-uri", mlflow_uri, "--storage", storage, "--spool-dir", str(tmp_path / "spool"),
-            "--set", f"trainer.default_root_dir={tmp_path / 'runs'}", *[a for s in sets for a in ("--set", s)]]
+    argv = [
+        "run",
+        str(path),
+        "--tracking-uri",
+        mlflow_uri,
+        "--storage",
+        storage,
+        "--spool-dir",
+        str(tmp_path / "spool"),
+        "--set",
+        f"trainer.default_root_dir={tmp_path / 'runs'}",
+        *[a for s in sets for a in ("--set", s)],
+    ]
     code = sweep_main(argv)
     study = optuna.load_study(study_name=spec["name"], storage=storage)
     client = MlflowClient(mlflow_uri)
@@ -78,9 +102,12 @@ def log_text(client, run_id: str, tmp_path: Path) -> str:
 def test_ddp_trials_complete_and_prune(tiny_corpus, mlflow_uri, tmp_path):
     """Trial 0 (lr 3e-2) completes; trial 1 (lr 1e-5, worse at the first validation) is pruned by the median pruner
     from inside its DDP child. One MLflow run per trial, written by rank 0; no rank outlives its trial."""
-    spec = ddp_spec("ddp-sweep", enqueue=[{"model.optim.lr": 3.0e-2}, {"model.optim.lr": 1.0e-5}],
-                    pruner={"name": "median", "options": {"n_startup_trials": 1, "n_warmup_steps": 0}},
-                    budget={"n_trials": 2, "max_failed": 0})
+    spec = ddp_spec(
+        "ddp-sweep",
+        enqueue=[{"model.optim.lr": 3.0e-2}, {"model.optim.lr": 1.0e-5}],
+        pruner={"name": "median", "options": {"n_startup_trials": 1, "n_warmup_steps": 0}},
+        budget={"n_trials": 2, "max_failed": 0},
+    )
     code, study, client, runs = run_sweep(tmp_path, mlflow_uri, spec, f"data.corpus={tiny_corpus}")
     assert code == 0
     assert not leftover_processes(tmp_path)
@@ -96,7 +123,9 @@ def test_ddp_trials_complete_and_prune(tiny_corpus, mlflow_uri, tmp_path):
         assert run.info.run_id == t.user_attrs["mlflow_run_id"] and run.info.status == "FINISHED"
         assert run.data.tags["optuna.state"] == t.state.name
         assert run.data.params["trial.model.optim.lr"] == str(t.params["model.optim.lr"])
-        assert {"config.yaml", "trial_command.txt", "trial.log"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
+        assert {"config.yaml", "trial_command.txt", "trial.log"} <= {
+            a.path for a in client.list_artifacts(run.info.run_id)
+        }
         log = log_text(client, run.info.run_id, tmp_path / str(t.number))
         assert "Starting with 2 processes" in log and "MEMBER: 2/2" in log  # it really was a 2-rank DDP run
     run = runs[done.number]
@@ -115,7 +144,9 @@ def test_failing_child_fails_the_trial_with_its_log(mlflow_uri, tmp_path):
     in the trial's error and the run's optuna.error tag, and the whole log as the run's trial.log. One process:
     a DDP child fails the same way, only later (test above for DDP)."""
     missing = tmp_path / "no_such_corpus.txt"
-    spec = ddp_spec("child-fail", trial={"launcher": "subprocess", "timeout_s": 300}, budget={"n_trials": 1, "max_failed": 0})
+    spec = ddp_spec(
+        "child-fail", trial={"launcher": "subprocess", "timeout_s": 300}, budget={"n_trials": 1, "max_failed": 0}
+    )
     code, study, client, runs = run_sweep(tmp_path, mlflow_uri, spec, f"data.corpus={missing}")
     assert code == 3  # budget.max_failed exceeded: the worker stops
     assert not leftover_processes(tmp_path)
@@ -137,12 +168,14 @@ def test_trial_block_is_validated_and_its_args_follow_the_base_configs():
     args = trial_args(spec, {"model.optim.lr": 1e-3})
     assert args[6:8] == ["-c", str(CONF / "machine" / "ddp-cpu.yaml")]  # after the 3 base configs, before the values
     assert parse_spec(ddp_spec("x", trial=None)).trial == {"launcher": "in_process", "args": [], "timeout_s": None}
-    for trial, expected in (({"launcher": "ddp"}, ["trial.launcher", "'ddp'", "['in_process', 'subprocess']"]),
-                            ({"launcher": "subprocess", "args": "-c x.yaml"}, ["trial.args", "list"]),
-                            ({"launcher": "subprocess", "args": ["-c", "conf/nope.yaml"]}, ["trial.args[1]", "not found"]),
-                            ({"launcher": "subprocess", "timeout_s": 0}, ["trial.timeout_s", "> 0"]),
-                            ({"launcher": "in_process", "timeout_s": 10}, ["trial.timeout_s", "subprocess"]),
-                            ({"launcher": "subprocess", "nodes": 2}, ["trial", "unknown key(s) ['nodes']"])):
+    for trial, expected in (
+        ({"launcher": "ddp"}, ["trial.launcher", "'ddp'", "['in_process', 'subprocess']"]),
+        ({"launcher": "subprocess", "args": "-c x.yaml"}, ["trial.args", "list"]),
+        ({"launcher": "subprocess", "args": ["-c", "conf/nope.yaml"]}, ["trial.args[1]", "not found"]),
+        ({"launcher": "subprocess", "timeout_s": 0}, ["trial.timeout_s", "> 0"]),
+        ({"launcher": "in_process", "timeout_s": 10}, ["trial.timeout_s", "subprocess"]),
+        ({"launcher": "subprocess", "nodes": 2}, ["trial", "unknown key(s) ['nodes']"]),
+    ):
         with pytest.raises(SpecError) as err:
             parse_spec(ddp_spec("x", trial=trial), Path("sweeps/x.yaml"))
         for piece in expected:
@@ -210,7 +243,9 @@ def _stand_in(tmp_path: Path) -> list[str]:
 @pytest.mark.slow
 def test_timeout_stops_the_childs_whole_process_group(tmp_path, monkeypatch):
     """A child past trial.timeout_s (or interrupted: the same path) is stopped with every process it started."""
-    with pytest.raises(child_processes.ChildFailed, match=r"ran past its timeout of 3 s and was stopped(.|\n)*process 2 up"):
+    with pytest.raises(
+        child_processes.ChildFailed, match=r"ran past its timeout of 3 s and was stopped(.|\n)*process 2 up"
+    ):
         child_processes.run(_stand_in(tmp_path) + [str(tmp_path), "2"], tmp_path / "trial.log", timeout_s=3)
     assert not _survivors(_wait_for([tmp_path / "pid1", tmp_path / "pid2"]))
 
@@ -218,8 +253,10 @@ def test_timeout_stops_the_childs_whole_process_group(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_sigkilled_worker_takes_its_ranks_along(tmp_path):
     """SIGKILL leaves the worker no chance to stop its child; every rank then dies with its parent."""
-    worker = (f"import os, subprocess, time; os.environ[{child_processes.PARENT_ENV!r}] = str(os.getpid()); "
-              f"subprocess.Popen({_stand_in(tmp_path) + [str(tmp_path), '2']!r}); time.sleep(120)")
+    worker = (
+        f"import os, subprocess, time; os.environ[{child_processes.PARENT_ENV!r}] = str(os.getpid()); "
+        f"subprocess.Popen({_stand_in(tmp_path) + [str(tmp_path), '2']!r}); time.sleep(120)"
+    )
     proc = subprocess.Popen([sys.executable, "-c", worker])
     try:
         pids = _wait_for([tmp_path / "pid1", tmp_path / "pid2"])

@@ -4,6 +4,7 @@ max_failed continued, and sweep-file mistakes that must stop the sweep before (o
 
 (PostgreSQL storages with heartbeats: tests/test_tracking_server.py.)
 """
+
 from __future__ import annotations
 
 import os
@@ -16,9 +17,9 @@ from pathlib import Path
 
 import optuna
 import pytest
+from helpers import derived_spec, make_text, trial_worker_pid, wait_for_running_trial
 from mlflow import MlflowClient
 
-from helpers import derived_spec, make_text, trial_worker_pid, wait_for_running_trial
 from mhc_lightning.sweeps.cli import main as sweep_main
 from mhc_lightning.sweeps.factories import make_storage
 
@@ -39,9 +40,24 @@ def _env() -> dict[str, str]:
 
 
 def launcher(spec: Path, cwd: Path, corpus: Path, storage: str, uri: str, *extra: str, log: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "mhc_lightning.sweeps", "run", str(spec), "--storage", storage, "--tracking-uri", uri,
-           "--set", f"data.corpus={corpus}", "--set", f"trainer.default_root_dir={cwd / 'runs'}",
-           "--spool-dir", str(cwd / "spool"), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mhc_lightning.sweeps",
+        "run",
+        str(spec),
+        "--storage",
+        storage,
+        "--tracking-uri",
+        uri,
+        "--set",
+        f"data.corpus={corpus}",
+        "--set",
+        f"trainer.default_root_dir={cwd / 'runs'}",
+        "--spool-dir",
+        str(cwd / "spool"),
+        *extra,
+    ]
     with open(cwd / log, "w") as out:
         return subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
 
@@ -56,8 +72,11 @@ def finish(proc: subprocess.Popen, log: Path, timeout: float = 420) -> int:
 
 
 def trial_params(study) -> list[tuple]:
-    return [tuple(sorted(t.params.items())) for t in study.trials if t.params
-            and t.user_attrs.get("duplicate_of") is None and t.system_attrs.get("failed_trial") is None]
+    return [
+        tuple(sorted(t.params.items()))
+        for t in study.trials
+        if t.params and t.user_attrs.get("duplicate_of") is None and t.system_attrs.get("failed_trial") is None
+    ]
 
 
 # ---- item 3 (+ 5): a SIGKILLed worker on journal storage -------------------------------------------------------------
@@ -66,11 +85,16 @@ def test_killed_worker_on_journal_storage_is_reaped_and_its_trial_rerun(corpus, 
     """Two workers on a journal storage (no heartbeats); one is SIGKILLed inside a trial. The launcher reaps it, names
     it, fails and re-queues its trial; the other worker runs the copy; the launcher exits 0 with the budget met."""
     name = f"journal-{uuid.uuid4().hex[:6]}"
-    spec = derived_spec(tmp_path / "j.yaml", name, enqueue=[], pruner={"name": "none"},
-                        # long enough that the trial is still training when the poll sees it (16 steps finished
-                        # inside the poll on a quiet machine)
-                        budget={"n_trials": 3, "max_failed": 1}, fixed={"trainer.max_steps": 150,
-                                                                        "trainer.val_check_interval": 50})
+    spec = derived_spec(
+        tmp_path / "j.yaml",
+        name,
+        enqueue=[],
+        pruner={"name": "none"},
+        # long enough that the trial is still training when the poll sees it (16 steps finished
+        # inside the poll on a quiet machine)
+        budget={"n_trials": 3, "max_failed": 1},
+        fixed={"trainer.max_steps": 150, "trainer.val_check_interval": 50},
+    )
     storage, uri = f"journal:{tmp_path / 'sweeps.journal.log'}", f"sqlite:///{tmp_path / 'mlflow.db'}"
     journal = make_storage(storage, {})
     proc = launcher(spec, tmp_path, corpus, storage, uri, "--workers", "2", log="launcher.log")
@@ -106,9 +130,15 @@ def test_two_launchers_on_a_fresh_sqlite_store_propose_no_duplicates(corpus, tmp
     spec, same sampler seed): both finish, the store stays usable, and no two sampled trials share parameters; a
     re-run after that (a larger budget) proposes new points too."""
     name = f"dup-{uuid.uuid4().hex[:6]}"
-    spec = derived_spec(tmp_path / "d.yaml", name, enqueue=[], pruner={"name": "none"}, fixed=FAST,
-                        space={"model.optim.lr": {"type": "float", "low": 1.0e-4, "high": 1.0e-2, "log": True}},
-                        budget={"n_trials": 4, "max_failed": 1})
+    spec = derived_spec(
+        tmp_path / "d.yaml",
+        name,
+        enqueue=[],
+        pruner={"name": "none"},
+        fixed=FAST,
+        space={"model.optim.lr": {"type": "float", "low": 1.0e-4, "high": 1.0e-2, "log": True}},
+        budget={"n_trials": 4, "max_failed": 1},
+    )
     storage, uri = f"sqlite:///{tmp_path / 'sweeps.db'}", f"sqlite:///{tmp_path / 'mlflow.db'}"
     procs = [launcher(spec, tmp_path, corpus, storage, uri, log=f"l{i}.log") for i in range(2)]
     codes = [finish(p, tmp_path / f"l{i}.log") for i, p in enumerate(procs)]
@@ -123,9 +153,27 @@ def test_two_launchers_on_a_fresh_sqlite_store_propose_no_duplicates(corpus, tmp
     parents = client.search_runs([exp.experiment_id], "tags.`optuna.role` = 'study'")
     assert len(parents) == 1  # the store is usable and both launchers share one parent run
 
-    assert sweep_main(["run", str(spec), "--storage", storage, "--tracking-uri", uri, "--set", f"data.corpus={corpus}",
-                       "--set", f"trainer.default_root_dir={tmp_path / 'runs'}", "--n-trials", "6",
-                       "--spool-dir", str(tmp_path / "spool")]) == 0
+    assert (
+        sweep_main(
+            [
+                "run",
+                str(spec),
+                "--storage",
+                storage,
+                "--tracking-uri",
+                uri,
+                "--set",
+                f"data.corpus={corpus}",
+                "--set",
+                f"trainer.default_root_dir={tmp_path / 'runs'}",
+                "--n-trials",
+                "6",
+                "--spool-dir",
+                str(tmp_path / "spool"),
+            ]
+        )
+        == 0
+    )
     again = trial_params(optuna.load_study(study_name=name, storage=storage))
     assert len(set(again)) == len(again) and set(first) < set(again)
 
@@ -156,8 +204,16 @@ def test_parallel_first_access_to_fresh_sqlite_stores(tmp_path):
     gate = tmp_path / "gate"
     gate.mkdir()
     rounds = [(f"sqlite:///{tmp_path / f'm{r}.db'}", f"sqlite:///{tmp_path / f's{r}.db'}") for r in range(3)]
-    procs = [subprocess.Popen([sys.executable, "-c", PREPARE, str(gate), "4", *[a for rnd in rounds for a in rnd]],
-                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(4)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", PREPARE, str(gate), "4", *[a for rnd in rounds for a in rnd]],
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for _ in range(4)
+    ]
     outs = [p.communicate(timeout=240)[0] for p in procs]
     assert [p.returncode for p in procs] == [0] * 4, outs
     for uri, storage in rounds:
@@ -183,8 +239,9 @@ def test_only_the_studys_creator_makes_its_parent_run(tmp_path):
     studies = [first.study(), second.study()]
     assert (first.created, second.created) == (True, False)
     got = {}
-    waiter = threading.Thread(target=lambda: got.setdefault("second", second.tracker().ensure_parent(
-        studies[1], creator=second.created)))
+    waiter = threading.Thread(
+        target=lambda: got.setdefault("second", second.tracker().ensure_parent(studies[1], creator=second.created))
+    )
     waiter.start()
     time.sleep(1.0)  # the other launcher is waiting when the creator makes the run
     assert waiter.is_alive()
@@ -196,8 +253,12 @@ def test_only_the_studys_creator_makes_its_parent_run(tmp_path):
     assert len(client.search_runs([exp.experiment_id], "tags.`optuna.role` = 'study'")) == 1
 
     # a study whose creator never recorded a parent (it died first): the wait ends, and a run is found or made
-    orphan = Sweep(load_spec(derived_spec(tmp_path / "o.yaml", f"orphan-{uuid.uuid4().hex[:6]}", enqueue=[])),
-                   storage, uri, str(tmp_path / "spool"))
+    orphan = Sweep(
+        load_spec(derived_spec(tmp_path / "o.yaml", f"orphan-{uuid.uuid4().hex[:6]}", enqueue=[])),
+        storage,
+        uri,
+        str(tmp_path / "spool"),
+    )
     orphan.study()
     late = Sweep(orphan.spec, storage, uri, str(tmp_path / "spool"))
     study = late.study()
@@ -211,11 +272,27 @@ def test_only_the_studys_creator_makes_its_parent_run(tmp_path):
 @pytest.mark.slow
 def test_study_stopped_by_max_failed_continues_after_the_fix(corpus, tmp_path, capsys):
     name = f"maxf-{uuid.uuid4().hex[:6]}"
-    spec = derived_spec(tmp_path / "m.yaml", name, enqueue=[], pruner={"name": "none"}, fixed=FAST,
-                        budget={"n_trials": 2, "max_failed": 1})
+    spec = derived_spec(
+        tmp_path / "m.yaml",
+        name,
+        enqueue=[],
+        pruner={"name": "none"},
+        fixed=FAST,
+        budget={"n_trials": 2, "max_failed": 1},
+    )
     storage, uri = f"sqlite:///{tmp_path / 'sweeps.db'}", f"sqlite:///{tmp_path / 'mlflow.db'}"
-    common = ["run", str(spec), "--storage", storage, "--tracking-uri", uri, "--spool-dir", str(tmp_path / "spool"),
-              "--set", f"trainer.default_root_dir={tmp_path / 'runs'}"]
+    common = [
+        "run",
+        str(spec),
+        "--storage",
+        storage,
+        "--tracking-uri",
+        uri,
+        "--spool-dir",
+        str(tmp_path / "spool"),
+        "--set",
+        f"trainer.default_root_dir={tmp_path / 'runs'}",
+    ]
     assert sweep_main(common + ["--set", f"data.corpus={tmp_path / 'missing.txt'}"]) == 3
     out = capsys.readouterr().out
     assert "2 trials failed in this launch (budget.max_failed=1)" in out and "run the same command again" in out
@@ -227,17 +304,33 @@ def test_study_stopped_by_max_failed_continues_after_the_fix(corpus, tmp_path, c
 
 # ---- item 7: sweep-file mistakes found before, or at the first of, the trials ----------------------------------------
 @pytest.mark.slow  # the `mhc fit` parser is built in the launcher: a few seconds
-@pytest.mark.parametrize("change, named", [
-    ({"fixed": {"trainer.max_stepz": 5}}, "trainer.max_stepz"),
-    ({"space": {"model.optim.lrr": {"type": "float", "low": 1e-4, "high": 1e-2}}}, "model.optim.lrr"),
-])
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        ({"fixed": {"trainer.max_stepz": 5}}, "trainer.max_stepz"),
+        ({"space": {"model.optim.lrr": {"type": "float", "low": 1e-4, "high": 1e-2}}}, "model.optim.lrr"),
+    ],
+)
 def test_unknown_fit_keys_are_refused_before_any_trial(change, named, corpus, tmp_path, capsys):
     name = f"keys-{uuid.uuid4().hex[:6]}"
     spec = derived_spec(tmp_path / "k.yaml", name, enqueue=[], **change)
     storage = f"sqlite:///{tmp_path / 'sweeps.db'}"
     t0 = time.monotonic()
-    assert sweep_main(["run", str(spec), "--storage", storage, "--tracking-uri", f"sqlite:///{tmp_path / 'm.db'}",
-                       "--set", f"data.corpus={corpus}"]) == 2
+    assert (
+        sweep_main(
+            [
+                "run",
+                str(spec),
+                "--storage",
+                storage,
+                "--tracking-uri",
+                f"sqlite:///{tmp_path / 'm.db'}",
+                "--set",
+                f"data.corpus={corpus}",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("mhc sweep: error:")]
     assert len(lines) == 1 and named in lines[0] and "rejects the sweep's arguments" in lines[0], err
@@ -252,13 +345,35 @@ def test_an_objective_metric_never_logged_stops_the_sweep_at_the_first_trial(met
     """val/* metrics are checked at the first validation, others at the end of the first trial: one trial, not
     budget.max_failed + 1 of them, and one line naming the metric."""
     name = f"metric-{uuid.uuid4().hex[:6]}"
-    spec = derived_spec(tmp_path / "o.yaml", name, enqueue=[], pruner={"name": "none"},
-                        fixed={"trainer.max_steps": 8, "trainer.val_check_interval": 2},
-                        objectives=[{"metric": metric, "direction": "minimize"}], budget={"n_trials": 4, "max_failed": 3})
+    spec = derived_spec(
+        tmp_path / "o.yaml",
+        name,
+        enqueue=[],
+        pruner={"name": "none"},
+        fixed={"trainer.max_steps": 8, "trainer.val_check_interval": 2},
+        objectives=[{"metric": metric, "direction": "minimize"}],
+        budget={"n_trials": 4, "max_failed": 3},
+    )
     storage = f"sqlite:///{tmp_path / 'sweeps.db'}"
-    assert sweep_main(["run", str(spec), "--storage", storage, "--tracking-uri", f"sqlite:///{tmp_path / 'm.db'}",
-                       "--set", f"data.corpus={corpus}", "--set", f"trainer.default_root_dir={tmp_path / 'runs'}",
-                       "--spool-dir", str(tmp_path / "spool")]) == 2
+    assert (
+        sweep_main(
+            [
+                "run",
+                str(spec),
+                "--storage",
+                storage,
+                "--tracking-uri",
+                f"sqlite:///{tmp_path / 'm.db'}",
+                "--set",
+                f"data.corpus={corpus}",
+                "--set",
+                f"trainer.default_root_dir={tmp_path / 'runs'}",
+                "--spool-dir",
+                str(tmp_path / "spool"),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert f"mhc sweep: error: {spec}: objective metric(s) ['{metric}'] never logged" in err
     study = optuna.load_study(study_name=name, storage=storage)
@@ -267,8 +382,15 @@ def test_an_objective_metric_never_logged_stops_the_sweep_at_the_first_trial(met
     print(f"[figures] objective {metric} never logged: 1 trial, sweep stopped")
     if metric.startswith("val/"):  # stopped at the first validation (step 2), not after all 8 steps
         run = MlflowClient(f"sqlite:///{tmp_path / 'm.db'}").get_run(trial.user_attrs["mlflow_run_id"])
-        assert max(m.step for m in MlflowClient(f"sqlite:///{tmp_path / 'm.db'}").get_metric_history(
-            run.info.run_id, "train/loss")) < 4
+        assert (
+            max(
+                m.step
+                for m in MlflowClient(f"sqlite:///{tmp_path / 'm.db'}").get_metric_history(
+                    run.info.run_id, "train/loss"
+                )
+            )
+            < 4
+        )
 
 
 # ---- item 4: duplicate proposals are not trained and do not count ----------------------------------------------------
@@ -277,12 +399,32 @@ def test_duplicate_proposals_are_not_trained_and_do_not_count(corpus, tmp_path, 
     """A space of two points and a budget of three: the two points train once each; the sampler's repeats are recorded
     as duplicates (no MLflow run, not an error) and the worker stops when it keeps proposing them."""
     name = f"exhaust-{uuid.uuid4().hex[:6]}"
-    spec = derived_spec(tmp_path / "e.yaml", name, enqueue=[], pruner={"name": "none"}, fixed=FAST,
-                        space={"model.arch.hyper.residual_mode": {"type": "categorical", "choices": ["mhc", "hc"]}},
-                        budget={"n_trials": 3, "max_failed": 0})
+    spec = derived_spec(
+        tmp_path / "e.yaml",
+        name,
+        enqueue=[],
+        pruner={"name": "none"},
+        fixed=FAST,
+        space={"model.arch.hyper.residual_mode": {"type": "categorical", "choices": ["mhc", "hc"]}},
+        budget={"n_trials": 3, "max_failed": 0},
+    )
     storage, uri = f"sqlite:///{tmp_path / 'sweeps.db'}", f"sqlite:///{tmp_path / 'm.db'}"
-    code = sweep_main(["run", str(spec), "--storage", storage, "--tracking-uri", uri, "--set", f"data.corpus={corpus}",
-                       "--set", f"trainer.default_root_dir={tmp_path / 'runs'}", "--spool-dir", str(tmp_path / "spool")])
+    code = sweep_main(
+        [
+            "run",
+            str(spec),
+            "--storage",
+            storage,
+            "--tracking-uri",
+            uri,
+            "--set",
+            f"data.corpus={corpus}",
+            "--set",
+            f"trainer.default_root_dir={tmp_path / 'runs'}",
+            "--spool-dir",
+            str(tmp_path / "spool"),
+        ]
+    )
     assert code == 1  # budget not met (the space has two points), and it said why
     assert "the space looks exhausted" in capsys.readouterr().err
     study = optuna.load_study(study_name=name, storage=storage)
@@ -300,15 +442,37 @@ def test_duplicate_proposals_are_not_trained_and_do_not_count(corpus, tmp_path, 
 def test_a_step_of_zero_is_refused_by_mhc_sweep_before_anything_starts(corpus, tmp_path):
     """`step: 0` passed validation; every trial then failed in suggest_float and the sweep never ended (~800 failed
     trials in 5 minutes). Now: one line naming the key, exit 2, no study, no store."""
-    spec = derived_spec(tmp_path / "s.yaml", f"step0-{uuid.uuid4().hex[:6]}", enqueue=[],
-                        space={"model.optim.lr": {"type": "float", "low": 1e-3, "high": 1e-2, "step": 0}})
+    spec = derived_spec(
+        tmp_path / "s.yaml",
+        f"step0-{uuid.uuid4().hex[:6]}",
+        enqueue=[],
+        space={"model.optim.lr": {"type": "float", "low": 1e-3, "high": 1e-2, "step": 0}},
+    )
     storage, uri = f"sqlite:///{tmp_path / 'sweeps.db'}", f"sqlite:///{tmp_path / 'mlflow.db'}"
-    res = subprocess.run([sys.executable, "-m", "mhc_lightning.sweeps", "run", str(spec), "--storage", storage,
-                          "--tracking-uri", uri, "--set", f"data.corpus={corpus}"], cwd=tmp_path, env=_env(),
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mhc_lightning.sweeps",
+            "run",
+            str(spec),
+            "--storage",
+            storage,
+            "--tracking-uri",
+            uri,
+            "--set",
+            f"data.corpus={corpus}",
+        ],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
     assert res.stderr.strip().splitlines() == [
-        f"mhc sweep: error: {spec}: space.model.optim.lr.step: must be a number > 0, got 0"]
+        f"mhc sweep: error: {spec}: space.model.optim.lr.step: must be a number > 0, got 0"
+    ]
     assert not (tmp_path / "sweeps.db").exists() and not (tmp_path / "mlflow.db").exists()
 
 
@@ -320,8 +484,13 @@ def test_trials_that_fail_before_recording_an_error_still_stop_at_max_failed(tmp
     from mhc_lightning.sweeps.worker import run_worker
 
     monkeypatch.chdir(tmp_path)  # a SQLite store's artifacts go to ./mlruns
-    path = derived_spec(tmp_path / "f.yaml", f"fail-{uuid.uuid4().hex[:6]}", enqueue=[], pruner={"name": "none"},
-                        budget={"n_trials": 4, "max_failed": 2, "timeout_s": 30})
+    path = derived_spec(
+        tmp_path / "f.yaml",
+        f"fail-{uuid.uuid4().hex[:6]}",
+        enqueue=[],
+        pruner={"name": "none"},
+        budget={"n_trials": 4, "max_failed": 2, "timeout_s": 30},
+    )
     spec = load_spec(path)
     next(p for p in spec.space if p.key == "model.optim.lr").step = 0
     storage, uri = f"sqlite:///{tmp_path / 'sweeps.db'}", f"sqlite:///{tmp_path / 'mlflow.db'}"

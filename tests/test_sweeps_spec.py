@@ -1,4 +1,5 @@
 """Sweep files: validation messages, sampling, the `mhc fit` arguments of a trial, storages and seeds (no training)."""
+
 from __future__ import annotations
 
 import json
@@ -7,8 +8,8 @@ from pathlib import Path
 import optuna
 import pytest
 import yaml
-
 from helpers import REPO
+
 from mhc_lightning.loggers.store import redact
 from mhc_lightning.sweeps import factories, liveness
 from mhc_lightning.sweeps.cli import _parse_set
@@ -22,8 +23,11 @@ SWEEPS = sorted((REPO / "sweeps").glob("*.yaml"))
 
 
 def minimal(**over) -> dict:
-    d = {"name": "t", "base": [str(REPO / "conf" / "base.yaml")],
-         "space": {"model.optim.lr": {"type": "float", "low": 1e-4, "high": 1e-2, "log": True}}}
+    d = {
+        "name": "t",
+        "base": [str(REPO / "conf" / "base.yaml")],
+        "space": {"model.optim.lr": {"type": "float", "low": 1e-4, "high": 1e-2, "log": True}},
+    }
     d.update(over)
     return d
 
@@ -39,35 +43,65 @@ def test_shipped_sweeps_load(path):
 def test_shipped_sweeps_cover_the_issue_space():
     spec = load_spec(REPO / "sweeps" / "constraint_intensity.yaml")
     keys = {p.key for p in spec.space}
-    assert {"model.arch.hyper.sinkhorn_iters", "callbacks.SinkhornScheduler.intensity", "model.arch.hyper.alpha_init",
-            "model.arch.hyper.bias_init", "model.arch.hyper.n_streams", "model.optim.lr",
-            "model.arch.hyper.residual_mode"} <= keys
+    assert {
+        "model.arch.hyper.sinkhorn_iters",
+        "callbacks.SinkhornScheduler.intensity",
+        "model.arch.hyper.alpha_init",
+        "model.arch.hyper.bias_init",
+        "model.arch.hyper.n_streams",
+        "model.optim.lr",
+        "model.arch.hyper.residual_mode",
+    } <= keys
     assert next(p for p in spec.space if p.key == "model.arch.hyper.residual_mode").type == "categorical"
     assert load_spec(REPO / "sweeps" / "loss_vs_amax.yaml").multi_objective
 
 
-@pytest.mark.parametrize("over, expected", [
-    ({"sampler": {"name": "annealing"}}, ["sampler.name", "'annealing'", "tpe", "nsga2"]),
-    ({"pruner": {"name": "median", "extra": 1}}, ["pruner", "unknown key(s) ['extra']", "options"]),
-    ({"space": {"model.arch.hyper.bias_init": {"type": "categorical", "choices": ["zeros", "ones"]}}},
-     ["space.model.arch.hyper.bias_init.choices", "['ones']", "hc_identity", "near_identity"]),
-    ({"space": {"model.arch.hyper.sinkhorn_iter": {"type": "int", "low": 1, "high": 9}}},
-     ["space.model.arch.hyper.sinkhorn_iter", "HyperConfig has no field 'sinkhorn_iter'", "sinkhorn_iters"]),
-    ({"space": {"model.arch.hyper.residual_mode": {"type": "float", "low": 0, "high": 1}}},
-     ["residual_mode.type", "must be categorical", "identity"]),
-    ({"space": {"model.optim.lr": {"type": "float", "low": 0.0, "high": 1.0, "log": True}}},
-     ["space.model.optim.lr.low", "> 0 with log"]),
-    ({"space": {"model.optim.lr": {"type": "normal", "low": 0.0, "high": 1.0}}},
-     ["space.model.optim.lr.type", "'normal'", "categorical"]),
-    ({"space": {"optim.lr": {"type": "float", "low": 0.1, "high": 1.0}}}, ["space.optim.lr", "not a `mhc fit` key"]),
-    ({"objectives": [{"metric": "val/loss", "direction": "down"}]}, ["objectives[0].direction", "minimize", "maximize"]),
-    ({"objectives": ["val/loss", {"metric": "amax/composite_bwd_max", "reduce": "max"}],
-      "pruner": {"name": "median"}}, ["pruner.name", "multi-objective"]),
-    ({"name": "two words"}, ["name", "without spaces"]),
-    ({"base": ["conf/nope.yaml"]}, ["base[0]", "nope.yaml", "not found"]),
-    ({"budget": {"n_trials": 0}}, ["budget.n_trials", ">= 1"]),
-    ({"enqueue": [{"model.optim.momentum": 0.9}]}, ["enqueue[0].model.optim.momentum", "not a key of space"]),
-])
+@pytest.mark.parametrize(
+    "over, expected",
+    [
+        ({"sampler": {"name": "annealing"}}, ["sampler.name", "'annealing'", "tpe", "nsga2"]),
+        ({"pruner": {"name": "median", "extra": 1}}, ["pruner", "unknown key(s) ['extra']", "options"]),
+        (
+            {"space": {"model.arch.hyper.bias_init": {"type": "categorical", "choices": ["zeros", "ones"]}}},
+            ["space.model.arch.hyper.bias_init.choices", "['ones']", "hc_identity", "near_identity"],
+        ),
+        (
+            {"space": {"model.arch.hyper.sinkhorn_iter": {"type": "int", "low": 1, "high": 9}}},
+            ["space.model.arch.hyper.sinkhorn_iter", "HyperConfig has no field 'sinkhorn_iter'", "sinkhorn_iters"],
+        ),
+        (
+            {"space": {"model.arch.hyper.residual_mode": {"type": "float", "low": 0, "high": 1}}},
+            ["residual_mode.type", "must be categorical", "identity"],
+        ),
+        (
+            {"space": {"model.optim.lr": {"type": "float", "low": 0.0, "high": 1.0, "log": True}}},
+            ["space.model.optim.lr.low", "> 0 with log"],
+        ),
+        (
+            {"space": {"model.optim.lr": {"type": "normal", "low": 0.0, "high": 1.0}}},
+            ["space.model.optim.lr.type", "'normal'", "categorical"],
+        ),
+        (
+            {"space": {"optim.lr": {"type": "float", "low": 0.1, "high": 1.0}}},
+            ["space.optim.lr", "not a `mhc fit` key"],
+        ),
+        (
+            {"objectives": [{"metric": "val/loss", "direction": "down"}]},
+            ["objectives[0].direction", "minimize", "maximize"],
+        ),
+        (
+            {
+                "objectives": ["val/loss", {"metric": "amax/composite_bwd_max", "reduce": "max"}],
+                "pruner": {"name": "median"},
+            },
+            ["pruner.name", "multi-objective"],
+        ),
+        ({"name": "two words"}, ["name", "without spaces"]),
+        ({"base": ["conf/nope.yaml"]}, ["base[0]", "nope.yaml", "not found"]),
+        ({"budget": {"n_trials": 0}}, ["budget.n_trials", ">= 1"]),
+        ({"enqueue": [{"model.optim.momentum": 0.9}]}, ["enqueue[0].model.optim.momentum", "not a key of space"]),
+    ],
+)
 def test_errors_name_the_field_and_allowed_values(over, expected):
     with pytest.raises(SpecError) as err:
         parse_spec(minimal(**over), Path("sweeps/x.yaml"))
@@ -79,27 +113,35 @@ LR = "model.optim.lr"
 ITERS = "model.arch.hyper.sinkhorn_iters"
 
 
-@pytest.mark.parametrize("key, dist, field, says", [
-    (LR, {"type": "float", "low": 1e-4, "high": 1e-2, "step": 0}, "step", "a number > 0, got 0"),
-    (LR, {"type": "float", "low": 1e-4, "high": 1e-2, "step": -0.001}, "step", "a number > 0"),
-    (LR, {"type": "float", "low": 1e-4, "high": 1e-2, "step": float("inf")}, "step", "a number > 0"),
-    (ITERS, {"type": "int", "low": 1, "high": 9, "step": -2}, "step", "an integer >= 1, got -2"),
-    (ITERS, {"type": "int", "low": 1, "high": 9, "step": 0}, "step", "an integer >= 1, got 0"),
-    (ITERS, {"type": "int", "low": 1, "high": 9, "step": 0.5}, "step", "an integer >= 1, got 0.5"),
-    (ITERS, {"type": "int", "low": 1, "high": 9, "step": True}, "step", "an integer >= 1, got True"),
-    (LR, {"type": "float", "low": 0.0, "high": 1.0, "log": True}, "low", "> 0 with log: true"),
-    (LR, {"type": "float", "low": -1.0, "high": 1.0, "log": True}, "low", "> 0 with log: true"),
-    (ITERS, {"type": "int", "low": 0, "high": 9, "log": True}, "low", ">= 1 with log: true"),
-    (LR, {"type": "float", "low": 1e-2, "high": 1e-4}, "low", "must be <= high"),
-    (LR, {"type": "float", "low": float("nan"), "high": 1e-2}, "low", "finite number"),
-    (LR, {"type": "float", "low": 1e-4, "high": float("inf")}, "high", "finite number"),
-    (ITERS, {"type": "int", "low": 1.5, "high": 9}, "low", "an integer"),
-    (LR, {"type": "float", "low": 1e-4, "high": 1e-2, "log": "yes"}, "log", "true or false"),
-    (LR, {"type": "float", "low": 1e-4, "high": 1e-2, "log": True, "step": 1e-4}, "step", "log: true"),
-    ("model.arch.hyper.residual_mode", {"type": "categorical", "choices": []}, "choices", "non-empty list"),
-    ("model.optim.warmup_steps", {"type": "categorical", "choices": [[1, 2], 3]}, "choices", "[[1, 2]] not allowed"),
-    ("model.optim.warmup_steps", {"type": "categorical", "choices": [1], "log": True}, "log", "not used"),
-])
+@pytest.mark.parametrize(
+    "key, dist, field, says",
+    [
+        (LR, {"type": "float", "low": 1e-4, "high": 1e-2, "step": 0}, "step", "a number > 0, got 0"),
+        (LR, {"type": "float", "low": 1e-4, "high": 1e-2, "step": -0.001}, "step", "a number > 0"),
+        (LR, {"type": "float", "low": 1e-4, "high": 1e-2, "step": float("inf")}, "step", "a number > 0"),
+        (ITERS, {"type": "int", "low": 1, "high": 9, "step": -2}, "step", "an integer >= 1, got -2"),
+        (ITERS, {"type": "int", "low": 1, "high": 9, "step": 0}, "step", "an integer >= 1, got 0"),
+        (ITERS, {"type": "int", "low": 1, "high": 9, "step": 0.5}, "step", "an integer >= 1, got 0.5"),
+        (ITERS, {"type": "int", "low": 1, "high": 9, "step": True}, "step", "an integer >= 1, got True"),
+        (LR, {"type": "float", "low": 0.0, "high": 1.0, "log": True}, "low", "> 0 with log: true"),
+        (LR, {"type": "float", "low": -1.0, "high": 1.0, "log": True}, "low", "> 0 with log: true"),
+        (ITERS, {"type": "int", "low": 0, "high": 9, "log": True}, "low", ">= 1 with log: true"),
+        (LR, {"type": "float", "low": 1e-2, "high": 1e-4}, "low", "must be <= high"),
+        (LR, {"type": "float", "low": float("nan"), "high": 1e-2}, "low", "finite number"),
+        (LR, {"type": "float", "low": 1e-4, "high": float("inf")}, "high", "finite number"),
+        (ITERS, {"type": "int", "low": 1.5, "high": 9}, "low", "an integer"),
+        (LR, {"type": "float", "low": 1e-4, "high": 1e-2, "log": "yes"}, "log", "true or false"),
+        (LR, {"type": "float", "low": 1e-4, "high": 1e-2, "log": True, "step": 1e-4}, "step", "log: true"),
+        ("model.arch.hyper.residual_mode", {"type": "categorical", "choices": []}, "choices", "non-empty list"),
+        (
+            "model.optim.warmup_steps",
+            {"type": "categorical", "choices": [[1, 2], 3]},
+            "choices",
+            "[[1, 2]] not allowed",
+        ),
+        ("model.optim.warmup_steps", {"type": "categorical", "choices": [1], "log": True}, "log", "not used"),
+    ],
+)
 def test_degenerate_distributions_are_refused_naming_the_key(key, dist, field, says):
     """Each of these passed validation and failed every trial in `suggest_*`."""
     with pytest.raises(SpecError) as err:
@@ -109,30 +151,52 @@ def test_degenerate_distributions_are_refused_naming_the_key(key, dist, field, s
 
 
 def test_distributions_optuna_accepts_still_load():
-    space = {ITERS: {"type": "int", "low": 2, "high": 2, "step": 3},      # one point, a step wider than the range
-             LR: {"type": "float", "low": 1e-3, "high": 1e-2, "step": 1e-3},
-             "model.optim.warmup_steps": {"type": "categorical", "choices": [0, None, "10"]}}
+    space = {
+        ITERS: {"type": "int", "low": 2, "high": 2, "step": 3},  # one point, a step wider than the range
+        LR: {"type": "float", "low": 1e-3, "high": 1e-2, "step": 1e-3},
+        "model.optim.warmup_steps": {"type": "categorical", "choices": [0, None, "10"]},
+    }
     spec = parse_spec(minimal(space=space), Path("sweeps/x.yaml"))
     values = sample(optuna.create_study().ask(), spec)
     assert values[ITERS] == 2 and 1e-3 <= values[LR] <= 1e-2
 
 
 def test_conditions_must_name_earlier_params():
-    space = {"model.arch.hyper.sinkhorn_iters": {"type": "int", "low": 1, "high": 5,
-                                                 "when": {"model.arch.hyper.residual_mode": ["mhc"]}},
-             "model.arch.hyper.residual_mode": {"type": "categorical", "choices": ["mhc", "hc"]}}
+    space = {
+        "model.arch.hyper.sinkhorn_iters": {
+            "type": "int",
+            "low": 1,
+            "high": 5,
+            "when": {"model.arch.hyper.residual_mode": ["mhc"]},
+        },
+        "model.arch.hyper.residual_mode": {"type": "categorical", "choices": ["mhc", "hc"]},
+    }
     with pytest.raises(SpecError, match="must be listed before"):
         parse_spec(minimal(space=space))
 
 
 def test_conditional_sampling_and_trial_args():
-    spec = parse_spec(minimal(
-        fixed={"trainer.max_steps": 7, "data.corpus": "/x/y.txt"},
-        space={"model.arch.hyper.residual_mode": {"type": "categorical", "choices": ["mhc", "residual"]},
-               "model.arch.hyper.sinkhorn_iters": {"type": "int", "low": 3, "high": 3,
-                                                   "when": {"model.arch.hyper.residual_mode": ["mhc"]}},
-               "callbacks.SinkhornScheduler.intensity": {"type": "float", "low": 1.5, "high": 1.5, "optional": True,
-                                                         "when": {"model.arch.hyper.residual_mode": ["mhc"]}}}))
+    spec = parse_spec(
+        minimal(
+            fixed={"trainer.max_steps": 7, "data.corpus": "/x/y.txt"},
+            space={
+                "model.arch.hyper.residual_mode": {"type": "categorical", "choices": ["mhc", "residual"]},
+                "model.arch.hyper.sinkhorn_iters": {
+                    "type": "int",
+                    "low": 3,
+                    "high": 3,
+                    "when": {"model.arch.hyper.residual_mode": ["mhc"]},
+                },
+                "callbacks.SinkhornScheduler.intensity": {
+                    "type": "float",
+                    "low": 1.5,
+                    "high": 1.5,
+                    "optional": True,
+                    "when": {"model.arch.hyper.residual_mode": ["mhc"]},
+                },
+            },
+        )
+    )
     study = optuna.create_study()
     study.enqueue_trial({"model.arch.hyper.residual_mode": "residual"})
     study.enqueue_trial({"model.arch.hyper.residual_mode": "mhc"})
@@ -153,8 +217,10 @@ def test_conditional_sampling_and_trial_args():
 
 
 def test_missing_optional_callback_is_skipped_and_required_one_is_an_error(tmp_path):
-    space = {"model.optim.lr": {"type": "float", "low": 1e-3, "high": 1e-2},
-             "callbacks.NoSuchScheduler.intensity": {"type": "float", "low": 0, "high": 1, "optional": True}}
+    space = {
+        "model.optim.lr": {"type": "float", "low": 1e-3, "high": 1e-2},
+        "callbacks.NoSuchScheduler.intensity": {"type": "float", "low": 0, "high": 1, "optional": True},
+    }
     spec = parse_spec(minimal(space=space))
     warnings = check_callbacks(spec)
     assert "callbacks.NoSuchScheduler.intensity" in spec.skipped and "optional" in warnings[0]
@@ -162,8 +228,9 @@ def test_missing_optional_callback_is_skipped_and_required_one_is_an_error(tmp_p
     space["callbacks.NoSuchScheduler.intensity"]["optional"] = False
     with pytest.raises(SpecError, match="not found in mhc_lightning.callbacks"):
         check_callbacks(parse_spec(minimal(space=space)))
-    bad_arg = {"callbacks.lightning.pytorch.callbacks.LearningRateMonitor.intensity":
-               {"type": "float", "low": 0, "high": 1}}
+    bad_arg = {
+        "callbacks.lightning.pytorch.callbacks.LearningRateMonitor.intensity": {"type": "float", "low": 0, "high": 1}
+    }
     with pytest.raises(SpecError, match="takes no argument 'intensity'"):
         check_callbacks(parse_spec(minimal(space=bad_arg)))
 
@@ -186,7 +253,10 @@ def test_storages_seeds_and_urls(tmp_path):
     assert factories.default_storage(f"sqlite:///{tmp_path}/mlflow.db") == f"sqlite:///{tmp_path}/sweeps.db"
     assert factories.normalize_db_url("postgresql://u:p@h/db") == "postgresql+psycopg2://u:p@h/db"
     assert factories.normalize_db_url("postgres://u@h/db") == "postgresql+psycopg2://u@h/db"
-    assert redact("postgresql+psycopg2://user:secret@host:5432/sweeps") == "postgresql+psycopg2://user:***@host:5432/sweeps"
+    assert (
+        redact("postgresql+psycopg2://user:secret@host:5432/sweeps")
+        == "postgresql+psycopg2://user:***@host:5432/sweeps"
+    )
     journal = factories.make_storage(f"journal:{tmp_path}/j.journal.log", spec.storage)
     assert isinstance(journal, optuna.storages.JournalStorage)
     rdb = factories.make_storage(f"sqlite:///{tmp_path}/s.db", spec.storage)
@@ -195,7 +265,8 @@ def test_storages_seeds_and_urls(tmp_path):
 
 
 def test_dead_local_worker_trials_are_failed_and_requeued(tmp_path):
-    """The journal storage has no heartbeat: a RUNNING trial whose local worker process is gone is failed and retried."""
+    """The journal storage has no heartbeat: a RUNNING trial whose local worker process is gone is failed and
+    retried."""
     storage = factories.make_storage(f"journal:{tmp_path}/j.journal.log", {})
     study = optuna.create_study(storage=storage, study_name="s")
     t = study.ask()
@@ -214,8 +285,20 @@ def test_dead_local_worker_trials_are_failed_and_requeued(tmp_path):
 
 
 def test_dry_run_prints_a_fit_command(capsys):
-    assert sweep_main(["run", str(REPO / "sweeps" / "smoke.yaml"), "--dry-run", "--set", "data.corpus=/c.txt",
-                        "--tracking-uri", "sqlite:////nonexistent/mlflow.db"]) == 0
+    assert (
+        sweep_main(
+            [
+                "run",
+                str(REPO / "sweeps" / "smoke.yaml"),
+                "--dry-run",
+                "--set",
+                "data.corpus=/c.txt",
+                "--tracking-uri",
+                "sqlite:////nonexistent/mlflow.db",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "mhc fit --config" in out and "--data.corpus=/c.txt" in out
 

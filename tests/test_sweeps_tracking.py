@@ -1,4 +1,5 @@
 """The MLflow outage spool, without a server: a client that fails like an unreachable server on demand."""
+
 from __future__ import annotations
 
 import matplotlib
@@ -13,8 +14,10 @@ from mlflow.exceptions import MlflowException, RestException  # noqa: E402
 from mhc_lightning.loggers.spool import GuardedClient  # noqa: E402
 from mhc_lightning.loggers.store import TrackingUnreachable, check_tracking, is_outage  # noqa: E402
 
-DOWN = MlflowException("API request to http://mlflow:5000/api/2.0/mlflow/runs/log-batch failed with exception "
-                       "HTTPConnectionPool(host='mlflow', port=5000): Max retries exceeded")
+DOWN = MlflowException(
+    "API request to http://mlflow:5000/api/2.0/mlflow/runs/log-batch failed with exception "
+    "HTTPConnectionPool(host='mlflow', port=5000): Max retries exceeded"
+)
 
 
 class Flaky:
@@ -38,8 +41,11 @@ class Flaky:
 def test_outage_classification():
     assert is_outage(DOWN) and is_outage(ConnectionError("refused"))
     assert not is_outage(RestException({"error_code": "INVALID_PARAMETER_VALUE", "message": "bad key"}))
-    assert not is_outage(MlflowException("API request to endpoint /x failed with error code 403 != 200. "
-                                         "Response body: 'Invalid Host header'"))
+    assert not is_outage(
+        MlflowException(
+            "API request to endpoint /x failed with error code 403 != 200. Response body: 'Invalid Host header'"
+        )
+    )
     assert is_outage(MlflowException("API request to endpoint /x failed with error code 503 != 200."))
 
 

@@ -1,5 +1,6 @@
 """`mhc fit` started by torchrun (2 CPU processes over gloo): Lightning joins torchrun's processes instead of starting
 its own, and the fit writes one MLflow run from rank 0."""
+
 from __future__ import annotations
 
 import os
@@ -16,10 +17,19 @@ from helpers import CONF, tiny_fit_args
 def test_torchrun_two_cpu_processes_write_one_run(tiny_corpus, mlflow_uri, tmp_path):
     steps = 4
     torchrun = Path(sys.executable).with_name("torchrun")
-    args = tiny_fit_args(tiny_corpus, mlflow_uri, tmp_path / "root", steps=steps, experiment="torchrun",
-                         run_name="torchrun")
-    cmd = [str(torchrun), "--standalone", "--nproc-per-node=2", "--no-python", "mhc", *args,
-           "-c", str(CONF / "machine" / "ddp-cpu.yaml")]
+    args = tiny_fit_args(
+        tiny_corpus, mlflow_uri, tmp_path / "root", steps=steps, experiment="torchrun", run_name="torchrun"
+    )
+    cmd = [
+        str(torchrun),
+        "--standalone",
+        "--nproc-per-node=2",
+        "--no-python",
+        "mhc",
+        *args,
+        "-c",
+        str(CONF / "machine" / "ddp-cpu.yaml"),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PATH=os.pathsep.join([str(torchrun.parent), os.environ["PATH"]]))
     out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]

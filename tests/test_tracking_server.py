@@ -5,6 +5,7 @@ processes, optuna-dashboard; plus the MLflow server going away at start and in t
 Tests that need PostgreSQL skip, saying why, only when nothing answers at 127.0.0.1:5432. All of them start servers or
 processes: marked slow.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,9 +24,9 @@ import optuna
 import pytest
 import requests
 import yaml
+from helpers import REPO, derived_spec, handshake_arg, make_text, tiny_fit_args, wait_for, wait_for_running_trial
 from mlflow import MlflowClient
 
-from helpers import REPO, derived_spec, handshake_arg, make_text, tiny_fit_args, wait_for, wait_for_running_trial
 from mhc_lightning.sweeps import factories
 from mhc_lightning.sweeps.cli import main as sweep_main
 
@@ -71,8 +72,10 @@ def fresh_databases(*names: str):
     finally:
         for db in dbs.values():
             try:
-                pg_admin(f"select pg_terminate_backend(pid) from pg_stat_activity where datname = '{db}' "
-                         "and pid <> pg_backend_pid()")
+                pg_admin(
+                    f"select pg_terminate_backend(pid) from pg_stat_activity where datname = '{db}' "
+                    "and pid <> pg_backend_pid()"
+                )
                 pg_admin(f'drop database if exists "{db}"')
             except Exception as err:  # never hide the test's own result behind cleanup
                 print(f"could not drop {db}: {err}", file=sys.stderr)
@@ -87,8 +90,12 @@ def postgres():
 
 def _clean_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "OPTUNA_STORAGE")}
-    env.update(MLFLOW_ENABLE_ASYNC_LOGGING="false", MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false",
-               MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR="false", PYTHONUNBUFFERED="1")
+    env.update(
+        MLFLOW_ENABLE_ASYNC_LOGGING="false",
+        MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false",
+        MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR="false",
+        PYTHONUNBUFFERED="1",
+    )
     return env
 
 
@@ -115,19 +122,38 @@ class MlflowServer:
         self.backend, self.root, self.port = backend, root, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         p = self.port
-        self.hosts = ",".join(["mlflow", f"mlflow:{p}", "localhost", f"localhost:{p}", "127.0.0.1", f"127.0.0.1:{p}",
-                               *extra_hosts])
+        self.hosts = ",".join(
+            ["mlflow", f"mlflow:{p}", "localhost", f"localhost:{p}", "127.0.0.1", f"127.0.0.1:{p}", *extra_hosts]
+        )
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 240) -> None:
         log = open(self.root / "server.log", "a")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", self.backend,
-             "--artifacts-destination", str(self.root / "artifacts"), "--serve-artifacts", "--host", "127.0.0.1",
-             "--port", str(self.port), "--workers", "1"],
+            [
+                sys.executable,
+                "-m",
+                "mlflow",
+                "server",
+                "--backend-store-uri",
+                self.backend,
+                "--artifacts-destination",
+                str(self.root / "artifacts"),
+                "--serve-artifacts",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--workers",
+                "1",
+            ],
             # allowed hosts from the environment, as docker-compose.yml gives them
-            stdout=log, stderr=subprocess.STDOUT, env={**_clean_env(), "MLFLOW_SERVER_ALLOWED_HOSTS": self.hosts},
-            start_new_session=True, cwd=self.root)
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**_clean_env(), "MLFLOW_SERVER_ALLOWED_HOSTS": self.hosts},
+            start_new_session=True,
+            cwd=self.root,
+        )
         log.close()
         deadline = time.monotonic() + timeout
         while True:
@@ -175,11 +201,28 @@ def corpus(tmp_path_factory) -> Path:
 
 
 def launch(spec: Path, cwd: Path, server, corpus: Path, *extra: str, log_name: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "mhc_lightning.sweeps", "run", str(spec), "--storage", server["sweeps"],
-           "--tracking-uri", server["url"], "--set", f"data.corpus={corpus}", "--set",
-           f"trainer.default_root_dir={cwd / 'runs'}", "--spool-dir", str(cwd / "spool"), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mhc_lightning.sweeps",
+        "run",
+        str(spec),
+        "--storage",
+        server["sweeps"],
+        "--tracking-uri",
+        server["url"],
+        "--set",
+        f"data.corpus={corpus}",
+        "--set",
+        f"trainer.default_root_dir={cwd / 'runs'}",
+        "--spool-dir",
+        str(cwd / "spool"),
+        *extra,
+    ]
     log = open(cwd / log_name, "w")
-    return subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env=_clean_env(), start_new_session=True)
+    return subprocess.Popen(
+        cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env=_clean_env(), start_new_session=True
+    )
 
 
 def wait(proc: subprocess.Popen, timeout: float, log: Path) -> int:
@@ -214,8 +257,9 @@ def check_one_run_per_trial(client: MlflowClient, study, name: str) -> dict[int,
 def test_unreachable_server_at_start_names_the_url(tmp_path, capsys):
     url = f"http://127.0.0.1:{free_port()}"
     t0 = time.monotonic()
-    code = sweep_main(["run", str(REPO / "sweeps" / "smoke.yaml"), "--tracking-uri", url,
-                        "--storage", f"sqlite:///{tmp_path}/s.db"])
+    code = sweep_main(
+        ["run", str(REPO / "sweeps" / "smoke.yaml"), "--tracking-uri", url, "--storage", f"sqlite:///{tmp_path}/s.db"]
+    )
     err = capsys.readouterr().err
     assert code == 2 and url in err and "unreachable" in err, err
     assert time.monotonic() - t0 < 30
@@ -271,10 +315,17 @@ def test_dashboard_reads_the_sweeps_database_without_its_password_on_the_command
     study.optimize(lambda t: t.suggest_float("x", 0, 1) ** 2, n_trials=2)
     port, secret = free_port(), f"pw{uuid.uuid4().hex[:8]}"  # trust authentication ignores the password
     url = postgres["sweeps"].replace("postgres@", f"postgres:{secret}@")
-    argv = [sys.executable if a == "python" else a.replace("0.0.0.0", "127.0.0.1").replace("8080", str(port))
-            for a in compose["entrypoint"]]
-    dash = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                            env={**_clean_env(), "OPTUNA_STORAGE": url})
+    argv = [
+        sys.executable if a == "python" else a.replace("0.0.0.0", "127.0.0.1").replace("8080", str(port))
+        for a in compose["entrypoint"]
+    ]
+    dash = subprocess.Popen(
+        argv,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        env={**_clean_env(), "OPTUNA_STORAGE": url},
+    )
     try:
         deadline, studies = time.monotonic() + 60, None
         while time.monotonic() < deadline and studies is None:
@@ -293,17 +344,23 @@ def test_killed_worker_trial_is_failed_and_retried(server, corpus, tmp_path):
     """Two launchers (as on two machines); one is SIGKILLed mid-trial. The heartbeat marks its trial FAIL, the
     retry callback re-queues it, the other worker runs it, and the study finishes with nothing lost."""
     name = f"kill-{uuid.uuid4().hex[:6]}"
-    spec = derived_spec(tmp_path / "kill.yaml", name, enqueue=[], pruner={"name": "none"},
-                        budget={"n_trials": 3, "max_failed": 2},
-                        storage={"heartbeat_interval": 1, "grace_period": 4, "max_retry": 2},
-                        # long enough that the victim's trial is still training when the poll below sees it
-                        # (20 steps finished inside the poll interval on a quiet machine)
-                        fixed={"trainer.max_steps": 150, "trainer.val_check_interval": 50})
+    spec = derived_spec(
+        tmp_path / "kill.yaml",
+        name,
+        enqueue=[],
+        pruner={"name": "none"},
+        budget={"n_trials": 3, "max_failed": 2},
+        storage={"heartbeat_interval": 1, "grace_period": 4, "max_retry": 2},
+        # long enough that the victim's trial is still training when the poll below sees it
+        # (20 steps finished inside the poll interval on a quiet machine)
+        fixed={"trainer.max_steps": 150, "trainer.val_check_interval": 50},
+    )
     survivor = launch(spec, tmp_path, server, corpus, "--machine-rank", "0", log_name="survivor.log")
     victim = launch(spec, tmp_path, server, corpus, "--machine-rank", "1", log_name="victim.log")
     try:
-        trial = wait_for_running_trial(name, server["sweeps"], victim, tmp_path / "victim.log", 240,
-                                       worker_pid=victim.pid, poll=1)
+        trial = wait_for_running_trial(
+            name, server["sweeps"], victim, tmp_path / "victim.log", 240, worker_pid=victim.pid, poll=1
+        )
         assert trial is not None, "the victim never started a trial"
         os.killpg(victim.pid, signal.SIGKILL)
         victim.wait(timeout=20)
@@ -416,11 +473,23 @@ def test_server_down_during_run_training_continues_then_replay(server, corpus, t
     spool = tmp_path / "spool"
     args = tiny_fit_args(corpus, uri, tmp_path / "runs", steps=12, experiment="outage", run_name="outage")[1:]
     args = [a for a in args if not a.startswith("--trainer.logger=")]
-    logger = {"class_path": "mhc_lightning.loggers.ResilientMLFlowLogger",
-              "init_args": {"experiment_name": "outage", "run_name": "outage", "tracking_uri": uri,
-                            "spool_dir": str(spool), "retry_every": 0.05, "flush_timeout": 1.0}}
-    args += ["--trainer.log_every_n_steps=1", "--trainer.val_check_interval=4", "--model.diagnostics_every=4",
-             "--trainer.logger=" + json.dumps(logger)]
+    logger = {
+        "class_path": "mhc_lightning.loggers.ResilientMLFlowLogger",
+        "init_args": {
+            "experiment_name": "outage",
+            "run_name": "outage",
+            "tracking_uri": uri,
+            "spool_dir": str(spool),
+            "retry_every": 0.05,
+            "flush_timeout": 1.0,
+        },
+    }
+    args += [
+        "--trainer.log_every_n_steps=1",
+        "--trainer.val_check_interval=4",
+        "--model.diagnostics_every=4",
+        "--trainer.logger=" + json.dumps(logger),
+    ]
     try:
         with pytest.warns(RuntimeWarning, match="MLflow"):
             cli = build_cli(args, run=False, trainer_defaults={"callbacks": [Outage()]})
@@ -451,9 +520,16 @@ def test_server_down_during_run_training_continues_then_replay(server, corpus, t
 
 # ---- `mhc fit` and the tracking server (issue 14, item 1) ------------------------------------------------------------
 QUICKSTART = str(REPO / "conf" / "quickstart.yaml")
-TINY = ["--data.seq_len=32", "--data.batch_size=4", "--model.arch.n_layers=1", "--model.arch.d_model=32",
-        "--model.arch.n_heads=2", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
-        "--trainer.limit_val_batches=2"]
+TINY = [
+    "--data.seq_len=32",
+    "--data.batch_size=4",
+    "--model.arch.n_layers=1",
+    "--model.arch.d_model=32",
+    "--model.arch.n_heads=2",
+    "--trainer.enable_progress_bar=false",
+    "--trainer.enable_model_summary=false",
+    "--trainer.limit_val_batches=2",
+]
 
 
 def mhc(*args: str) -> list[str]:
@@ -470,13 +546,21 @@ def test_fit_with_an_unreachable_server_stops_at_once_with_one_line(corpus, tmp_
     subprocess.run([sys.executable, "-c", "import mhc_lightning.cli"], env=_clean_env(), check=True, timeout=300)
     startup = time.monotonic() - t0
     t0 = time.monotonic()
-    res = subprocess.run(mhc("fit", "-c", QUICKSTART, f"--data.corpus={corpus}", *TINY), cwd=cwd,
-                         env={**_clean_env(), "MLFLOW_TRACKING_URI": url}, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        mhc("fit", "-c", QUICKSTART, f"--data.corpus={corpus}", *TINY),
+        cwd=cwd,
+        env={**_clean_env(), "MLFLOW_TRACKING_URI": url},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     took = time.monotonic() - t0
     out = res.stdout + res.stderr
     named = [line for line in out.splitlines() if url in line]
     assert res.returncode == 2, out[-3000:]
-    assert len(named) == 1 and named[0].startswith("mhc fit: error: MLflow tracking server") and "unreachable" in named[0]
+    assert (
+        len(named) == 1 and named[0].startswith("mhc fit: error: MLflow tracking server") and "unreachable" in named[0]
+    )
     assert "Traceback" not in out
     assert took < 30 or took - startup < 15, (took, startup)  # no waiting on HTTP retries (minutes, before)
     assert list(cwd.iterdir()) == []
@@ -484,25 +568,40 @@ def test_fit_with_an_unreachable_server_stops_at_once_with_one_line(corpus, tmp_
 
 
 def test_fit_survives_a_server_crash_and_loses_nothing(corpus, tmp_path):
-    """`mhc fit` (shipped quickstart config) against a real `mlflow server` on PostgreSQL; the server is SIGKILLed before
-    step 3 and started again before step 8. Training never waits on it, the writes of steps 3-7 are kept and sent when
-    it is back, and the run ends FINISHED with every step's metrics exactly once."""
+    """`mhc fit` (shipped quickstart config) against a real `mlflow server` on PostgreSQL; the server is SIGKILLed
+    before step 3 and started again before step 8. Training never waits on it, the writes of steps 3-7 are kept and sent
+    when it is back, and the run ends FINISHED with every step's metrics exactly once."""
     with fresh_databases("outage") as dbs:
         (tmp_path / "server").mkdir()
         srv = MlflowServer(dbs["outage"], tmp_path / "server")
         srv.start()
         hs, log = tmp_path / "handshake", tmp_path / "fit.log"
         steps = 12
-        cmd = mhc("fit", "-c", QUICKSTART, f"--data.corpus={corpus}", *TINY, f"--trainer.max_steps={steps}",
-                  "--trainer.val_check_interval=4", "--trainer.log_every_n_steps=1", "--model.diagnostics_every=4",
-                  "--trainer.logger.init_args.retry_every=1", "--trainer.logger.init_args.flush_timeout=120",
-                  f"--trainer.logger.init_args.spool_dir={tmp_path / 'spool'}", handshake_arg(hs, [3, 8]))
-        env = {**_clean_env(), "MLFLOW_TRACKING_URI": srv.url,
-               "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
+        cmd = mhc(
+            "fit",
+            "-c",
+            QUICKSTART,
+            f"--data.corpus={corpus}",
+            *TINY,
+            f"--trainer.max_steps={steps}",
+            "--trainer.val_check_interval=4",
+            "--trainer.log_every_n_steps=1",
+            "--model.diagnostics_every=4",
+            "--trainer.logger.init_args.retry_every=1",
+            "--trainer.logger.init_args.flush_timeout=120",
+            f"--trainer.logger.init_args.spool_dir={tmp_path / 'spool'}",
+            handshake_arg(hs, [3, 8]),
+        )
+        env = {
+            **_clean_env(),
+            "MLFLOW_TRACKING_URI": srv.url,
+            "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
+        }
         try:
             with open(log, "w") as out:
-                proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
+                proc = subprocess.Popen(
+                    cmd, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                )
             wait_for(hs / "at3", proc=proc, log=log)
             srv.kill()
             (hs / "go3").touch()
@@ -520,13 +619,17 @@ def test_fit_survives_a_server_crash_and_loses_nothing(corpus, tmp_path):
             assert exp.tags.get("mlflow.experimentKind") == "custom_model_development"  # the training-runs view
             (run,) = client.search_runs([exp.experiment_id])
             assert run.info.status == "FINISHED"
-            assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "train/loss")) == list(range(steps))
+            assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "train/loss")) == list(
+                range(steps)
+            )
             assert len(client.get_metric_history(run.info.run_id, "val/loss")) == steps // 4
             diag = {a.path for a in client.list_artifacts(run.info.run_id, "diagnostics")}
             assert "diagnostics/per_layer_step0000004.json" in diag  # written while the server was down
             assert not list((tmp_path / "spool").rglob("*.jsonl"))  # everything sent
-            print(f"[figures] server crash: {steps_while_down_s:.1f} s for steps 3-7 with the server down; "
-                  f"{steps} of {steps} steps in MLflow")
+            print(
+                f"[figures] server crash: {steps_while_down_s:.1f} s for steps 3-7 with the server down; "
+                f"{steps} of {steps} steps in MLflow"
+            )
         finally:
             if "proc" in locals() and proc.poll() is None:
                 stop(proc)

@@ -14,8 +14,8 @@ from typing import Optional
 import torch
 
 from .. import reference
-from ..reference import in_dtype
 from ..options import DEFAULT_OPTIONS, EXACT_AXES, RES_LAYOUTS, MHCOptions
+from ..reference import in_dtype
 from ..reference.coefficients import mhc_logit_count
 from . import boundary, hc, hc_operands, mhc, read_out, rope, stream_ends, write_back
 from .custom_ops import Routed

@@ -275,7 +275,8 @@ def backward(d_pre: Optional[Tensor], d_post: Tensor, d_res: Tensor, x: Tensor, 
     dl, dss = empty((R, M), torch.float32, x.device), empty((R,), torch.float32, x.device)
     part = empty((statics.shape[0], programs), torch.float32, x.device)
     launcher(_hc_tail_bwd)[(programs,)](
-        lg, rinv, statics, lg if d_pre is None else d_pre.contiguous(), d_post.contiguous(), d_res.contiguous(), dl, dss,
+        lg, rinv, statics, lg if d_pre is None else d_pre.contiguous(), d_post.contiguous(), d_res.contiguous(),
+        dl, dss,
         part, x, du if with_u else x, or_(dun, x), R, programs, C, 1.0 / C, M=M, NH=n, TANH=tanh, BT=cfg["BT"],
         HAS_U=with_u, BC=cfg["BC"], HAS_DPRE=d_pre is not None, DU_NARROW=narrow, **launch_options(cfg))
     du = or_(dun, du)
@@ -354,7 +355,8 @@ def _hc_enter_fake(x, w, statics, eps, tanh, u_dtype=None):
 def enter_backward(d_pre: Optional[Tensor], d_post: Tensor, d_res: Tensor, du: Optional[Tensor], x: Tensor, w: Tensor,
                    statics: Tensor, lg: Tensor, rinv: Tensor, h_pre: Tensor, tanh: bool,
                    dx_in: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    """dx [N, n, C] (with h_pre_i du and dx_in, the write-back's gradient of x, added in the same pass), dw, dstatics."""
+    """dx [N, n, C] (with h_pre_i du and dx_in, the write-back's gradient of x, added in the same pass), dw,
+    dstatics."""
     N, n, C = x.shape
     dx, dw, dst = backward(d_pre, d_post, d_res, token_rows(x).view(N * n, C), w, statics, lg, rinv, n, tanh,
                            h_pre=h_pre, du=du, dx_in=None if dx_in is None else dx_in.reshape(N * n, C))
@@ -389,8 +391,7 @@ hc_enter_fwd.register_autograd(_hc_enter_op_backward, setup_context=_hc_enter_se
 
 
 def _hc_enter_routed_body(x: Tensor, w: Tensor, statics: Tensor, eps: float, tanh: bool,
-                          u_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-                                                                          Tensor]:
+                          u_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, ...]:
     """hc_enter's outputs and x's route to the write-back (`Routed`): `hc_enter` as torch.compile sees it."""
     return (*enter_forward(x, w, statics, eps, tanh, u_dtype), route_of(x))
 

@@ -58,7 +58,7 @@ def or_(t: Optional[Tensor], fallback: Tensor) -> Tensor:
     return fallback if t is None else t
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 

@@ -97,7 +97,8 @@ def launcher(kernel) -> Launcher:
 def call_key(device: int, args: tuple, kwargs: dict) -> tuple:
     """What a launch is kept under (module docstring): the device, keyword arguments by name and value, and the
     positional ones by value, tensors by dtype and 16-byte alignment, TMA descriptors by dtype and block (what Triton
-    specialises them on; their shape and strides are runtime values, and the launcher encodes each call's descriptor)."""
+    specialises them on; their shape and strides are runtime values, and the launcher encodes each call's
+    descriptor)."""
     return (device, *kwargs.items(), *[_arg_key(a) for a in args])
 
 

@@ -28,8 +28,8 @@ from .launch_cache import launcher
 from .launch_config import launch_options, tiles
 from .partial_sums import sum_partials
 from .projection import forward_dot, forward_tiles, project_rows, row_block
-from .sinkhorn import _coef_tail, res_backward, res_tail
 from .read_out import write_u
+from .sinkhorn import _coef_tail, res_backward, res_tail
 
 Tensor = torch.Tensor
 
@@ -205,8 +205,9 @@ def token_backward(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, e
     narrow = with_u and du.dtype != x.dtype
     dun = empty(du.shape, x.dtype, dev) if narrow else None
     launcher(_coef_bwd_tok)[(n_prog,)](
-        lg, rinv, bias.contiguous(), alpha.contiguous(), lg if d_pre is None else d_pre.contiguous(), d_post.contiguous(),
-        d_res.contiguous(), dl, dss, part, sc, x, du.contiguous() if with_u else x, or_(dun, x), N, n_prog, n * C, C,
+        lg, rinv, bias.contiguous(), alpha.contiguous(), lg if d_pre is None else d_pre.contiguous(),
+        d_post.contiguous(), d_res.contiguous(), dl, dss, part, sc, x, du.contiguous() if with_u else x, or_(dun, x),
+        N, n_prog, n * C, C,
         x.stride(0), iters, eps, post_mult, NS=n, M=M, HAS_RES=has_res, T_IN=t_in, T_OUT=t_out, HAS_U=with_u,
         HAS_DPRE=d_pre is not None, BT=ct["BT"], BC=ct["BC"], LOOP_STAGES=ct["loop_stages"], DU_NARROW=narrow,
         **launch_options(ct),

@@ -180,7 +180,8 @@ def _coef_bwd_x(
             dx_ptr.store([t0, pid_k * BK], dx.to(dx_ptr.dtype))
         else:
             tl.store(dx_ptr + rows64[:, None] * K + kk[None, :], dx.to(dx_ptr.dtype.element_ty), mask=m2)
-    tl.store(dphi_ptr + (pid_s * K + kk[:, None]).to(tl.int64) * M + cols[None, :], acc, mask=kmask[:, None] & cmask[None, :])
+    tl.store(dphi_ptr + (pid_s * K + kk[:, None]).to(tl.int64) * M + cols[None, :], acc,
+             mask=kmask[:, None] & cmask[None, :])
 
 
 def native_dot() -> int:
@@ -236,7 +237,8 @@ def x_pass(x: Tensor, phi: Tensor, dl: Tensor, dss: Tensor, dx: Tensor, h_pre: O
     tiled = dict(x=x, dl=dl, dx=dx, dx_in=dx_in, du=du)
     tma = entry == "coef_bwd_x" and N > 0 and (aligned or not with_u)
     if tma:
-        descs = {k: t if t is None else rows_descriptor(t, (BT, MP) if k == "dl" else (BT, BK)) for k, t in tiled.items()}
+        descs = {k: t if t is None else rows_descriptor(t, (BT, MP) if k == "dl" else (BT, BK))
+                 for k, t in tiled.items()}
         tma = all(d is not None for k, d in descs.items() if tiled[k] is not None)
         tiled = descs if tma else tiled
     launcher(_coef_bwd_x)[(kblocks, splits)](

@@ -111,18 +111,21 @@ def _post_bwd_tile(
             # column j of H: dx_j = sum_i H_ij G_i, dH_ij = <G_i, x_j> over this C block
             hj = tl.load(hr_ptr + rows64[:, None] * (NS * NS) + ii[None, :] * NS + j, mask=tokn, other=0.0)
             dxj = tl.sum(hj.to(tl.float32)[:, :, None] * g, axis=1)
-            tl.store(dx_ptr + rows64[:, None] * (NS * C) + j * C + cc[None, :], dxj.to(dx_ptr.dtype.element_ty), mask=m2)
+            tl.store(dx_ptr + rows64[:, None] * (NS * C) + j * C + cc[None, :], dxj.to(dx_ptr.dtype.element_ty),
+                     mask=m2)
             xj = tl.load(x_ptr + rows64[:, None] * stride_xt + j * stride_xn + cc[None, :], mask=m2, other=0.0)
             tl.store(dhr_ptr + prow[:, None] * (NS * NS) + ii[None, :] * NS + j,
                      tl.sum(g * xj.to(tl.float32)[:, None, :], axis=2), mask=tokn)
             if HAS_U:
-                u += tl.load(hu_ptr + rows64 * NS + j, mask=rmask, other=0.0).to(tl.float32)[:, None] * xj.to(tl.float32)
+                hj_u = tl.load(hu_ptr + rows64 * NS + j, mask=rmask, other=0.0).to(tl.float32)
+                u += hj_u[:, None] * xj.to(tl.float32)
     else:
         tl.store(dx_ptr + off3, g.to(dx_ptr.dtype.element_ty), mask=m3)
         if HAS_U:  # H^res = I reads no x: the stream tiles for u alone
             for j in tl.static_range(NS):
                 xj = tl.load(x_ptr + rows64[:, None] * stride_xt + j * stride_xn + cc[None, :], mask=m2, other=0.0)
-                u += tl.load(hu_ptr + rows64 * NS + j, mask=rmask, other=0.0).to(tl.float32)[:, None] * xj.to(tl.float32)
+                hj_u = tl.load(hu_ptr + rows64 * NS + j, mask=rmask, other=0.0).to(tl.float32)
+                u += hj_u[:, None] * xj.to(tl.float32)
     if HAS_U:
         tl.store(u_ptr + rows64[:, None] * C + cc[None, :], u.to(x_ptr.dtype.element_ty).to(u_ptr.dtype.element_ty),
                  mask=m2)

@@ -3,15 +3,30 @@
 They accept float64 and are differentiable by autograd (exact gradients through the unrolled Sinkhorn).
 The model runs these when no fused kernel is selected; no other copy of this math exists.
 """
+
 from .amax import composite_products, gain_metrics, gain_report
 from .birkhoff import LITE_STREAMS, birkhoff_res, permutation_basis, permutation_count
 from .boundary import mhc_boundary
 from .coefficients import (
-    columnwise_matmul, compute_dtype, gated_logits, hc_coefficients, hc_from_projection, hc_projection_weights, head_weights,
-    mhc_coefficients, mhc_logit_count, mhc_res_logits, rms_proj,
+    columnwise_matmul,
+    compute_dtype,
+    gated_logits,
+    hc_coefficients,
+    hc_from_projection,
+    hc_projection_weights,
+    head_weights,
+    mhc_coefficients,
+    mhc_logit_count,
+    mhc_res_logits,
+    rms_proj,
 )
 from .exact_coefficients import (
-    EXACT_FAMILIES, exact_coefficients, exact_enter, exact_res, exact_res_count, exact_res_logits,
+    EXACT_FAMILIES,
+    exact_coefficients,
+    exact_enter,
+    exact_res,
+    exact_res_count,
+    exact_res_logits,
 )
 from .kronecker import KROM_STREAMS, factor_count, factor_masks, kronecker_res
 from .pre import hc_enter, in_dtype, mhc_enter, mhc_pre, rebuild_u, request_u
@@ -20,11 +35,48 @@ from .sinkhorn import sinkhorn, sinkhorn_residuals
 from .streams import expand_streams, stream_post_res, stream_pre, sum_streams
 
 __all__ = [
-    "EXACT_FAMILIES", "KROM_STREAMS", "LITE_STREAMS", "birkhoff_res", "exact_coefficients", "exact_enter", "exact_res",
-    "exact_res_count", "exact_res_logits", "factor_count", "factor_masks", "gated_logits", "kronecker_res",
-    "permutation_basis", "permutation_count",
-    "apply_rope", "columnwise_matmul", "composite_products", "compute_dtype", "expand_streams", "gain_metrics", "gain_report", "hc_coefficients",
-    "hc_enter", "hc_from_projection", "hc_projection_weights", "head_weights", "in_dtype", "mhc_boundary", "mhc_coefficients",
-    "mhc_enter", "mhc_logit_count", "mhc_res_logits", "mhc_pre", "rebuild_u", "request_u", "rms_proj", "rope_qkv", "rope_tables", "sinkhorn", "sinkhorn_residuals", "stream_post_res",
-    "stream_pre", "sum_streams",
+    "EXACT_FAMILIES",
+    "KROM_STREAMS",
+    "LITE_STREAMS",
+    "birkhoff_res",
+    "exact_coefficients",
+    "exact_enter",
+    "exact_res",
+    "exact_res_count",
+    "exact_res_logits",
+    "factor_count",
+    "factor_masks",
+    "gated_logits",
+    "kronecker_res",
+    "permutation_basis",
+    "permutation_count",
+    "apply_rope",
+    "columnwise_matmul",
+    "composite_products",
+    "compute_dtype",
+    "expand_streams",
+    "gain_metrics",
+    "gain_report",
+    "hc_coefficients",
+    "hc_enter",
+    "hc_from_projection",
+    "hc_projection_weights",
+    "head_weights",
+    "in_dtype",
+    "mhc_boundary",
+    "mhc_coefficients",
+    "mhc_enter",
+    "mhc_logit_count",
+    "mhc_res_logits",
+    "mhc_pre",
+    "rebuild_u",
+    "request_u",
+    "rms_proj",
+    "rope_qkv",
+    "rope_tables",
+    "sinkhorn",
+    "sinkhorn_residuals",
+    "stream_post_res",
+    "stream_pre",
+    "sum_streams",
 ]

@@ -3,6 +3,7 @@
 Input is always H^res in left-multiplying orientation, per layer and per token: [L, T, n, n].
 Per-token products are built first and aggregated after (the order the spec requires).
 """
+
 import torch
 
 

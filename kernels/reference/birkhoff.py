@@ -8,6 +8,7 @@ Layout: coefficient k belongs to the k-th permutation sigma_k of range(n) in lex
 permutations`), so k = 0 is the identity; P_k[i, sigma_k(i)] = 1, i.e. output stream i reads input stream sigma_k(i)
 (H^res left-multiplies the stream, rows = output streams).
 """
+
 import itertools
 import math
 

@@ -6,6 +6,7 @@ and input, from the stream they share.
 No new math: a composition of the reference `stream_post_res` and `mhc_pre`. The fused op writes x_next once and
 computes the next sublayer's coefficients and u from the tiles it has just written; its backward writes dx once.
 """
+
 from typing import Optional
 
 import torch
@@ -16,8 +17,14 @@ from .streams import stream_post_res
 
 
 def mhc_boundary(
-    x: torch.Tensor, f: torch.Tensor, h_post: torch.Tensor, h_res: Optional[torch.Tensor],
-    phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, opts: MHCOptions = DEFAULT_OPTIONS,
+    x: torch.Tensor,
+    f: torch.Tensor,
+    h_post: torch.Tensor,
+    h_res: Optional[torch.Tensor],
+    phi: torch.Tensor,
+    bias: torch.Tensor,
+    alpha: torch.Tensor,
+    opts: MHCOptions = DEFAULT_OPTIONS,
     u_dtype: Optional[torch.dtype] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """(x_next, u, h_pre, h_post, h_res | None): h_post / h_res in are sublayer l's, phi / bias / alpha / opts and

@@ -5,6 +5,7 @@ Conventions shared by every op here and by the fused kernels:
 - h_pre, h_post are [..., n]; h_res is [..., n, n] and LEFT-multiplies the stream vector.
 - Coefficient maths runs in promote(x.dtype, float32): fp32 for bf16/fp16/fp32 inputs, fp64 for fp64.
 """
+
 import functools
 from typing import Optional
 
@@ -35,8 +36,9 @@ def mhc_logit_count(n: int, with_res: bool = True) -> int:
     return 2 * n + (n * n if with_res else 0)
 
 
-def gated_logits(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, rms_eps: float,
-                 matmul=torch.matmul) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+def gated_logits(
+    x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, rms_eps: float, matmul=torch.matmul
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """alpha * (x phi) / rms(x) + b split into (pre [..., n], post [..., n], res [..., r] | None when phi has only the
     2n pre/post columns): the projection every H^res parameterisation shares (docs/design.md §2, §15). matmul: how x
     is multiplied by phi (columnwise_matmul inside a checkpointed forward)."""
@@ -53,8 +55,9 @@ def gated_logits(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: 
     return pre, post, a[2] * rinv * logits[..., 2 * n :] + b[2 * n :]
 
 
-def _mhc_logits(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, opts: MHCOptions,
-                matmul=torch.matmul) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+def _mhc_logits(
+    x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, opts: MHCOptions, matmul=torch.matmul
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """(pre logits [..., n], post logits [..., n], res logits [..., n, n] in H^res's orientation, or None for
     identity-HC): everything before the squashing functions (docs/design.md §2)."""
     n = x.shape[-2]
@@ -100,8 +103,14 @@ def columnwise_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 @no_autocast
-def mhc_res_logits(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor,
-                   opts: MHCOptions = DEFAULT_OPTIONS, matmul=torch.matmul) -> Optional[torch.Tensor]:
+def mhc_res_logits(
+    x: torch.Tensor,
+    phi: torch.Tensor,
+    bias: torch.Tensor,
+    alpha: torch.Tensor,
+    opts: MHCOptions = DEFAULT_OPTIONS,
+    matmul=torch.matmul,
+) -> Optional[torch.Tensor]:
     """The res logits Sinkhorn starts from, [..., n, n] in H^res's orientation (None for identity-HC). Their range
     per token says how saturated the projection is: exp(range) is the ratio of its largest to smallest start entry.
     matmul: how x is multiplied by phi (columnwise_matmul inside a checkpointed forward)."""
@@ -110,8 +119,12 @@ def mhc_res_logits(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha
 
 @no_autocast
 def head_weights(
-    x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor,
-    rms_eps: float = 1e-6, eps: float = 1e-6,
+    x: torch.Tensor,
+    phi: torch.Tensor,
+    bias: torch.Tensor,
+    alpha: torch.Tensor,
+    rms_eps: float = 1e-6,
+    eps: float = 1e-6,
 ) -> torch.Tensor:
     """Learned stream collapse weights (DeepSeek mhc_head): sigma(alpha * x.phi / r + b) + eps, [..., n]."""
     cd = compute_dtype(x.dtype)
@@ -127,8 +140,9 @@ def rms_proj(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tenso
     return F.rms_norm(x.to(cd), (x.shape[-1],), None, eps) @ w.to(cd)
 
 
-def hc_projection_weights(norm_weight: torch.Tensor, w_beta: torch.Tensor, w_m: torch.Tensor,
-                          w_r: torch.Tensor) -> torch.Tensor:
+def hc_projection_weights(
+    norm_weight: torch.Tensor, w_beta: torch.Tensor, w_m: torch.Tensor, w_r: torch.Tensor
+) -> torch.Tensor:
     """[C, n + 2] = diag(g) [w_beta | w_m | W_r]: RMSNorm(x; g) w = RMSNorm(x) (diag(g) w), so one projection of the
     normalised stream gives every HC logit (columns: beta, m, then the n of r)."""
     cd = compute_dtype(w_r.dtype)
@@ -173,7 +187,10 @@ def hc_coefficients(
     cd = compute_dtype(x.dtype)
     if not dynamic:
         shape = x.shape[:-2]
-        return (am_static.to(cd).expand(*shape, -1), b_static.to(cd).expand(*shape, -1),
-                ar_static.to(cd).expand(*shape, -1, -1).transpose(-1, -2))
+        return (
+            am_static.to(cd).expand(*shape, -1),
+            b_static.to(cd).expand(*shape, -1),
+            ar_static.to(cd).expand(*shape, -1, -1).transpose(-1, -2),
+        )
     y = rms_proj(x, hc_projection_weights(norm_weight, w_beta, w_m, w_r), norm_eps)
     return hc_from_projection(y.to(cd), s_alpha, s_beta, b_static, am_static, ar_static, use_tanh)

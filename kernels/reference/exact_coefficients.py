@@ -6,6 +6,7 @@ without Sinkhorn. phi: [n C, 2n + r] with columns [pre (n) | post (n) | res (r)]
 [pre, post, res]. There are no fused kernels for these: the model always runs them from here (HyperConfig's
 `ops_backend`), in eager mode or under torch.compile.
 """
+
 from typing import Optional
 
 import torch
@@ -42,14 +43,22 @@ def _logits(x, phi, bias, alpha, family: str, opts: MHCOptions):
     n = x.shape[-2]
     want = 2 * n + exact_res_count(family, n)
     if phi.shape[-1] != want or bias.shape[-1] != want:
-        raise ValueError(f"{family} at n={n} needs phi and bias with {want} columns [pre {n} | post {n} | res "
-                         f"{want - 2 * n}], got {phi.shape[-1]} and {bias.shape[-1]}")
+        raise ValueError(
+            f"{family} at n={n} needs phi and bias with {want} columns [pre {n} | post {n} | res "
+            f"{want - 2 * n}], got {phi.shape[-1]} and {bias.shape[-1]}"
+        )
     return gated_logits(x, phi, bias, alpha, opts.rms_eps)
 
 
 @no_autocast
-def exact_coefficients(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, family: str,
-                       opts: MHCOptions = DEFAULT_OPTIONS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def exact_coefficients(
+    x: torch.Tensor,
+    phi: torch.Tensor,
+    bias: torch.Tensor,
+    alpha: torch.Tensor,
+    family: str,
+    opts: MHCOptions = DEFAULT_OPTIONS,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(h_pre [..., n], h_post [..., n], h_res [..., n, n]) for x [..., n, C], in promote(x.dtype, float32).
     Of opts only pre_eps, post_mult and rms_eps apply: there is no Sinkhorn to configure."""
     pre, post, z = _logits(x, phi, bias, alpha, family, opts)
@@ -59,15 +68,27 @@ def exact_coefficients(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, a
 
 
 @no_autocast
-def exact_res_logits(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, family: str,
-                     opts: MHCOptions = DEFAULT_OPTIONS) -> torch.Tensor:
+def exact_res_logits(
+    x: torch.Tensor,
+    phi: torch.Tensor,
+    bias: torch.Tensor,
+    alpha: torch.Tensor,
+    family: str,
+    opts: MHCOptions = DEFAULT_OPTIONS,
+) -> torch.Tensor:
     """The family's res logits [..., r] before the softmax / sigmoids."""
     return _logits(x, phi, bias, alpha, family, opts)[2]
 
 
-def exact_enter(x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, family: str,
-                opts: MHCOptions = DEFAULT_OPTIONS, u_dtype: Optional[torch.dtype] = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def exact_enter(
+    x: torch.Tensor,
+    phi: torch.Tensor,
+    bias: torch.Tensor,
+    alpha: torch.Tensor,
+    family: str,
+    opts: MHCOptions = DEFAULT_OPTIONS,
+    u_dtype: Optional[torch.dtype] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x, u, h_pre, h_post, h_res): as `mhc_enter`, with the family's H^res; u = sum_j h_pre_j x_j in u_dtype."""
     h_pre, h_post, h_res = exact_coefficients(x, phi, bias, alpha, family, opts)
     return x, in_dtype(stream_pre(x, h_pre), u_dtype), h_pre, h_post, h_res

@@ -8,6 +8,7 @@ so H^res[i, j] = prod_k (p_k if bit k of i equals bit k of j, else 1 - p_k). A K
 stochastic matrices is doubly stochastic: its row and column sums are the products of the factors' (each 1), exact
 up to rounding. Each 2 x 2 factor is the convex combination p I + (1 - p) swap, mHC-lite at n = 2.
 """
+
 import torch
 import torch.nn.functional as F
 

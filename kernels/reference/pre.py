@@ -3,6 +3,7 @@
 No new math: a thin composition of the reference `mhc_coefficients` (HC: `hc_coefficients`) and `stream_pre`. The
 fused kernels compute the same thing and return a single dx in their backward.
 """
+
 from typing import Optional
 
 import torch
@@ -18,8 +19,9 @@ def in_dtype(u: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
 
 
 def rebuild_u(x: torch.Tensor, h_pre: torch.Tensor, u_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """u as `mhc_pre` / `mhc_enter` / `mhc_boundary` / `hc_enter` handed it to the branch (the same values, in u_dtype),
-    without autograd: for a branch that dropped its saved input until the backward (HyperConfig.rebuild_branch_input)."""
+    """u as `mhc_pre` / `mhc_enter` / `mhc_boundary` / `hc_enter` handed it to the branch (the same values, in
+    u_dtype), without autograd: for a branch that dropped its saved input until the backward
+    (HyperConfig.rebuild_branch_input)."""
     with torch.no_grad():
         return in_dtype(stream_pre(x, h_pre), u_dtype)
 
@@ -30,7 +32,11 @@ def request_u(x: torch.Tensor, h_pre: torch.Tensor, u_dtype: Optional[torch.dtyp
 
 
 def mhc_pre(
-    x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, opts: MHCOptions = DEFAULT_OPTIONS,
+    x: torch.Tensor,
+    phi: torch.Tensor,
+    bias: torch.Tensor,
+    alpha: torch.Tensor,
+    opts: MHCOptions = DEFAULT_OPTIONS,
     u_dtype: Optional[torch.dtype] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """(u, h_pre, h_post, h_res | None). u_dtype: u as the branch takes it, u in x's dtype then cast (None: x's)."""
@@ -39,7 +45,11 @@ def mhc_pre(
 
 
 def mhc_enter(
-    x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, opts: MHCOptions = DEFAULT_OPTIONS,
+    x: torch.Tensor,
+    phi: torch.Tensor,
+    bias: torch.Tensor,
+    alpha: torch.Tensor,
+    opts: MHCOptions = DEFAULT_OPTIONS,
     u_dtype: Optional[torch.dtype] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """(x, u, h_pre, h_post, h_res | None): mhc_pre, and the stream the sublayer's write-back is to read. Here x itself;
@@ -48,7 +58,11 @@ def mhc_enter(
 
 
 def hc_enter(
-    x: torch.Tensor, *params: torch.Tensor, dynamic: bool = True, use_tanh: bool = True, norm_eps: float = 1e-6,
+    x: torch.Tensor,
+    *params: torch.Tensor,
+    dynamic: bool = True,
+    use_tanh: bool = True,
+    norm_eps: float = 1e-6,
     u_dtype: Optional[torch.dtype] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x, u, h_pre, h_post, h_res) of an HC sublayer: `hc_coefficients(x, *params)` (its ten parameters, norm_weight

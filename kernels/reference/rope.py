@@ -3,6 +3,7 @@
 Channel pairs are (first half, second half) of each head: x1' = x1 cos - x2 sin, x2' = x1 sin + x2 cos, at angle
 t * base^(-2j / D) for pair j of a head of D channels at position t.
 """
+
 import torch
 
 
@@ -20,8 +21,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
 
-def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def rope_qkv(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """qkv [B, T, 3C] (the projection's output) -> q, k rotated and v, each [B, H, T, D]; cos, sin: the tables
     (at least T rows)."""
     B, T, C3 = qkv.shape

@@ -3,6 +3,7 @@
 Everything here is written on H^res, the matrix that left-multiplies the stream vector
 (rows = output streams, columns = input streams). Works in any float dtype, float64 included.
 """
+
 import torch
 
 from ..options import EXACT_AXES, STARTS, ExactAxis, SinkhornStart

@@ -2,6 +2,7 @@
 
 Mixing accumulates in promote(x.dtype, float32) and returns x.dtype, as the fused kernels do.
 """
+
 from typing import Optional
 
 import torch

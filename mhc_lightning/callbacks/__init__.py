@@ -11,11 +11,20 @@ They share one record (events.py) and work alone or together: conf/presets/stabi
 `mhc fit|validate|test` install two more by default (cli.build_cli): FinalValidation (final_validation.py: every fit
 ends with a validation) and PerLayerArtifacts (per_layer_artifacts.py: the per-layer diagnostics as MLflow artifacts).
 """
+
 from .events import StabilityChannel, StabilityEvent, channel_of
 from .instability import InstabilityDetector
 from .rank_consistency import RankConsistencyCheck
 from .sinkhorn_schedule import SinkhornScheduler
 from .snapshots import GradientSnapshots, RollbackError
 
-__all__ = ["GradientSnapshots", "InstabilityDetector", "RankConsistencyCheck", "RollbackError", "SinkhornScheduler",
-           "StabilityChannel", "StabilityEvent", "channel_of"]
+__all__ = [
+    "GradientSnapshots",
+    "InstabilityDetector",
+    "RankConsistencyCheck",
+    "RollbackError",
+    "SinkhornScheduler",
+    "StabilityChannel",
+    "StabilityEvent",
+    "channel_of",
+]

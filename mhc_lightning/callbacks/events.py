@@ -6,6 +6,7 @@ bus: the detector appends events and may set `rollback_request`; GradientSnapsho
 `sinkhorn_owner` and reads `tighten_until` (rollback cool-down) and new events. Every callback can flush
 the events table, so each one works alone.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -28,8 +29,17 @@ def check_choice(owner: str, name: str, value: Any, allowed) -> None:
         raise ValueError(f"{owner}.{name} must be one of {list(allowed)}, got {value!r}")
 
 
-def check_number(owner: str, name: str, value: Any, *, low: Optional[float] = None, strict: bool = False,
-                 high: Optional[float] = None, optional: bool = False, integer: bool = False) -> None:
+def check_number(
+    owner: str,
+    name: str,
+    value: Any,
+    *,
+    low: Optional[float] = None,
+    strict: bool = False,
+    high: Optional[float] = None,
+    optional: bool = False,
+    integer: bool = False,
+) -> None:
     """Raise ValueError naming owner.name unless low <(=) value (<= high); None passes when optional."""
     if value is None and optional:
         return
@@ -99,12 +109,16 @@ class StabilityChannel:
 
     def record(self, event: StabilityEvent, trainer=None) -> StabilityEvent:
         self.events.append(event)
-        rank_zero_info(f"[stability] step {event.step}: {event.kind} value={event.value:.4g} "
-                       f"threshold={event.threshold:.4g} action={event.action}"
-                       + (f" ({event.detail})" if event.detail else ""))
+        rank_zero_info(
+            f"[stability] step {event.step}: {event.kind} value={event.value:.4g} "
+            f"threshold={event.threshold:.4g} action={event.action}" + (f" ({event.detail})" if event.detail else "")
+        )
         if trainer is not None:
-            log_metrics(trainer, {f"stability/{event.kind}": event.value,
-                                  "stability/events_total": float(len(self.events))}, event.step)
+            log_metrics(
+                trainer,
+                {f"stability/{event.kind}": event.value, "stability/events_total": float(len(self.events))},
+                event.step,
+            )
         return event
 
     def events_since(self, index: int) -> list[StabilityEvent]:
@@ -112,7 +126,7 @@ class StabilityChannel:
 
     def flush(self, trainer) -> None:
         """Append the rows not yet written to the MLflow events table (log_table appends to an existing file)."""
-        rows = self.events[self._flushed:]
+        rows = self.events[self._flushed :]
         if not rows or trainer.global_rank != 0:
             return
         table = {k: [asdict(e)[k] for e in rows] for k in asdict(rows[0])}

@@ -14,6 +14,7 @@ restores a validated snapshot) | stop (skip, then trainer.should_stop with a mes
 GradientSnapshots callback, rollback degrades to skip (to stop for non-finite parameters, which a skip
 cannot repair), and the event row says so.
 """
+
 from __future__ import annotations
 
 import math
@@ -39,8 +40,18 @@ from .events import (
 )
 
 Action = Literal["log", "skip", "rollback", "stop"]
-KINDS = ("loss_spike", "grad_explosion", "layer_grad_explosion", "nonfinite_loss", "nonfinite_grad",
-         "nonfinite_param", "amax", "sinkhorn_residual", "amp_overflow", "degenerate_streams")
+KINDS = (
+    "loss_spike",
+    "grad_explosion",
+    "layer_grad_explosion",
+    "nonfinite_loss",
+    "nonfinite_grad",
+    "nonfinite_param",
+    "amax",
+    "sinkhorn_residual",
+    "amp_overflow",
+    "degenerate_streams",
+)
 _MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation
 
 
@@ -129,8 +140,11 @@ class InstabilityDetector(Callback):
         check_number(me, "grad_min_history", grad_min_history, low=2, high=grad_window, integer=True)
         check_number(me, "loss_z_threshold", loss_z_threshold, low=0, strict=True, optional=True)
         check_number(me, "loss_min_scale", loss_min_scale, low=0)
-        for name, value in (("grad_factor", grad_factor), ("layer_grad_factor", layer_grad_factor),
-                            ("amax_bound", amax_bound)):
+        for name, value in (
+            ("grad_factor", grad_factor),
+            ("layer_grad_factor", layer_grad_factor),
+            ("amax_bound", amax_bound),
+        ):
             check_number(me, name, value, low=1, strict=True, optional=True)
         check_number(me, "sinkhorn_residual_bound", sinkhorn_residual_bound, low=0, strict=True, optional=True)
         check_number(me, "min_loss_scale", min_loss_scale, low=0)
@@ -139,10 +153,15 @@ class InstabilityDetector(Callback):
         if not isinstance(check_params, bool):
             raise ValueError(f"{me}.check_params must be true or false, got {check_params!r}")
         self.actions = {
-            "loss_spike": on_loss_spike, "grad_explosion": on_grad_explosion,
-            "layer_grad_explosion": on_layer_grad_explosion, "nonfinite_loss": on_nonfinite_loss,
-            "nonfinite_grad": on_nonfinite_grad, "nonfinite_param": on_nonfinite_param, "amax": on_amax,
-            "sinkhorn_residual": on_sinkhorn_residual, "amp_overflow": on_amp_overflow,
+            "loss_spike": on_loss_spike,
+            "grad_explosion": on_grad_explosion,
+            "layer_grad_explosion": on_layer_grad_explosion,
+            "nonfinite_loss": on_nonfinite_loss,
+            "nonfinite_grad": on_nonfinite_grad,
+            "nonfinite_param": on_nonfinite_param,
+            "amax": on_amax,
+            "sinkhorn_residual": on_sinkhorn_residual,
+            "amp_overflow": on_amp_overflow,
             "degenerate_streams": on_degenerate_streams,
         }
         for kind, action in self.actions.items():
@@ -169,8 +188,10 @@ class InstabilityDetector(Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         for hook in ("grad_norms", "last_loss", "skip_optimizer_step", "last_diagnostics_step"):
             if not hasattr(pl_module, hook):
-                raise TypeError(f"{type(self).__name__} needs the LitLM hooks (missing {hook!r} on "
-                                f"{type(pl_module).__name__}); see mhc_lightning/module.py")
+                raise TypeError(
+                    f"{type(self).__name__} needs the LitLM hooks (missing {hook!r} on "
+                    f"{type(pl_module).__name__}); see mhc_lightning/module.py"
+                )
         channel_of(pl_module, trainer)
         self._params = list(pl_module.parameters())
 
@@ -187,7 +208,7 @@ class InstabilityDetector(Callback):
         if self.check_params:
             parts.append(norm_sum([p.detach() for p in self._params]).reshape(1))
         values = torch.cat([t.to(parts[0].device) for t in parts]).tolist()  # the one host sync
-        loss_v, grad_v, layer_v = values[0], values[1], values[2:2 + per_layer.numel()]
+        loss_v, grad_v, layer_v = values[0], values[1], values[2 : 2 + per_layer.numel()]
         param_v = values[-1] if self.check_params else 0.0
 
         events = self._evaluate(trainer, pl_module, step, loss_v, grad_v, layer_v, param_v)
@@ -208,8 +229,12 @@ class InstabilityDetector(Callback):
         channel_of(pl_module).flush(trainer)
 
     def state_dict(self) -> dict:
-        return {"losses": list(self.losses), "grad_norms": list(self.grad_norms),
-                "layer_norms": self.layer_norms.rows(), "counts": dict(self.counts)}
+        return {
+            "losses": list(self.losses),
+            "grad_norms": list(self.grad_norms),
+            "layer_norms": self.layer_norms.rows(),
+            "counts": dict(self.counts),
+        }
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.losses.clear(), self.losses.extend(state_dict["losses"])
@@ -222,8 +247,11 @@ class InstabilityDetector(Callback):
         events: list[StabilityEvent] = []
 
         def add(kind, value, threshold, detail=""):
-            events.append(StabilityEvent(step, kind, float(value), float(threshold), self.actions[kind],
-                                         type(self).__name__, detail))
+            events.append(
+                StabilityEvent(
+                    step, kind, float(value), float(threshold), self.actions[kind], type(self).__name__, detail
+                )
+            )
 
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if not math.isfinite(loss_v):
@@ -231,8 +259,12 @@ class InstabilityDetector(Callback):
         if not math.isfinite(grad_v):
             if scaler is not None:
                 scale = float(scaler.get_scale())  # only read on overflow: no per-step sync
-                add("amp_overflow", scale, self.min_loss_scale, "fp16 gradient overflow; the GradScaler skips "
-                    "this update and lowers the scale")
+                add(
+                    "amp_overflow",
+                    scale,
+                    self.min_loss_scale,
+                    "fp16 gradient overflow; the GradScaler skips this update and lowers the scale",
+                )
                 if scale < self.min_loss_scale:
                     add("nonfinite_grad", grad_v, math.inf, f"still non-finite at loss scale {scale:g}")
             else:
@@ -250,8 +282,13 @@ class InstabilityDetector(Callback):
             self._seen["stability/loss_z"] = z
             if z > self.loss_z_threshold:  # upward only: a falling loss is never an instability
                 spike = True
-                add("loss_spike", z, self.loss_z_threshold, f"loss {loss_v:.4f} vs running median {med:.4f} "
-                    f"(robust scale {scale:.4g}, window {len(self.losses)})")
+                add(
+                    "loss_spike",
+                    z,
+                    self.loss_z_threshold,
+                    f"loss {loss_v:.4f} vs running median {med:.4f} "
+                    f"(robust scale {scale:.4g}, window {len(self.losses)})",
+                )
 
         exploded = False
         if math.isfinite(grad_v) and len(self.grad_norms) >= self.grad_min_history:
@@ -261,8 +298,12 @@ class InstabilityDetector(Callback):
                 self._seen["stability/grad_norm_ratio"] = ratio
                 if ratio > self.grad_factor:
                     exploded = True
-                    add("grad_explosion", ratio, self.grad_factor,
-                        f"pre-clip grad norm {grad_v:.4g} vs running median {med:.4g}")
+                    add(
+                        "grad_explosion",
+                        ratio,
+                        self.grad_factor,
+                        f"pre-clip grad norm {grad_v:.4g} vs running median {med:.4g}",
+                    )
             if self.layer_grad_factor is not None and layer_v and len(self.layer_norms) >= self.grad_min_history:
                 meds = np.maximum(self.layer_norms.median(), 1e-12)
                 ratios = np.asarray(layer_v) / meds
@@ -271,9 +312,13 @@ class InstabilityDetector(Callback):
                 if ratios[worst] > self.layer_grad_factor:
                     exploded = True
                     over = np.flatnonzero(ratios > self.layer_grad_factor).tolist()
-                    add("layer_grad_explosion", ratios[worst], self.layer_grad_factor,
+                    add(
+                        "layer_grad_explosion",
+                        ratios[worst],
+                        self.layer_grad_factor,
                         f"sublayers {over}; worst {worst}: norm {layer_v[worst]:.4g} "
-                        f"vs median {float(meds[worst]):.4g}")
+                        f"vs median {float(meds[worst]):.4g}",
+                    )
 
         if pl_module.last_diagnostics_step == step and pl_module.last_diagnostics:
             d = pl_module.last_diagnostics
@@ -281,25 +326,45 @@ class InstabilityDetector(Callback):
                 amax = max(d["amax/composite_fwd_max"], d["amax/composite_bwd_max"])
                 log_metrics(trainer, {"stability/amax": amax}, step)
                 if not amax <= self.amax_bound:
-                    add("amax", amax, self.amax_bound, f"composite H_res gain fwd {d['amax/composite_fwd_max']:.4g}, "
-                        f"bwd {d['amax/composite_bwd_max']:.4g} (worst token)")
-            is_mhc = getattr(getattr(pl_module, "model", None), "cfg", None) is not None and \
-                pl_module.model.cfg.hyper.residual_mode == "mhc"
+                    add(
+                        "amax",
+                        amax,
+                        self.amax_bound,
+                        f"composite H_res gain fwd {d['amax/composite_fwd_max']:.4g}, "
+                        f"bwd {d['amax/composite_bwd_max']:.4g} (worst token)",
+                    )
+            is_mhc = (
+                getattr(getattr(pl_module, "model", None), "cfg", None) is not None
+                and pl_module.model.cfg.hyper.residual_mode == "mhc"
+            )
             if self.sinkhorn_residual_bound is not None and is_mhc and "sinkhorn/col_residual_max" in d:
                 res = max(d["sinkhorn/row_residual_max"], d["sinkhorn/col_residual_max"])
                 if not res <= self.sinkhorn_residual_bound:
-                    add("sinkhorn_residual", res, self.sinkhorn_residual_bound,
+                    add(
+                        "sinkhorn_residual",
+                        res,
+                        self.sinkhorn_residual_bound,
                         f"max |row sum - 1| {d['sinkhorn/row_residual_max']:.3g}, "
-                        f"max |col sum - 1| {d['sinkhorn/col_residual_max']:.3g}")
+                        f"max |col sum - 1| {d['sinkhorn/col_residual_max']:.3g}",
+                    )
 
             spread = d.get("streams/spread_last")
-            if (self.min_stream_spread is not None and spread is not None and step >= self.degenerate_after
-                    and not self.counts["degenerate_streams"] and not spread >= self.min_stream_spread):
-                add("degenerate_streams", spread, self.min_stream_spread,
+            if (
+                self.min_stream_spread is not None
+                and spread is not None
+                and step >= self.degenerate_after
+                and not self.counts["degenerate_streams"]
+                and not spread >= self.min_stream_spread
+            ):
+                add(
+                    "degenerate_streams",
+                    spread,
+                    self.min_stream_spread,
                     f"degenerate hyper-connections: the {pl_module.model.n} streams are still identical after "
                     f"{step} steps (relative spread {spread:.3g} at the last sublayer), so this run measures a "
                     "residual net with scalar gates; change model.arch.hyper.bias_init (home, a6, hc_identity) "
-                    "or model.arch.hyper.phi_init (normal, xavier)")
+                    "or model.arch.hyper.phi_init (normal, xavier)",
+                )
 
         # Only healthy steps feed the running statistics, so an event never raises its own baseline.
         if math.isfinite(loss_v) and not spike:
@@ -319,8 +384,10 @@ class InstabilityDetector(Callback):
                 e.detail += f"; rollback unavailable (no GradientSnapshots callback): {e.action} instead"
                 if not self._warned_fallback:
                     self._warned_fallback = True
-                    rank_zero_warn(f"{type(self).__name__}: a rollback was requested but no GradientSnapshots "
-                                   "callback is configured; skipping the update instead.")
+                    rank_zero_warn(
+                        f"{type(self).__name__}: a rollback was requested but no GradientSnapshots "
+                        "callback is configured; skipping the update instead."
+                    )
         action = "log"
         for e in events:
             action = stronger(e.action, action)
@@ -334,10 +401,12 @@ class InstabilityDetector(Callback):
         if action == "rollback":
             channel.rollback_request = primary
         elif action == "stop":
-            msg = (f"{type(self).__name__}: stopping at step {step}: {primary.kind} "
-                   f"(value {primary.value:.4g}, threshold {primary.threshold:.4g}; {primary.detail}). "
-                   f"The update of this step was not applied; see the {len(channel.events)} event(s) in "
-                   "the stability/events.json table.")
+            msg = (
+                f"{type(self).__name__}: stopping at step {step}: {primary.kind} "
+                f"(value {primary.value:.4g}, threshold {primary.threshold:.4g}; {primary.detail}). "
+                f"The update of this step was not applied; see the {len(channel.events)} event(s) in "
+                "the stability/events.json table."
+            )
             rank_zero_warn(msg)
             set_tag(trainer, "stability.stop_reason", msg[:4900])
             trainer.should_stop = True

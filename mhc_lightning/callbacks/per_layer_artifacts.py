@@ -7,6 +7,7 @@ of their composite products, `diagnostics/h_res_step<step>.png`. The module only
 (LitLM.last_per_layer); this callback writes and draws them, so that training imports no plotting. `mhc
 fit|validate|test` install it by default (cli.build_cli), as FinalValidation.
 """
+
 from lightning.pytorch.callbacks import Callback
 
 from ..loggers.mlflow_runs import mlflow_loggers
@@ -31,7 +32,9 @@ class PerLayerArtifacts(Callback):
             lg.experiment.log_figure(lg.run_id, fig, f"diagnostics/amax_per_layer_step{step:07d}.png")
             plt.close(fig)
             if per_layer.get("h_res_tokmean"):
-                fig = h_res_heatmaps([("", per_layer["h_res_tokmean"])],
-                                     f"{pl_module.arch.hyper.residual_mode}, step {step}: H_res per sublayer")
+                fig = h_res_heatmaps(
+                    [("", per_layer["h_res_tokmean"])],
+                    f"{pl_module.arch.hyper.residual_mode}, step {step}: H_res per sublayer",
+                )
                 lg.experiment.log_figure(lg.run_id, fig, f"diagnostics/h_res_step{step:07d}.png")
                 plt.close(fig)

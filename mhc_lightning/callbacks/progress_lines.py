@@ -5,6 +5,7 @@ between its start and its end; this prints one line at each validation instead, 
 
 With the bar on it prints nothing (the bar shows the same). `mhc` installs it by default (cli.build_cli).
 """
+
 from __future__ import annotations
 
 import time
@@ -22,8 +23,12 @@ class ProgressLines(Callback):
         self._t0 = time.monotonic()
 
     def on_validation_end(self, trainer, pl_module) -> None:
-        if (trainer.progress_bar_callback is not None or trainer.sanity_checking or not trainer.is_global_zero
-                or trainer.state.fn != "fit"):
+        if (
+            trainer.progress_bar_callback is not None
+            or trainer.sanity_checking
+            or not trainer.is_global_zero
+            or trainer.state.fn != "fit"
+        ):
             return
         total = f"/{trainer.max_steps}" if trainer.max_steps and trainer.max_steps > 0 else ""
         metrics = trainer.callback_metrics

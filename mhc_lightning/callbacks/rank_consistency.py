@@ -1,4 +1,5 @@
 """RankConsistencyCheck: every rank holds the same weights and optimizer state, checked by digest."""
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,9 @@ class RankConsistencyCheck(Callback):
         dirpath: each rank also writes rank<r>.json there (global_step and digests), for tests and post-mortems.
     """
 
-    def __init__(self, every_n_steps: int = 0, on_mismatch: Literal["raise", "warn"] = "raise",
-                 dirpath: Optional[str] = None):
+    def __init__(
+        self, every_n_steps: int = 0, on_mismatch: Literal["raise", "warn"] = "raise", dirpath: Optional[str] = None
+    ):
         super().__init__()
         if not isinstance(every_n_steps, int) or every_n_steps < 0:
             raise ValueError(f"RankConsistencyCheck.every_n_steps must be an integer >= 0, got {every_n_steps!r}")
@@ -48,8 +50,10 @@ class RankConsistencyCheck(Callback):
         if sharded(trainer):
             if not self._warned_sharded:
                 self._warned_sharded = True
-                rank_zero_warn(f"RankConsistencyCheck: {type(trainer.strategy).__name__} shards the state across "
-                               "ranks; nothing to compare.")
+                rank_zero_warn(
+                    f"RankConsistencyCheck: {type(trainer.strategy).__name__} shards the state across "
+                    "ranks; nothing to compare."
+                )
             return True
         ok, everyone = ranks_in_sync(trainer, pl_module)
         self.checks += 1
@@ -58,18 +62,26 @@ class RankConsistencyCheck(Callback):
             self.mismatch_steps.append(step)
         if self.dirpath is not None:
             self.dirpath.mkdir(parents=True, exist_ok=True)
-            record = {"rank": trainer.global_rank, "world_size": trainer.world_size, "global_step": step,
-                      **everyone[trainer.global_rank], "in_sync": ok, "checks": self.checks,
-                      "mismatch_steps": self.mismatch_steps}
+            record = {
+                "rank": trainer.global_rank,
+                "world_size": trainer.world_size,
+                "global_step": step,
+                **everyone[trainer.global_rank],
+                "in_sync": ok,
+                "checks": self.checks,
+                "mismatch_steps": self.mismatch_steps,
+            }
             (self.dirpath / f"rank{trainer.global_rank}.json").write_text(json.dumps(record, indent=1))
         if trainer.global_rank == 0:
             for lg in trainer.loggers:
                 lg.log_metrics({"dist/ranks_in_sync": float(ok)}, step=step)
         if not ok:
             differ = [r for r, d in enumerate(everyone) if d != everyone[0]]
-            msg = (f"RankConsistencyCheck: at global_step {step} ranks {differ} hold different weights or optimizer "
-                   f"state than rank 0 (digests {everyone}). Something changed the state on some ranks only, "
-                   "e.g. a callback acting on a rank-local value without a collective decision.")
+            msg = (
+                f"RankConsistencyCheck: at global_step {step} ranks {differ} hold different weights or optimizer "
+                f"state than rank 0 (digests {everyone}). Something changed the state on some ranks only, "
+                "e.g. a callback acting on a rank-local value without a collective decision."
+            )
             if self.on_mismatch == "raise":
                 raise RuntimeError(msg)
             rank_zero_warn(msg)

@@ -13,6 +13,7 @@ so a changed one is kept as its first value and the tag `mhc.changed_on_resume.<
 code tags list every commit the run ran under, comma-separated, so that `mhc compare` keeps it out of clean pools.
 Loggers other than MLflow get the same values as hyperparameters.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -79,13 +80,22 @@ class RunProvenance(Callback):
             return
         code = code_state()
         params = {"seed_everything": os.environ.get("PL_GLOBAL_SEED", "off"), **trainer_settings(trainer)}
-        tags = {COMMIT_TAG: code.commit, DIRTY_TAG: "unknown" if code.dirty is None else str(code.dirty).lower(),
-                DIFF_TAG: code.diff_sha256, CODE_TAG: code.label}
+        tags = {
+            COMMIT_TAG: code.commit,
+            DIRTY_TAG: "unknown" if code.dirty is None else str(code.dirty).lower(),
+            DIFF_TAG: code.diff_sha256,
+            CODE_TAG: code.label,
+        }
         dm = trainer.datamodule
         if dm is not None and getattr(dm, "train_sha256", None):
             params["data/seed"] = str(dm.hparams.seed)
-            tags.update({"mhc.data.train_sha256": dm.train_sha256, "mhc.data.val_sha256": dm.val_sha256,
-                         "mhc.data.seed_source": str(dm.seed_source)})
+            tags.update(
+                {
+                    "mhc.data.train_sha256": dm.train_sha256,
+                    "mhc.data.val_sha256": dm.val_sha256,
+                    "mhc.data.seed_source": str(dm.seed_source),
+                }
+            )
         env = environment(trainer.strategy.root_device)
         tags.update({f"mhc.env.{k}": v for k, v in env.items()})
         for lg in trainer.loggers:
@@ -111,13 +121,19 @@ class RunProvenance(Callback):
         before_params, before_tags = run.data.params, run.data.tags
         for key in (COMMIT_TAG, DIRTY_TAG, DIFF_TAG, CODE_TAG):  # a resumed run keeps the history of its code
             if before_tags.get(key) and before_tags[key] != tags[key]:
-                tags[key] = _merged(before_tags[key], tags[key]) if key != DIRTY_TAG else (
-                    "true" if "true" in (before_tags[key], tags[key]) else tags[key])
+                tags[key] = (
+                    _merged(before_tags[key], tags[key])
+                    if key != DIRTY_TAG
+                    else ("true" if "true" in (before_tags[key], tags[key]) else tags[key])
+                )
         for key, value in params.items():
             if key in before_params and before_params[key] != value:
                 tags[CHANGED_PREFIX + key] = f"{before_params[key]} -> {value}"
-                warnings.warn(f"resumed run {run_id}: {key} was {before_params[key]}, now {value} "
-                              f"(recorded in the tag {CHANGED_PREFIX}{key})", stacklevel=2)
+                warnings.warn(
+                    f"resumed run {run_id}: {key} was {before_params[key]}, now {value} "
+                    f"(recorded in the tag {CHANGED_PREFIX}{key})",
+                    stacklevel=2,
+                )
         new_params = {k: v for k, v in params.items() if k not in before_params}
         if new_params:
             lg.log_hyperparams(new_params)

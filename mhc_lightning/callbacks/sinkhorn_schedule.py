@@ -20,6 +20,7 @@ The count is the plain int attribute `HyperConnection.sinkhorn_iters`, read at e
 to the Sinkhorn op as a runtime argument (the fused Triton kernel takes it as a scalar, not a constexpr),
 so changing it never recompiles a kernel.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,12 +36,34 @@ from ..model.config import EXACT_MODES
 from .events import channel_of, check_number, log_metrics
 
 # Detector / snapshot event kinds that mean "the constraint must tighten".
-TIGHTEN_KINDS = frozenset({"loss_spike", "grad_explosion", "layer_grad_explosion", "nonfinite_loss", "nonfinite_grad",
-                           "nonfinite_param", "amax", "sinkhorn_residual", "rollback"})
+TIGHTEN_KINDS = frozenset(
+    {
+        "loss_spike",
+        "grad_explosion",
+        "layer_grad_explosion",
+        "nonfinite_loss",
+        "nonfinite_grad",
+        "nonfinite_param",
+        "amax",
+        "sinkhorn_residual",
+        "rollback",
+    }
+)
 
 
-def next_iters(iters: int, residual: float, tol: float, *, tighten: bool, hold: bool, up_factor: float,
-               down_step: int, down_margin: float, min_iters: int, max_iters: int) -> int:
+def next_iters(
+    iters: int,
+    residual: float,
+    tol: float,
+    *,
+    tighten: bool,
+    hold: bool,
+    up_factor: float,
+    down_step: int,
+    down_margin: float,
+    min_iters: int,
+    max_iters: int,
+) -> int:
     """One policy update for one count (see the module docstring); pure, for tests and docs."""
     if tighten or not residual <= tol:  # NaN residual counts as too large
         new = max(iters + 1, math.ceil(iters * up_factor))
@@ -133,8 +156,11 @@ class SinkhornScheduler(Callback):
             self._active = False
             modes = {l.mode for l in hyper_connections(model)} if model is not None else set()
             exact = sorted(modes & set(EXACT_MODES))
-            why = (f"residual_mode={exact[0]} makes H_res exactly doubly stochastic without Sinkhorn" if exact
-                   else "the model has no mHC (Sinkhorn) sublayers")
+            why = (
+                f"residual_mode={exact[0]} makes H_res exactly doubly stochastic without Sinkhorn"
+                if exact
+                else "the model has no mHC (Sinkhorn) sublayers"
+            )
             rank_zero_warn(f"{type(self).__name__}: {why}; nothing to schedule.")
             return
         channel_of(pl_module, trainer).sinkhorn_owner = self
@@ -181,8 +207,12 @@ class SinkhornScheduler(Callback):
         self._log(trainer, step, residual=residuals)
 
     def state_dict(self) -> dict:
-        return {"iters": list(self.iters), "hold_until": self.hold_until, "log_grads": list(self.log_grads),
-                "history": [(s, list(i)) for s, i in self.history]}
+        return {
+            "iters": list(self.iters),
+            "hold_until": self.hold_until,
+            "log_grads": list(self.log_grads),
+            "history": [(s, list(i)) for s, i in self.history],
+        }
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.iters = list(state_dict["iters"])
@@ -211,8 +241,15 @@ class SinkhornScheduler(Callback):
         if tighten:
             self.hold_until = max(self.hold_until, step + self.hold_steps)
         hold = step < self.hold_until
-        kw = dict(tighten=tighten, hold=hold, up_factor=self.up_factor, down_step=self.down_step,
-                  down_margin=self.down_margin, min_iters=self.min_iters, max_iters=self.max_iters)
+        kw = dict(
+            tighten=tighten,
+            hold=hold,
+            up_factor=self.up_factor,
+            down_step=self.down_step,
+            down_margin=self.down_margin,
+            min_iters=self.min_iters,
+            max_iters=self.max_iters,
+        )
         if self.per_layer:
             self.iters = [next_iters(t, r, self.tol, **kw) for t, r in zip(self.iters, residuals)]
         else:

@@ -1,5 +1,6 @@
 """GradientSnapshots on disk: `snapshot-step<step>.pt` plus a JSON sidecar with its sha256, written atomically (the
 sidecar last, so a file without one is ignored), the newest `keep` kept; loading checks the sha256 first."""
+
 from __future__ import annotations
 
 import json
@@ -20,13 +21,23 @@ class SnapshotFiles:
     def write(self, snap: Snapshot) -> None:
         path = self.dirpath / f"snapshot-step{snap.step:08d}.pt"
         tmp = path.with_suffix(".pt.tmp")
-        payload = {"step": snap.step, "position": snap.position, "state": snap.state, "probe": snap.probe,
-                   "probe_grad_norm": snap.probe_grad_norm}
+        payload = {
+            "step": snap.step,
+            "position": snap.position,
+            "state": snap.state,
+            "probe": snap.probe,
+            "probe_grad_norm": snap.probe_grad_norm,
+        }
         torch.save(payload, tmp)
         digest = sha256_file(tmp)
         os.replace(tmp, path)
-        record = {"step": snap.step, "file": path.name, "sha256": digest, "probe_grad_norm": snap.probe_grad_norm,
-                  "position": snap.position}
+        record = {
+            "step": snap.step,
+            "file": path.name,
+            "sha256": digest,
+            "probe_grad_norm": snap.probe_grad_norm,
+            "position": snap.position,
+        }
         side = path.with_suffix(".json")
         side.with_suffix(".json.tmp").write_text(json.dumps(record, indent=1))
         os.replace(side.with_suffix(".json.tmp"), side)  # the sidecar appears last: a file without one is ignored
@@ -51,5 +62,11 @@ class SnapshotFiles:
             payload = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as err:  # noqa: BLE001 - any unreadable file is simply not a valid snapshot
             raise ValueError(f"unreadable {path.name}: {err}") from err
-        return Snapshot(step=payload["step"], position=payload["position"], state=payload["state"],
-                        probe=payload["probe"], probe_grad_norm=payload["probe_grad_norm"], path=str(path))
+        return Snapshot(
+            step=payload["step"],
+            position=payload["position"],
+            state=payload["state"],
+            probe=payload["probe"],
+            probe_grad_norm=payload["probe_grad_norm"],
+            path=str(path),
+        )

@@ -1,5 +1,6 @@
 """What a GradientSnapshots snapshot holds, and how it is copied, fingerprinted and put back: training-state copies
 that reuse an evicted snapshot's buffers, an exact checksum of model and optimizer tensors, and the RNG streams."""
+
 from __future__ import annotations
 
 import copy
@@ -21,8 +22,12 @@ def copy_state(obj: Any, spare: Any, dev: Optional[torch.device]) -> Any:
     caller synchronises once."""
     if isinstance(obj, torch.Tensor):
         t, target = obj.detach(), dev or obj.device
-        if (isinstance(spare, torch.Tensor) and spare.shape == t.shape and spare.dtype == t.dtype
-                and spare.device == target):
+        if (
+            isinstance(spare, torch.Tensor)
+            and spare.shape == t.shape
+            and spare.dtype == t.dtype
+            and spare.device == target
+        ):
             return spare.copy_(t, non_blocking=True)
         if target.type == "cpu" and t.is_cuda:
             return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)

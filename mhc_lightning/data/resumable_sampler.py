@@ -6,6 +6,7 @@ checkpoint (no "dataloader is not resumable" warning). torchdata's own shuffling
 draws its permutations in another order than torch's, which would change the data order of every run; this one keeps
 torch's and adds only the state: the generator at the start of the epoch and the indices handed out since.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator

@@ -1,8 +1,11 @@
 """Generated English-like text: for tests and offline benchmarks (never constant, never zeros)."""
+
 import random
 
-WORDS = ("the king speaks of love and honour while a storm rolls over the sea and "
-         "every lord in the hall waits for news from the north with fear").split()
+WORDS = (
+    "the king speaks of love and honour while a storm rolls over the sea and "
+    "every lord in the hall waits for news from the north with fear"
+).split()
 
 
 def english_like_text(n_bytes: int, seed: int = 0) -> str:

@@ -8,6 +8,7 @@ those variables (`take_credentials`) and carry on with the bare URI: that is wha
 credentials with the environment (readable only by the same user, unlike argv in `ps`). A URI whose credentials MLflow
 cannot take from the environment (a database URL as the tracking store) is masked wherever it is shown (`mask`).
 """
+
 from __future__ import annotations
 
 import os

@@ -5,6 +5,7 @@ MLflow's filter parser takes a string between single or double quotes and strips
 with the quote it does not contain; one that holds both is matched with LIKE, its single quotes as `_` (any one
 character), and the caller keeps the exact matches.
 """
+
 from __future__ import annotations
 
 

@@ -1,6 +1,7 @@
 """The MLflow runs of `mhc fit|validate|test` as Lightning meets them: the trainer's MLflow loggers, the logger
 configs that will create them (named and tagged by stage before they exist), and where a finished run went.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -29,12 +30,17 @@ def _class_of(class_path: str) -> Optional[type]:
 def mlflow_logger_configs(logger_cfg) -> list[Any]:
     """The entries of a parsed `trainer.logger` (one, a list, None or a bool) whose class is an MLFlowLogger."""
     configs = logger_cfg if isinstance(logger_cfg, list) else [logger_cfg]
-    return [cfg for cfg in configs if hasattr(cfg, "class_path") and cfg.get("init_args") is not None
-            and isinstance(cls := _class_of(cfg.class_path), type) and issubclass(cls, MLFlowLogger)]
+    return [
+        cfg
+        for cfg in configs
+        if hasattr(cfg, "class_path")
+        and cfg.get("init_args") is not None
+        and isinstance(cls := _class_of(cfg.class_path), type)
+        and issubclass(cls, MLFlowLogger)
+    ]
 
 
-def label_runs(logger_cfg, stage: str, source_run_id: Optional[str] = None,
-               checkpoint: Optional[str] = None) -> None:
+def label_runs(logger_cfg, stage: str, source_run_id: Optional[str] = None, checkpoint: Optional[str] = None) -> None:
     """Name and tag, in the parsed logger config (before the loggers exist), the MLflow run(s) `stage` creates.
 
     Every run is tagged `stage`; an evaluation run is named `<run name>-<stage>` and tagged with the

@@ -15,6 +15,7 @@ server and resume"). Every shipped config uses it.
   artifacts at the end of a successful fit and the local files are removed once the upload went through.
 - Experiments it creates open in the MLflow UI's training-runs view (store.py).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -51,8 +52,14 @@ class ResilientMLFlowLogger(MLFlowLogger):
         flush_timeout: seconds to keep retrying at the end of fit before leaving the rest for `mhc sweep replay`.
     """
 
-    def __init__(self, *args: Any, spool_dir: str = "mlflow_spool", retry_every: float = 30.0,
-                 flush_timeout: float = 30.0, **kwargs: Any):
+    def __init__(
+        self,
+        *args: Any,
+        spool_dir: str = "mlflow_spool",
+        retry_every: float = 30.0,
+        flush_timeout: float = 30.0,
+        **kwargs: Any,
+    ):
         use_fast_http_failures()
         given = inspect.signature(MLFlowLogger).bind_partial(*args, **kwargs).arguments
         with store_lock(given.get("tracking_uri", os.getenv("MLFLOW_TRACKING_URI"))):
@@ -83,15 +90,18 @@ class ResilientMLFlowLogger(MLFlowLogger):
             raise
         except Exception as err:
             if is_outage(err):
-                raise TrackingUnreachable(f"MLflow tracking store {redact(self._tracking_uri)} stopped answering "
-                                          f"while the run was created ({type(err).__name__}); start the run again "
-                                          "once it is back") from None
+                raise TrackingUnreachable(
+                    f"MLflow tracking store {redact(self._tracking_uri)} stopped answering "
+                    f"while the run was created ({type(err).__name__}); start the run again "
+                    "once it is back"
+                ) from None
             raise
         self._started = True
         run = self._guard.get_run(self.run_id)
         if run.data.metrics:  # an existing run continues: remember what it holds
-            self._logged_up_to = {k: max(m.step for m in self._guard.get_metric_history(self.run_id, k))
-                                  for k in run.data.metrics}
+            self._logged_up_to = {
+                k: max(m.step for m in self._guard.get_metric_history(self.run_id, k)) for k in run.data.metrics
+            }
         if run.info.status != "RUNNING":
             self._guard.update_run(self.run_id, status="RUNNING")
 
@@ -131,5 +141,7 @@ class ResilientMLFlowLogger(MLFlowLogger):
             if folder is not None and folder.is_dir() and not any(folder.iterdir()):
                 folder.rmdir()
         if self._checkpoint_callbacks:
-            rank_zero_info(f"checkpoints uploaded to MLflow run {self.run_id} (artifacts last/, ...) and removed "
-                           "locally (log_model: true keeps one copy, in MLflow)")
+            rank_zero_info(
+                f"checkpoints uploaded to MLflow run {self.run_id} (artifacts last/, ...) and removed "
+                "locally (log_model: true keeps one copy, in MLflow)"
+            )

@@ -7,6 +7,7 @@ URIs (Lightning issues #19441, #16310, #20273); MLflowSaveConfig writes the conf
 With any other logger (CSVLogger, TensorBoardLogger, WandbLogger, ...) Lightning's own behaviour applies: config.yaml
 in the trainer's log_dir (a CSV or TensorBoard logger's version folder; a W&B logger's save_dir).
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional

@@ -7,6 +7,7 @@ on the server for at most one failed request per retry. At the end of fit the sp
 left stays on disk and `mhc sweep replay <spool dir> --tracking-uri URI` sends it later, original timestamps and
 steps kept.
 """
+
 from __future__ import annotations
 
 import functools
@@ -27,8 +28,20 @@ from .store import check_tracking, is_outage, redact
 class GuardedClient:
     """Wraps MlflowClient: writes that fail because the server is down go to a spool instead of raising."""
 
-    WRITES = {"log_batch", "log_metric", "log_param", "set_tag", "delete_tag", "log_text", "log_dict",
-              "log_figure", "log_artifact", "log_artifacts", "set_terminated", "update_run"}
+    WRITES = {
+        "log_batch",
+        "log_metric",
+        "log_param",
+        "set_tag",
+        "delete_tag",
+        "log_text",
+        "log_dict",
+        "log_figure",
+        "log_artifact",
+        "log_artifacts",
+        "set_terminated",
+        "update_run",
+    }
 
     def __init__(self, client, spool_root, retry_every: float = 30.0, label: str = ""):
         self._client = client
@@ -59,8 +72,12 @@ class GuardedClient:
             if not is_outage(err):
                 raise
             self._last_try = time.monotonic()
-            warnings.warn(f"MLflow unreachable{self.label}: {type(err).__name__}; keeping writes in {self.spool_root} "
-                          "and training on", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"MLflow unreachable{self.label}: {type(err).__name__}; keeping writes in {self.spool_root} "
+                "and training on",
+                RuntimeWarning,
+                stacklevel=3,
+            )
             self._spool(name, args, kwargs)
             return None
 
@@ -89,7 +106,9 @@ class GuardedClient:
                     f"MLflow server {redact(uri)} still unreachable: {self._pending} writes kept in "
                     f"{self._file.parent}. "
                     f"Send them later with:  mhc sweep replay {self.spool_root} --tracking-uri {redact(uri)}",
-                    RuntimeWarning, stacklevel=2)
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
                 return False
             time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
         return True
@@ -130,10 +149,13 @@ def _to_record(name: str, args: tuple, kwargs: dict, files: Path) -> dict:
     a.pop("self", None)
     run_id = a.pop("run_id")
     if name == "log_batch":
-        return {"op": name, "run_id": run_id,
-                "metrics": [[m.key, m.value, m.timestamp, m.step] for m in a.get("metrics") or []],
-                "params": [[p.key, p.value] for p in a.get("params") or []],
-                "tags": [[t.key, t.value] for t in a.get("tags") or []]}
+        return {
+            "op": name,
+            "run_id": run_id,
+            "metrics": [[m.key, m.value, m.timestamp, m.step] for m in a.get("metrics") or []],
+            "params": [[p.key, p.value] for p in a.get("params") or []],
+            "tags": [[t.key, t.value] for t in a.get("tags") or []],
+        }
     if name in ("log_text", "log_dict", "log_figure"):
         artifact_file = a["artifact_file"]
         files.mkdir(parents=True, exist_ok=True)
@@ -151,8 +173,12 @@ def _to_record(name: str, args: tuple, kwargs: dict, files: Path) -> dict:
         else:
             a["figure"].savefig(local, **(a.get("save_kwargs") or {}))
         parent = str(Path(artifact_file).parent)
-        return {"op": "log_artifact", "run_id": run_id, "local_path": str(local),
-                "artifact_path": None if parent == "." else parent}
+        return {
+            "op": "log_artifact",
+            "run_id": run_id,
+            "local_path": str(local),
+            "artifact_path": None if parent == "." else parent,
+        }
     if name == "log_artifact":
         files.mkdir(parents=True, exist_ok=True)
         local = files / Path(a["local_path"]).name
@@ -172,8 +198,12 @@ def _apply(client, rec: dict) -> None:
 
     op, run_id = rec["op"], rec["run_id"]
     if op == "log_batch":
-        client.log_batch(run_id, metrics=[Metric(k, v, ts, st) for k, v, ts, st in rec["metrics"]],
-                         params=[Param(k, v) for k, v in rec["params"]], tags=[RunTag(k, v) for k, v in rec["tags"]])
+        client.log_batch(
+            run_id,
+            metrics=[Metric(k, v, ts, st) for k, v, ts, st in rec["metrics"]],
+            params=[Param(k, v) for k, v in rec["params"]],
+            tags=[RunTag(k, v) for k, v in rec["tags"]],
+        )
     elif op == "log_artifact":
         client.log_artifact(run_id, rec["local_path"], rec["artifact_path"])
     elif op == "log_artifacts":
@@ -218,8 +248,10 @@ def replay_spool(spool_root, tracking_uri: str) -> dict[str, int]:
     for run_dir in sorted(p for p in Path(spool_root).iterdir() if p.is_dir()):
         # several writers per run (logger, sweep): merge by time so that set_terminated comes last
         files = sorted(run_dir.glob("*.jsonl"))
-        records = sorted((json.loads(line) for f in files for line in f.read_text().splitlines() if line.strip()),
-                         key=lambda r: r["t"])
+        records = sorted(
+            (json.loads(line) for f in files for line in f.read_text().splitlines() if line.strip()),
+            key=lambda r: r["t"],
+        )
         merged = run_dir / "merged.jsonl"
         merged.write_text("".join(json.dumps(r) + "\n" for r in records))
         for f in files:

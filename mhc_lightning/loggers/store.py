@@ -11,6 +11,7 @@
   training-runs view (see TRAINING_KIND below).
 - `ui_hint`: the command that opens a local store in the MLflow UI, runnable from any folder.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,8 +26,11 @@ from ..errors import UserError
 
 # Fail fast instead of MLflow's default 7 retries with exponential backoff (minutes per call): a training process
 # waits on a dead server for at most (retries + 1) x timeout per attempt, and the spool retries later on its own.
-HTTP_FAST_FAILURE = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-                     "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+HTTP_FAST_FAILURE = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+}
 
 # MLflow 3's UI chooses an experiment's default view from the experiment tag `mlflow.experimentKind`:
 # "genai_development" opens the GenAI "Evaluations" view, "custom_model_development" the training-runs table
@@ -77,7 +81,7 @@ def sqlite_path(uri: str) -> Optional[Path]:
     """The database file of a sqlite:/// URI (None for other stores)."""
     if not uri.startswith("sqlite:///"):
         return None
-    return Path(uri[len("sqlite:///"):]).expanduser().resolve()
+    return Path(uri[len("sqlite:///") :]).expanduser().resolve()
 
 
 def mlflow_command() -> str:
@@ -89,8 +93,8 @@ def mlflow_command() -> str:
 def absolute_store_uri(uri: str) -> str:
     """sqlite:///relative.db -> sqlite:////abs/relative.db, so that a printed command works from any folder."""
     prefix = "sqlite:///"
-    if uri.startswith(prefix) and not uri[len(prefix):].startswith("/") and ":memory:" not in uri:
-        return prefix + str(Path(uri[len(prefix):]).resolve())
+    if uri.startswith(prefix) and not uri[len(prefix) :].startswith("/") and ":memory:" not in uri:
+        return prefix + str(Path(uri[len(prefix) :]).resolve())
     return uri
 
 
@@ -103,8 +107,9 @@ def ui_hint(uri: str) -> str:
     return f"{mlflow_command()} ui --backend-store-uri {shlex.quote(absolute_store_uri(uri))}"
 
 
-def check_tracking(uri: str, timeout: float = 5.0, option: Optional[str] = "--trainer.logger.init_args.tracking_uri"
-                   ) -> None:
+def check_tracking(
+    uri: str, timeout: float = 5.0, option: Optional[str] = "--trainer.logger.init_args.tracking_uri"
+) -> None:
     """Raise TrackingUnreachable (naming the URI) unless the tracking store answers; migrate a new SQLite store.
     `option`: the command's own way to name another store, besides MLFLOW_TRACKING_URI (`mhc fit` has no
     --tracking-uri)."""
@@ -119,15 +124,21 @@ def check_tracking(uri: str, timeout: float = 5.0, option: Optional[str] = "--tr
             raise TrackingUnreachable(
                 f"MLflow tracking server {redact(uri)} is unreachable ({type(err).__name__}). Start it "
                 "(`docker compose up -d mlflow`, or `mlflow server ...`), or point MLFLOW_TRACKING_URI"
-                + (f" or {option}" if option else "") + " at a running one.") from None
+                + (f" or {option}" if option else "")
+                + " at a running one."
+            ) from None
     try:
         prepare_store(uri)  # /health skips the server's Host-header check; one API call does not
     except Exception as err:
-        hint = (" (add this host name to the server's --allowed-hosts / MLFLOW_ALLOWED_HOSTS)"
-                if "Invalid Host header" in str(err) else "")
+        hint = (
+            " (add this host name to the server's --allowed-hosts / MLFLOW_ALLOWED_HOSTS)"
+            if "Invalid Host header" in str(err)
+            else ""
+        )
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise TrackingUnreachable(
-            f"MLflow tracking store {redact(uri)} refused the connection: {first}{hint}") from None
+            f"MLflow tracking store {redact(uri)} refused the connection: {first}{hint}"
+        ) from None
 
 
 def lock_path(db: Path) -> str:

@@ -8,6 +8,7 @@ the backward runs it (HyperConnection.run_branch gives the recipe): the u the fu
 request (`request_u`: it ran first and read x_l anyway), or u made again by the forward's kernel (`rebuild_u`). Either
 way the backward sees the same bits.
 """
+
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager

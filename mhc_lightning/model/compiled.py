@@ -6,6 +6,7 @@ With `allow_unspec_int_on_nn_module` an int that changes becomes symbolic on the
 take the count as a runtime argument: one extra trace in all. The reference ops unroll Sinkhorn in Python, so
 with `kernel_backend: torch` each count is still its own graph.
 """
+
 from collections.abc import Callable
 
 import torch

@@ -1,4 +1,5 @@
 """Architecture configuration: plain dataclasses that LightningCLI exposes field by field."""
+
 from dataclasses import dataclass, field
 from typing import Literal, Union
 
@@ -106,24 +107,32 @@ class HyperConfig:
         _at_least("pre_gap", self.pre_gap, 0.0)
         _one_of("rebuild_branch_input", self.rebuild_branch_input, (True, False))
         if self.residual_mode in EXACT_MODES:
-            _one_of(f"n_streams for residual_mode={self.residual_mode}", self.n_streams,
-                    EXACT_STREAMS[self.residual_mode])
+            _one_of(
+                f"n_streams for residual_mode={self.residual_mode}", self.n_streams, EXACT_STREAMS[self.residual_mode]
+            )
             if self.kernel_backend == "triton":
-                raise ValueError(f"kernel_backend=triton has no kernels for residual_mode={self.residual_mode} (its "
-                                 "ops run as torch reference ops); set kernel_backend to one of ['auto', 'torch']")
+                raise ValueError(
+                    f"kernel_backend=triton has no kernels for residual_mode={self.residual_mode} (its "
+                    "ops run as torch reference ops); set kernel_backend to one of ['auto', 'torch']"
+                )
         if self.identical_streams and not self.allow_identical_streams:
             raise ValueError(
                 f"bias_init={self.bias_init} with phi_init=zeros keeps all {self.n_streams} streams identical for the "
                 f"whole run ({self.residual_mode} becomes a residual net with scalar gates); set bias_init to one of "
                 "['home', 'a6', 'hc_identity'] or phi_init to one of ['normal', 'xavier'], or set "
-                "allow_identical_streams=true to run this degenerate baseline anyway")
+                "allow_identical_streams=true to run this degenerate baseline anyway"
+            )
 
     @property
     def identical_streams(self) -> bool:
         """True when nothing in the init tells the streams apart, so they stay equal forever (docs/design.md §6):
         a multi-stream mHC / identity-HC / mHC-lite / KromHC with phi = 0 and biases that treat every stream alike."""
-        return (self.residual_mode in PHI_MODES and self.n_streams > 1 and self.phi_init == "zeros"
-                and self.bias_init in SYMMETRIC_BIAS_INITS)
+        return (
+            self.residual_mode in PHI_MODES
+            and self.n_streams > 1
+            and self.phi_init == "zeros"
+            and self.bias_init in SYMMETRIC_BIAS_INITS
+        )
 
     @property
     def ops_backend(self) -> KernelBackend:
@@ -174,9 +183,11 @@ class GPTConfig:
         if rb != "auto" and (isinstance(rb, bool) or not isinstance(rb, int) or rb < 0):
             raise ValueError(f"recompute_block must be 'auto' or an int >= 0 (0 = off), got {rb!r}")
         if rb != 0 and self.hyper.rebuild_branch_input and self.hyper.residual_mode != "residual":
-            raise ValueError(f"recompute_block={rb!r} with hyper.rebuild_branch_input=true is refused: the recompute "
-                             "drops the branch's input already; set recompute_block to 0 or rebuild_branch_input to "
-                             "false")
+            raise ValueError(
+                f"recompute_block={rb!r} with hyper.rebuild_branch_input=true is refused: the recompute "
+                "drops the branch's input already; set recompute_block to 0 or rebuild_branch_input to "
+                "false"
+            )
         for name in ("vocab_size", "n_layers", "d_model", "n_heads", "context"):
             _at_least(name, getattr(self, name), 1)
         if self.d_model % self.n_heads:

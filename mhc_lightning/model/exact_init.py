@@ -11,6 +11,7 @@ their parameterisation differs:
 - KromHC: each of the K = log2 n factors gets p = d^(1/K), logit ln(p / (1 - p)); the diagonal is p^K = d and an
   off-diagonal entry p^(K-h) (1 - p)^h, h the number of bits in which the two stream indices differ.
 """
+
 import math
 
 import torch

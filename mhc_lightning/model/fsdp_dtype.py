@@ -1,6 +1,7 @@
 """The dtype a module computes in when FSDP may have cast its parameters for the forward: the mHC sublayer hands its
 branch the input in that dtype (model/hyper_connection.py). FSDP is looked up in sys.modules, never imported: a process
 that has not imported it cannot have wrapped anything with it."""
+
 from __future__ import annotations
 
 import sys

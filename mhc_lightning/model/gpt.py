@@ -3,6 +3,7 @@
 Streams are expanded once after the embedding, persist through every sublayer, and are collapsed
 once before the final norm (docs/design.md §4): expanding per block would make n independent residuals.
 """
+
 import contextlib
 import math
 from collections.abc import Iterator

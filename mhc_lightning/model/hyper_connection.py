@@ -9,6 +9,7 @@ sublayer l+1's coefficients and input from it (kernels/reference/boundary.py): o
 sublayer instead of two (host time; the kernels are the same, docs/kernels.md). `forward` is one sublayer on its own.
 mHC-lite / KromHC sublayers run one at a time on the reference ops (`reference.exact_enter`): no fused kernels.
 """
+
 import math
 from typing import Optional
 
@@ -29,8 +30,9 @@ from .stream_spread import stream_spread
 Carry = tuple[object, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]
 
 
-def mhc_bias_init(scheme: str, n: int, home: int, with_res: bool, res_gap: float = 6.0,
-                  pre_gap: float = 3.0) -> torch.Tensor:
+def mhc_bias_init(
+    scheme: str, n: int, home: int, with_res: bool, res_gap: float = 6.0, pre_gap: float = 3.0
+) -> torch.Tensor:
     """Biases [pre (n) | post (n) | res (n^2)] of docs/design.md §6; res logits are diagonal, so layout-free."""
     eye = torch.eye(n)
     onehot = eye[home]
@@ -104,8 +106,13 @@ class HyperConnection(nn.Module):
     def options(self) -> MHCOptions:
         c = self.cfg
         return MHCOptions(
-            sinkhorn_iters=self.sinkhorn_iters, sinkhorn_eps=c.sinkhorn_eps, exact_axis=c.sinkhorn_exact_axis,
-            start=c.sinkhorn_start, res_layout=c.res_layout, pre_eps=c.pre_eps, post_mult=c.post_mult,
+            sinkhorn_iters=self.sinkhorn_iters,
+            sinkhorn_eps=c.sinkhorn_eps,
+            exact_axis=c.sinkhorn_exact_axis,
+            start=c.sinkhorn_start,
+            res_layout=c.res_layout,
+            pre_eps=c.pre_eps,
+            post_mult=c.post_mult,
         )
 
     def branch_dtype(self) -> Optional[torch.dtype]:
@@ -113,8 +120,9 @@ class HyperConnection(nn.Module):
         param_dtype where FSDP wraps it; None: no floating parameters)."""
         return param_compute_dtype(self.branch)
 
-    def run_branch(self, u: torch.Tensor, x: Optional[torch.Tensor] = None,
-                   h_pre: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def run_branch(
+        self, u: torch.Tensor, x: Optional[torch.Tensor] = None, h_pre: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """F(u) in the branch's parameter dtype. The stream may be narrower (GPTConfig.stream_dtype): the branch
         then sees the dtype it would see with a full-precision stream, and autocast still casts its matmuls. The mHC
         ops hand u over in that dtype already (their u_dtype: the fused kernels write it so, no cast each way).
@@ -123,8 +131,7 @@ class HyperConnection(nn.Module):
         outer checkpoint) already decide what the branch keeps."""
         dtype = self.branch_dtype()
         v = in_dtype(u, dtype)
-        if (x is None or not (self.cfg.rebuild_branch_input and torch.is_grad_enabled())
-                or others_keep_saved_tensors()):
+        if x is None or not (self.cfg.rebuild_branch_input and torch.is_grad_enabled()) or others_keep_saved_tensors():
             return self.branch(v)
         ops = self.ops(v.device)
         if ops is reference and compute_dtype(x.dtype) != x.dtype:
@@ -141,8 +148,15 @@ class HyperConnection(nn.Module):
         with rebuilt_in_backward(v, rebuild):
             return self.branch(v)
 
-    def remember(self, h_pre: torch.Tensor, h_post: torch.Tensor, h_res: Optional[torch.Tensor],
-                 out: torch.Tensor, lead: Optional[tuple] = None, x_in: Optional[torch.Tensor] = None) -> None:
+    def remember(
+        self,
+        h_pre: torch.Tensor,
+        h_post: torch.Tensor,
+        h_res: Optional[torch.Tensor],
+        out: torch.Tensor,
+        lead: Optional[tuple] = None,
+        x_in: Optional[torch.Tensor] = None,
+    ) -> None:
         """Keep the first sequence's coefficients for diagnostics while `record` is set; out is the stream this
         sublayer wrote, x_in the one it read. lead: the stream's leading dims when the tensors come flat
         ([tokens, ...], `forward`). For mHC also the range of the res logits Sinkhorn started from (its saturation),
@@ -153,13 +167,22 @@ class HyperConnection(nn.Module):
                 h_pre, h_post, out = h_pre.view(*lead, n), h_post.view(*lead, n), out.view(*lead, *out.shape[-2:])
                 h_res = None if h_res is None else h_res.view(*lead, n, n)
                 x_in = None if x_in is None else x_in.view(*lead, *x_in.shape[-2:])
-            self.last = {"h_pre": h_pre[:1].detach(), "h_post": h_post[:1].detach(),
-                         "h_res": None if h_res is None else h_res[:1].detach(),
-                         "spread": stream_spread(out[:1].detach())}
+            self.last = {
+                "h_pre": h_pre[:1].detach(),
+                "h_post": h_post[:1].detach(),
+                "h_res": None if h_res is None else h_res[:1].detach(),
+                "spread": stream_spread(out[:1].detach()),
+            }
             if self.mode == "mhc" and x_in is not None:
                 with torch.no_grad():  # no matmul op: the forward may run inside a selective checkpoint
-                    z = reference.mhc_res_logits(x_in[:1].detach(), self.phi, self.bias, self.alpha, self.options(),
-                                                 matmul=reference.columnwise_matmul)
+                    z = reference.mhc_res_logits(
+                        x_in[:1].detach(),
+                        self.phi,
+                        self.bias,
+                        self.alpha,
+                        self.options(),
+                        matmul=reference.columnwise_matmul,
+                    )
                 self.last["logit_range"] = (z.amax(dim=(-2, -1)) - z.amin(dim=(-2, -1))).detach()
 
     def enter(self, x: torch.Tensor) -> Carry:
@@ -169,8 +192,14 @@ class HyperConnection(nn.Module):
         takes them as they are (host time per op, docs/kernels.md)."""
         lead, C = x.shape[:-2], x.shape[-1]
         ops = self.ops(x.device)
-        xt, u, h_pre, h_post, h_res = ops.mhc_enter(x if x.dim() == 3 else x.reshape(-1, *x.shape[-2:]), self.phi,
-                                                    self.bias, self.alpha, self.options(), self.branch_dtype())
+        xt, u, h_pre, h_post, h_res = ops.mhc_enter(
+            x if x.dim() == 3 else x.reshape(-1, *x.shape[-2:]),
+            self.phi,
+            self.bias,
+            self.alpha,
+            self.options(),
+            self.branch_dtype(),
+        )
         return xt, u.view(*lead, C), h_pre, h_post, h_res
 
     def chain(self, carry: Carry, nxt: Optional["HyperConnection"]):
@@ -185,8 +214,9 @@ class HyperConnection(nn.Module):
             out = ops.stream_post_res(x, f, h_post, h_res)
             self.remember(h_pre, h_post, h_res, out, lead, x)
             return out.view(*lead, *out.shape[-2:])
-        x_next, u_next, *coefs = ops.mhc_boundary(x, f, h_post, h_res, nxt.phi, nxt.bias, nxt.alpha, nxt.options(),
-                                                  nxt.branch_dtype())
+        x_next, u_next, *coefs = ops.mhc_boundary(
+            x, f, h_post, h_res, nxt.phi, nxt.bias, nxt.alpha, nxt.options(), nxt.branch_dtype()
+        )
         self.remember(h_pre, h_post, h_res, x_next, lead, x)
         return (x_next, u_next.view(*lead, C), *coefs)
 
@@ -199,17 +229,29 @@ class HyperConnection(nn.Module):
         flat = x if x.dim() == 3 else x.reshape(-1, n, C)
         ops = self.ops(x.device)
         if self.chains:
-            xt, u, h_pre, h_post, h_res = ops.mhc_enter(flat, self.phi, self.bias, self.alpha, self.options(),
-                                                        self.branch_dtype())
+            xt, u, h_pre, h_post, h_res = ops.mhc_enter(
+                flat, self.phi, self.bias, self.alpha, self.options(), self.branch_dtype()
+            )
         elif self.mode in EXACT_MODES:
-            xt, u, h_pre, h_post, h_res = reference.exact_enter(flat, self.phi, self.bias, self.alpha, self.mode,
-                                                                self.options(), self.branch_dtype())
+            xt, u, h_pre, h_post, h_res = reference.exact_enter(
+                flat, self.phi, self.bias, self.alpha, self.mode, self.options(), self.branch_dtype()
+            )
         else:
             c = self.cfg
             # x' (the stream the write-back reads) comes out of the same op, so x's gradients meet in its x pass
             xt, u, h_pre, h_post, h_res = ops.hc_enter(
-                flat, self.norm_weight, self.w_beta, self.w_m, self.w_r, self.s_alpha, self.s_beta,
-                self.b_static, self.am_static, self.ar_static, dynamic=c.hc_dynamic, use_tanh=c.hc_tanh,
+                flat,
+                self.norm_weight,
+                self.w_beta,
+                self.w_m,
+                self.w_r,
+                self.s_alpha,
+                self.s_beta,
+                self.b_static,
+                self.am_static,
+                self.ar_static,
+                dynamic=c.hc_dynamic,
+                use_tanh=c.hc_tanh,
                 u_dtype=self.branch_dtype(),
             )
         f = self.run_branch(u.view(*lead, C), xt, h_pre)

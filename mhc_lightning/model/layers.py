@@ -1,4 +1,5 @@
 """The sublayers F(x, W) that hyper-connections wrap: each owns its pre-norm (docs/design.md §1)."""
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -20,8 +21,9 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """Causal self-attention with RoPE (docs/design.md §13); kernel_backend picks RoPE's op as for the mHC ops."""
 
-    def __init__(self, d_model: int, n_heads: int, context: int, rope_base: float, norm_eps: float,
-                 kernel_backend: str = "auto"):
+    def __init__(
+        self, d_model: int, n_heads: int, context: int, rope_base: float, norm_eps: float, kernel_backend: str = "auto"
+    ):
         super().__init__()
         self.n_heads, self.kernel_backend = n_heads, kernel_backend
         self.norm = RMSNorm(d_model, norm_eps)
@@ -33,8 +35,9 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = get_ops(self.kernel_backend, x.device).rope_qkv(self.qkv(self.norm(x)), self.cos, self.sin,
-                                                                   self.n_heads)
+        q, k, v = get_ops(self.kernel_backend, x.device).rope_qkv(
+            self.qkv(self.norm(x)), self.cos, self.sin, self.n_heads
+        )
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.out(y.transpose(1, 2).reshape(B, T, C))
 

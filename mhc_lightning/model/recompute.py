@@ -14,6 +14,7 @@ the other sublayers, H^pre x_l, the branch pre-norms and the coefficient interme
 is not re-run as a whole: its matmuls and attention come from the cache, only its elementwise ops (norm, RoPE,
 SiLU) are replayed, as are the mHC ops.
 """
+
 import gc
 import math
 import weakref

@@ -1,5 +1,6 @@
 """How far apart the n residual streams are: recorded by each mHC / HC sublayer for the diagnostics
 (mhc_lightning/diagnostics.py) and for the detector's degenerate-streams check."""
+
 import torch
 
 

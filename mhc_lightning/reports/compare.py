@@ -7,6 +7,7 @@ by side, from the same files), grad_norm.png (curves) and tokens_per_sec.png (me
 MLflow too: into the study's parent run for --study, else into a new "compare-..." run in the experiment of the
 first run (--no-log to skip).
 """
+
 from __future__ import annotations
 
 import math
@@ -18,15 +19,24 @@ from . import plots
 from .runs import COMPARISON_TAG, CompareError, RunData, code_label, load, search
 from .tables import fmt, frame, write_table
 
-FINAL_METRICS = ["val/loss", "val/bpb", "train/loss", "train/grad_norm", "amax/composite_fwd_max",
-                 "amax/composite_bwd_max"]
+FINAL_METRICS = [
+    "val/loss",
+    "val/bpb",
+    "train/loss",
+    "train/grad_norm",
+    "amax/composite_fwd_max",
+    "amax/composite_bwd_max",
+]
 CURVES = ["val/loss", "train/loss", "train/grad_norm", "train/tokens_per_sec"]
 
 
 def differing_columns(configs: list[dict], always=("residual_mode",)) -> list[str]:
     """Config columns whose values differ between runs (equal everywhere says nothing about the difference)."""
-    return [c for c in dict.fromkeys(k for cfg in configs for k in cfg)
-            if c in always or len({cfg.get(c) for cfg in configs}) > 1 or len(configs) == 1]
+    return [
+        c
+        for c in dict.fromkeys(k for cfg in configs for k in cfg)
+        if c in always or len({cfg.get(c) for cfg in configs}) > 1 or len(configs) == 1
+    ]
 
 
 def steps_done(d: RunData):
@@ -79,6 +89,7 @@ def _label(d: RunData, cols: list[str]) -> str:
 
 def layers_caption(shown: list[RunData], have: list[RunData]) -> str:
     """Which runs the Amax-vs-layer plot leaves out, each by name and with its own reason."""
+
     def why(d: RunData) -> str:
         if d.evaluation:
             return f"{d.stage} run: no training steps"
@@ -99,24 +110,35 @@ def make_plots(data: list[RunData], out: Path, top: int) -> dict[str, Path]:
         return [(_label(d, cols), *zip(*d.curves[key]), None) for d in shown if d.curves.get(key)]
 
     result = {
-        "val_loss": plots.curves(lines("val/loss"), "validation loss" + sub, "val/loss (nats/byte)",
-                                 out / "val_loss.png"),
-        "train_loss": plots.curves(lines("train/loss"), "training loss" + sub, "train/loss (nats/byte)",
-                                   out / "train_loss.png"),
-        "grad_norm": plots.curves(lines("train/grad_norm"), "gradient norm (before clipping)" + sub,
-                                  "train/grad_norm", out / "grad_norm.png", logy=True),
+        "val_loss": plots.curves(
+            lines("val/loss"), "validation loss" + sub, "val/loss (nats/byte)", out / "val_loss.png"
+        ),
+        "train_loss": plots.curves(
+            lines("train/loss"), "training loss" + sub, "train/loss (nats/byte)", out / "train_loss.png"
+        ),
+        "grad_norm": plots.curves(
+            lines("train/grad_norm"),
+            "gradient norm (before clipping)" + sub,
+            "train/grad_norm",
+            out / "grad_norm.png",
+            logy=True,
+        ),
     }
     have = [d for d in shown if d.per_layer and "composite_fwd_max" in d.per_layer]
     if have:
         steps = sorted({d.per_layer_step for d in have})
-        fig = plots.amax_vs_layer([(f"{_label(d, cols)} (step {d.per_layer_step})", d.per_layer) for d in have],
-                                  title=f"composite Amax gain at each run's last diagnostics (steps {steps})",
-                                  note=layers_caption(shown, have))
+        fig = plots.amax_vs_layer(
+            [(f"{_label(d, cols)} (step {d.per_layer_step})", d.per_layer) for d in have],
+            title=f"composite Amax gain at each run's last diagnostics (steps {steps})",
+            note=layers_caption(shown, have),
+        )
         result["amax_vs_layer"] = plots.save(fig, out / "amax_vs_layer.png")
     mixing = [d for d in shown if d.per_layer and d.per_layer.get("h_res_tokmean")]
     if mixing:
-        fig = plots.h_res_heatmaps([(f"{_label(d, cols)} (step {d.per_layer_step})", d.per_layer["h_res_tokmean"])
-                                    for d in mixing], title="H_res per sublayer at each run's last diagnostics")
+        fig = plots.h_res_heatmaps(
+            [(f"{_label(d, cols)} (step {d.per_layer_step})", d.per_layer["h_res_tokmean"]) for d in mixing],
+            title="H_res per sublayer at each run's last diagnostics",
+        )
         result["h_res"] = plots.save(fig, out / "h_res.png")
     bars = []
     for d in shown:
@@ -130,9 +152,17 @@ def make_plots(data: list[RunData], out: Path, top: int) -> dict[str, Path]:
     return {k: v for k, v in result.items() if v is not None}
 
 
-def compare(tracking_uri: str, out, experiment: Optional[str] = None, study: Optional[str] = None,
-            run_ids: Optional[list[str]] = None, log: bool = True, top: int = 12,
-            log_run_id: Optional[str] = None, include_evaluation: bool = False) -> dict[str, Any]:
+def compare(
+    tracking_uri: str,
+    out,
+    experiment: Optional[str] = None,
+    study: Optional[str] = None,
+    run_ids: Optional[list[str]] = None,
+    log: bool = True,
+    top: int = 12,
+    log_run_id: Optional[str] = None,
+    include_evaluation: bool = False,
+) -> dict[str, Any]:
     from mlflow import MlflowClient
 
     from ..loggers.store import check_tracking, use_fast_http_failures
@@ -159,8 +189,11 @@ def compare(tracking_uri: str, out, experiment: Optional[str] = None, study: Opt
         created = False
         if target is None:
             name = f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
-            target = client.create_run(data[0].experiment_id, run_name=name, tags={
-                COMPARISON_TAG: "comparison", "mhc.compared_runs": ",".join(d.run_id for d in data)[:5000]}).info.run_id
+            target = client.create_run(
+                data[0].experiment_id,
+                run_name=name,
+                tags={COMPARISON_TAG: "comparison", "mhc.compared_runs": ",".join(d.run_id for d in data)[:5000]},
+            ).info.run_id
             created = True
         for p in [md, csv_path, *figures.values()]:
             client.log_artifact(target, str(p), "comparison")

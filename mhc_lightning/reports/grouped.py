@@ -9,6 +9,7 @@ Groups come from run tags (the grid runner tags every run with its variant and a
 training runs count. A group pools runs of one code state only (tag `mhc.code`: commit, and a digest of any
 uncommitted change), unless allow_mixed_code is set. Reads local stores and servers alike (runs.py).
 """
+
 from __future__ import annotations
 
 import math
@@ -25,10 +26,19 @@ from .runs import CompareError, RunData, code_label, load, search, seed_of
 from .stats import difference, format_difference
 from .tables import frame, write_table
 
-HISTORIES = ["val/loss", "val/bpb", "train/grad_norm", "train/tokens_per_sec",
-             "amax/composite_fwd_max", "amax/composite_bwd_max", "amax/composite_bwd_tokmean",
-             "amax/composite_min_colsum_worst", "amax/composite_min_colsum_tokmean", "hres/dist_identity_max",
-             "sinkhorn/logit_range_max"]
+HISTORIES = [
+    "val/loss",
+    "val/bpb",
+    "train/grad_norm",
+    "train/tokens_per_sec",
+    "amax/composite_fwd_max",
+    "amax/composite_bwd_max",
+    "amax/composite_bwd_tokmean",
+    "amax/composite_min_colsum_worst",
+    "amax/composite_min_colsum_tokmean",
+    "hres/dist_identity_max",
+    "sinkhorn/logit_range_max",
+]
 COLUMNS = [  # (summary key, header, format)
     ("val_bpb", "val bits/byte", "{:.4f}"),
     ("amax_fwd_peak", "composite Amax fwd (worst token, peak)", "{:.4g}"),
@@ -53,6 +63,7 @@ def run_summary(d: RunData) -> dict[str, float]:
     Grad-norm maxima and spikes come from the run's every-step summary (`train/grad_norm_max`, `train/grad_spikes`,
     logged by the module) where it has one; older runs only have the logged curve, every log_every_n_steps-th step.
     """
+
     def peak(key):
         vals = [v for _, v in d.curves.get(key, [])]
         return max(vals) if vals else math.nan  # residual: one stream, no H_res ("–" in the table)
@@ -79,8 +90,9 @@ def run_summary(d: RunData) -> dict[str, float]:
         "hres_dist_identity": d.metrics.get("hres/dist_identity", math.nan),
         "hres_dist_identity_peak": peak("hres/dist_identity_max"),
         "grad_norm_max": d.metrics["train/grad_norm_max"] if every_step else (max(gn) if gn else math.nan),
-        "grad_spikes": d.metrics.get("train/grad_spikes", math.nan) if every_step else (
-            float(sum(v > SPIKE_FACTOR * med for v in gn)) if gn else math.nan),
+        "grad_spikes": d.metrics.get("train/grad_spikes", math.nan)
+        if every_step
+        else (float(sum(v > SPIKE_FACTOR * med for v in gn)) if gn else math.nan),
         "tokens_per_sec": st.median(tps) if tps else math.nan,
     }
 
@@ -101,8 +113,10 @@ def check_one_code(groups: dict[tuple, list[RunData]]) -> None:
         labels = {d.run_id: code_label(d) for d in runs}
         if len(set(labels.values())) > 1 or any("," in v for v in labels.values()):
             named = ", ".join(f"{d.name} ({labels[d.run_id]})" for d in runs)
-            raise CompareError(f"group {' '.join(map(str, gk))} pools runs of different code: {named}; compare runs "
-                               "of one commit (rerun them), or pass --allow-mixed-code to pool them anyway")
+            raise CompareError(
+                f"group {' '.join(map(str, gk))} pools runs of different code: {named}; compare runs "
+                "of one commit (rerun them), or pass --allow-mixed-code to pool them anyway"
+            )
 
 
 def group(data: list[RunData], keys: list[str]) -> dict[tuple, list[RunData]]:
@@ -112,8 +126,12 @@ def group(data: list[RunData], keys: list[str]) -> dict[tuple, list[RunData]]:
         if missing:
             raise CompareError(f"run {d.name} has no tag(s) {missing}; group by tags the runs carry: {sorted(d.tags)}")
         groups[tuple(_num(d.tags[k]) for k in keys)].append(d)
-    return dict(sorted(groups.items(), key=lambda kv: tuple(
-        (isinstance(x, str), x if not isinstance(x, str) else 0, str(x)) for x in kv[0])))
+    return dict(
+        sorted(
+            groups.items(),
+            key=lambda kv: tuple((isinstance(x, str), x if not isinstance(x, str) else 0, str(x)) for x in kv[0]),
+        )
+    )
 
 
 def mean_std(vals: list[float]) -> tuple[float, float]:
@@ -151,8 +169,9 @@ def tables(groups, keys):
         row = {**{k: str(v) for k, v in zip(keys, gk)}, "runs": str(len(runs)), "code": code}
         if replicated:  # the same seed run more than once: the run-to-run spread beside the seed spread
             rec["replicate_sd"] = replicate_sd(runs)
-            row["replicate SD of val bits/byte"] = "–" if math.isnan(rec["replicate_sd"]) else (
-                f"{rec['replicate_sd']:.4f}")
+            row["replicate SD of val bits/byte"] = (
+                "–" if math.isnan(rec["replicate_sd"]) else (f"{rec['replicate_sd']:.4f}")
+            )
         for key, header, f in COLUMNS:
             m, s = mean_std([x[key] for x in sums])
             rec[key], rec[key + "_std"] = m, s
@@ -162,13 +181,14 @@ def tables(groups, keys):
     return frame(records), frame(cells)
 
 
-def baseline_differences(groups: dict[tuple, list[RunData]], keys: list[str], baseline: str,
-                         metric: str = "val_bpb"):
+def baseline_differences(groups: dict[tuple, list[RunData]], keys: list[str], baseline: str, metric: str = "val_bpb"):
     """Each group's difference in `metric` to the group that has `baseline` as its first key and the same other keys:
     paired by seed where seeds pair, Welch otherwise (stats.difference). Returns the DataFrame of rows."""
     if not any(str(gk[0]) == baseline for gk in groups):
-        raise CompareError(f"--baseline {baseline!r}: no group has {keys[0]}={baseline}; "
-                           f"groups: {sorted({str(gk[0]) for gk in groups})}")
+        raise CompareError(
+            f"--baseline {baseline!r}: no group has {keys[0]}={baseline}; "
+            f"groups: {sorted({str(gk[0]) for gk in groups})}"
+        )
     by_key = {tuple(str(x) for x in gk): runs for gk, runs in groups.items()}
     rows = []
     for gk, runs in groups.items():
@@ -206,33 +226,52 @@ def make_plots(groups, keys, out: Path) -> dict[str, Path]:
                 continue
             steps = sorted(set.intersection(*(set(h) for h in hist)))
             vals = [[h[s] for h in hist] for s in steps]
-            lines.append((" ".join(map(str, gk)), steps, [st.fmean(v) for v in vals],
-                          ([min(v) for v in vals], [max(v) for v in vals])))
+            lines.append(
+                (
+                    " ".join(map(str, gk)),
+                    steps,
+                    [st.fmean(v) for v in vals],
+                    ([min(v) for v in vals], [max(v) for v in vals]),
+                )
+            )
         return lines
 
     layer_series = []
     for gk, runs in _at_deepest(groups, deepest).items():
-        layers = {k: [d.per_layer[k] for d in runs if d.per_layer and k in d.per_layer]
-                  for k in ("composite_fwd_max", "composite_bwd_max")}
+        layers = {
+            k: [d.per_layer[k] for d in runs if d.per_layer and k in d.per_layer]
+            for k in ("composite_fwd_max", "composite_bwd_max")
+        }
         if all(layers.values()):
             means = {k: [st.fmean(v) for v in zip(*ls)] for k, ls in layers.items()}
             layer_series.append((" ".join(map(str, gk)), means))
     layers = None
     if layer_series:
-        layers = plots.save(plots.amax_vs_layer(layer_series, title="composite Amax gain at the last diagnostics "
-                                                                      f"step, mean over seeds{at}"),
-                            out / "amax_vs_layer.png")
+        layers = plots.save(
+            plots.amax_vs_layer(
+                layer_series, title=f"composite Amax gain at the last diagnostics step, mean over seeds{at}"
+            ),
+            out / "amax_vs_layer.png",
+        )
     result = {
-        "bpb_vs_depth": plots.errorbars(vs_axis("val_bpb"), axis, "validation bits/byte (mean ± std)",
-                                        out / "bpb_vs_depth.png"),
+        "bpb_vs_depth": plots.errorbars(
+            vs_axis("val_bpb"), axis, "validation bits/byte (mean ± std)", out / "bpb_vs_depth.png"
+        ),
         # backward: mHC's forward gain is 1 by construction (rows exact), its column error shows here
-        "amax_vs_depth": plots.errorbars(vs_axis("amax_bwd_peak"), axis, "peak composite Amax gain, backward",
-                                         out / "amax_vs_depth.png", logy=True),
-        "amax_over_training": plots.curves(band_lines("amax/composite_bwd_max"), "",
-                                           f"composite Amax bwd{at}", out / "amax_over_training.png", logy=True),
+        "amax_vs_depth": plots.errorbars(
+            vs_axis("amax_bwd_peak"), axis, "peak composite Amax gain, backward", out / "amax_vs_depth.png", logy=True
+        ),
+        "amax_over_training": plots.curves(
+            band_lines("amax/composite_bwd_max"),
+            "",
+            f"composite Amax bwd{at}",
+            out / "amax_over_training.png",
+            logy=True,
+        ),
         "amax_vs_layer": layers,
-        "grad_norm": plots.curves(band_lines("train/grad_norm"), "", f"grad norm before clipping{at}",
-                                  out / "grad_norm.png", logy=True),
+        "grad_norm": plots.curves(
+            band_lines("train/grad_norm"), "", f"grad norm before clipping{at}", out / "grad_norm.png", logy=True
+        ),
         "val_loss": plots.curves(band_lines("val/bpb"), "", f"validation bits/byte{at}", out / "val_bpb_curves.png"),
     }
     return {k: v for k, v in result.items() if v is not None}
@@ -242,20 +281,38 @@ def seed_note(data: list[RunData]) -> str:
     """What the ± spread over seeds covers, from the runs' own record of where their data seed came from."""
     sources = {d.tags.get("mhc.data.seed_source") for d in data}
     if sources == {"seed_everything"}:
-        return ("A seed set the initialisation and the data order (the windows' offset and shuffle): the ± spread "
-                "covers both.")
+        return (
+            "A seed set the initialisation and the data order (the windows' offset and shuffle): the ± spread "
+            "covers both."
+        )
     if None in sources:
-        return ("Some runs do not record where their data seed came from (tag mhc.data.seed_source): runs made "
-                "before the data seed followed seed_everything read the same data in the same order whatever their "
-                "seed, so their ± spread covers the initialisation only.")
+        return (
+            "Some runs do not record where their data seed came from (tag mhc.data.seed_source): runs made "
+            "before the data seed followed seed_everything read the same data in the same order whatever their "
+            "seed, so their ± spread covers the initialisation only."
+        )
     return f"Data seeds came from: {', '.join(sorted(sources))} (a fixed data.seed holds the data order across seeds)."
 
 
-def report(tracking_uri: str, experiment: str, keys: list[str], out: Path, report_path: Optional[Path],
-           notes: Optional[Path], context: Optional[Path], command: str, include_evaluation: bool = False,
-           baseline: Optional[str] = None, metric: str = "val_bpb", allow_mixed_code: bool = False) -> dict:
-    data = load(tracking_uri, search(tracking_uri, experiment=experiment, include_evaluation=include_evaluation,
-                                     finished_only=True), HISTORIES)
+def report(
+    tracking_uri: str,
+    experiment: str,
+    keys: list[str],
+    out: Path,
+    report_path: Optional[Path],
+    notes: Optional[Path],
+    context: Optional[Path],
+    command: str,
+    include_evaluation: bool = False,
+    baseline: Optional[str] = None,
+    metric: str = "val_bpb",
+    allow_mixed_code: bool = False,
+) -> dict:
+    data = load(
+        tracking_uri,
+        search(tracking_uri, experiment=experiment, include_evaluation=include_evaluation, finished_only=True),
+        HISTORIES,
+    )
     if not data:
         raise CompareError(f"experiment {experiment!r} has no FINISHED runs")
     groups = group(data, keys)
@@ -277,31 +334,46 @@ def report(tracking_uri: str, experiment: str, keys: list[str], out: Path, repor
             best_path, _ = write_table(best_numbers, out, "at_best_lr", md_df=best_text)
     diff_path = None
     if baseline is not None:
-        diff_path, _ = write_table(baseline_differences(compared, compared_keys, baseline, metric), out,
-                                   f"vs_{baseline}", formatter=str)
+        diff_path, _ = write_table(
+            baseline_differences(compared, compared_keys, baseline, metric), out, f"vs_{baseline}", formatter=str
+        )
     if compared:
         figures.update(make_plots(compared, compared_keys, out))
     if report_path:
         rel = os.path.relpath(out, report_path.parent)
-        parts = [f"# Results: experiment `{experiment}`\n",
-                 f"Generated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by:\n\n    {command}\n"]
+        parts = [
+            f"# Results: experiment `{experiment}`\n",
+            f"Generated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by:\n\n    {command}\n",
+        ]
         if context and context.exists():
             parts.append("Context:\n\n" + "".join(f"    {line}\n" for line in context.read_text().splitlines()) + "\n")
-        parts.append(f"{len(data)} finished runs, grouped by {', '.join(keys)}; mean ± std over the runs of each "
-                     f"group. {seed_note(data)}\n\n" + md_path.read_text())
+        parts.append(
+            f"{len(data)} finished runs, grouped by {', '.join(keys)}; mean ± std over the runs of each "
+            f"group. {seed_note(data)}\n\n" + md_path.read_text()
+        )
         if lr_path is not None:
-            parts.append(f"Learning-rate sensitivity (a run at or above {sensitivity.DIVERGED_BPB:g} val bits/byte "
-                         "counts as diverged; the best lr is chosen among those where no seed diverged):\n\n"
-                         + lr_path.read_text())
+            parts.append(
+                f"Learning-rate sensitivity (a run at or above {sensitivity.DIVERGED_BPB:g} val bits/byte "
+                "counts as diverged; the best lr is chosen among those where no seed diverged):\n\n"
+                + lr_path.read_text()
+            )
         if best_path is not None:
             parts.append("Each group at its best lr:\n\n" + best_path.read_text())
         if diff_path is not None:
-            parts.append(f"Difference in {metric} to `{baseline}` (group − {baseline}; 95 % confidence interval, "
-                         "paired by seed where both groups ran the same seeds, Welch otherwise; \"cannot tell apart\": "
-                         "the interval holds 0):\n\n" + diff_path.read_text())
+            parts.append(
+                f"Difference in {metric} to `{baseline}` (group − {baseline}; 95 % confidence interval, "
+                'paired by seed where both groups ran the same seeds, Welch otherwise; "cannot tell apart": '
+                "the interval holds 0):\n\n" + diff_path.read_text()
+            )
         parts.append("\n".join(f"![{k}]({rel}/{p.name})" for k, p in figures.items()) + "\n")
         if notes and notes.exists():
             parts.append(notes.read_text())
         report_path.write_text("\n".join(parts))
-    return {"runs": len(data), "groups": len(groups), "table": md_path, "plots": figures, "differences": diff_path,
-            "lr_sensitivity": lr_path}
+    return {
+        "runs": len(data),
+        "groups": len(groups),
+        "table": md_path,
+        "plots": figures,
+        "differences": diff_path,
+        "lr_sensitivity": lr_path,
+    }

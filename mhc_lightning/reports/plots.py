@@ -4,6 +4,7 @@ and the one Amax-vs-layer plot (a run's diagnostics during training, `mhc compar
 Figures use matplotlib's default style whatever the caller set (Optuna's plots switch the global style to ggplot) and
 the Agg backend (no display needed).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -41,8 +42,13 @@ def _scale(ax, values: Sequence[float]) -> None:
         ax.ticklabel_format(axis="y", useOffset=False)
 
 
-def amax_vs_layer(series: Sequence[tuple[str, dict]], kinds: Sequence[str] = ("composite",),
-                  stats: Sequence[str] = ("max",), title: str = "", note: str = ""):
+def amax_vs_layer(
+    series: Sequence[tuple[str, dict]],
+    kinds: Sequence[str] = ("composite",),
+    stats: Sequence[str] = ("max",),
+    title: str = "",
+    note: str = "",
+):
     """Amax gain per sublayer l, one panel per kind (single H_res, composite product l..L-1) and direction, one colour
     per series (a run, or a group's mean), one line style per statistic. Returns the figure."""
     plt = _pyplot()
@@ -149,8 +155,13 @@ def h_res_heatmaps(series: Sequence[tuple[str, Sequence]], title: str = "", note
     return fig
 
 
-def curves(lines: Sequence[tuple[str, Sequence[int], Sequence[float], Optional[tuple]]], title: str, ylabel: str,
-           path: Path, logy: bool = False) -> Optional[Path]:
+def curves(
+    lines: Sequence[tuple[str, Sequence[int], Sequence[float], Optional[tuple]]],
+    title: str,
+    ylabel: str,
+    path: Path,
+    logy: bool = False,
+) -> Optional[Path]:
     """Metric histories over optimizer steps: (label, steps, values, band or None); band = (low, high) per step.
     The first line is drawn on top, the last at the bottom: callers list the best run (or group) first, and a later
     run whose curve matches it (two configurations that train alike) must not hide it."""
@@ -162,8 +173,15 @@ def curves(lines: Sequence[tuple[str, Sequence[int], Sequence[float], Optional[t
     with plt.style.context("default"):
         fig, ax = plt.subplots(figsize=(9, 5), constrained_layout=True)
         for i, (label, steps, values, band) in enumerate(lines):
-            ax.plot(steps, values, marker="o" if len(steps) < 12 else None, ms=3, lw=1.5, label=label,
-                    zorder=2 + len(lines) - i)  # lines default to zorder 2, the bands (1) stay below them
+            ax.plot(
+                steps,
+                values,
+                marker="o" if len(steps) < 12 else None,
+                ms=3,
+                lw=1.5,
+                label=label,
+                zorder=2 + len(lines) - i,
+            )  # lines default to zorder 2, the bands (1) stay below them
             if band is not None:
                 ax.fill_between(steps, band[0], band[1], alpha=0.2)
         ax.set_xlabel("optimizer step")
@@ -172,8 +190,9 @@ def curves(lines: Sequence[tuple[str, Sequence[int], Sequence[float], Optional[t
         return save(fig, path)
 
 
-def errorbars(series: dict[str, list[tuple[float, float, float]]], xlabel: str, ylabel: str, path: Path,
-              logy: bool = False) -> Path:
+def errorbars(
+    series: dict[str, list[tuple[float, float, float]]], xlabel: str, ylabel: str, path: Path, logy: bool = False
+) -> Path:
     """One line per series of (x, mean, std) points, std as error bars."""
     plt = _pyplot()
     with plt.style.context("default"):
@@ -186,14 +205,16 @@ def errorbars(series: dict[str, list[tuple[float, float, float]]], xlabel: str, 
         return save(fig, path)
 
 
-def lr_sensitivity(panels: dict[str, dict[str, list[tuple[float, float, float, bool]]]], ylabel: str, ceiling: float,
-                   path: Path) -> Path:
+def lr_sensitivity(
+    panels: dict[str, dict[str, list[tuple[float, float, float, bool]]]], ylabel: str, ceiling: float, path: Path
+) -> Path:
     """One panel per title, one line per series of (lr, mean, std, diverged) points on a log lr axis; a point where
     a run diverged is drawn as an x at `ceiling` (its value would flatten every other line)."""
     plt = _pyplot()
     with plt.style.context("default"):
-        fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.2), squeeze=False,
-                                 constrained_layout=True, sharey=True)
+        fig, axes = plt.subplots(
+            1, len(panels), figsize=(4.6 * len(panels), 4.2), squeeze=False, constrained_layout=True, sharey=True
+        )
         for ax, (title, series) in zip(axes[0], panels.items()):
             for i, (name, pts) in enumerate(series.items()):
                 colour = f"C{i}"
@@ -203,8 +224,9 @@ def lr_sensitivity(panels: dict[str, dict[str, list[tuple[float, float, float, b
                     ax.errorbar(xs, ms, yerr=ss, marker="o", capsize=3, color=colour, label=str(name))
                 bad = [x for x, _, _, b in pts if b]
                 if bad:
-                    ax.scatter(bad, [ceiling] * len(bad), marker="x", s=60, color=colour,
-                               label=None if ok else str(name))
+                    ax.scatter(
+                        bad, [ceiling] * len(bad), marker="x", s=60, color=colour, label=None if ok else str(name)
+                    )
             ax.set_xscale("log")
             ax.set_xlabel("learning rate")
             ax.axhline(ceiling, color="grey", lw=0.8, ls=":")

@@ -4,6 +4,7 @@ metrics, params, tags, metric histories, the last per-layer diagnostics artifact
 Evaluation runs (`mhc validate` / `mhc test`: MLflow tag `stage` = validate / test) are left out unless asked for: they
 share the training run's name and config but trained nothing, so beside training runs they read as duplicates.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,9 +40,13 @@ CONFIG_COLUMNS = [
 ]
 SHORT = {"corpus_sha256": 12}  # characters shown of long digests
 SINKHORN_ONLY = ("sinkhorn_iters", "intensity")
-UNUSED_BY_MODE = {"residual": SINKHORN_ONLY + ("n_streams", "alpha_init", "bias_init"),
-                  "hc": SINKHORN_ONLY + ("bias_init",), "identity": SINKHORN_ONLY, "mhc_lite": SINKHORN_ONLY,
-                  "kromhc": SINKHORN_ONLY}
+UNUSED_BY_MODE = {
+    "residual": SINKHORN_ONLY + ("n_streams", "alpha_init", "bias_init"),
+    "hc": SINKHORN_ONLY + ("bias_init",),
+    "identity": SINKHORN_ONLY,
+    "mhc_lite": SINKHORN_ONLY,
+    "kromhc": SINKHORN_ONLY,
+}
 COMPARISON_TAG = "mhc.kind"  # on the runs `mhc compare` creates to hold its files
 EVALUATION_STAGES = ("validate", "test")
 
@@ -83,7 +88,7 @@ class RunData:
             for k in keys:
                 source, key = (self.tags, k[4:]) if k.startswith("tag:") else (self.params, k)
                 if key in source:
-                    out[col] = source[key][:SHORT[col]] if col in SHORT else source[key]
+                    out[col] = source[key][: SHORT[col]] if col in SHORT else source[key]
                     break
         for k, v in self.params.items():  # other swept values, by their last key component
             if k.startswith("trial.") and not any(k in keys for _, keys in CONFIG_COLUMNS):
@@ -114,23 +119,33 @@ def seed_of(d: RunData) -> Optional[str]:
     return d.tags.get("seed_everything") or d.params.get("seed_everything")
 
 
-def search(tracking_uri: str, experiment: Optional[str] = None, study: Optional[str] = None,
-           run_ids: Optional[list[str]] = None, include_evaluation: bool = False, finished_only: bool = False):
+def search(
+    tracking_uri: str,
+    experiment: Optional[str] = None,
+    study: Optional[str] = None,
+    run_ids: Optional[list[str]] = None,
+    include_evaluation: bool = False,
+    finished_only: bool = False,
+):
     """The runs of an experiment (without sweep parents and comparison runs), of an Optuna study (its trials) or
     these run ids, as mlflow.search_runs' DataFrame (one row per run; columns params.*, tags.*, metrics.*)."""
     import mlflow
 
     mlflow.set_tracking_uri(tracking_uri)
     if run_ids:
-        df = mlflow.search_runs(search_all_experiments=True,
-                                filter_string=f"attributes.run_id IN ({', '.join(repr(str(r)) for r in run_ids)})")
+        df = mlflow.search_runs(
+            search_all_experiments=True,
+            filter_string=f"attributes.run_id IN ({', '.join(repr(str(r)) for r in run_ids)})",
+        )
         missing = sorted(set(run_ids) - set(df["run_id"])) if len(df) else sorted(run_ids)
         if missing:
             raise CompareError(f"run(s) {missing} not found at {tracking_uri}")
         return df  # asked for by id: kept whatever their stage
     if study:
-        df = mlflow.search_runs(search_all_experiments=True, filter_string=(
-            f"{equals('tags.`optuna.study_name`', study)} and tags.`optuna.role` = 'trial'"))
+        df = mlflow.search_runs(
+            search_all_experiments=True,
+            filter_string=(f"{equals('tags.`optuna.study_name`', study)} and tags.`optuna.role` = 'trial'"),
+        )
         if len(df):
             df = df[df["tags.optuna.study_name"] == study]
         if not len(df):
@@ -157,8 +172,11 @@ def search(tracking_uri: str, experiment: Optional[str] = None, study: Optional[
 
 
 def _row_dict(row, prefix: str) -> dict:
-    return {k[len(prefix):]: v for k, v in row.items()
-            if k.startswith(prefix) and v is not None and not (isinstance(v, float) and math.isnan(v))}
+    return {
+        k[len(prefix) :]: v
+        for k, v in row.items()
+        if k.startswith(prefix) and v is not None and not (isinstance(v, float) and math.isnan(v))
+    }
 
 
 def _latest_per_layer(client, run_id: str, tmp: Path) -> tuple[Optional[dict], Optional[int]]:
@@ -167,8 +185,9 @@ def _latest_per_layer(client, run_id: str, tmp: Path) -> tuple[Optional[dict], O
         files = [a.path for a in client.list_artifacts(run_id, "diagnostics") if a.path.endswith(".json")]
     except Exception:
         return None, None
-    steps = {f: int(Path(f).stem.removeprefix("per_layer_step")) for f in files
-             if Path(f).name.startswith("per_layer_step")}
+    steps = {
+        f: int(Path(f).stem.removeprefix("per_layer_step")) for f in files if Path(f).name.startswith("per_layer_step")
+    }
     if not steps:
         return None, None
     last = max(steps, key=steps.get)
@@ -186,9 +205,15 @@ def load(tracking_uri: str, df, histories: list[str]) -> list[RunData]:
     with tempfile.TemporaryDirectory() as tmp:
         for _, row in df.iterrows():
             tags = _row_dict(row, "tags.")
-            d = RunData(row["run_id"], tags.get("mlflow.runName") or row["run_id"][:8], row["status"],
-                        str(row["experiment_id"]), {k: str(v) for k, v in _row_dict(row, "params.").items()}, tags,
-                        {k: float(v) for k, v in _row_dict(row, "metrics.").items()})
+            d = RunData(
+                row["run_id"],
+                tags.get("mlflow.runName") or row["run_id"][:8],
+                row["status"],
+                str(row["experiment_id"]),
+                {k: str(v) for k, v in _row_dict(row, "params.").items()},
+                tags,
+                {k: float(v) for k, v in _row_dict(row, "metrics.").items()},
+            )
             for key in histories:
                 if key in d.metrics:
                     d.curves[key] = sorted((m.step, m.value) for m in client.get_metric_history(d.run_id, key))

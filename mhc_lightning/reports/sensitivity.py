@@ -3,6 +3,7 @@ variant at its own best learning rate, the highest learning rate at which it sti
 val bits/byte against the learning rate with divergence marked (the small-scale stability proxy of Wortsman et al.
 2023, "Small-scale proxies for large-scale Transformer training instabilities").
 """
+
 from __future__ import annotations
 
 import math
@@ -61,13 +62,17 @@ def lr_table(groups: dict[tuple, list], keys: list[str], value: Callable):
         best = _best_lr(by_lr)
         vals = trained.get(best, [])
         spread = st.stdev(vals) if len(vals) > 1 else 0.0
-        rows.append({**{k: str(v) for k, v in zip(rest_keys, rest)},
-                     "best lr": f"{best:g}" if best is not None else "–",
-                     "val bits/byte at best lr": f"{st.fmean(vals):.4f} ± {spread:.4f}" if vals else "–",
-                     "runs at best lr": str(len(vals)),
-                     "highest lr that trains": f"{max(trained):g}" if trained else "none",
-                     "diverged at": ", ".join(f"{lr:g}" for lr in sorted(set(by_lr) - set(trained))) or "–",
-                     "best lr is an end of the scan": "yes" if best in (min(by_lr), max(by_lr)) else "no"})
+        rows.append(
+            {
+                **{k: str(v) for k, v in zip(rest_keys, rest)},
+                "best lr": f"{best:g}" if best is not None else "–",
+                "val bits/byte at best lr": f"{st.fmean(vals):.4f} ± {spread:.4f}" if vals else "–",
+                "runs at best lr": str(len(vals)),
+                "highest lr that trains": f"{max(trained):g}" if trained else "none",
+                "diverged at": ", ".join(f"{lr:g}" for lr in sorted(set(by_lr) - set(trained))) or "–",
+                "best lr is an end of the scan": "yes" if best in (min(by_lr), max(by_lr)) else "no",
+            }
+        )
     return frame(rows)
 
 
@@ -80,8 +85,9 @@ def lr_figure(groups: dict[tuple, list], keys: list[str], value: Callable, path:
         series = panels.setdefault(title, {}).setdefault(str(rest[0]), [])
         for lr, vals in by_lr.items():
             ok = [v for v in vals if not diverged(v)]
-            series.append((lr, st.fmean(ok) if ok else math.nan, st.stdev(ok) if len(ok) > 1 else 0.0,
-                           len(ok) < len(vals)))
+            series.append(
+                (lr, st.fmean(ok) if ok else math.nan, st.stdev(ok) if len(ok) > 1 else 0.0, len(ok) < len(vals))
+            )
     if not panels:
         return None
     return plots.lr_sensitivity(panels, "final val bits/byte (mean ± std over seeds)", DIVERGED_BPB, path)

@@ -5,6 +5,7 @@ initialisation and, unless data.seed is pinned, the data order of both runs, and
 the spread. Otherwise the groups are compared unpaired with Welch's t (unequal variances). Both are t intervals on
 the mean difference; with n < 2 (pairs, or runs in a group) no interval exists and none is printed.
 """
+
 from __future__ import annotations
 
 import math
@@ -44,8 +45,7 @@ def _clean(values) -> list[float]:
 
 def paired(group: dict[str, float], baseline: dict[str, float]) -> Optional[Difference]:
     """The difference over the seeds both dicts (seed -> value) hold; None with fewer than two common seeds."""
-    seeds = sorted(s for s in set(group) & set(baseline)
-                   if not math.isnan(group[s]) and not math.isnan(baseline[s]))
+    seeds = sorted(s for s in set(group) & set(baseline) if not math.isnan(group[s]) and not math.isnan(baseline[s]))
     if len(seeds) < 2:
         return None
     a, b = [group[s] for s in seeds], [baseline[s] for s in seeds]
@@ -71,10 +71,12 @@ def welch(group: list[float], baseline: list[float]) -> Optional[Difference]:
     return Difference(mean, float(ci.low), float(ci.high), float(res.pvalue), False, (len(a), len(b)))
 
 
-def difference(group: list[tuple[Optional[str], float]], baseline: list[tuple[Optional[str], float]]
-               ) -> Optional[Difference]:
+def difference(
+    group: list[tuple[Optional[str], float]], baseline: list[tuple[Optional[str], float]]
+) -> Optional[Difference]:
     """(seed, value) pairs of two groups: paired by seed where every run has a seed, seeds are unique within each
     group and at least two are shared; Welch otherwise."""
+
     def by_seed(runs):
         seeds = [s for s, _ in runs]
         if any(s is None for s in seeds) or len(set(seeds)) != len(seeds):
@@ -95,5 +97,10 @@ def format_difference(d: Optional[Difference], digits: int = 4) -> dict[str, str
         return {"difference": "–", f"{LEVEL:.0%} CI": "–", "p": "–", "test": "too few runs", "verdict": "–"}
     f = f"{{:+.{digits}f}}"
     verdict = ("lower" if d.mean < 0 else "higher") if d.distinguishable else "cannot tell apart"
-    return {"difference": f.format(d.mean), f"{LEVEL:.0%} CI": f"[{f.format(d.low)}, {f.format(d.high)}]",
-            "p": f"{d.p:.3g}", "test": d.test, "verdict": verdict}
+    return {
+        "difference": f.format(d.mean),
+        f"{LEVEL:.0%} CI": f"[{f.format(d.low)}, {f.format(d.high)}]",
+        "p": f"{d.p:.3g}",
+        "test": d.test,
+        "verdict": verdict,
+    }

@@ -1,4 +1,5 @@
 """The one table writer: a pandas DataFrame to CSV (full precision) and to a markdown table (values formatted)."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -29,8 +30,9 @@ def markdown(df, formatter: Callable = fmt, hidden: tuple[str, ...] = ()) -> str
     return "\n".join(lines) + "\n"
 
 
-def write_table(df, out: Path, stem: str, md_df=None, hidden: tuple[str, ...] = (),
-                formatter: Callable = fmt) -> tuple[Path, Path]:
+def write_table(
+    df, out: Path, stem: str, md_df=None, hidden: tuple[str, ...] = (), formatter: Callable = fmt
+) -> tuple[Path, Path]:
     """<stem>.csv from `df`; <stem>.md from `md_df` (default: `df`) without the `hidden` columns, each cell through
     `formatter` (str: cells that are formatted text already)."""
     out.mkdir(parents=True, exist_ok=True)

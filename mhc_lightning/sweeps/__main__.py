@@ -1,4 +1,5 @@
 """`python -m mhc_lightning.sweeps ...` == `mhc sweep ...` (worker processes are started this way)."""
+
 import sys
 
 from .cli import main

@@ -6,6 +6,7 @@
 
 `mhc sweep SPEC ...` is short for `mhc sweep run SPEC ...`; `worker` is internal (the launcher starts workers).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,10 +38,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     def common(sp):
         sp.add_argument("spec", help="sweep file, e.g. sweeps/constraint_intensity.yaml")
-        sp.add_argument("--storage", help="Optuna storage: sqlite:///x.db, postgresql://u:p@host/db, journal:path "
-                                          "(default: $OPTUNA_STORAGE, else sweeps.db beside the MLflow store)")
-        sp.add_argument("--tracking-uri", help="MLflow: sqlite:///abs/mlflow.db or http://host:5000 "
-                                               "(default: $MLFLOW_TRACKING_URI, else ./mlflow.db)")
+        sp.add_argument(
+            "--storage",
+            help="Optuna storage: sqlite:///x.db, postgresql://u:p@host/db, journal:path "
+            "(default: $OPTUNA_STORAGE, else sweeps.db beside the MLflow store)",
+        )
+        sp.add_argument(
+            "--tracking-uri",
+            help="MLflow: sqlite:///abs/mlflow.db or http://host:5000 "
+            "(default: $MLFLOW_TRACKING_URI, else ./mlflow.db)",
+        )
         sp.add_argument("--set", action="append", metavar="KEY=VALUE", help="extra fixed `mhc fit` value, repeatable")
         sp.add_argument("--study-name", help="override the sweep file's name")
         sp.add_argument("--n-trials", type=int, help="override budget.n_trials")

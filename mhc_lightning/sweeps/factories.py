@@ -3,6 +3,7 @@
 The launcher, its workers and the child side of a subprocess trial (link.py) all import them from here, so the
 same sweep file gives the same objects everywhere. Cheap to import: Optuna is imported inside the functions.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,7 +17,7 @@ from .spec import PRUNERS, SAMPLERS, SpecError, SweepSpec
 def default_storage(tracking_uri: str) -> str:
     """One SQLite file beside a local MLflow store (or in the current directory)."""
     if tracking_uri.startswith("sqlite:///"):
-        return f"sqlite:///{Path(tracking_uri[len('sqlite:///'):]).resolve().parent / 'sweeps.db'}"
+        return f"sqlite:///{Path(tracking_uri[len('sqlite:///') :]).resolve().parent / 'sweeps.db'}"
     return f"sqlite:///{Path.cwd() / 'sweeps.db'}"
 
 
@@ -34,7 +35,7 @@ def normalize_db_url(url: str) -> str:
     project does not install (psycopg2-binary is its PostgreSQL driver, also in the compose images)."""
     for prefix in ("postgres://", "postgresql://"):
         if url.startswith(prefix):
-            return "postgresql+psycopg2://" + url[len(prefix):]
+            return "postgresql+psycopg2://" + url[len(prefix) :]
     return url
 
 
@@ -50,7 +51,7 @@ def make_storage(url: str, cfg: dict[str, Any]):
     if is_journal(url):
         from optuna.storages.journal import JournalFileBackend
 
-        path = Path(url[len("journal:"):] if url.startswith("journal:") else url).expanduser()
+        path = Path(url[len("journal:") :] if url.startswith("journal:") else url).expanduser()
         path.parent.mkdir(parents=True, exist_ok=True)
         return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
     url = normalize_db_url(url)
@@ -63,10 +64,13 @@ def make_storage(url: str, cfg: dict[str, Any]):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             return RDBStorage(
-                url, engine_kwargs=engine_kwargs, heartbeat_interval=hb,
+                url,
+                engine_kwargs=engine_kwargs,
+                heartbeat_interval=hb,
                 grace_period=cfg.get("grace_period") if hb else None,
                 heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=cfg.get("max_retry"))
-                if hb else None,
+                if hb
+                else None,
             )
 
     if url.startswith("sqlite:///"):
@@ -75,7 +79,7 @@ def make_storage(url: str, cfg: dict[str, Any]):
 
         from ..loggers.store import lock_path
 
-        db = Path(url[len("sqlite:///"):]).expanduser().resolve()
+        db = Path(url[len("sqlite:///") :]).expanduser().resolve()
         db.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(lock_path(db), timeout=300):
             return build()

@@ -11,6 +11,7 @@ and every DDP rank Lightning starts from it, to the sweep's Optuna trial.
 - Every rank dies with its parent process (`mhc` calls child_processes.die_with_parent first thing), so that a sweep
   worker killed with SIGKILL leaves no rank behind.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,9 @@ def open_trial(study_name: str, trial_number: int, pruner: dict[str, Any]):
         raise RuntimeError(f"TrialLink needs ${STORAGE_ENV}, which the sweep worker sets: it is for `mhc sweep` trials")
     storage = make_storage(url, {})  # no heartbeat: the worker beats for this trial
     # RandomSampler: the trial's parameters are already sampled; opening it must not run a costly sampler
-    study = optuna.load_study(study_name=study_name, storage=storage, pruner=build_pruner(pruner),
-                              sampler=optuna.samplers.RandomSampler())
+    study = optuna.load_study(
+        study_name=study_name, storage=storage, pruner=build_pruner(pruner), sampler=optuna.samplers.RandomSampler()
+    )
     # the storage interface (a public class) maps the study's trial number to the id a Trial is opened with
     trial_id = storage.get_trial_id_from_study_id_trial_number(storage.get_study_id_from_name(study_name), trial_number)
     return optuna.trial.Trial(study, trial_id)
@@ -50,8 +52,15 @@ class TrialLink(MetricRecorder):
             single-objective study): the trial, the metric to report, the spec's pruner block ({name, options}).
     """
 
-    def __init__(self, result_path: str, metrics: list[str], study_name: Optional[str] = None,
-                 trial_number: Optional[int] = None, monitor: Optional[str] = None, pruner: Optional[dict] = None):
+    def __init__(
+        self,
+        result_path: str,
+        metrics: list[str],
+        study_name: Optional[str] = None,
+        trial_number: Optional[int] = None,
+        monitor: Optional[str] = None,
+        pruner: Optional[dict] = None,
+    ):
         super().__init__(metrics)
         self.result_path = Path(result_path)
         self.study_name, self.trial_number, self.pruner = study_name, trial_number, pruner
@@ -70,9 +79,12 @@ class TrialLink(MetricRecorder):
         super().on_train_end(trainer, pl_module)
         if trainer.global_rank != 0:
             return
-        out = {"history": self.history, "missing": self.missing,
-               "pruned_at": self.pruning.pruned_at if self.pruning else None,
-               "logged": sorted(trainer.callback_metrics)}
+        out = {
+            "history": self.history,
+            "missing": self.missing,
+            "pruned_at": self.pruning.pruned_at if self.pruning else None,
+            "logged": sorted(trainer.callback_metrics),
+        }
         tmp = self.result_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(out))
         tmp.replace(self.result_path)  # the worker never reads half a file

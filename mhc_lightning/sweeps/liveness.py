@@ -5,6 +5,7 @@ worker's liveness is known at once (a zombie, i.e. a dead process its parent has
 elsewhere only the storage's heartbeat can tell. Journal storages have no heartbeat, so for them this is the only
 way a killed worker's trial is failed and run again.
 """
+
 from __future__ import annotations
 
 import os

@@ -1,5 +1,6 @@
 """One Optuna trial = one `mhc fit` of the sweep's base configs plus the trial's values: built in this process
 (`trial.launcher: in_process`), or run as a child `mhc fit` process (`subprocess`, e.g. a multi-process DDP trial)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -54,7 +55,8 @@ def build_trial_cli(args: list[str], callbacks: list):
     except SystemExit as exc:
         lines = [ln for ln in err.getvalue().splitlines() if ln.strip()]
         raise TrialConfigError(
-            "mhc fit rejected the trial's arguments: " + (lines[-1] if lines else str(exc))) from None
+            "mhc fit rejected the trial's arguments: " + (lines[-1] if lines else str(exc))
+        ) from None
 
 
 def fit_command(args: list[str]) -> str:
@@ -64,18 +66,32 @@ def fit_command(args: list[str]) -> str:
 class TrialRunner:
     """The Optuna objective. Keeps MLflow's child run in step with the trial's fate."""
 
-    def __init__(self, spec: SweepSpec, tracker, tracking_uri: str, worker: dict[str, Any], spool_dir: str,
-                 storage_url: Optional[str] = None):
+    def __init__(
+        self,
+        spec: SweepSpec,
+        tracker,
+        tracking_uri: str,
+        worker: dict[str, Any],
+        spool_dir: str,
+        storage_url: Optional[str] = None,
+    ):
         self.spec, self.tracker, self.uri, self.worker, self.spool_dir = spec, tracker, tracking_uri, worker, spool_dir
         self.storage_url = storage_url  # for subprocess trials, which report to the study themselves
         self.current: Optional[optuna.Trial] = None
         self.duplicate = False  # the last trial was a duplicate proposal (the worker counts them in a row)
 
     def logger_config(self, trial, run_id: str) -> dict:
-        return {"class_path": LOGGER_CLASS, "init_args": {
-            "experiment_name": self.spec.mlflow["experiment"], "run_name": f"{self.spec.name}-t{trial.number:04d}",
-            "tracking_uri": self.uri, "run_id": run_id, "log_model": self.spec.mlflow["log_model"],
-            "spool_dir": self.spool_dir}}
+        return {
+            "class_path": LOGGER_CLASS,
+            "init_args": {
+                "experiment_name": self.spec.mlflow["experiment"],
+                "run_name": f"{self.spec.name}-t{trial.number:04d}",
+                "tracking_uri": self.uri,
+                "run_id": run_id,
+                "log_model": self.spec.mlflow["log_model"],
+                "spool_dir": self.spool_dir,
+            },
+        }
 
     def __call__(self, trial: optuna.Trial):
         self.current, self.duplicate = trial, False
@@ -111,8 +127,16 @@ class TrialRunner:
         trial.set_user_attr("worker", self.worker["id"])
         trial.set_user_attr("sampler_seed", self.worker["seed"])
         if retry_of is None:
-            twin = next((t.number for t in others if t.number != trial.number and t.params == trial.params
-                         and t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)), None)
+            twin = next(
+                (
+                    t.number
+                    for t in others
+                    if t.number != trial.number
+                    and t.params == trial.params
+                    and t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)
+                ),
+                None,
+            )
             if twin is not None:
                 self.duplicate = True
                 trial.set_user_attr("duplicate_of", twin)
@@ -129,8 +153,9 @@ class TrialRunner:
         except BaseException as err:
             msg = f"{type(err).__name__}: {err}"
             interrupted = isinstance(err, (KeyboardInterrupt, SystemExit))
-            self.tracker.end_trial(run_id, "FAILED", error=msg,
-                                   extra_tags={"optuna.interrupted": interrupted} if interrupted else None)
+            self.tracker.end_trial(
+                run_id, "FAILED", error=msg, extra_tags={"optuna.interrupted": interrupted} if interrupted else None
+            )
             trial.set_user_attr("error", msg[:1000])
             if interrupted:
                 trial.set_user_attr("interrupted", True)
@@ -157,8 +182,10 @@ class TrialRunner:
     def _missing_metrics(self, trial, run_id: str, missing: list[str], logged: list[str], extra: dict) -> None:
         """Fail the trial; stop the whole sweep when no trial could have logged the metric (a val/* metric absent
         after a validation, or any metric no completed trial of the study ever had)."""
-        msg = (f"objective metric(s) {missing} never logged by `mhc fit`; it logged: {logged}. "
-               "Fix objectives[].metric in the sweep file")
+        msg = (
+            f"objective metric(s) {missing} never logged by `mhc fit`; it logged: {logged}. "
+            "Fix objectives[].metric in the sweep file"
+        )
         self.tracker.end_trial(run_id, "FAILED", error=msg, extra_tags=extra)
         trial.set_user_attr("error", msg[:1000])
         completed = trial.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
@@ -175,9 +202,11 @@ class TrialRunner:
         cli = build_trial_cli(args, [recorder] + ([pruning] if pruning else []))
         if cli.trainer.world_size > 1:
             # Lightning would start the other ranks by re-running this process's command line: `mhc sweep`
-            raise TrialConfigError(f"the trial asks for {cli.trainer.world_size} processes "
-                                   f"({type(cli.trainer.strategy).__name__}); multi-process trials need "
-                                   "`trial: {launcher: subprocess}` in the sweep file")
+            raise TrialConfigError(
+                f"the trial asks for {cli.trainer.world_size} processes "
+                f"({type(cli.trainer.strategy).__name__}); multi-process trials need "
+                "`trial: {launcher: subprocess}` in the sweep file"
+            )
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
         return recorder, pruning.pruned_at if pruning else None, sorted(cli.trainer.callback_metrics)
 
@@ -193,8 +222,12 @@ class TrialRunner:
             result, log = Path(tmp) / "result.json", Path(tmp) / "trial.log"
             link: dict[str, Any] = {"result_path": str(result), "metrics": metrics}
             if not spec.multi_objective:  # reports with or without a pruner: optuna-dashboard's learning curves
-                link.update(study_name=trial.study.study_name, trial_number=trial.number,
-                            monitor=spec.objectives[0].metric, pruner=spec.pruner)
+                link.update(
+                    study_name=trial.study.study_name,
+                    trial_number=trial.number,
+                    monitor=spec.objectives[0].metric,
+                    pruner=spec.pruner,
+                )
             link_arg = "--trainer.callbacks+=" + json.dumps({"class_path": LINK_CLASS, "init_args": link})
             env = dict(os.environ, **({STORAGE_ENV: self.storage_url} if self.storage_url else {}))
             try:

@@ -12,6 +12,7 @@ TrialPruned after fit returns, so loggers close normally instead of ending the r
 Under DDP only rank 0 talks to Optuna (other ranks may hold no trial at all); its decision is broadcast
 so that every rank stops at the same step, instead of rank 0 leaving the others waiting in a collective.
 """
+
 from __future__ import annotations
 
 import math

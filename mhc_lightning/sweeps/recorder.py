@@ -1,4 +1,5 @@
 """MetricRecorder: the values of a trial's objective metrics over its fit, and the objective metrics it never saw."""
+
 from __future__ import annotations
 
 import statistics
@@ -39,8 +40,9 @@ class MetricRecorder(Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._grab(trainer, validation=False)
-        self.missing += [m for m, h in self.history.items() if not m.startswith("val/") and not h
-                         and m not in self.missing]
+        self.missing += [
+            m for m, h in self.history.items() if not m.startswith("val/") and not h and m not in self.missing
+        ]
 
     def on_validation_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking:
@@ -64,5 +66,10 @@ class MetricRecorder(Callback):
         vals = [v for _, v in self.history[metric]]
         if not vals:
             raise ValueError(f"objective metric {metric!r} was never logged during the trial")
-        return {"last": lambda: vals[-1], "min": lambda: min(vals), "max": lambda: max(vals),
-                "mean": lambda: statistics.fmean(vals), "median": lambda: statistics.median(vals)}[reduce]()
+        return {
+            "last": lambda: vals[-1],
+            "min": lambda: min(vals),
+            "max": lambda: max(vals),
+            "mean": lambda: statistics.fmean(vals),
+            "median": lambda: statistics.median(vals),
+        }[reduce]()

@@ -1,5 +1,6 @@
 """A sweep as the launcher and its workers share it: the spec plus the resolved storage, tracking URI and spool, and
 the study's counts that decide when work stops."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -35,23 +36,31 @@ class Sweep:
         import optuna
 
         directions = [o.direction for o in self.spec.objectives]
-        kw = dict(storage=storage or self.storage(), study_name=self.spec.name, directions=directions, sampler=sampler,
-                  pruner=make_pruner(self.spec))
+        kw = dict(
+            storage=storage or self.storage(),
+            study_name=self.spec.name,
+            directions=directions,
+            sampler=sampler,
+            pruner=make_pruner(self.spec),
+        )
         try:
             study, self.created = optuna.create_study(**kw), True
         except optuna.exceptions.DuplicatedStudyError:
             study, self.created = optuna.create_study(**kw, load_if_exists=True), False
         have = [d.name.lower() for d in study.directions]
         if have != directions:
-            raise SpecError(f"study {self.spec.name!r} in {self.storage_label} was created with directions {have}, "
-                            f"the sweep file asks for {directions}: use another name")
+            raise SpecError(
+                f"study {self.spec.name!r} in {self.storage_label} was created with directions {have}, "
+                f"the sweep file asks for {directions}: use another name"
+            )
         return study
 
     def tracker(self):
         from .study_runs import SweepTracker
 
-        return SweepTracker(self.tracking_uri, self.spec.mlflow["experiment"], self.spec.name, self.storage_label,
-                            self.spool_dir)
+        return SweepTracker(
+            self.tracking_uri, self.spec.mlflow["experiment"], self.spec.name, self.storage_label, self.spool_dir
+        )
 
 
 def counts(study, since: Optional[float] = None) -> dict[str, int]:
@@ -66,8 +75,19 @@ def counts(study, since: Optional[float] = None) -> dict[str, int]:
     def error(t) -> bool:
         a = t.user_attrs
         recent = since is None or (t.datetime_start is not None and t.datetime_start.timestamp() >= since)
-        return (t.state == TrialState.FAIL and bool(a.get("error")) and not a.get("interrupted")
-                and a.get("duplicate_of") is None and recent)
+        return (
+            t.state == TrialState.FAIL
+            and bool(a.get("error"))
+            and not a.get("interrupted")
+            and a.get("duplicate_of") is None
+            and recent
+        )
 
-    return {"complete": c[TrialState.COMPLETE], "pruned": c[TrialState.PRUNED], "failed": c[TrialState.FAIL],
-            "running": c[TrialState.RUNNING], "waiting": c[TrialState.WAITING], "errors": sum(map(error, trials))}
+    return {
+        "complete": c[TrialState.COMPLETE],
+        "pruned": c[TrialState.PRUNED],
+        "failed": c[TrialState.FAIL],
+        "running": c[TrialState.RUNNING],
+        "waiting": c[TrialState.WAITING],
+        "errors": sum(map(error, trials)),
+    }

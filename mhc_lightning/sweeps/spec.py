@@ -4,12 +4,12 @@ A sweep file is plain YAML; every error names the field (``space.model.optim.lr.
 there is a closed set, the allowed values. Nothing here imports torch or Lightning except the
 model-config check, which only reads the dataclasses' field names and Literal choices.
 """
+
 from __future__ import annotations
 
 import math
 import os
-import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -17,21 +17,48 @@ import yaml
 
 from ..errors import UserError
 from ..names import path_name_problem
+from .key_checks import CALLBACK_PREFIX, cli_key_problem, model_field_problem, sinkhorn_key_problem
 
 # sampler / pruner names of a sweep file -> the Optuna class each builds (factories.py)
-SAMPLERS = {"tpe": "TPESampler", "random": "RandomSampler", "gp": "GPSampler", "nsga2": "NSGAIISampler",
-            "nsga3": "NSGAIIISampler", "qmc": "QMCSampler", "cmaes": "CmaEsSampler", "bruteforce": "BruteForceSampler"}
-PRUNERS = {"none": "NopPruner", "median": "MedianPruner", "percentile": "PercentilePruner",
-           "successive_halving": "SuccessiveHalvingPruner", "hyperband": "HyperbandPruner",
-           "threshold": "ThresholdPruner", "patient": "PatientPruner", "wilcoxon": "WilcoxonPruner"}
+SAMPLERS = {
+    "tpe": "TPESampler",
+    "random": "RandomSampler",
+    "gp": "GPSampler",
+    "nsga2": "NSGAIISampler",
+    "nsga3": "NSGAIIISampler",
+    "qmc": "QMCSampler",
+    "cmaes": "CmaEsSampler",
+    "bruteforce": "BruteForceSampler",
+}
+PRUNERS = {
+    "none": "NopPruner",
+    "median": "MedianPruner",
+    "percentile": "PercentilePruner",
+    "successive_halving": "SuccessiveHalvingPruner",
+    "hyperband": "HyperbandPruner",
+    "threshold": "ThresholdPruner",
+    "patient": "PatientPruner",
+    "wilcoxon": "WilcoxonPruner",
+}
 REDUCTIONS = ("last", "min", "max", "mean", "median")
 DIRECTIONS = ("minimize", "maximize")
 PARAM_TYPES = ("float", "int", "categorical")
 LAUNCHERS = ("in_process", "subprocess")  # subprocess: the trial is a child `mhc fit` (e.g. a multi-process DDP run)
-TOP_KEYS = ("name", "description", "base", "fixed", "space", "objectives", "sampler", "pruner", "budget",
-            "storage", "mlflow", "enqueue", "trial")
-CALLBACK_PREFIX = "callbacks."  # space keys "callbacks.<Class>.<init arg>" become a trial callback
-CLI_ROOTS = ("model.", "data.", "trainer.", "seed_everything", "optimizer", "lr_scheduler", "ckpt_path")
+TOP_KEYS = (
+    "name",
+    "description",
+    "base",
+    "fixed",
+    "space",
+    "objectives",
+    "sampler",
+    "pruner",
+    "budget",
+    "storage",
+    "mlflow",
+    "enqueue",
+    "trial",
+)
 
 
 class SpecError(UserError, ValueError):
@@ -55,7 +82,7 @@ class Param:
         return self.key.startswith(CALLBACK_PREFIX)
 
     def callback_parts(self) -> tuple[str, str]:
-        cls, _, arg = self.key[len(CALLBACK_PREFIX):].rpartition(".")
+        cls, _, arg = self.key[len(CALLBACK_PREFIX) :].rpartition(".")
         return cls, arg
 
 
@@ -107,6 +134,14 @@ class SweepSpec:
 # ---- loading ----------------------------------------------------------------------------------
 def _err(where: str, msg: str) -> SpecError:
     return SpecError(f"{where}: {msg}")
+
+
+def _raise_at(where: str, problem) -> None:
+    """Raise a key check's problem (key_checks.py): a message, or (field under `where`, message)."""
+    if isinstance(problem, tuple):
+        raise _err(f"{where}.{problem[0]}", problem[1])
+    if problem:
+        raise _err(where, problem)
 
 
 def _expect(where: str, value, types, what: str):
@@ -169,19 +204,23 @@ def parse_spec(data: Any, path: Optional[Path] = None, overrides: Optional[dict[
     fixed.update(overrides or {})
     for key in fixed:
         if not str(key).startswith(CALLBACK_PREFIX):  # fixed init args of a swept callback are fine too
-            _check_cli_key(at(f"fixed.{key}"), key)
+            _raise_at(at(f"fixed.{key}"), cli_key_problem(key))
 
     space = _parse_space(at("space"), data.get("space"))
-    _check_sinkhorn_keys(at("space"), space, fixed, base)
+    _raise_at(at("space"), sinkhorn_key_problem(space, fixed, base))
     objectives = _parse_objectives(at("objectives"), data.get("objectives"))
-    sampler = _parse_choice_block(at("sampler"), data.get("sampler") or {"name": "tpe"}, SAMPLERS,
-                                  ("name", "seed", "options"))
+    sampler = _parse_choice_block(
+        at("sampler"), data.get("sampler") or {"name": "tpe"}, SAMPLERS, ("name", "seed", "options")
+    )
     pruner = _parse_choice_block(at("pruner"), data.get("pruner") or {"name": "none"}, PRUNERS, ("name", "options"))
     if sampler.get("seed") is not None:
         _expect(at("sampler.seed"), sampler["seed"], int, "an integer (each worker adds its index) or null")
     if len(objectives) > 1 and pruner["name"] != "none":
-        raise _err(at("pruner.name"), f"must be 'none' for a multi-objective study ({len(objectives)} objectives): "
-                                      "Optuna does not prune multi-objective trials")
+        raise _err(
+            at("pruner.name"),
+            f"must be 'none' for a multi-objective study ({len(objectives)} objectives): "
+            "Optuna does not prune multi-objective trials",
+        )
 
     budget = _mapping(at("budget"), data.get("budget"), ("n_trials", "timeout_s", "max_failed"))
     n_trials = budget.get("n_trials", 20)
@@ -218,9 +257,21 @@ def parse_spec(data: Any, path: Optional[Path] = None, overrides: Optional[dict[
                 raise _err(at(f"enqueue[{i}].{k}"), f"{v!r} is not one of the choices {p.choices}")
 
     return SweepSpec(
-        name=name, path=path, base=base, fixed=fixed, space=space, objectives=objectives, sampler=sampler,
-        pruner=pruner, n_trials=n_trials, timeout_s=timeout_s, max_failed=max_failed, storage=storage,
-        mlflow=mlflow, enqueue=enqueue, trial=_parse_trial(at("trial"), data.get("trial"), path),
+        name=name,
+        path=path,
+        base=base,
+        fixed=fixed,
+        space=space,
+        objectives=objectives,
+        sampler=sampler,
+        pruner=pruner,
+        n_trials=n_trials,
+        timeout_s=timeout_s,
+        max_failed=max_failed,
+        storage=storage,
+        mlflow=mlflow,
+        enqueue=enqueue,
+        trial=_parse_trial(at("trial"), data.get("trial"), path),
         description=str(data.get("description") or ""),
     )
 
@@ -236,16 +287,22 @@ def check_study_name(where: str, name) -> None:
 
 def _parse_trial(where: str, raw, spec_path: Optional[Path]) -> dict[str, Any]:
     """How a trial runs: `launcher`, extra `mhc fit` `args` (after the base configs), and a `timeout_s` for a child."""
-    trial = {"launcher": "in_process", "args": [], "timeout_s": None,
-             **_mapping(where, raw, ("launcher", "args", "timeout_s"))}
+    trial = {
+        "launcher": "in_process",
+        "args": [],
+        "timeout_s": None,
+        **_mapping(where, raw, ("launcher", "args", "timeout_s")),
+    }
     if trial["launcher"] not in LAUNCHERS:
         raise _err(f"{where}.launcher", f"{trial['launcher']!r} is not allowed; allowed values: {list(LAUNCHERS)}")
     args = trial["args"] or []
     if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
         raise _err(f"{where}.args", f"must be a list of `mhc fit` arguments (strings), got {args!r}")
     # config files after -c / --config resolve like base: the current directory, else the repo root
-    trial["args"] = [str(_resolve_config(f"{where}.args[{i}]", a, spec_path)) if i and args[i - 1] in ("-c", "--config")
-                     else a for i, a in enumerate(args)]
+    trial["args"] = [
+        str(_resolve_config(f"{where}.args[{i}]", a, spec_path)) if i and args[i - 1] in ("-c", "--config") else a
+        for i, a in enumerate(args)
+    ]
     t = trial["timeout_s"]
     if t is not None:
         _expect(f"{where}.timeout_s", t, (int, float), "a number of seconds, or null")
@@ -278,10 +335,16 @@ def _parse_objectives(where: str, raw) -> list[Objective]:
             item = {"metric": item}
         item = _mapping(w, item, ("metric", "direction", "reduce"))
         if not isinstance(item.get("metric"), str):
-            raise _err(f"{w}.metric", "required: a metric the LightningModule logs, e.g. val/loss, "
-                                       "train/tokens_per_sec, amax/composite_fwd_max")
-        obj = Objective(item["metric"], item.get("direction", "minimize"),
-                        item.get("reduce", "last" if item["metric"].startswith("val/") else "median"))
+            raise _err(
+                f"{w}.metric",
+                "required: a metric the LightningModule logs, e.g. val/loss, "
+                "train/tokens_per_sec, amax/composite_fwd_max",
+            )
+        obj = Objective(
+            item["metric"],
+            item.get("direction", "minimize"),
+            item.get("reduce", "last" if item["metric"].startswith("val/") else "median"),
+        )
         if obj.direction not in DIRECTIONS:
             raise _err(f"{w}.direction", f"{obj.direction!r} is not allowed; allowed values: {list(DIRECTIONS)}")
         if obj.reduce not in REDUCTIONS:
@@ -307,21 +370,32 @@ def _parse_space(where: str, raw) -> list[Param]:
         for flag in ("log", "optional"):
             if flag in d:
                 _expect(f"{w}.{flag}", d[flag], bool, "true or false")
-        p = Param(key=key, type=t, log=d.get("log", False), step=d.get("step"), choices=d.get("choices"),
-                  when=d.get("when") or {}, optional=d.get("optional", False))
+        p = Param(
+            key=key,
+            type=t,
+            log=d.get("log", False),
+            step=d.get("step"),
+            choices=d.get("choices"),
+            when=d.get("when") or {},
+            optional=d.get("optional", False),
+        )
         if p.is_callback:
             cls, arg = p.callback_parts()
             if not cls or not arg or not all(part.isidentifier() for part in cls.split(".")) or not arg.isidentifier():
-                raise _err(w, "callback parameters are written callbacks.<ClassName or dotted.class.Path>.<init_arg>, "
-                              "e.g. callbacks.SinkhornScheduler.intensity")
+                raise _err(
+                    w,
+                    "callback parameters are written callbacks.<ClassName or dotted.class.Path>.<init_arg>, "
+                    "e.g. callbacks.SinkhornScheduler.intensity",
+                )
         else:
-            _check_cli_key(w, key)
+            _raise_at(w, cli_key_problem(key))
             if p.optional:
                 raise _err(f"{w}.optional", "only callbacks.<Class>.<arg> parameters can be optional")
         if t == "categorical":
             if not isinstance(p.choices, list) or not p.choices:
-                raise _err(f"{w}.choices",
-                           f"a categorical parameter needs a non-empty list of choices, got {p.choices!r}")
+                raise _err(
+                    f"{w}.choices", f"a categorical parameter needs a non-empty list of choices, got {p.choices!r}"
+                )
             for extra in ("low", "high", "step", "log"):
                 if d.get(extra) not in (None, False):
                     raise _err(f"{w}.{extra}", "not used by a categorical parameter (give choices)")
@@ -350,7 +424,7 @@ def _parse_space(where: str, raw) -> list[Param]:
         for k in p.when:
             if order.index(k) > order.index(p.key):
                 raise _err(f"{where}.{p.key}.when.{k}", f"{k} must be listed before {p.key} in space")
-    _check_model_fields(where, params)
+    _raise_at(where, model_field_problem(params))
     return params
 
 
@@ -385,69 +459,3 @@ def _check_numeric(w: str, t: str, d: dict, p: Param) -> None:
             FloatDistribution(p.low, p.high, log=p.log, step=p.step)
     except ValueError as err:
         raise _err(w, f"Optuna rejects this distribution: {err}") from None
-
-
-def _check_sinkhorn_keys(where: str, params: list[Param], fixed: dict[str, Any], base: list[Path]) -> None:
-    """Refuse a Sinkhorn dimension (model.arch.hyper.sinkhorn_*, the SinkhornScheduler's arguments) that a trial of an
-    exactly doubly stochastic mode would sample: those modes have no Sinkhorn, so the dimension would be noise."""
-    from ..model.config import EXACT_MODES
-
-    key = "model.arch.hyper.residual_mode"
-    swept = next((p for p in params if p.key == key), None)
-    mode = fixed.get(key, _base_residual_mode(base))
-    for p in params:
-        if not p.key.startswith(("model.arch.hyper.sinkhorn_", f"{CALLBACK_PREFIX}SinkhornScheduler.")):
-            continue
-        reach = p.when.get(key, swept.choices) if swept is not None else [mode]
-        exact = [m for m in reach if m in EXACT_MODES]
-        if exact:
-            raise _err(f"{where}.{p.key}", f"residual_mode {exact} has no Sinkhorn (H_res exactly doubly "
-                                           f"stochastic): sample it only for mhc, when: {{{key}: [mhc]}}")
-
-
-def _base_residual_mode(base: list[Path]) -> str:
-    """model.arch.hyper.residual_mode as the base configs set it (the last one that does wins), else the default."""
-    mode = "mhc"
-    for path in base:
-        cfg = yaml.safe_load(path.read_text())
-        for part in ("model", "arch", "hyper"):
-            cfg = cfg.get(part) if isinstance(cfg, dict) else None
-        if isinstance(cfg, dict) and "residual_mode" in cfg:
-            mode = cfg["residual_mode"]
-    return mode
-
-
-def _check_cli_key(where: str, key: str) -> None:
-    if not isinstance(key, str) or not key.startswith(CLI_ROOTS):
-        raise _err(where, f"{key!r} is not a `mhc fit` key; keys start with one of {list(CLI_ROOTS)} "
-                          "(or callbacks.<Class>.<arg> in space)")
-
-
-def _literal_choices(tp) -> Optional[tuple]:
-    return typing.get_args(tp) if typing.get_origin(tp) is typing.Literal else None
-
-
-def _check_model_fields(where: str, params: list[Param]) -> None:
-    """Catch typos and impossible choices for model.arch(.hyper) keys before any trial runs."""
-    from ..model.config import GPTConfig, HyperConfig
-
-    sections = {"model.arch.hyper.": HyperConfig, "model.arch.": GPTConfig}
-    for p in params:
-        for prefix, cls in sections.items():
-            if not p.key.startswith(prefix):
-                continue
-            name = p.key[len(prefix):]
-            if "." in name:
-                break
-            hints = typing.get_type_hints(cls)
-            known = [f.name for f in fields(cls)]
-            if name not in known:
-                raise _err(f"{where}.{p.key}", f"{cls.__name__} has no field {name!r}; fields: {known}")
-            allowed = _literal_choices(hints[name])
-            if allowed and p.type == "categorical":
-                bad = [c for c in p.choices if c not in allowed]
-                if bad:
-                    raise _err(f"{where}.{p.key}.choices", f"{bad} not allowed; allowed values: {list(allowed)}")
-            elif allowed:
-                raise _err(f"{where}.{p.key}.type", f"must be categorical (allowed values: {list(allowed)})")
-            break

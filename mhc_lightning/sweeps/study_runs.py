@@ -4,6 +4,7 @@ at the end, the best trial(s), counts, trials table and Optuna's plots on the pa
 
 Writes go through the spool (loggers/spool.py), so a tracking-server outage between trials loses nothing.
 """
+
 from __future__ import annotations
 
 import functools
@@ -18,8 +19,14 @@ from ..loggers.spool import GuardedClient
 from ..loggers.store import ensure_experiment, is_outage, redact, use_fast_http_failures
 
 PARENT_TAG, TRIAL_TAG, STUDY_TAG, ROLE_TAG, STATE_TAG = (
-    "mlflow.parentRunId", "optuna.trial", "optuna.study_name", "optuna.role", "optuna.state")
+    "mlflow.parentRunId",
+    "optuna.trial",
+    "optuna.study_name",
+    "optuna.role",
+    "optuna.state",
+)
 PARENT_WAIT_S = 30.0  # how long a process that did not create the study waits for its creator's parent run
+
 
 def _safe_key(key: str) -> str:
     return re.sub(r"[^a-zA-Z0-9_/. -]+", "_", key)
@@ -29,8 +36,9 @@ class SweepTracker:
     """One parent run per study (found again by tags, so re-runs and other machines share it) and one
     child run per trial, created before the trial trains so that even a trial that fails early is recorded."""
 
-    def __init__(self, tracking_uri: str, experiment: str, study_name: str, storage_label: str,
-                 spool_root: str = "mlflow_spool"):
+    def __init__(
+        self, tracking_uri: str, experiment: str, study_name: str, storage_label: str, spool_root: str = "mlflow_spool"
+    ):
         from mlflow import MlflowClient
 
         use_fast_http_failures()
@@ -48,10 +56,15 @@ class SweepTracker:
         return self._experiment_id
 
     def _find_parents(self):
-        flt = (f"tags.`{ROLE_TAG}` = 'study' and {equals(f'tags.`{STUDY_TAG}`', self.study_name)} "
-               f"and {equals('tags.`optuna.storage`', self.storage_label)}")
-        runs = [r for r in self.raw.search_runs([self.experiment_id], flt, max_results=50)
-                if r.data.tags.get(STUDY_TAG) == self.study_name]
+        flt = (
+            f"tags.`{ROLE_TAG}` = 'study' and {equals(f'tags.`{STUDY_TAG}`', self.study_name)} "
+            f"and {equals('tags.`optuna.storage`', self.storage_label)}"
+        )
+        runs = [
+            r
+            for r in self.raw.search_runs([self.experiment_id], flt, max_results=50)
+            if r.data.tags.get(STUDY_TAG) == self.study_name
+        ]
         return sorted(runs, key=lambda r: (r.info.start_time, r.info.run_id))
 
     def ensure_parent(self, study, spec=None, creator: bool = True, wait_s: float = PARENT_WAIT_S) -> str:
@@ -68,9 +81,12 @@ class SweepTracker:
             time.sleep(0.25)
             pid = study.user_attrs.get("mlflow_parent_run_id")
         if not pid and not creator:
-            warnings.warn(f"study {self.study_name!r}: its creator recorded no MLflow parent run within "
-                          f"{wait_s:.0f} s; looking for one by tags", RuntimeWarning,
-                          stacklevel=1)
+            warnings.warn(
+                f"study {self.study_name!r}: its creator recorded no MLflow parent run within "
+                f"{wait_s:.0f} s; looking for one by tags",
+                RuntimeWarning,
+                stacklevel=1,
+            )
         if pid:
             try:
                 if self.raw.get_run(pid).info.lifecycle_stage == "active":
@@ -83,8 +99,12 @@ class SweepTracker:
             if found:
                 self.parent_id = found[0].info.run_id
             else:
-                tags = {ROLE_TAG: "study", STUDY_TAG: self.study_name, "optuna.storage": self.storage_label,
-                        "optuna.directions": ",".join(d.name.lower() for d in study.directions)}
+                tags = {
+                    ROLE_TAG: "study",
+                    STUDY_TAG: self.study_name,
+                    "optuna.storage": self.storage_label,
+                    "optuna.directions": ",".join(d.name.lower() for d in study.directions),
+                }
                 if spec is not None and spec.path is not None:
                     tags["mhc.sweep_file"] = str(spec.path)
                 mine = self.raw.create_run(self.experiment_id, run_name=self.study_name, tags=tags).info.run_id
@@ -104,25 +124,41 @@ class SweepTracker:
             self.raw.update_run(self.parent_id, status="RUNNING")  # a resumed study
         return self.parent_id
 
-    def start_trial(self, trial, values: dict[str, Any], worker: dict[str, Any], retry_of: Optional[int] = None,
-                    wait_s: float = 300.0) -> str:
+    def start_trial(
+        self,
+        trial,
+        values: dict[str, Any],
+        worker: dict[str, Any],
+        retry_of: Optional[int] = None,
+        wait_s: float = 300.0,
+    ) -> str:
         """Create the trial's child run; wait (bounded) if the server is down between trials."""
-        tags = {PARENT_TAG: self.parent_id, ROLE_TAG: "trial", STUDY_TAG: self.study_name, TRIAL_TAG: str(trial.number),
-                "optuna.storage": self.storage_label, STATE_TAG: "RUNNING",
-                **{f"optuna.worker.{k}": str(v) for k, v in worker.items()}}
+        tags = {
+            PARENT_TAG: self.parent_id,
+            ROLE_TAG: "trial",
+            STUDY_TAG: self.study_name,
+            TRIAL_TAG: str(trial.number),
+            "optuna.storage": self.storage_label,
+            STATE_TAG: "RUNNING",
+            **{f"optuna.worker.{k}": str(v) for k, v in worker.items()},
+        }
         if retry_of is not None:
             tags["optuna.retry_of"] = str(retry_of)
         deadline = time.monotonic() + wait_s
         while True:
             try:
-                run = self.raw.create_run(self.experiment_id, run_name=f"{self.study_name}-t{trial.number:04d}",
-                                          tags=tags)
+                run = self.raw.create_run(
+                    self.experiment_id, run_name=f"{self.study_name}-t{trial.number:04d}", tags=tags
+                )
                 break
             except Exception as err:
                 if not is_outage(err) or time.monotonic() > deadline:
                     raise
-                warnings.warn(f"MLflow {redact(self.uri)} unreachable before trial {trial.number}; retrying",
-                              RuntimeWarning, stacklevel=1)
+                warnings.warn(
+                    f"MLflow {redact(self.uri)} unreachable before trial {trial.number}; retrying",
+                    RuntimeWarning,
+                    stacklevel=1,
+                )
                 time.sleep(5)
         run_id = run.info.run_id
         trial.set_user_attr("mlflow_run_id", run_id)
@@ -131,8 +167,14 @@ class SweepTracker:
         self.client.log_batch(run_id, params=[Param(_safe_key(f"trial.{k}"), str(v)[:500]) for k, v in values.items()])
         return run_id
 
-    def end_trial(self, run_id: str, state: str, values: Optional[dict[str, float]] = None,
-                  error: Optional[str] = None, extra_tags: Optional[dict] = None) -> None:
+    def end_trial(
+        self,
+        run_id: str,
+        state: str,
+        values: Optional[dict[str, float]] = None,
+        error: Optional[str] = None,
+        extra_tags: Optional[dict] = None,
+    ) -> None:
         self.client.set_tag(run_id, STATE_TAG, state)
         for k, v in (extra_tags or {}).items():
             self.client.set_tag(run_id, k, str(v))
@@ -171,8 +213,10 @@ class SweepTracker:
         from optuna.trial import TrialState
 
         trials = study.get_trials(deepcopy=False)
-        counts = {s.name.lower(): sum(t.state == s for t in trials) for s in
-                  (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL, TrialState.RUNNING, TrialState.WAITING)}
+        counts = {
+            s.name.lower(): sum(t.state == s for t in trials)
+            for s in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL, TrialState.RUNNING, TrialState.WAITING)
+        }
         pid = self.parent_id
         for k, v in counts.items():
             self.client.log_metric(pid, f"trials/{k}", v, step=len(trials))
@@ -181,8 +225,12 @@ class SweepTracker:
         done = [t for t in trials if t.state == TrialState.COMPLETE]
         if done and not spec.multi_objective:
             best = study.best_trial
-            summary["best"] = {"trial": best.number, "value": best.value, "params": best.params,
-                               "run_id": best.user_attrs.get("mlflow_run_id")}
+            summary["best"] = {
+                "trial": best.number,
+                "value": best.value,
+                "params": best.params,
+                "run_id": best.user_attrs.get("mlflow_run_id"),
+            }
             self.client.set_tag(pid, "best.trial", str(best.number))
             self.client.set_tag(pid, "best.run_id", str(best.user_attrs.get("mlflow_run_id")))
             self.client.set_tag(pid, "best.value", repr(best.value))
@@ -191,8 +239,10 @@ class SweepTracker:
             self.client.log_metric(pid, _safe_key(f"best/{labels[0]}"), best.value, step=len(trials))
         elif done:
             front = study.best_trials
-            summary["pareto_front"] = [{"trial": t.number, "values": t.values, "params": t.params,
-                                        "run_id": t.user_attrs.get("mlflow_run_id")} for t in front]
+            summary["pareto_front"] = [
+                {"trial": t.number, "values": t.values, "params": t.params, "run_id": t.user_attrs.get("mlflow_run_id")}
+                for t in front
+            ]
             self.client.set_tag(pid, "pareto.trials", ",".join(str(t.number) for t in front))
         self.client.log_dict(pid, summary, "best_trial.json")
         with tempfile.TemporaryDirectory() as tmp:
@@ -218,15 +268,20 @@ class SweepTracker:
         import matplotlib.pyplot as plt
         import optuna.visualization.matplotlib as ovm
 
-        targets = [(None, spec.objectives[0].label)] if not spec.multi_objective else [
-            (functools.partial(lambda i, t: t.values[i], i), o.label) for i, o in enumerate(spec.objectives)]
+        targets = (
+            [(None, spec.objectives[0].label)]
+            if not spec.multi_objective
+            else [(functools.partial(lambda i, t: t.values[i], i), o.label) for i, o in enumerate(spec.objectives)]
+        )
         jobs = []
         for i, (target, name) in enumerate(targets):
             suffix = "" if target is None else f"_{i}"
             kw = {} if target is None else {"target": target, "target_name": name}
-            jobs += [(f"history{suffix}", ovm.plot_optimization_history, kw),
-                     (f"param_importances{suffix}", ovm.plot_param_importances, kw),
-                     (f"parallel_coordinate{suffix}", ovm.plot_parallel_coordinate, kw)]
+            jobs += [
+                (f"history{suffix}", ovm.plot_optimization_history, kw),
+                (f"param_importances{suffix}", ovm.plot_param_importances, kw),
+                (f"parallel_coordinate{suffix}", ovm.plot_parallel_coordinate, kw),
+            ]
         if spec.multi_objective and len(spec.objectives) in (2, 3):
             jobs.append(("pareto_front", ovm.plot_pareto_front, {"target_names": [o.label for o in spec.objectives]}))
         skipped = {}

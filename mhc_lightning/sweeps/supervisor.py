@@ -3,6 +3,7 @@
 Every launcher, here or on another machine, creates or loads the same study (load_if_exists) and runs workers until
 the study holds `budget.n_trials` COMPLETE + PRUNED trials, so a re-run resumes and a second machine joins.
 """
+
 from __future__ import annotations
 
 import os
@@ -48,9 +49,23 @@ def prepare(sweep: Sweep):
 def _worker_cmd(sweep: Sweep, args, index: int, machine: int, threads: int, since: float) -> list[str]:
     # the storage URL and the tracking URI (either may hold a password) go through the environment, not the visible
     # command line (_run_workers)
-    cmd = [sys.executable, "-m", "mhc_lightning.sweeps", "worker", str(sweep.spec.path), "--index", str(index),
-           "--machine-rank", str(machine), "--spool-dir", sweep.spool_dir,
-           "--threads", str(threads), "--since", f"{since:.3f}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mhc_lightning.sweeps",
+        "worker",
+        str(sweep.spec.path),
+        "--index",
+        str(index),
+        "--machine-rank",
+        str(machine),
+        "--spool-dir",
+        sweep.spool_dir,
+        "--threads",
+        str(threads),
+        "--since",
+        f"{since:.3f}",
+    ]
     for s in args.set or []:
         cmd += ["--set", s]
     if args.n_trials is not None:
@@ -71,9 +86,11 @@ def launch(sweep: Sweep, args) -> int:
     study, tracker = prepare(sweep)
     machine = args.machine_rank or 0
     n = args.workers
-    print(f"[mhc sweep] study {sweep.spec.name!r}: storage {sweep.storage_label}, MLflow {mask(tracker.uri)} "
-          f"(experiment {sweep.spec.mlflow['experiment']!r}, parent run {tracker.parent_id}), {n} worker(s)",
-          flush=True)
+    print(
+        f"[mhc sweep] study {sweep.spec.name!r}: storage {sweep.storage_label}, MLflow {mask(tracker.uri)} "
+        f"(experiment {sweep.spec.mlflow['experiment']!r}, parent run {tracker.parent_id}), {n} worker(s)",
+        flush=True,
+    )
     if n == 1:
         code = run_worker(sweep, 0, machine, args.threads or None, since)
     else:
@@ -84,8 +101,10 @@ def launch(sweep: Sweep, args) -> int:
         tracker.reconcile(study)
         summary = tracker.finalize(study, sweep.spec, complete)
     except Exception as err:
-        print(f"[mhc sweep] could not write the summary to MLflow ({err}); re-run the same command to retry",
-              file=sys.stderr)
+        print(
+            f"[mhc sweep] could not write the summary to MLflow ({err}); re-run the same command to retry",
+            file=sys.stderr,
+        )
         summary = {"counts": c}
     stopped = study.user_attrs.get(STOP_ATTR)
     _print_summary(sweep, tracker, summary, complete, c, stopped)
@@ -112,8 +131,13 @@ def _run_workers(sweep: Sweep, study, args, machine: int, since: float) -> int:
         env = dict(os.environ, MHC_SWEEP_STORAGE=sweep.storage_url, **{TRACKING_ENV: sweep.tracking_uri})
         if len(gpus) > 1:
             env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]  # one GPU per worker, round robin
-        child = Child(_worker_cmd(sweep, args, i, machine, threads, since), log_dir / f"worker-{machine}-{i}.log",
-                      env, name=f"worker {machine}.{i}", append_log=True)
+        child = Child(
+            _worker_cmd(sweep, args, i, machine, threads, since),
+            log_dir / f"worker-{machine}-{i}.log",
+            env,
+            name=f"worker {machine}.{i}",
+            append_log=True,
+        )
         workers.append((child.name, child, worker_id(child.pid)))
     print(f"[mhc sweep] worker logs: {log_dir}/", flush=True)
 
@@ -135,12 +159,19 @@ def _run_workers(sweep: Sweep, study, args, machine: int, since: float) -> int:
                 # Its RUNNING trials (if it died) fail and are queued again now, not after a heartbeat timeout (another
                 # worker may have done so already: a killed trial is the one FAIL of this worker without an error).
                 fail_dead_local_trials(study, sweep.spec.storage.get("max_retry"), only={wid})
-                lost = [t.number for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
-                        if t.user_attrs.get("worker") == wid and not t.user_attrs.get("error")]
+                lost = [
+                    t.number
+                    for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
+                    if t.user_attrs.get("worker") == wid and not t.user_attrs.get("error")
+                ]
                 if code != 0 or lost:
-                    print(f"[mhc sweep] {name} (pid {child.pid}) {describe_exit(code)}"
-                          + (f"; its trial(s) {lost} failed and were queued again" if lost else "")
-                          + f"; log: {child.log}", file=sys.stderr, flush=True)
+                    print(
+                        f"[mhc sweep] {name} (pid {child.pid}) {describe_exit(code)}"
+                        + (f"; its trial(s) {lost} failed and were queued again" if lost else "")
+                        + f"; log: {child.log}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             if all(code is not None for code in codes.values()):
                 break
             if stop["sig"] is not None:
@@ -175,16 +206,20 @@ def _print_summary(sweep: Sweep, tracker, summary: dict, complete: bool, c: dict
     elif stopped:
         state = "stopped"
     elif c["errors"] > sweep.spec.max_failed:
-        state = (f"not complete: {c['errors']} trials failed in this launch "
-                 f"(budget.max_failed={sweep.spec.max_failed}); fix the cause (the failed runs' optuna.error tag), "
-                 "then run the same command again to continue")
+        state = (
+            f"not complete: {c['errors']} trials failed in this launch "
+            f"(budget.max_failed={sweep.spec.max_failed}); fix the cause (the failed runs' optuna.error tag), "
+            "then run the same command again to continue"
+        )
     else:
         state = "not complete (run the same command again to continue)"
     print(f"[mhc sweep] study {sweep.spec.name!r} {state}: " + ", ".join(f"{k} {v}" for k, v in counts_.items()))
     if "best" in summary:
         b = summary["best"]
-        print(f"[mhc sweep] best trial {b['trial']}: {sweep.spec.objectives[0].label} = {b['value']:.4f}, "
-              f"run {b['run_id']}, params {b['params']}")
+        print(
+            f"[mhc sweep] best trial {b['trial']}: {sweep.spec.objectives[0].label} = {b['value']:.4f}, "
+            f"run {b['run_id']}, params {b['params']}"
+        )
     if "pareto_front" in summary:
         print(f"[mhc sweep] Pareto front: trials {[t['trial'] for t in summary['pareto_front']]}")
     print(f"[mhc sweep] MLflow parent run {tracker.parent_id} at {mask(tracker.uri)}")
@@ -234,8 +269,10 @@ def dry_run(sweep: Sweep) -> int:
     for w in check_callbacks(sweep.spec):
         print(f"# {w}")
     check_trial_args(sweep.spec)
-    study = optuna.create_study(sampler=make_sampler(sweep.spec, sweep.spec.sampler.get("seed")),
-                                directions=[o.direction for o in sweep.spec.objectives])
+    study = optuna.create_study(
+        sampler=make_sampler(sweep.spec, sweep.spec.sampler.get("seed")),
+        directions=[o.direction for o in sweep.spec.objectives],
+    )
     trial = study.ask()
     print(mask(fit_command(trial_args(sweep.spec, sample(trial, sweep.spec)))))
     return 0

@@ -4,6 +4,7 @@
 against mhc_lightning.callbacks (or a dotted class path); `check_callbacks` decides before any trial which of them
 exist, so that every worker samples the same space.
 """
+
 from __future__ import annotations
 
 import json
@@ -71,15 +72,21 @@ def check_callbacks(spec: SweepSpec) -> list[str]:
                 spec.skipped[p.key] = f"{cls_name} not found in mhc_lightning.callbacks"
                 warnings.append(f"skipping {p.key}: {spec.skipped[p.key]} (optional: true)")
                 continue
-            raise SpecError(f"{where}: callback class {cls_name!r} not found in mhc_lightning.callbacks; "
-                            "write a dotted class path, or add `optional: true` to skip it when absent")
+            raise SpecError(
+                f"{where}: callback class {cls_name!r} not found in mhc_lightning.callbacks; "
+                "write a dotted class path, or add `optional: true` to skip it when absent"
+            )
         params = inspect.signature(cls.__init__).parameters
         if arg not in params and not any(q.kind is q.VAR_KEYWORD for q in params.values()):
-            raise SpecError(f"{where}: {cls.__name__} takes no argument {arg!r}; its arguments: "
-                            f"{[n for n in params if n != 'self']}")
+            raise SpecError(
+                f"{where}: {cls.__name__} takes no argument {arg!r}; its arguments: "
+                f"{[n for n in params if n != 'self']}"
+            )
         if f"{cls.__name__}" in base_text:
-            raise SpecError(f"{where}: {cls.__name__} already appears in the base configs; the sweep adds it "
-                            "to each trial with the sampled arguments, so remove it from the base configs")
+            raise SpecError(
+                f"{where}: {cls.__name__} already appears in the base configs; the sweep adds it "
+                "to each trial with the sampled arguments, so remove it from the base configs"
+            )
     return warnings
 
 
@@ -96,7 +103,7 @@ def trial_args(spec: SweepSpec, values: dict[str, Any], logger: Optional[dict] =
     cb_args: dict[str, dict[str, Any]] = {}
     for key, v in {**spec.fixed, **values}.items():
         if key.startswith(CALLBACK_PREFIX):
-            cls, _, arg = key[len(CALLBACK_PREFIX):].rpartition(".")
+            cls, _, arg = key[len(CALLBACK_PREFIX) :].rpartition(".")
             cb_args.setdefault(cls, {})[arg] = v
         else:
             args.append(f"--{key}={cli_value(v)}")

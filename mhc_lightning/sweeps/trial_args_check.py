@@ -2,6 +2,7 @@
 know (`trainer.max_stepz`, a misspelt `fixed` key) or a value of the wrong type would otherwise be found by each trial
 in turn, each one failing until budget.max_failed stops the sweep. The parsing is shared with `mhc grid`
 (fit_args_check.py)."""
+
 from __future__ import annotations
 
 from .spec import SpecError, SweepSpec
@@ -11,8 +12,7 @@ from .trial_args import trial_args
 def probe_values(spec: SweepSpec) -> dict:
     """One value for every parameter of the space, `when` conditions ignored (so every key is checked): the first
     choice of a categorical, the low end of a range."""
-    return {p.key: p.choices[0] if p.type == "categorical" else p.low
-            for p in spec.space if p.key not in spec.skipped}
+    return {p.key: p.choices[0] if p.type == "categorical" else p.low for p in spec.space if p.key not in spec.skipped}
 
 
 def check_trial_args(spec: SweepSpec) -> None:

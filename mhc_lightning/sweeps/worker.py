@@ -2,6 +2,7 @@
 
 Run in the launcher's process (`--workers 1`) or as `python -m mhc_lightning.sweeps worker ...` (supervisor.py).
 """
+
 from __future__ import annotations
 
 import signal
@@ -28,8 +29,9 @@ def worker_seed(base: Optional[int], wid: str, launch: float) -> Optional[int]:
     return None if base is None else zlib.crc32(f"{base}:{wid}:{launch!r}".encode()) & 0x7FFFFFFF
 
 
-def run_worker(sweep: Sweep, index: int, machine: int, threads: Optional[int] = None,
-               since: Optional[float] = None) -> int:
+def run_worker(
+    sweep: Sweep, index: int, machine: int, threads: Optional[int] = None, since: Optional[float] = None
+) -> int:
     """Returns an exit code: 0 budget met (or worker timeout), 2 the sweep cannot go on (reason printed),
     3 budget.max_failed exceeded, 130 interrupted. `since`: start of this launch, for budget.max_failed."""
     import optuna
@@ -74,15 +76,23 @@ def run_worker(sweep: Sweep, index: int, machine: int, threads: Optional[int] = 
             if c["complete"] + c["pruned"] >= spec.n_trials:
                 break
             if c["errors"] > spec.max_failed:
-                print(f"{me} {c['errors']} trials failed in this launch (budget.max_failed={spec.max_failed}); "
-                      "stopping: see the failed runs' optuna.error tag", file=sys.stderr, flush=True)
+                print(
+                    f"{me} {c['errors']} trials failed in this launch (budget.max_failed={spec.max_failed}); "
+                    "stopping: see the failed runs' optuna.error tag",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 code = 3
                 break
             if deadline is not None and time.monotonic() > deadline:
                 break
             if duplicates >= MAX_DUPLICATES:
-                print(f"{me} the sampler proposed {duplicates} trials in a row that the study already has: the "
-                      "space looks exhausted; stopping", file=sys.stderr, flush=True)
+                print(
+                    f"{me} the sampler proposed {duplicates} trials in a row that the study already has: the "
+                    "space looks exhausted; stopping",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 break
             if c["complete"] + c["pruned"] + c["running"] >= spec.n_trials and not c["waiting"]:
                 time.sleep(POLL_S)  # the last trials run elsewhere; stay to re-run them if their worker dies
