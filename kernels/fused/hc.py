@@ -390,8 +390,9 @@ def _hc_enter_op_backward(ctx, du, d_pre, d_post, d_res, _dlg, _drinv, dx_next=N
 hc_enter_fwd.register_autograd(_hc_enter_op_backward, setup_context=_hc_enter_setup)
 
 
-def _hc_enter_routed_body(x: Tensor, w: Tensor, statics: Tensor, eps: float, tanh: bool,
-                          u_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, ...]:
+def _hc_enter_routed_body(
+    x: Tensor, w: Tensor, statics: Tensor, eps: float, tanh: bool, u_dtype: Optional[torch.dtype] = None
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """hc_enter's outputs and x's route to the write-back (`Routed`): `hc_enter` as torch.compile sees it."""
     return (*enter_forward(x, w, statics, eps, tanh, u_dtype), route_of(x))
 
