@@ -1,10 +1,12 @@
-# Source at the start of every command on the GPU machine (carry .gpuwheels and .cache/corpus):
+# Source at the start of every command on the GPU machine (carry .gpuwheels, .cache/corpus and .gitpin):
 #   source scripts/gpu_env.sh && python3 -m bench stack ...
 # Installs the wheels of scripts/gpu_wheels.sh into /tmp/site, makes kernels/ importable as mhc_lightning.kernels
 # (an editable install did not take effect there) and points the corpus cache at the carried sdist.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpuwheels/*.whl \
   || return 1
 [ -e mhc_lightning/kernels ] || ln -sfn ../kernels mhc_lightning/kernels
+# The commit the runs record (scripts/gpu_pin_commit.sh): without a .git, provenance records "unknown"
+[ -d .git ] || { [ -d .gitpin/.git ] && mv .gitpin/.git .git; } || echo "gpu_env: no .gitpin; runs record commit unknown"
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 MHC_CACHE_DIR=$PWD/.cache/corpus
 export PATH=/tmp/site/bin:$PATH
 # The `mhc` command, where the tests that start `mhc fit` look for it (beside the interpreter: tests/test_distributed.py)
