@@ -6,6 +6,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
   || return 1
 [ -e mhc_lightning/kernels ] || ln -sfn ../kernels mhc_lightning/kernels
 # The commit the runs record (scripts/gpu_pin_commit.sh): without a .git, provenance records "unknown"
+git config --global --add safe.directory "$PWD"
 [ -d .git ] || { [ -d .gitpin/.git ] && mv .gitpin/.git .git && git reset -q; } \
   || echo "gpu_env: no .gitpin; runs record commit unknown"
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 MHC_CACHE_DIR=$PWD/.cache/corpus
