@@ -50,3 +50,11 @@ def mlflow_uri(tmp_path: Path, _mlflow_template: Path, monkeypatch) -> str:
     shutil.copy(_mlflow_template, db)
     monkeypatch.chdir(tmp_path)  # sqlite stores without a server put artifacts under ./mlruns
     return f"sqlite:///{db}"
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """A generated text file shared by a module's tests (those that start servers and processes)."""
+    p = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    p.write_text(make_text(60_000, seed=7))
+    return p

@@ -47,6 +47,12 @@ def _refused(main, argv, capsys) -> str:
     return capsys.readouterr().err.strip().splitlines()[-1]
 
 
+def _run(main, argv, out) -> dict:
+    """Run a benchmark with argv and `--out out`; it must exit 0. Returns the JSON it wrote, checked for the layout."""
+    assert main([*argv, "--out", str(out)]) == 0
+    return _layout(out)
+
+
 # ---- the entry point and the harness ---------------------------------------------------------------------------
 def test_help_lists_every_benchmark_with_one_line():
     proc = subprocess.run(
@@ -86,26 +92,8 @@ def test_the_json_goes_under_out_when_it_is_set(monkeypatch, tmp_path):
 
 # ---- stack -----------------------------------------------------------------------------------------------------
 def test_stack_smoke_times_each_variant_against_the_residual(tmp_path):
-    out = tmp_path / "stack.json"
-    assert (
-        stack.main(
-            [
-                "--smoke",
-                "--shapes",
-                "1024",
-                "--iters",
-                "1",
-                "--warmup",
-                "0",
-                "--variants",
-                "mhc chained,hc",
-                "--out",
-                str(out),
-            ]
-        )
-        == 0
-    )
-    rows = {r["variant"]: r for r in _layout(out)["rows"]}
+    argv = ["--smoke", "--shapes", "1024", "--iters", "1", "--warmup", "0", "--variants", "mhc chained,hc"]
+    rows = {r["variant"]: r for r in _run(stack.main, argv, tmp_path / "stack.json")["rows"]}
     assert set(rows) == {"residual", "mhc chained", "hc"}
     assert all(r["ms"] > 0 and r["host_ms"] > 0 and r["C"] == 64 for r in rows.values())
     assert rows["residual"]["x_residual"] == 1.0 and rows["hc"]["x_residual"] > 0
@@ -141,14 +129,8 @@ def test_stack_refuses_an_unknown_shape(capsys):
 @pytest.mark.gpu
 @needs_gpu
 def test_stack_on_the_gpu(tmp_path):
-    out = tmp_path / "stack.json"
-    assert (
-        stack.main(
-            ["--shapes", "1024", "--variants", "mhc chained", "--iters", "1", "--warmup", "0", "--out", str(out)]
-        )
-        == 0
-    )
-    data = _layout(out)
+    argv = ["--shapes", "1024", "--variants", "mhc chained", "--iters", "1", "--warmup", "0"]
+    data = _run(stack.main, argv, tmp_path / "stack.json")
     assert data["env"]["copy_tb_s"] > 0 and all(r["peak_gib"] > 0 for r in data["rows"])
 
 
@@ -219,9 +201,8 @@ def test_trainer_headline_takes_the_median_run_and_ratios_pair_devices():
 
 
 def test_trainer_smoke_runs_one_fit(tmp_path):
-    out = tmp_path / "trainer.json"
-    assert trainer.main(["--smoke", "--modes", "residual", "--out", str(out), "--work", str(tmp_path / "w")]) == 0
-    (row,) = _layout(out)["rows"]
+    argv = ["--smoke", "--modes", "residual", "--work", str(tmp_path / "w")]
+    (row,) = _run(trainer.main, argv, tmp_path / "trainer.json")["rows"]
     assert row["variant"] == "residual" and row["devices"] == 1 and row["exit"] == 0 and row["x_residual"] == 1.0
     assert set(row["phases"]) == {"forward", "backward", "optimizer", "between_steps"}
     assert all(p["host_ms"] > 0 and p["device_ms"] is None for p in row["phases"].values())  # no device on the CPU
@@ -231,26 +212,8 @@ def test_trainer_smoke_runs_one_fit(tmp_path):
 
 @pytest.mark.slow
 def test_trainer_repeats_alternate_and_a_profiled_run_follows(tmp_path):
-    out = tmp_path / "trainer.json"
-    assert (
-        trainer.main(
-            [
-                "--smoke",
-                "--modes",
-                "residual",
-                "--repeat",
-                "2",
-                "--profile",
-                "2",
-                "--out",
-                str(out),
-                "--work",
-                str(tmp_path / "w"),
-            ]
-        )
-        == 0
-    )
-    (row,) = _layout(out)["rows"]
+    argv = ["--smoke", "--modes", "residual", "--repeat", "2", "--profile", "2", "--work", str(tmp_path / "w")]
+    (row,) = _run(trainer.main, argv, tmp_path / "trainer.json")["rows"]
     means = [r["step_ms_mean"] for r in row["repeats"]]
     assert len(means) == 2 and row["step_ms_mean"] == min(means)  # the lower middle one of two
     for r in row["repeats"]:  # every run's steps one by one: a step's phases end at the next step's start
@@ -263,9 +226,8 @@ def test_trainer_repeats_alternate_and_a_profiled_run_follows(tmp_path):
 
 # ---- traffic ---------------------------------------------------------------------------------------------------
 def test_traffic_tabulates_a_committed_trainer_profile(tmp_path):
-    out = tmp_path / "traffic.json"
-    assert traffic.main([str(EAGER_PROFILE), "--copy-tbps", "4.17", "--out", str(out)]) == 0
-    rows = {(r["variant"], r["kernel"]): r for r in _layout(out)["rows"]}
+    data = _run(traffic.main, [str(EAGER_PROFILE), "--copy-tbps", "4.17"], tmp_path / "traffic.json")
+    rows = {(r["variant"], r["kernel"]): r for r in data["rows"]}
     assert {v for v, _ in rows} == {"mhc"}  # the residual's profile has no fused kernel
     post = rows["mhc", "_post_fwd"]  # x [4C] and f [C] read, x_next [4C] written (bf16), h_post and H^res (fp32)
     assert post["mb_per_call"] == 18512 * 16384 / 1e6 and post["floor_us"] == pytest.approx(18512 * 16384 / 4.17e6)
@@ -281,8 +243,8 @@ def test_traffic_reads_the_trainer_benchmarks_rows_and_u_in_the_streams_dtype_wh
     run = dict(variant="mhc", devices=1, precision="bf16-mixed", tokens_per_step=1024, d_model=256, profile=profile)
     src = tmp_path / "trainer.json"
     src.write_text(json.dumps({"rows": [dict(run, compiled=True), dict(run, variant="mhc@eager", compiled=False)]}))
-    assert traffic.main([str(src), "--copy-tbps", "2", "--out", str(tmp_path / "t.json")]) == 0
-    rows = {r["variant"]: r for r in _layout(tmp_path / "t.json")["rows"] if r["kernel"] == "_pre_fwd"}
+    data = _run(traffic.main, [str(src), "--copy-tbps", "2"], tmp_path / "t.json")
+    rows = {r["variant"]: r for r in data["rows"] if r["kernel"] == "_pre_fwd"}
     assert rows["mhc"]["u_bytes"] == 2 and rows["mhc@eager"]["u_bytes"] == 4
     assert rows["mhc"]["mb_per_call"] == (4 * 256 * 2 + 4 * 4 + 256 * 2) * 1024 / 1e6 and rows["mhc"]["us"] == 40.0
 
@@ -301,12 +263,11 @@ def test_traffic_refuses_bad_input_with_one_line(capsys, extra, line):
 # ---- host ------------------------------------------------------------------------------------------------------
 def test_host_times_each_wiring_with_the_launches_stubbed(tmp_path):
     out = tmp_path / "host.json"
-    assert host.main(["--sublayers", "2", "--steps", "2", "--out", str(out)]) == 0
-    data = _layout(out)
+    data = _run(host.main, ["--sublayers", "2", "--steps", "2"], out)
     assert data["env"]["launches"] == "stubbed" and [r["wiring"] for r in data["rows"]] == list(host.WIRINGS)
     assert all(r["per_sublayer_us"] > 0 and r["forward_only"] is False for r in data["rows"])
-    assert host.main(["--sublayers", "2", "--steps", "2", "--forward", "--bf16", "--out", str(out)]) == 0
-    assert all(r["forward_only"] and r["stream_dtype"] == "bfloat16" for r in _layout(out)["rows"])
+    data = _run(host.main, ["--sublayers", "2", "--steps", "2", "--forward", "--bf16"], out)
+    assert all(r["forward_only"] and r["stream_dtype"] == "bfloat16" for r in data["rows"])
 
 
 def test_host_stubs_only_inside_its_block():
@@ -319,9 +280,8 @@ def test_host_stubs_only_inside_its_block():
 
 
 def test_host_model_lists_mhcs_extra_host_functions(tmp_path):
-    out = tmp_path / "model.json"
-    assert host.main(["--model", "--sublayers", "2", "--steps", "1", "--top", "40", "--out", str(out)]) == 0
-    rows = {r["mode"]: r for r in _layout(out)["rows"]}
+    data = _run(host.main, ["--model", "--sublayers", "2", "--steps", "1", "--top", "40"], tmp_path / "model.json")
+    rows = {r["mode"]: r for r in data["rows"]}
     assert set(rows) == {"residual", "mhc"} and all(r["forward_ms"] > 0 for r in rows.values())
     # the fused ops' own Python is mHC's alone
     assert any(f["mhc_ms"] > 0 == f["residual_ms"] for f in rows["mhc"]["extra_functions"])
@@ -329,11 +289,8 @@ def test_host_model_lists_mhcs_extra_host_functions(tmp_path):
 
 @pytest.mark.slow
 def test_host_model_compiled_runs_the_fused_ops_as_custom_ops(tmp_path):
-    out = tmp_path / "model.json"
-    assert (
-        host.main(["--model", "--compile", "--sublayers", "2", "--steps", "1", "--top", "80", "--out", str(out)]) == 0
-    )
-    rows = {r["mode"]: r for r in _layout(out)["rows"]}
+    argv = ["--model", "--compile", "--sublayers", "2", "--steps", "1", "--top", "80"]
+    rows = {r["mode"]: r for r in _run(host.main, argv, tmp_path / "model.json")["rows"]}
     assert all(r["compiled"] and r["first_call_s"] > 0 for r in rows.values())
     assert any(f["function"].startswith("custom_ops.py:") for f in rows["mhc"]["extra_functions"])  # torch.library's
 
@@ -356,9 +313,8 @@ def test_resources_reads_cuobjdumps_resource_usage_and_checks_its_arguments(caps
 @pytest.mark.gpu
 @needs_gpu
 def test_resources_on_the_gpu(tmp_path):
-    out = tmp_path / "resources.json"
-    assert resources.main(["--c", "128", "--batch", "1", "--seq", "64", "--modes", "mhc,hc", "--out", str(out)]) == 0
-    rows = _layout(out)["rows"]
+    argv = ["--c", "128", "--batch", "1", "--seq", "64", "--modes", "mhc,hc"]
+    rows = _run(resources.main, argv, tmp_path / "resources.json")["rows"]
     assert any(r["kernel"] == "_coef_fwd" for r in rows) and all(r["registers"] > 0 for r in rows)
 
 
@@ -367,75 +323,23 @@ TINY_MODEL = ["--layers", "1", "--width", "32", "--seq", "16", "--batch", "2"]
 
 
 def test_callbacks_pairs_blocks_per_configuration(tmp_path):
-    out = tmp_path / "callbacks.json"
-    assert (
-        callbacks.main(
-            [
-                *TINY_MODEL,
-                "--heads",
-                "2",
-                "--threads",
-                "1",
-                "--block",
-                "2",
-                "--pairs",
-                "2",
-                "--warmup",
-                "2",
-                "--configs",
-                "stability,sinkhorn",
-                "--out",
-                str(out),
-            ]
-        )
-        == 0
-    )
-    rows = {r["config"]: r for r in _layout(out)["rows"]}
+    argv = [*TINY_MODEL, "--heads", "2", "--threads", "1", "--block", "2", "--pairs", "2", "--warmup", "2"]
+    data = _run(callbacks.main, [*argv, "--configs", "stability,sinkhorn"], tmp_path / "callbacks.json")
+    rows = {r["config"]: r for r in data["rows"]}
     assert set(rows) == {"stability", "sinkhorn"} and all(r["pairs"] == 2 for r in rows.values())
     assert rows["stability"]["snapshot_ms"] > 0 and "snapshot_ms" not in rows["sinkhorn"]
 
 
 def test_diagnostics_times_off_every_step_and_every_k(tmp_path):
-    out = tmp_path / "diagnostics.json"
-    assert (
-        diagnostics.main(
-            [*TINY_MODEL, "--threads", "1", "--steps", "4", "--warmup", "1", "--k", "2", "--out", str(out)]
-        )
-        == 0
-    )
-    rows = _layout(out)["rows"]
+    argv = [*TINY_MODEL, "--threads", "1", "--steps", "4", "--warmup", "1", "--k", "2"]
+    rows = _run(diagnostics.main, argv, tmp_path / "diagnostics.json")["rows"]
     assert [r["every"] for r in rows] == [0, 1, 2] and all(r["median_ms"] > 0 for r in rows)
     assert "overhead_at_k" in rows[2]
 
 
 def test_recompute_counts_the_bytes_each_block_size_keeps(tmp_path):
-    out = tmp_path / "recompute.json"
-    assert (
-        recompute.main(
-            [
-                "--device",
-                "cpu",
-                "--layers",
-                "2",
-                "--width",
-                "32",
-                "--heads",
-                "2",
-                "--seq",
-                "16",
-                "--batch",
-                "2",
-                "--blocks",
-                "1,auto",
-                "--steps",
-                "0",
-                "--out",
-                str(out),
-            ]
-        )
-        == 0
-    )
-    rows = _layout(out)["rows"]
+    argv = ["--device", "cpu", "--layers", "2", "--width", "32", "--heads", "2", "--seq", "16", "--batch", "2"]
+    rows = _run(recompute.main, [*argv, "--blocks", "1,auto", "--steps", "0"], tmp_path / "recompute.json")["rows"]
     assert [r["recompute_block"] for r in rows] == ["0", "1", "auto"]
     assert rows[0]["bytes_per_token"] == pytest.approx(rows[0]["saved_tensors_hooks_bytes_per_token"], rel=1e-3)
     assert all(r["bytes_per_token"] < rows[0]["bytes_per_token"] for r in rows[1:])

@@ -53,7 +53,7 @@ def test_bad_action_in_yaml_is_rejected_naming_the_field(tiny_corpus, mlflow_uri
     assert "on_loss_spike" in err and "explode" in err
 
 
-# ---- the documented resume command (issue 14, item 2) ----------------------------------------------------------------
+# ---- the documented resume command -----------------------------------------------------------------------------------
 QUICKSTART = str(CONF / "quickstart.yaml")
 
 

@@ -127,8 +127,8 @@ def test_urls_point_at_the_services_and_databases():
 
 
 def test_no_password_on_a_command_line_and_no_install_at_start():
-    """Issue 14, item 8: what a service runs (entrypoint, command) holds no credential (`ps` would show it), and no
-    service installs packages when it starts (a restart must not need a package index)."""
+    """What a service runs (entrypoint, command) holds no credential (`ps` would show it), and no service installs
+    packages when it starts (a restart must not need a package index)."""
     env = filled_env()
     for name, svc in SERVICES.items():
         argv = interpolate(flat(svc.get("entrypoint", [])) + " " + flat(svc.get("command", [])), env)
@@ -203,8 +203,8 @@ def test_docker_compose_config(tmp_path):
 
 
 def test_ports_are_published_on_this_host_only_by_default():
-    """Issue 55, item 10: PostgreSQL, MLflow and optuna-dashboard were published on every interface. Now on
-    BIND_ADDRESS, 127.0.0.1 in the template and when the variable is not set at all."""
+    """PostgreSQL, MLflow and optuna-dashboard were once published on every interface. Now on BIND_ADDRESS,
+    127.0.0.1 in the template and when the variable is not set at all."""
     env = filled_env()
     assert env["BIND_ADDRESS"] == "127.0.0.1"
     unset = {k: v for k, v in env.items() if k != "BIND_ADDRESS"}

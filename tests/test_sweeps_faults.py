@@ -1,4 +1,4 @@
-"""Sweeps under faults (issue 14, items 3-7), with real launcher and worker processes on SQLite and journal storages:
+"""Sweeps under faults, with real launcher and worker processes on SQLite and journal storages:
 a SIGKILLed worker on journal storage, duplicate proposals, two launchers on a fresh store, a study stopped by
 max_failed continued, and sweep-file mistakes that must stop the sweep before (or at the first of) its trials.
 
@@ -438,7 +438,7 @@ def test_duplicate_proposals_are_not_trained_and_do_not_count(corpus, tmp_path, 
     print(f"[figures] exhausted space: 2 trials trained, {len(dups)} duplicate proposals not trained")
 
 
-# ---- issue 55, item 4: a sweep whose every trial fails must end ------------------------------------------------------
+# ---- a sweep whose every trial fails must end ------------------------------------------------------------------------
 def test_a_step_of_zero_is_refused_by_mhc_sweep_before_anything_starts(corpus, tmp_path):
     """`step: 0` passed validation; every trial then failed in suggest_float and the sweep never ended (~800 failed
     trials in 5 minutes). Now: one line naming the key, exit 2, no study, no store."""

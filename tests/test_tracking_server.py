@@ -1,6 +1,7 @@
 """The compose topology with real processes: PostgreSQL at 127.0.0.1:5432 (MLflow's backend store and
 Optuna's storage), an `mlflow server` started here on a free loopback port, sweep workers as separate
-processes, optuna-dashboard; plus the MLflow server going away at start and in the middle of a run.
+processes, optuna-dashboard; plus the MLflow server going away at start and in the middle of a run (`mhc fit`
+against such a server: test_tracking_fit_outages.py; the servers themselves: tracking_servers.py).
 
 Tests that need PostgreSQL skip, saying why, only when nothing answers at 127.0.0.1:5432. All of them start servers or
 processes: marked slow.
@@ -8,14 +9,11 @@ processes: marked slow.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -24,61 +22,16 @@ import optuna
 import pytest
 import requests
 import yaml
-from helpers import REPO, derived_spec, handshake_arg, make_text, tiny_fit_args, wait_for, wait_for_running_trial
+from helpers import REPO, derived_spec, tiny_fit_args, wait_for_running_trial
 from mlflow import MlflowClient
+from tracking_servers import MlflowServer, Proxy, clean_env, free_port, fresh_databases, stop
 
 from mhc_lightning.sweeps import factories
 from mhc_lightning.sweeps.cli import main as sweep_main
 
 pytestmark = pytest.mark.slow
 
-PG = dict(host="127.0.0.1", port=5432, user="postgres")
 S = optuna.trial.TrialState
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def pg_admin(sql: str) -> None:
-    import psycopg2
-
-    conn = psycopg2.connect(dbname="test", connect_timeout=5, **PG)
-    conn.autocommit = True
-    with conn.cursor() as cur:
-        cur.execute(sql)
-    conn.close()
-
-
-def pg_url(db: str) -> str:
-    return f"postgresql+psycopg2://{PG['user']}@{PG['host']}:{PG['port']}/{db}"
-
-
-@contextlib.contextmanager
-def fresh_databases(*names: str):
-    """Fresh PostgreSQL databases on the local server (skips when none answers), dropped afterwards: {name: URL}."""
-    try:
-        pg_admin("select 1")
-    except Exception as err:
-        pytest.skip(f"PostgreSQL unreachable at {PG['host']}:{PG['port']} as user {PG['user']}: {err}")
-    tag = uuid.uuid4().hex[:10]
-    dbs = {n: f"mhc_test_{n}_{tag}" for n in names}
-    for db in dbs.values():
-        pg_admin(f'create database "{db}"')
-    try:
-        yield {k: pg_url(v) for k, v in dbs.items()}
-    finally:
-        for db in dbs.values():
-            try:
-                pg_admin(
-                    f"select pg_terminate_backend(pid) from pg_stat_activity where datname = '{db}' "
-                    "and pid <> pg_backend_pid()"
-                )
-                pg_admin(f'drop database if exists "{db}"')
-            except Exception as err:  # never hide the test's own result behind cleanup
-                print(f"could not drop {db}: {err}", file=sys.stderr)
 
 
 @pytest.fixture(scope="module")
@@ -86,99 +39,6 @@ def postgres():
     """Two fresh databases (MLflow, sweeps) on the local server; dropped afterwards."""
     with fresh_databases("mlflow", "sweeps") as dbs:
         yield dbs
-
-
-def _clean_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "OPTUNA_STORAGE")}
-    env.update(
-        MLFLOW_ENABLE_ASYNC_LOGGING="false",
-        MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false",
-        MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR="false",
-        PYTHONUNBUFFERED="1",
-    )
-    return env
-
-
-def stop(proc: subprocess.Popen, timeout: float = 20) -> None:
-    """SIGTERM the process group we started, then SIGKILL; always bounded."""
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=timeout)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=timeout)
-
-
-class MlflowServer:
-    """`mlflow server` with a PostgreSQL backend store and a served artifact store, as in docker-compose.yml; it can
-    be killed (SIGKILL, as a crash) and started again on the same port and stores."""
-
-    def __init__(self, backend: str, root: Path, extra_hosts: tuple[str, ...] = ()):
-        self.backend, self.root, self.port = backend, root, free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        p = self.port
-        self.hosts = ",".join(
-            ["mlflow", f"mlflow:{p}", "localhost", f"localhost:{p}", "127.0.0.1", f"127.0.0.1:{p}", *extra_hosts]
-        )
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, timeout: float = 240) -> None:
-        log = open(self.root / "server.log", "a")
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "mlflow",
-                "server",
-                "--backend-store-uri",
-                self.backend,
-                "--artifacts-destination",
-                str(self.root / "artifacts"),
-                "--serve-artifacts",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--workers",
-                "1",
-            ],
-            # allowed hosts from the environment, as docker-compose.yml gives them
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**_clean_env(), "MLFLOW_SERVER_ALLOWED_HOSTS": self.hosts},
-            start_new_session=True,
-            cwd=self.root,
-        )
-        log.close()
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                pytest.fail(f"mlflow server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if requests.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"mlflow server not healthy after {timeout} s:\n{self.log_tail()}")
-            time.sleep(0.5)
-
-    def kill(self) -> None:
-        """SIGKILL the server's whole process group (workers included): a crash, not a shutdown."""
-        os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=30)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            stop(self.proc)
-
-    def log_tail(self) -> str:
-        return (self.root / "server.log").read_text()[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -191,13 +51,6 @@ def server(postgres, tmp_path_factory):
         yield {"url": srv.url, "port": srv.port, "proxy_port": proxy_port, "root": srv.root, **postgres}
     finally:
         srv.stop()
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    p = tmp_path_factory.mktemp("corpus") / "corpus.txt"
-    p.write_text(make_text(60_000, seed=7))
-    return p
 
 
 def launch(spec: Path, cwd: Path, server, corpus: Path, *extra: str, log_name: str) -> subprocess.Popen:
@@ -220,9 +73,7 @@ def launch(spec: Path, cwd: Path, server, corpus: Path, *extra: str, log_name: s
         *extra,
     ]
     log = open(cwd / log_name, "w")
-    return subprocess.Popen(
-        cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env=_clean_env(), start_new_session=True
-    )
+    return subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env=clean_env(), start_new_session=True)
 
 
 def wait(proc: subprocess.Popen, timeout: float, log: Path) -> int:
@@ -324,7 +175,7 @@ def test_dashboard_reads_the_sweeps_database_without_its_password_on_the_command
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
-        env={**_clean_env(), "OPTUNA_STORAGE": url},
+        env={**clean_env(), "OPTUNA_STORAGE": url},
     )
     try:
         deadline, studies = time.monotonic() + 60, None
@@ -381,68 +232,6 @@ def test_killed_worker_trial_is_failed_and_retried(server, corpus, tmp_path):
     dead = by_trial[killed]
     assert dead.info.status == "FAILED" and dead.data.tags["optuna.state"] == "FAILED"  # reconciled by the survivor
     assert by_trial[retries[0].number].data.tags["optuna.retry_of"] == str(killed)
-
-
-class Proxy:
-    """A TCP relay in front of the MLflow server; `down()` refuses connections like a dead server, `up()` restores."""
-
-    def __init__(self, target_port: int, port: int):
-        self.target, self.port = target_port, port
-        self.conns: list[socket.socket] = []
-        self.lock = threading.Lock()
-        self.listener = None
-        self.up()
-
-    def up(self) -> None:
-        ls = socket.socket()
-        ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        ls.bind(("127.0.0.1", self.port))
-        ls.listen(16)
-        self.listener = ls
-        threading.Thread(target=self._accept, args=(ls,), daemon=True).start()
-
-    def down(self) -> None:
-        ls, self.listener = self.listener, None
-        if ls is not None:
-            try:
-                ls.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept(); close() alone leaves it listening
-            except OSError:
-                pass
-            ls.close()
-        with self.lock:
-            for c in self.conns:
-                try:
-                    c.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-                c.close()
-            self.conns.clear()
-
-    def _accept(self, ls) -> None:
-        while True:
-            try:
-                client, _ = ls.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(("127.0.0.1", self.target))
-            with self.lock:
-                self.conns += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pump(a, b) -> None:
-        try:
-            while data := a.recv(65536):
-                b.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (a, b):
-                try:
-                    s.close()
-                except OSError:
-                    pass
 
 
 def test_server_down_during_run_training_continues_then_replay(server, corpus, tmp_path, monkeypatch):
@@ -516,121 +305,3 @@ def test_server_down_during_run_training_continues_then_replay(server, corpus, t
     # diagnostics step, 8 (the validations at steps 4 and 8 wrote those of steps 0 and 4)
     assert "diagnostics/per_layer_step0000008.json" in diag
     assert not list(spool.glob("*/*.jsonl"))
-
-
-# ---- `mhc fit` and the tracking server (issue 14, item 1) ------------------------------------------------------------
-QUICKSTART = str(REPO / "conf" / "quickstart.yaml")
-TINY = [
-    "--data.seq_len=32",
-    "--data.batch_size=4",
-    "--model.arch.n_layers=1",
-    "--model.arch.d_model=32",
-    "--model.arch.n_heads=2",
-    "--trainer.enable_progress_bar=false",
-    "--trainer.enable_model_summary=false",
-    "--trainer.limit_val_batches=2",
-]
-
-
-def mhc(*args: str) -> list[str]:
-    return [str(Path(sys.executable).with_name("mhc")), *args]
-
-
-def test_fit_with_an_unreachable_server_stops_at_once_with_one_line(corpus, tmp_path):
-    """The shipped config with MLFLOW_TRACKING_URI at a dead port: exit 2 within 30 s, one line naming the URI, no
-    traceback, and nothing written (no run, no store, no checkpoint folder, no spool)."""
-    url = f"http://127.0.0.1:{free_port()}"
-    cwd = tmp_path / "cwd"
-    cwd.mkdir()
-    t0 = time.monotonic()  # what Python needs to import `mhc` on this (shared, maybe loaded) machine
-    subprocess.run([sys.executable, "-c", "import mhc_lightning.cli"], env=_clean_env(), check=True, timeout=300)
-    startup = time.monotonic() - t0
-    t0 = time.monotonic()
-    res = subprocess.run(
-        mhc("fit", "-c", QUICKSTART, f"--data.corpus={corpus}", *TINY),
-        cwd=cwd,
-        env={**_clean_env(), "MLFLOW_TRACKING_URI": url},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    took = time.monotonic() - t0
-    out = res.stdout + res.stderr
-    named = [line for line in out.splitlines() if url in line]
-    assert res.returncode == 2, out[-3000:]
-    assert (
-        len(named) == 1 and named[0].startswith("mhc fit: error: MLflow tracking server") and "unreachable" in named[0]
-    )
-    assert "Traceback" not in out
-    assert took < 30 or took - startup < 15, (took, startup)  # no waiting on HTTP retries (minutes, before)
-    assert list(cwd.iterdir()) == []
-    print(f"[figures] dead tracking URI: exit 2 after {took:.1f} s (imports alone: {startup:.1f} s)")
-
-
-def test_fit_survives_a_server_crash_and_loses_nothing(corpus, tmp_path):
-    """`mhc fit` (shipped quickstart config) against a real `mlflow server` on PostgreSQL; the server is SIGKILLed
-    before step 3 and started again before step 8. Training never waits on it, the writes of steps 3-7 are kept and sent
-    when it is back, and the run ends FINISHED with every step's metrics exactly once."""
-    with fresh_databases("outage") as dbs:
-        (tmp_path / "server").mkdir()
-        srv = MlflowServer(dbs["outage"], tmp_path / "server")
-        srv.start()
-        hs, log = tmp_path / "handshake", tmp_path / "fit.log"
-        steps = 12
-        cmd = mhc(
-            "fit",
-            "-c",
-            QUICKSTART,
-            f"--data.corpus={corpus}",
-            *TINY,
-            f"--trainer.max_steps={steps}",
-            "--trainer.val_check_interval=4",
-            "--trainer.log_every_n_steps=1",
-            "--model.diagnostics_every=4",
-            "--trainer.logger.init_args.retry_every=1",
-            "--trainer.logger.init_args.flush_timeout=120",
-            f"--trainer.logger.init_args.spool_dir={tmp_path / 'spool'}",
-            handshake_arg(hs, [3, 8]),
-        )
-        env = {
-            **_clean_env(),
-            "MLFLOW_TRACKING_URI": srv.url,
-            "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
-        }
-        try:
-            with open(log, "w") as out:
-                proc = subprocess.Popen(
-                    cmd, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-                )
-            wait_for(hs / "at3", proc=proc, log=log)
-            srv.kill()
-            (hs / "go3").touch()
-            t_down = time.monotonic()
-            wait_for(hs / "at8", proc=proc, log=log)
-            steps_while_down_s = time.monotonic() - t_down  # steps 3..7 and a validation, server away
-            srv.start()
-            (hs / "go8").touch()
-            assert proc.wait(timeout=300) == 0, log.read_text()[-4000:]
-            text = log.read_text()
-            assert "MLflow unreachable" in text  # it noticed, warned once, and trained on
-            assert steps_while_down_s < 60, steps_while_down_s
-            client = MlflowClient(srv.url)
-            exp = client.get_experiment_by_name("quickstart")
-            assert exp.tags.get("mlflow.experimentKind") == "custom_model_development"  # the training-runs view
-            (run,) = client.search_runs([exp.experiment_id])
-            assert run.info.status == "FINISHED"
-            assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "train/loss")) == list(
-                range(steps)
-            )
-            assert len(client.get_metric_history(run.info.run_id, "val/loss")) == steps // 4
-            diag = {a.path for a in client.list_artifacts(run.info.run_id, "diagnostics")}
-            assert "diagnostics/per_layer_step0000004.json" in diag  # written while the server was down
-            assert not list((tmp_path / "spool").rglob("*.jsonl"))  # everything sent
-            print(
-                f"[figures] server crash: {steps_while_down_s:.1f} s for steps 3-7 with the server down; "
-                f"{steps} of {steps} steps in MLflow"
-            )
-        finally:
-            if "proc" in locals() and proc.poll() is None:
-                stop(proc)
-            srv.stop()
