@@ -7,8 +7,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 [ -e mhc_lightning/kernels ] || ln -sfn ../kernels mhc_lightning/kernels
 # The commit the runs record (scripts/gpu_pin_commit.sh): without a .git, provenance records "unknown"
 git config --global --add safe.directory "$PWD"
-[ -d .git ] || { [ -d .gitpin/.git ] && mv .gitpin/.git .git && git reset -q; } \
-  || echo "gpu_env: no .gitpin; runs record commit unknown"
+# (the machine may hold a stale .git of an earlier commit: the pinned one replaces it)
+if [ -d .gitpin/.git ]; then rm -rf .git && mv .gitpin/.git .git && git reset -q; fi
+git log --oneline -1 2>/dev/null || echo "gpu_env: no .gitpin; runs record commit unknown"
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 MHC_CACHE_DIR=$PWD/.cache/corpus
 export PATH=/tmp/site/bin:$PATH
 # The `mhc` command, where the tests that start `mhc fit` look for it (beside the interpreter: tests/test_distributed.py)
