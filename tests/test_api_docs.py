@@ -11,6 +11,7 @@ import pytest
 from helpers import REPO, make_text
 
 
+@pytest.mark.slow
 def test_every_public_name_resolves_and_import_stays_cheap():
     code = (
         "import sys, mhc_lightning as m\n"

@@ -91,6 +91,7 @@ def test_the_json_goes_under_out_when_it_is_set(monkeypatch, tmp_path):
 
 
 # ---- stack -----------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_stack_smoke_times_each_variant_against_the_residual(tmp_path):
     argv = ["--smoke", "--shapes", "1024", "--iters", "1", "--warmup", "0", "--variants", "mhc chained,hc"]
     rows = {r["variant"]: r for r in _run(stack.main, argv, tmp_path / "stack.json")["rows"]}
@@ -200,6 +201,7 @@ def test_trainer_headline_takes_the_median_run_and_ratios_pair_devices():
     assert rows[2]["scaling_efficiency"] == 150.0 / 160.0 and "x_residual" not in rows[2]  # no residual on 2
 
 
+@pytest.mark.slow
 def test_trainer_smoke_runs_one_fit(tmp_path):
     argv = ["--smoke", "--modes", "residual", "--work", str(tmp_path / "w")]
     (row,) = _run(trainer.main, argv, tmp_path / "trainer.json")["rows"]

@@ -63,6 +63,7 @@ def test_digest_travels_in_the_file_and_catches_one_changed_byte(tmp_path):
     assert verify(plain) is False  # no digest: accepted, unverified
 
 
+@pytest.mark.slow
 def test_corrupted_last_checkpoint_is_refused_naming_the_last_good_one(tiny_corpus, mlflow_uri, tmp_path, capsys):
     """1 KiB overwritten inside last.ckpt, same size (the resume used to go on with a loss of 11.65 instead of 2.06):
     `--ckpt_path last` stops with one line naming the file and the newest good checkpoint, exit 2, nothing written; the

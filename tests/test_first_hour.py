@@ -42,6 +42,7 @@ def test_the_dashboard_hint_says_how_to_install_it(monkeypatch):
     assert dashboard_hint(label) == f"[mhc sweep] dashboard:  optuna-dashboard {label}"
 
 
+@pytest.mark.slow
 def test_status_shows_the_budget_the_study_was_extended_to(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     name = f"budget-{uuid.uuid4().hex[:6]}"
@@ -72,6 +73,7 @@ def test_an_unreachable_server_hint_names_what_the_command_accepts(tmp_path, cap
     assert "MLFLOW_TRACKING_URI or --tracking-uri at a running one" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_ckpt_path_last_with_no_earlier_run_writes_nothing(tiny_corpus, tmp_path):
     """It left an empty mlflow.db (checking the store created it); the docs promise nothing written."""
     work = tmp_path / "work"

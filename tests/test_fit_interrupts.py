@@ -150,6 +150,7 @@ class SigtermInValidation(L.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+@pytest.mark.slow
 def test_sigterm_during_a_validation_stops_once_it_is_complete(tiny_corpus, tmp_path, capsys, monkeypatch):
     """SIGTERM (real, to this process) inside the validation of step 4: the validation finishes and is logged, then the
     fit stops with a checkpoint of step 4, exit 143 (Lightning alone stops inside the validation, whose partial metrics

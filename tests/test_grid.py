@@ -152,6 +152,7 @@ def test_repeats_run_each_point_again_under_its_own_name(tmp_path):
 
 
 # ---- checks before anything starts -----------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_misspelt_set_is_refused_before_any_run_starts(tiny_corpus, tmp_path):
     """The grid used to start every `mhc fit`, each exiting 2 with the reason only in grid_logs/."""
     cmd = _tiny_grid(tmp_path, tiny_corpus, 4) + ["--set", "trainer.max_stepz=3"]

@@ -180,6 +180,7 @@ def test_recording_is_kept_once(monkeypatch):
         torch.testing.assert_close(got[k], expected[k], rtol=0, atol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_recompute_under_torch_compile(backend):
     """AOT autograd with the selective-checkpoint tags (aot_eager: the same graphs inductor gets, no C++ build); with
@@ -379,6 +380,7 @@ def test_activation_checkpointing_from_outside_is_honoured(backend, device):
     assert recompute._chains(list(hooked.sublayers), x) == (backend == "triton")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrapper", ["FullyShardedDataParallel", "fully_shard"])
 def test_external_checkpoint_under_fsdp_mixed_precision(wrapper, tmp_path):
     """Under FSDP with a mixed-precision param_dtype (Lightning's FSDPStrategy: bf16 under bf16-mixed) each branch

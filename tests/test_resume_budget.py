@@ -18,6 +18,7 @@ def _lr(client: MlflowClient, run_id: str) -> list[tuple[int, float]]:
     return sorted((m.step, m.value) for m in client.get_metric_history(run_id, "train/lr"))
 
 
+@pytest.mark.slow
 def test_extending_a_finished_run_is_refused_without_extend_and_continues_the_lr_with_it(
     tiny_corpus, mlflow_uri, tmp_path, capsys
 ):

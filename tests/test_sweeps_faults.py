@@ -224,6 +224,7 @@ def test_parallel_first_access_to_fresh_sqlite_stores(tmp_path):
     print("[figures] parallel first access: 3 rounds x 4 processes, 0 failures")
 
 
+@pytest.mark.slow
 def test_only_the_studys_creator_makes_its_parent_run(tmp_path):
     """Launchers that start at once on a fresh store: only the one whose create_study made the study creates the MLflow
     parent run; the other waits for its id in the study's user attrs (CI once saw two parent runs when each
@@ -476,6 +477,7 @@ def test_a_step_of_zero_is_refused_by_mhc_sweep_before_anything_starts(corpus, t
     assert not (tmp_path / "sweeps.db").exists() and not (tmp_path / "mlflow.db").exists()
 
 
+@pytest.mark.slow
 def test_trials_that_fail_before_recording_an_error_still_stop_at_max_failed(tmp_path, monkeypatch):
     """Whatever makes a trial fail counts toward budget.max_failed. A trial that raised before its error was recorded
     (here in sampling: a distribution forced past validation) looked like a killed worker's and never counted."""
