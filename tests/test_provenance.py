@@ -78,6 +78,7 @@ def test_weights_digest_takes_scalar_parameters():
 
 
 def test_every_run_records_code_environment_data_and_settings(tiny_corpus, mlflow_uri, tmp_path):
+    provenance.code_state.cache_clear()  # read the checkout now: it may have changed since this process read it
     logger = ResilientMLFlowLogger(experiment_name="prov", tracking_uri=mlflow_uri)
     trainer, module = tiny_fit(
         tiny_corpus,
