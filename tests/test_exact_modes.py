@@ -167,6 +167,7 @@ def test_sublayer_gradcheck_float64(mode):
     assert torch.autograd.gradcheck(run, (x, *(getattr(layer, k).detach().clone().requires_grad_() for k in names)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", EXACT)
 def test_training_moves_h_res_off_identity_and_parts_the_streams(mode):
     """Gain exactly 1 must not mean a frozen H_res: after 60 AdamW steps H_res has left its t = 0 value, the streams

@@ -51,6 +51,7 @@ def train(m: GPT, steps: int = 60, lr: float = 3e-3) -> torch.Tensor:
     return batches[steps][:, :-1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["mhc", "identity"])
 def test_default_init_parts_the_streams_and_h_res_learns(mode):
     m = quick_model(mode)
@@ -108,6 +109,7 @@ def test_cli_refuses_identical_streams_naming_the_keys(capsys):
     assert "model.arch.hyper.bias_init=zeros with phi_init=zeros keeps all 4 streams identical" in err
 
 
+@pytest.mark.slow
 def test_sinkhorn_count_changes_h_res_in_the_default_config():
     """At t = 0 the default H_res logits are symmetric, so every count gives the same (exact) matrix; once training
     has made them asymmetric the count matters, as it does in the paper."""
