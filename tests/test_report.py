@@ -272,10 +272,14 @@ def test_seed_note_says_what_the_seed_spread_covers():
     from mhc_lightning.reports.grouped import seed_note
     from mhc_lightning.reports.runs import RunData
 
-    def run(source):
-        tags = {} if source is None else {"mhc.data.seed_source": source}
+    def run(source, seed="1"):
+        tags = {"seed_everything": seed} | ({} if source is None else {"mhc.data.seed_source": source})
         return RunData("id", "r", "FINISHED", "0", {}, tags, {})
 
     assert "the initialisation and the data order" in seed_note([run("seed_everything")] * 2)
+    seeds = [run("seed_everything", s) for s in "12"]
+    assert "the initialisation and the data order" in seed_note(seeds, {("mhc",): seeds})
+    replicates = [run("seed_everything")] * 2
+    assert "run-to-run spread" in seed_note(replicates, {("mhc",): replicates})
     assert "initialisation only" in seed_note([run("seed_everything"), run(None)])
     assert "data.seed" in seed_note([run("data.seed")])

@@ -277,8 +277,15 @@ def make_plots(groups, keys, out: Path) -> dict[str, Path]:
     return {k: v for k, v in result.items() if v is not None}
 
 
-def seed_note(data: list[RunData]) -> str:
-    """What the ± spread over seeds covers, from the runs' own record of where their data seed came from."""
+def seed_note(data: list[RunData], groups: Optional[dict[tuple, list[RunData]]] = None) -> str:
+    """What the ± spread over seeds covers, from the runs' own record of where their data seed came from; when every
+    group's runs share one seed (replicates), the spread is the run-to-run spread of one computation."""
+    if groups and any(len(runs) > 1 for runs in groups.values()):
+        if all(len({seed_of(d) for d in runs}) == 1 and seed_of(runs[0]) for runs in groups.values()):
+            return (
+                "The runs of each group share their seed (one initialisation, one data order): the ± spread is "
+                "the run-to-run spread of the same computation."
+            )
     sources = {d.tags.get("mhc.data.seed_source") for d in data}
     if sources == {"seed_everything"}:
         return (
@@ -349,7 +356,7 @@ def report(
             parts.append("Context:\n\n" + "".join(f"    {line}\n" for line in context.read_text().splitlines()) + "\n")
         parts.append(
             f"{len(data)} finished runs, grouped by {', '.join(keys)}; mean ± std over the runs of each "
-            f"group. {seed_note(data)}\n\n" + md_path.read_text()
+            f"group. {seed_note(data, groups)}\n\n" + md_path.read_text()
         )
         if lr_path is not None:
             parts.append(
