@@ -8,7 +8,12 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 # The commit the runs record (scripts/gpu_pin_commit.sh): without a .git, provenance records "unknown"
 git config --global --add safe.directory "$PWD"
 # (the machine may hold a stale .git of an earlier commit: the pinned one replaces it)
-if [ -d .gitpin/.git ]; then rm -rf .git && mv .gitpin/.git .git && git reset -q; fi
+if [ -d .gitpin/.git ]; then
+  rm -rf .git && mv .gitpin/.git .git && git reset -q
+  [ -s .gitpin/uncommitted.patch ] && git apply -R --binary .gitpin/uncommitted.patch
+  while IFS= read -r f; do rm -f -- "$f"; done < .gitpin/untracked.txt
+  [ -z "$(git status --porcelain)" ] || echo "gpu_env: the copy differs from the pinned commit: runs record it dirty"
+fi
 git log --oneline -1 2>/dev/null || echo "gpu_env: no .gitpin; runs record commit unknown"
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 MHC_CACHE_DIR=$PWD/.cache/corpus
 export PATH=/tmp/site/bin:$PATH
