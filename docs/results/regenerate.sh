@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Regenerates docs/results.md, docs/results/init_study.md and docs/results/long_runs.md with `mhc compare` from the
+# Regenerates docs/results.md, docs/results/{init_study,long_runs,replicates}.md with `mhc compare` from the
 # committed MLflow stores (SQLite, gzipped) and their per-layer diagnostics artifacts, served by a local mlflow server
 # (the stores' artifact URIs are mlflow-artifacts:/..., as on the GPU machine that wrote them).
 #   bash docs/results/regenerate.sh            # from the repository root, with the venv of README's first command
-# The runs themselves: scripts/gpu_stability_grid.sh (init study) and scripts/gpu_stability_runs.sh (grid + long runs).
+# The runs themselves: scripts/gpu_stability_grid.sh (init study, replicates) and scripts/gpu_stability_runs.sh (grid +
+# long runs).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 bin=${VENV_BIN:-$PWD/.venv/bin}
@@ -34,3 +35,9 @@ kill $server; wait $server 2>/dev/null || true; server=""
 serve init_study 5078
 "$bin/mhc" compare --experiment init-study --group-by variant,model.arch.n_layers --baseline mhc_zeros \
   --tracking-uri http://127.0.0.1:5078 --out docs/results/init_study --report docs/results/init_study.md --context docs/results/init_study_context.txt
+
+# the replicates need no artifacts (no per-layer figure): the store is read directly
+mkdir -p "$tmp/replicates" && gunzip -c docs/results/replicates_mlflow.db.gz > "$tmp/replicates/mlflow.db"
+"$bin/mhc" compare --experiment replicates --group-by variant,trainer.deterministic --no-log \
+  --tracking-uri "sqlite:///$tmp/replicates/mlflow.db" --out docs/results/replicates --report docs/results/replicates.md \
+  --context docs/results/replicates_context.txt
