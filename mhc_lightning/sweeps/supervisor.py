@@ -189,7 +189,12 @@ def _run_workers(sweep: Sweep, study, args, machine: int, since: float) -> int:
             if line != last:
                 print(f"[mhc sweep] {line} (budget {sweep.spec.n_trials})", flush=True)
                 last = line
-            time.sleep(POLL_S)
+            # a round every POLL_S, sooner when a worker ends: its trials are queued again (and the sweep ends) at once
+            deadline = time.monotonic() + POLL_S
+            while time.monotonic() < deadline and stop["sig"] is None:
+                if any(child.poll() is not None and name not in reported for name, child, _ in workers):
+                    break
+                time.sleep(0.1)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
