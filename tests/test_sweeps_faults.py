@@ -8,6 +8,7 @@ max_failed continued, and sweep-file mistakes that must stop the sweep before (o
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import optuna
 import pytest
-from helpers import derived_spec, make_text, trial_worker_pid, wait_for_running_trial
+from helpers import REPO, derived_spec, make_text, trial_worker_pid, wait_for_running_trial
 from mlflow import MlflowClient
 
 from mhc_lightning.sweeps.cli import main as sweep_main
@@ -39,7 +40,9 @@ def _env() -> dict[str, str]:
     return {**env, "MLFLOW_ENABLE_ASYNC_LOGGING": "false", "PYTHONUNBUFFERED": "1"}
 
 
-def launcher(spec: Path, cwd: Path, corpus: Path, storage: str, uri: str, *extra: str, log: str) -> subprocess.Popen:
+def launcher(
+    spec: Path, cwd: Path, corpus: Path, storage: str, uri: str, *extra: str, log: str, env: dict | None = None
+) -> subprocess.Popen:
     cmd = [
         sys.executable,
         "-m",
@@ -59,7 +62,9 @@ def launcher(spec: Path, cwd: Path, corpus: Path, storage: str, uri: str, *extra
         *extra,
     ]
     with open(cwd / log, "w") as out:
-        return subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
+        return subprocess.Popen(
+            cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, env=env or _env(), start_new_session=True
+        )
 
 
 def finish(proc: subprocess.Popen, log: Path, timeout: float = 420) -> int:
@@ -81,29 +86,39 @@ def trial_params(study) -> list[tuple]:
 
 # ---- item 3 (+ 5): a SIGKILLed worker on journal storage -------------------------------------------------------------
 @pytest.mark.slow
-def test_killed_worker_on_journal_storage_is_reaped_and_its_trial_rerun(corpus, tmp_path):
+def test_killed_worker_on_journal_storage_is_reaped_and_its_trial_rerun(corpus, tmp_path, _mlflow_template):
     """Two workers on a journal storage (no heartbeats); one is SIGKILLed inside a trial. The launcher reaps it, names
     it, fails and re-queues its trial; the other worker runs the copy; the launcher exits 0 with the budget met."""
     name = f"journal-{uuid.uuid4().hex[:6]}"
+    gate = tmp_path / "gate"
     spec = derived_spec(
         tmp_path / "j.yaml",
         name,
         enqueue=[],
         pruner={"name": "none"},
-        # long enough that the trial is still training when the poll sees it (16 steps finished
-        # inside the poll on a quiet machine)
-        budget={"n_trials": 3, "max_failed": 1},
-        fixed={"trainer.max_steps": 150, "trainer.val_check_interval": 50},
+        budget={"n_trials": 2, "max_failed": 1},
+        # every trial waits before its step 1 until the test opens the gate: the kill lands inside a trial however
+        # busy the machine (tests/helpers.py Handshake, which the workers import from tests/)
+        fixed={
+            **FAST,
+            "model.diagnostics_every": 0,
+            "callbacks.helpers.Handshake.dirpath": str(gate),
+            "callbacks.helpers.Handshake.steps": [1],
+        },
     )
     storage, uri = f"journal:{tmp_path / 'sweeps.journal.log'}", f"sqlite:///{tmp_path / 'mlflow.db'}"
+    shutil.copy(_mlflow_template, tmp_path / "mlflow.db")  # a migrated store: migrations cost seconds
     journal = make_storage(storage, {})
-    proc = launcher(spec, tmp_path, corpus, storage, uri, "--workers", "2", log="launcher.log")
+    env = {**_env(), "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
+    proc = launcher(spec, tmp_path, corpus, storage, uri, "--workers", "2", log="launcher.log", env=env)
     try:
-        trial = wait_for_running_trial(name, journal, proc, tmp_path / "launcher.log", 300)
+        trial = wait_for_running_trial(name, journal, proc, tmp_path / "launcher.log", 300, poll=0.2)
         assert trial is not None, "no worker ever ran a trial"
         killed = (trial.number, trial_worker_pid(trial))
         os.kill(killed[1], signal.SIGKILL)
         t_kill = time.monotonic()
+        gate.mkdir(exist_ok=True)
+        (gate / "go1").touch()
         code = finish(proc, tmp_path / "launcher.log")
         print(f"[figures] journal: launcher done {time.monotonic() - t_kill:.0f} s after the SIGKILL")
     finally:
@@ -117,7 +132,7 @@ def test_killed_worker_on_journal_storage_is_reaped_and_its_trial_rerun(corpus, 
     assert trials[killed[0]].state == S.FAIL
     (retry,) = [t for t in study.trials if t.system_attrs.get("failed_trial") == killed[0]]
     assert retry.state == S.COMPLETE and retry.params == trials[killed[0]].params
-    assert sum(t.state == S.COMPLETE for t in study.trials) == 3 and not study.get_trials(states=(S.RUNNING, S.WAITING))
+    assert sum(t.state == S.COMPLETE for t in study.trials) == 2 and not study.get_trials(states=(S.RUNNING, S.WAITING))
     client = MlflowClient(uri)
     dead = client.get_run(trials[killed[0]].user_attrs["mlflow_run_id"])
     assert dead.info.status == "FAILED" and dead.data.tags["optuna.state"] == "FAILED"
