@@ -53,7 +53,9 @@ def server(postgres, tmp_path_factory):
         srv.stop()
 
 
-def launch(spec: Path, cwd: Path, server, corpus: Path, *extra: str, log_name: str) -> subprocess.Popen:
+def launch(
+    spec: Path, cwd: Path, server, corpus: Path, *extra: str, log_name: str, env: dict | None = None
+) -> subprocess.Popen:
     cmd = [
         sys.executable,
         "-m",
@@ -73,7 +75,9 @@ def launch(spec: Path, cwd: Path, server, corpus: Path, *extra: str, log_name: s
         *extra,
     ]
     log = open(cwd / log_name, "w")
-    return subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env=clean_env(), start_new_session=True)
+    return subprocess.Popen(
+        cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env=env or clean_env(), start_new_session=True
+    )
 
 
 def wait(proc: subprocess.Popen, timeout: float, log: Path) -> int:
@@ -195,27 +199,37 @@ def test_killed_worker_trial_is_failed_and_retried(server, corpus, tmp_path):
     """Two launchers (as on two machines); one is SIGKILLed mid-trial. The heartbeat marks its trial FAIL, the
     retry callback re-queues it, the other worker runs it, and the study finishes with nothing lost."""
     name = f"kill-{uuid.uuid4().hex[:6]}"
+    gate = tmp_path / "gate"
     spec = derived_spec(
         tmp_path / "kill.yaml",
         name,
         enqueue=[],
         pruner={"name": "none"},
-        budget={"n_trials": 3, "max_failed": 2},
+        budget={"n_trials": 2, "max_failed": 2},
         storage={"heartbeat_interval": 1, "grace_period": 4, "max_retry": 2},
-        # long enough that the victim's trial is still training when the poll below sees it
-        # (20 steps finished inside the poll interval on a quiet machine)
-        fixed={"trainer.max_steps": 150, "trainer.val_check_interval": 50},
+        # every trial waits before its step 1 until the test opens the gate: the victim is killed inside its trial
+        # however busy the machine (tests/helpers.py Handshake, which the launchers import from tests/)
+        fixed={
+            "trainer.max_steps": 4,
+            "trainer.val_check_interval": 2,
+            "model.diagnostics_every": 0,
+            "callbacks.helpers.Handshake.dirpath": str(gate),
+            "callbacks.helpers.Handshake.steps": [1],
+        },
     )
-    survivor = launch(spec, tmp_path, server, corpus, "--machine-rank", "0", log_name="survivor.log")
-    victim = launch(spec, tmp_path, server, corpus, "--machine-rank", "1", log_name="victim.log")
+    env = {**clean_env(), "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
+    survivor = launch(spec, tmp_path, server, corpus, "--machine-rank", "0", log_name="survivor.log", env=env)
+    victim = launch(spec, tmp_path, server, corpus, "--machine-rank", "1", log_name="victim.log", env=env)
     try:
         trial = wait_for_running_trial(
-            name, server["sweeps"], victim, tmp_path / "victim.log", 240, worker_pid=victim.pid, poll=1
+            name, server["sweeps"], victim, tmp_path / "victim.log", 240, worker_pid=victim.pid, poll=0.2
         )
         assert trial is not None, "the victim never started a trial"
         os.killpg(victim.pid, signal.SIGKILL)
         victim.wait(timeout=20)
         killed = trial.number
+        gate.mkdir(exist_ok=True)
+        (gate / "go1").touch()
         assert wait(survivor, 420, tmp_path / "survivor.log") == 0, (tmp_path / "survivor.log").read_text()[-4000:]
     finally:
         stop(victim)
@@ -226,7 +240,7 @@ def test_killed_worker_trial_is_failed_and_retried(server, corpus, tmp_path):
     assert trials[killed].state == S.FAIL
     retries = [t for t in study.trials if t.system_attrs.get("failed_trial") == killed]
     assert len(retries) == 1 and retries[0].state == S.COMPLETE and retries[0].params == trials[killed].params
-    assert sum(t.state == S.COMPLETE for t in study.trials) == 3 and not study.get_trials(states=(S.RUNNING, S.WAITING))
+    assert sum(t.state == S.COMPLETE for t in study.trials) == 2 and not study.get_trials(states=(S.RUNNING, S.WAITING))
     client = MlflowClient(server["url"])
     by_trial = check_one_run_per_trial(client, study, name)
     dead = by_trial[killed]
