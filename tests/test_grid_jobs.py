@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,16 +19,22 @@ from helpers import REPO, wait_for
 
 class PauseAt(L.Callback):
     """In the fit of a grid job: before optimizer step `step`, write <dirpath>/at<step> (holding this process's pid)
-    and wait for <dirpath>/go<step>."""
+    and wait for <dirpath>/go<step>, or until the fit is asked to stop (SIGTERM from its job): the fit then stops as
+    one that was training would, instead of sitting out the job's grace period until its SIGKILL."""
 
     def __init__(self, dirpath: str, step: int):
         self.dirpath, self.step = Path(dirpath), step
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        from mhc_lightning.interrupts import STOP
+
         if trainer.global_step == self.step:
             self.dirpath.mkdir(parents=True, exist_ok=True)
             (self.dirpath / f"at{self.step}").write_text(str(os.getpid()))
-            wait_for(self.dirpath / f"go{self.step}", 600)
+            deadline = time.monotonic() + 600
+            while not (self.dirpath / f"go{self.step}").exists() and STOP.signum is None:
+                assert time.monotonic() < deadline, f"no go{self.step} within 600 s"
+                time.sleep(0.1)
 
 
 GRID = {
@@ -86,7 +93,7 @@ def test_slurm_parameters_and_bad_ones(tmp_path):
 
 
 @pytest.mark.slow
-def test_requeued_job_resumes_its_own_run_under_slurm_like_env(tiny_corpus, tmp_path):
+def test_requeued_job_resumes_its_own_run_under_slurm_like_env(tiny_corpus, tmp_path, _mlflow_template):
     """The point's fit is paused at step 3 (a checkpoint at step 2 exists). Lightning's requeue signal (USR1) changes
     nothing: its auto-requeue is off and the fit ignores the signal. submitit's (USR2, to the job) checkpoints the
     job and requeues it; the requeued job runs `--ckpt_path last` and finishes the same MLflow run. A stray
@@ -101,6 +108,7 @@ def test_requeued_job_resumes_its_own_run_under_slurm_like_env(tiny_corpus, tmp_
     pause = tmp_path / "pause"
     callback = json.dumps({"class_path": "test_grid_jobs.PauseAt", "init_args": {"dirpath": str(pause), "step": 3}})
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    shutil.copy(_mlflow_template, tmp_path / "mlflow.db")  # a migrated store: migrations cost seconds
     env = {
         **os.environ,
         **SLURM_LIKE,
