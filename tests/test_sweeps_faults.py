@@ -25,7 +25,8 @@ from mhc_lightning.sweeps.cli import main as sweep_main
 from mhc_lightning.sweeps.factories import make_storage
 
 S = optuna.trial.TrialState
-FAST = {"trainer.max_steps": 4, "trainer.val_check_interval": 2}
+# no per-layer diagnostics: their figures cost seconds per validation, and no test here reads them
+FAST = {"trainer.max_steps": 4, "trainer.val_check_interval": 2, "model.diagnostics_every": 0}
 
 
 @pytest.fixture
@@ -101,7 +102,6 @@ def test_killed_worker_on_journal_storage_is_reaped_and_its_trial_rerun(corpus, 
         # busy the machine (tests/helpers.py Handshake, which the workers import from tests/)
         fixed={
             **FAST,
-            "model.diagnostics_every": 0,
             "callbacks.helpers.Handshake.dirpath": str(gate),
             "callbacks.helpers.Handshake.steps": [1],
         },
