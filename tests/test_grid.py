@@ -3,6 +3,7 @@ them as tagged child processes that die with it."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -84,13 +85,16 @@ def _tiny_grid(tmp_path, corpus, steps: int) -> list[str]:
         f"trainer.default_root_dir={tmp_path / 'runs'}",
         "--set",
         "trainer.enable_progress_bar=false",
+        "--set",
+        "model.diagnostics_every=0",  # no per-layer figures: seconds per validation, and no test reads them
     ]
 
 
 @pytest.mark.slow
-def test_grid_runs_every_point_as_a_tagged_mhc_fit(tiny_corpus, tmp_path):
+def test_grid_runs_every_point_as_a_tagged_mhc_fit(tiny_corpus, tmp_path, _mlflow_template):
     import mlflow
 
+    shutil.copy(_mlflow_template, tmp_path / "mlflow.db")  # a migrated store: migrations cost seconds
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
     res = subprocess.run(
         _tiny_grid(tmp_path, tiny_corpus, 4), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600

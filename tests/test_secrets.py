@@ -203,7 +203,8 @@ def test_sweep_keeps_the_tracking_password_out_of_outputs_artifacts_and_argv(ser
         name,
         enqueue=[],
         pruner={"name": "none"},
-        fixed={"trainer.max_steps": 4, "trainer.val_check_interval": 2},
+        # no per-layer diagnostics: their figures cost seconds per validation and hold no configuration
+        fixed={"trainer.max_steps": 4, "trainer.val_check_interval": 2, "model.diagnostics_every": 0},
         budget={"n_trials": 2, "max_failed": 0},
     )
     storage, first = f"sqlite:///{tmp_path / 'sweeps.db'}", len(server["seen"])
