@@ -126,7 +126,6 @@ def model_rows(args, device: str) -> list[dict]:
     from mhc_lightning.model import GPT, GPTConfig, HyperConfig
     from mhc_lightning.model.compiled import compile_model
 
-    torch.set_flush_denormal(True)  # stubbed kernels leave memory unwritten: no denormal slow paths on the CPU
     real = device == "cuda"
     c, blocks, heads, batch, seq = (1024, 12, 16, 8, 2048) if real else (args.c, max(1, args.sublayers // 2), 2, 1, 16)
     models = {}
@@ -192,7 +191,16 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     report = harness.Report("host", args, argv or [], device)
     report.env["launches"] = "real" if device == "cuda" else "stubbed"
-    rows = model_rows(args, device) if args.model else sublayer_rows(args, device)
+    if args.model:
+        # stubbed kernels leave memory unwritten: no denormal slow paths on the CPU. The setting is the process's:
+        # turned off again, so that a caller's later float math (tests in the same process) keeps its denormals.
+        torch.set_flush_denormal(True)
+        try:
+            rows = model_rows(args, device)
+        finally:
+            torch.set_flush_denormal(False)
+    else:
+        rows = sublayer_rows(args, device)
     for row in rows:
         report.rows.append(row)
     harness.print_table(rows, MODEL_COLUMNS if args.model else COLUMNS)
