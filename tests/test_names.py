@@ -123,25 +123,22 @@ def test_run_names_with_quotes_are_found_by_search_filters(mlflow_uri):
 
 
 @pytest.mark.slow
-def test_ckpt_path_last_resumes_a_run_whose_name_has_quotes(tiny_corpus, tmp_path):
-    """The run lookup quoted the name in single quotes: a name with ' broke `--ckpt_path last` with a traceback."""
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+def test_ckpt_path_last_resumes_a_run_whose_name_has_quotes(tiny_corpus, tmp_path, mlflow_uri, capsys):
+    """The run lookup quoted the name in single quotes: a name with ' broke `--ckpt_path last` with a traceback.
+    Both fits in this process (`mhc`'s own `main`): the lookup is the same, without two processes' start-up."""
+    from mhc_lightning.cli import main
+
+    uri = mlflow_uri
     args = tiny_fit_args(tiny_corpus, uri, tmp_path / "runs", steps=4, experiment="quotes")
     args = [a for a in args if not a.startswith("--trainer.logger=")] + [mlflow_logger_arg(uri, "quotes", QUOTED)]
-    first = subprocess.run([MHC, *args], cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
-    assert first.returncode == 0, first.stderr[-3000:]
-    again = subprocess.run(
-        [MHC, *args, "--trainer.max_steps=6", "--extend", "--ckpt_path", "last"],
-        cwd=tmp_path,
-        env=_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert again.returncode == 0, again.stderr[-3000:]
+    args.append("--model.diagnostics_every=0")  # no per-layer figures: seconds, and nothing here reads them
+    main(args)
+    capsys.readouterr()
+    main([*args, "--trainer.max_steps=6", "--extend", "--ckpt_path", "last"])
+    err = capsys.readouterr().err
     client = MlflowClient(uri)
     (run,) = client.search_runs([client.get_experiment_by_name("quotes").experiment_id])
-    assert run.info.run_name == QUOTED and f"resuming MLflow run {run.info.run_id}" in again.stderr
+    assert run.info.run_name == QUOTED and f"resuming MLflow run {run.info.run_id}" in err
     assert max(m.step for m in client.get_metric_history(run.info.run_id, "train/loss")) >= 4
 
 
