@@ -98,7 +98,8 @@ def test_killed_quickstart_resumes_the_same_run_with_ckpt_path_last(
     then run the same command with `--ckpt_path last`: the same MLflow run continues and ends FINISHED, no metric step
     is logged twice, every logged value equals an uninterrupted run's (so the data order continued where the
     checkpoint stopped), and the final weights, optimizer state and stability callbacks' state equal it bit for bit.
-    (One killed fit for both the documented command and the stability preset: each `mhc fit` costs CI its start-up.)"""
+    (One killed fit for both the documented command and the stability preset, and the resumed and uninterrupted fits
+    in this process: each `mhc fit` process costs CI its start-up.)"""
     import mlflow
     from helpers import handshake_arg, wait_for
 
@@ -152,18 +153,12 @@ def test_killed_quickstart_resumes_the_same_run_with_ckpt_path_last(
     assert "mhc fit: error: --ckpt_path last: no checkpoint of an earlier training run named 'never-ran'" in err
     assert not (tmp_path / "elsewhere").exists()
 
-    resumed = subprocess.run(
-        _quickstart(tiny_corpus, uri, tmp_path / "runs", "--ckpt_path", "last"),
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resuming MLflow run" in resumed.stderr and "not resumable" not in resumed.stdout + resumed.stderr
-    monkeypatch.chdir(tmp_path)  # where the subprocesses ran: MLflow's artifacts go under ./mlruns
-    with one_thread():  # the uninterrupted run, in-process (same thread count as the subprocesses)
+    monkeypatch.chdir(tmp_path)  # where the subprocess ran: MLflow's artifacts go under ./mlruns
+    with one_thread():  # the resumed run, in-process too (a second `mhc` start would only add its imports)
+        main(_quickstart(tiny_corpus, uri, tmp_path / "runs", "--ckpt_path", "last")[1:])
+    resumed = capsys.readouterr()
+    assert "resuming MLflow run" in resumed.err and "not resumable" not in resumed.out + resumed.err
+    with one_thread():  # the uninterrupted run, in-process (same thread count as the subprocess)
         main(_quickstart(tiny_corpus, straight_uri, tmp_path / "straight")[1:])
 
     client, reference = mlflow.MlflowClient(uri), mlflow.MlflowClient(straight_uri)
