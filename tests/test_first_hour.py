@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -89,9 +90,10 @@ def test_ckpt_path_last_with_no_earlier_run_writes_nothing(tiny_corpus, tmp_path
 
 
 @pytest.mark.slow
-def test_a_fit_without_its_progress_bar_reports_each_validation_and_no_noise(tiny_corpus, tmp_path):
+def test_a_fit_without_its_progress_bar_reports_each_validation_and_no_noise(tiny_corpus, tmp_path, _mlflow_template):
     """With the bar off nothing was printed until the end; every fit printed Lightning's litlogger tip and torch's
     LeafSpec deprecation warning."""
+    shutil.copy(_mlflow_template, tmp_path / "mlflow.db")  # a migrated store: migrations cost seconds
     args = tiny_fit_args(tiny_corpus, f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "runs", steps=4)
     res = subprocess.run(
         [MHC, *args, "--trainer.val_check_interval=2"],

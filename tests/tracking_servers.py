@@ -144,7 +144,7 @@ class MlflowServer:
                 pass
             if time.monotonic() > deadline:
                 pytest.fail(f"mlflow server not healthy after {timeout} s:\n{self.log_tail()}")
-            time.sleep(0.5)
+            time.sleep(0.2)
 
     def kill(self) -> None:
         """SIGKILL the server's whole process group (workers included): a crash, not a shutdown."""
