@@ -100,11 +100,7 @@ def test_killed_worker_on_journal_storage_is_reaped_and_its_trial_rerun(corpus, 
         budget={"n_trials": 2, "max_failed": 1},
         # every trial waits before its step 1 until the test opens the gate: the kill lands inside a trial however
         # busy the machine (tests/helpers.py Handshake, which the workers import from tests/)
-        fixed={
-            **FAST,
-            "callbacks.helpers.Handshake.dirpath": str(gate),
-            "callbacks.helpers.Handshake.steps": [1],
-        },
+        fixed={**FAST, "callbacks.helpers.Handshake.dirpath": str(gate), "callbacks.helpers.Handshake.steps": [1]},
     )
     storage, uri = f"journal:{tmp_path / 'sweeps.journal.log'}", f"sqlite:///{tmp_path / 'mlflow.db'}"
     shutil.copy(_mlflow_template, tmp_path / "mlflow.db")  # a migrated store: migrations cost seconds
