@@ -236,11 +236,19 @@ def test_sweep_keeps_the_tracking_password_out_of_outputs_artifacts_and_argv(ser
 
 @pytest.mark.slow
 def test_grid_keeps_the_tracking_password_out_of_outputs_artifacts_and_argv(server, corpus, tmp_path):
+    """Also the grid runner's own check, on the same runs (a grid costs three processes' start-up): every point
+    ran as an `mhc fit` of its own, tagged with its variant, its axes and the grid."""
     first = len(server["seen"])
     code, out, children = run_watching_children(_tiny_grid(tmp_path, corpus, 4), tmp_path, server["with_secret"])
     assert code == 0 and "2/2 runs finished" in out, out[-3000:]
     assert SECRET not in out and SECRET not in files_text(tmp_path / "logs")
     check_children(children, 2)
     check_basic_auth(server["seen"][first:])
-    n_runs, stored = stored_text(MlflowClient(server["url"]), "tiny-grid", tmp_path / "artifacts")
+    client = MlflowClient(server["url"])
+    n_runs, stored = stored_text(client, "tiny-grid", tmp_path / "artifacts")
     assert n_runs == 2 and "tracking_uri:" in stored and SECRET not in stored
+    exp = client.get_experiment_by_name("tiny-grid")
+    assert exp.tags.get("mlflow.experimentKind") == "custom_model_development"
+    runs = client.search_runs([exp.experiment_id])
+    assert sorted((r.data.tags["variant"], r.info.status) for r in runs) == [("hc", "FINISHED"), ("mhc", "FINISHED")]
+    assert all(r.data.tags["seed_everything"] == "1" and r.data.tags["grid"] == "tiny-grid" for r in runs)
