@@ -40,9 +40,6 @@ def test_fit_with_an_unreachable_server_stops_at_once_with_one_line(corpus, tmp_
     url = f"http://127.0.0.1:{free_port()}"
     cwd = tmp_path / "cwd"
     cwd.mkdir()
-    t0 = time.monotonic()  # what Python needs to import `mhc` on this (shared, maybe loaded) machine
-    subprocess.run([sys.executable, "-c", "import mhc_lightning.cli"], env=clean_env(), check=True, timeout=300)
-    startup = time.monotonic() - t0
     t0 = time.monotonic()
     res = subprocess.run(
         mhc("fit", "-c", QUICKSTART, f"--data.corpus={corpus}", *TINY),
@@ -60,9 +57,13 @@ def test_fit_with_an_unreachable_server_stops_at_once_with_one_line(corpus, tmp_
         len(named) == 1 and named[0].startswith("mhc fit: error: MLflow tracking server") and "unreachable" in named[0]
     )
     assert "Traceback" not in out
-    assert took < 30 or took - startup < 15, (took, startup)  # no waiting on HTTP retries (minutes, before)
+    if took >= 30:  # a loaded machine: allow for what Python needs to import `mhc` on it (a process more)
+        t0 = time.monotonic()
+        subprocess.run([sys.executable, "-c", "import mhc_lightning.cli"], env=clean_env(), check=True, timeout=300)
+        startup = time.monotonic() - t0
+        assert took - startup < 15, (took, startup)  # no waiting on HTTP retries (minutes, before)
     assert list(cwd.iterdir()) == []
-    print(f"[figures] dead tracking URI: exit 2 after {took:.1f} s (imports alone: {startup:.1f} s)")
+    print(f"[figures] dead tracking URI: exit 2 after {took:.1f} s")
 
 
 def test_fit_survives_a_server_crash_and_loses_nothing(corpus, tmp_path):
