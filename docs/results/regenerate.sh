@@ -15,7 +15,7 @@ trap '[ -n "$server" ] && kill $server 2>/dev/null; rm -rf "$tmp"' EXIT
 serve() {  # serve <store name> <port>: unpack docs/results/<name>_{mlflow.db.gz,artifacts.tgz}, start a server
   mkdir -p "$tmp/$1"
   gunzip -c "docs/results/$1_mlflow.db.gz" > "$tmp/$1/mlflow.db"
-  tar xzf "docs/results/$1_artifacts.tgz" -C "$tmp/$1"
+  [ ! -e "docs/results/$1_artifacts.tgz" ] || tar xzf "docs/results/$1_artifacts.tgz" -C "$tmp/$1"  # per-layer JSON
   "$bin/mlflow" server --backend-store-uri "sqlite:///$tmp/$1/mlflow.db" --artifacts-destination "$tmp/$1/artifacts" \
     --serve-artifacts --host 127.0.0.1 --port "$2" --workers 1 > "$tmp/$1/server.log" 2>&1 &
   server=$!
@@ -35,9 +35,9 @@ kill $server; wait $server 2>/dev/null || true; server=""
 serve init_study 5078
 "$bin/mhc" compare --experiment init-study --group-by variant,model.arch.n_layers --baseline mhc_zeros \
   --tracking-uri http://127.0.0.1:5078 --out docs/results/init_study --report docs/results/init_study.md --context docs/results/init_study_context.txt
+kill $server; wait $server 2>/dev/null || true; server=""
 
-# the replicates need no artifacts (no per-layer figure): the store is read directly
-mkdir -p "$tmp/replicates" && gunzip -c docs/results/replicates_mlflow.db.gz > "$tmp/replicates/mlflow.db"
-"$bin/mhc" compare --experiment replicates --group-by variant,trainer.deterministic --no-log \
-  --tracking-uri "sqlite:///$tmp/replicates/mlflow.db" --out docs/results/replicates --report docs/results/replicates.md \
+serve replicates 5079
+"$bin/mhc" compare --experiment replicates --group-by variant,trainer.deterministic \
+  --tracking-uri http://127.0.0.1:5079 --out docs/results/replicates --report docs/results/replicates.md \
   --context docs/results/replicates_context.txt
