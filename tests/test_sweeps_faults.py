@@ -282,7 +282,7 @@ def test_only_the_studys_creator_makes_its_parent_run(tmp_path):
 
 # ---- item 5: a study stopped by max_failed continues once the cause is fixed -----------------------------------------
 @pytest.mark.slow
-def test_study_stopped_by_max_failed_continues_after_the_fix(corpus, tmp_path, capsys):
+def test_study_stopped_by_max_failed_continues_after_the_fix(corpus, tmp_path, capsys, mlflow_uri):
     name = f"maxf-{uuid.uuid4().hex[:6]}"
     spec = derived_spec(
         tmp_path / "m.yaml",
@@ -292,7 +292,7 @@ def test_study_stopped_by_max_failed_continues_after_the_fix(corpus, tmp_path, c
         fixed=FAST,
         budget={"n_trials": 2, "max_failed": 1},
     )
-    storage, uri = f"sqlite:///{tmp_path / 'sweeps.db'}", f"sqlite:///{tmp_path / 'mlflow.db'}"
+    storage, uri = f"sqlite:///{tmp_path / 'sweeps.db'}", mlflow_uri  # a migrated store: migrations cost seconds
     common = [
         "run",
         str(spec),
@@ -407,7 +407,7 @@ def test_an_objective_metric_never_logged_stops_the_sweep_at_the_first_trial(met
 
 # ---- item 4: duplicate proposals are not trained and do not count ----------------------------------------------------
 @pytest.mark.slow
-def test_duplicate_proposals_are_not_trained_and_do_not_count(corpus, tmp_path, capsys):
+def test_duplicate_proposals_are_not_trained_and_do_not_count(corpus, tmp_path, capsys, mlflow_uri):
     """A space of two points and a budget of three: the two points train once each; the sampler's repeats are recorded
     as duplicates (no MLflow run, not an error) and the worker stops when it keeps proposing them."""
     name = f"exhaust-{uuid.uuid4().hex[:6]}"
@@ -420,7 +420,7 @@ def test_duplicate_proposals_are_not_trained_and_do_not_count(corpus, tmp_path, 
         space={"model.arch.hyper.residual_mode": {"type": "categorical", "choices": ["mhc", "hc"]}},
         budget={"n_trials": 3, "max_failed": 0},
     )
-    storage, uri = f"sqlite:///{tmp_path / 'sweeps.db'}", f"sqlite:///{tmp_path / 'm.db'}"
+    storage, uri = f"sqlite:///{tmp_path / 'sweeps.db'}", mlflow_uri  # a migrated store: migrations cost seconds
     code = sweep_main(
         [
             "run",
