@@ -44,8 +44,9 @@ def test_the_dashboard_hint_says_how_to_install_it(monkeypatch):
 
 
 @pytest.mark.slow
-def test_status_shows_the_budget_the_study_was_extended_to(tmp_path, monkeypatch, capsys):
+def test_status_shows_the_budget_the_study_was_extended_to(tmp_path, monkeypatch, capsys, _mlflow_template):
     monkeypatch.chdir(tmp_path)
+    shutil.copy(_mlflow_template, tmp_path / "mlflow.db")  # a migrated store: migrations cost seconds
     name = f"budget-{uuid.uuid4().hex[:6]}"
     spec = derived_spec(tmp_path / "b.yaml", name, enqueue=[], budget={"n_trials": 1, "max_failed": 0})
     common = [

@@ -158,7 +158,7 @@ class SigtermInValidation(L.Callback):
 
 
 @pytest.mark.slow
-def test_sigterm_during_a_validation_stops_once_it_is_complete(tiny_corpus, tmp_path, capsys, monkeypatch):
+def test_sigterm_during_a_validation_stops_once_it_is_complete(tiny_corpus, tmp_path, capsys, monkeypatch, mlflow_uri):
     """SIGTERM (real, to this process) inside the validation of step 4: the validation finishes and is logged, then the
     fit stops with a checkpoint of step 4, exit 143 (Lightning alone stops inside the validation, whose partial metrics
     no checkpoint holds)."""
@@ -166,7 +166,7 @@ def test_sigterm_during_a_validation_stops_once_it_is_complete(tiny_corpus, tmp_
     # as in a fresh `mhc fit` process: no SIGTERM handler left by an earlier in-process test (a sweep worker's raises
     # KeyboardInterrupt, and Lightning would call it too)
     previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_uri  # a migrated store: migrations cost seconds
     hook = "--trainer.callbacks+=" + json.dumps(
         {"class_path": f"{__name__}.SigtermInValidation", "init_args": {"step": 4}}
     )

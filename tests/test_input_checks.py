@@ -45,11 +45,12 @@ def one_error_line(args: list[str], capsys) -> str:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> dict:
+def trained(tmp_path_factory, _mlflow_template) -> dict:
     """A checkpoint of a real 2-step fit (n_layers=2, d_model=32, seq_len=32), with its run id."""
     base = tmp_path_factory.mktemp("trained")
     corpus = base / "corpus.txt"
     corpus.write_text(make_text(60_000, seed=7))
+    shutil.copy(_mlflow_template, base / "mlflow.db")  # a migrated store: migrations cost seconds
     uri = f"sqlite:///{base / 'mlflow.db'}"
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(base)
