@@ -128,12 +128,19 @@ def test_server_accepts_the_compose_host_names(server):
     assert requests.get(api, headers={"Host": f"evil.example:{server['port']}"}, timeout=10).status_code == 403
 
 
-def test_two_workers_one_study_on_postgres(server, corpus, tmp_path):
-    """`mhc sweep --workers 2`: two processes share one study; every trial is recorded once in Optuna and MLflow."""
+def test_two_workers_one_study_on_postgres(server, corpus, tmp_path, monkeypatch):
+    """`mhc sweep --workers 2`: two processes share one study; every trial is recorded once in Optuna and MLflow.
+    The launcher runs in this process (its workers are the processes that matter): one process's start-up less."""
     name = f"two-{uuid.uuid4().hex[:6]}"
     spec = derived_spec(tmp_path / "two.yaml", name, budget={"n_trials": 4, "max_failed": 2})
-    proc = launch(spec, tmp_path, server, corpus, "--workers", "2", log_name="launcher.log")
-    assert wait(proc, 420, tmp_path / "launcher.log") == 0, (tmp_path / "launcher.log").read_text()[-4000:]
+    monkeypatch.chdir(tmp_path)  # worker logs under ./sweep_logs
+    for k, v in clean_env().items():  # as launch() gives its launcher, for the workers and their trials
+        monkeypatch.setenv(k, v)
+    for k in ("MLFLOW_TRACKING_URI", "OPTUNA_STORAGE"):
+        monkeypatch.delenv(k, raising=False)
+    argv = ["run", str(spec), "--storage", server["sweeps"], "--tracking-uri", server["url"], "--workers", "2"]
+    argv += ["--set", f"data.corpus={corpus}", "--set", f"trainer.default_root_dir={tmp_path / 'runs'}"]
+    assert sweep_main([*argv, "--spool-dir", str(tmp_path / "spool")]) == 0
 
     study = optuna.load_study(study_name=name, storage=server["sweeps"])
     finished = [t for t in study.trials if t.state in (S.COMPLETE, S.PRUNED)]
