@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -20,13 +18,29 @@ from mhc_lightning.grid import GridError, expand, load_grid, log_path
 from mhc_lightning.loggers.filters import equals
 from mhc_lightning.names import ALLOWED, file_name, path_name_problem
 
-MHC = str(Path(sys.executable).with_name("mhc"))
 QUOTED = 'o\'neil "run"'  # both quotes: MLflow's filter parser has no escape for either
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "OPTUNA_"))}
     return {**env, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}", "MLFLOW_ENABLE_ASYNC_LOGGING": "false"}
+
+
+def _mhc_here(args: list[str], work: Path, monkeypatch, capsys) -> tuple[int, str]:
+    """`mhc ARGS` run in this process from `work` (the refusals below come before anything starts, so a process of
+    its own adds only its start-up): its exit code and what it printed on stderr."""
+    from mhc_lightning.commands import main
+
+    monkeypatch.chdir(work)
+    for k in [k for k in os.environ if k.startswith(("MLFLOW_", "OPTUNA_"))]:
+        monkeypatch.delenv(k)
+    for k, v in _env(work).items():
+        if k.startswith("MLFLOW_"):
+            monkeypatch.setenv(k, v)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stopped:
+        main(args)
+    return stopped.value.code, capsys.readouterr().err
 
 
 def _everything_under(folder: Path) -> set[str]:
@@ -44,15 +58,14 @@ def test_run_names_become_one_file_name_inside_the_log_folder(tmp_path):
     assert log_path(tmp_path, "../../escape").parent == tmp_path
 
 
-def test_a_study_name_with_dotdot_is_refused_before_any_worker_starts(tmp_path):
+def test_a_study_name_with_dotdot_is_refused_before_any_worker_starts(tmp_path, monkeypatch, capsys):
     """`--study-name ../../x` wrote the workers' logs two folders above sweep_logs/, outside the working folder."""
     work = tmp_path / "work"
     work.mkdir()
     spec = derived_spec(tmp_path / "s.yaml", "names", enqueue=[], budget={"n_trials": 1, "max_failed": 0})
     escape = f"escape-{uuid.uuid4().hex[:6]}"
-    res = subprocess.run(
+    code, err = _mhc_here(
         [
-            MHC,
             "sweep",
             "run",
             str(spec),
@@ -65,21 +78,19 @@ def test_a_study_name_with_dotdot_is_refused_before_any_worker_starts(tmp_path):
             "--set",
             f"data.corpus={tmp_path / 'none'}",
         ],
-        cwd=work,
-        env=_env(work),
-        capture_output=True,
-        text=True,
-        timeout=300,
+        work,
+        monkeypatch,
+        capsys,
     )
-    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
-    assert res.stderr.strip().splitlines() == [
+    assert code == 2, err[-2000:]
+    assert err.strip().splitlines() == [
         f"mhc sweep: error: --study-name: '../../{escape}' cannot be a file or folder name ({ALLOWED}): it names the "
         "folder of the workers' logs"
     ]
     assert not (tmp_path / escape).exists() and _everything_under(work) == set()
 
 
-def test_a_grid_variant_with_dotdot_is_refused_before_any_run_starts(tmp_path):
+def test_a_grid_variant_with_dotdot_is_refused_before_any_run_starts(tmp_path, monkeypatch, capsys):
     work = tmp_path / "work"
     work.mkdir()
     escape = f"escape-{uuid.uuid4().hex[:6]}"
@@ -94,16 +105,9 @@ def test_a_grid_variant_with_dotdot_is_refused_before_any_run_starts(tmp_path):
             }
         )
     )
-    res = subprocess.run(
-        [MHC, "grid", str(grid), "--logs", str(work / "logs")],
-        cwd=work,
-        env=_env(work),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
-    assert res.stderr.strip().splitlines() == [
+    code, err = _mhc_here(["grid", str(grid), "--logs", str(work / "logs")], work, monkeypatch, capsys)
+    assert code == 2, err[-2000:]
+    assert err.strip().splitlines() == [
         f"mhc grid: error: {grid}: variants: '../../{escape}' cannot be a file or folder name ({ALLOWED})"
     ]
     assert not list(tmp_path.glob(f"{escape}*")) and _everything_under(work) == set()
