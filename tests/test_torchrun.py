@@ -27,6 +27,7 @@ def test_torchrun_two_cpu_processes_write_one_run(tiny_corpus, mlflow_uri, tmp_p
         "--no-python",
         "mhc",
         *args,
+        "--model.diagnostics_every=0",  # no per-layer figures: seconds per validation, and nothing here reads them
         "-c",
         str(CONF / "machine" / "ddp-cpu.yaml"),
     ]
