@@ -11,7 +11,13 @@ from mhc_lightning.cli import main
 
 
 def _args(corpus, uri, root, steps: int, *extra: str) -> list[str]:
-    return [*tiny_fit_args(corpus, uri, root, steps=steps), "--model.optim.warmup_steps=2", *extra]
+    # no per-layer diagnostics: their figures cost seconds per validation, and nothing here reads them
+    return [
+        *tiny_fit_args(corpus, uri, root, steps=steps),
+        "--model.optim.warmup_steps=2",
+        "--model.diagnostics_every=0",
+        *extra,
+    ]
 
 
 def _lr(client: MlflowClient, run_id: str) -> list[tuple[int, float]]:
