@@ -92,6 +92,7 @@ def test_fit_writes_an_mlflow_run(mode, tiny_corpus, mlflow_uri, tmp_path):
 @pytest.mark.slow
 def test_validate_and_test_subcommands_open_their_own_runs(tiny_corpus, mlflow_uri, tmp_path, capsys):
     args = tiny_fit_args(tiny_corpus, mlflow_uri, tmp_path / "root", mode="mhc", run_name="quick")
+    args.append("--model.diagnostics_every=0")  # no per-layer figures: seconds, and nothing here reads them
     main(args)
     _, runs = runs_of(mlflow_uri)
     source = runs[0].info.run_id
@@ -271,7 +272,8 @@ def test_fit_ends_with_one_validation_of_the_final_weights(
     steps, interval, validated_at, tiny_corpus, mlflow_uri, tmp_path
 ):
     args = tiny_fit_args(tiny_corpus, mlflow_uri, tmp_path / "root", steps=steps)[1:]
-    cli = build_cli(args + [f"--trainer.val_check_interval={interval}"], run=False)
+    # no per-layer diagnostics: their figures cost seconds per validation, and nothing here reads them
+    cli = build_cli(args + [f"--trainer.val_check_interval={interval}", "--model.diagnostics_every=0"], run=False)
     seen = []
 
     class Spy(pl.Callback):
