@@ -20,8 +20,12 @@ from mhc_lightning.cli import main
 TESTS = REPO / "tests"
 
 
+_NO_DIAGNOSTICS = ("--model.diagnostics_every=0",)
+
+
 def _fit_args(corpus, uri, root, steps: int, *extra: str) -> list[str]:
-    return [*tiny_fit_args(corpus, uri, root, steps=steps), "--trainer.val_check_interval=2", *extra]
+    # no per-layer diagnostics: their figures cost seconds per validation and have nothing to do with checkpoints
+    return [*tiny_fit_args(corpus, uri, root, steps=steps), "--trainer.val_check_interval=2", *_NO_DIAGNOSTICS, *extra]
 
 
 def _files(root: Path) -> dict[str, tuple[int, int]]:
@@ -158,8 +162,7 @@ def test_read_only_checkpoint_folder_stops_a_real_fit_with_one_line(tiny_corpus,
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
     }
-    # no diagnostics: their figures cost seconds per validation and have nothing to do with checkpoints
-    extra = (handshake_arg(hs, [3]), "--model.diagnostics_every=0")
+    extra = (handshake_arg(hs, [3]),)  # diagnostics off, as in every fit here (_fit_args)
     cmd = [str(Path(sys.executable).with_name("mhc")), *_fit_args(tiny_corpus, uri, root, 6, *extra)]
     with open(log, "w") as out:
         proc = subprocess.Popen(
