@@ -76,16 +76,24 @@ def test_an_unreachable_server_hint_names_what_the_command_accepts(tmp_path, cap
 
 
 @pytest.mark.slow
-def test_ckpt_path_last_with_no_earlier_run_writes_nothing(tiny_corpus, tmp_path):
-    """It left an empty mlflow.db (checking the store created it); the docs promise nothing written."""
+def test_ckpt_path_last_with_no_earlier_run_writes_nothing(tiny_corpus, tmp_path, monkeypatch, capsys):
+    """It left an empty mlflow.db (checking the store created it); the docs promise nothing written. In this process:
+    the refusal comes before anything starts, so a process of its own adds only its start-up."""
+    from mhc_lightning.cli import main
+
     work = tmp_path / "work"
     work.mkdir()
+    monkeypatch.chdir(work)
+    for k in [k for k in os.environ if k.startswith(("MLFLOW_", "OPTUNA_"))]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
     args = tiny_fit_args(tiny_corpus, "sqlite:///mlflow.db", Path("runs"))
-    res = subprocess.run(
-        [MHC, *args, "--ckpt_path", "last"], cwd=work, env=_env(), capture_output=True, text=True, timeout=300
-    )
-    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
-    lines = res.stderr.strip().splitlines()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stopped:
+        main([*args, "--ckpt_path", "last"])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2, err[-2000:]
+    lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("mhc fit: error: --ckpt_path last: no MLflow store at "), lines
     assert sorted(p.name for p in work.iterdir()) == []
 
