@@ -141,14 +141,21 @@ def test_repeats_run_each_point_again_under_its_own_name(tmp_path):
 
 # ---- checks before anything starts -----------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_a_misspelt_set_is_refused_before_any_run_starts(tiny_corpus, tmp_path):
-    """The grid used to start every `mhc fit`, each exiting 2 with the reason only in grid_logs/."""
+def test_a_misspelt_set_is_refused_before_any_run_starts(tiny_corpus, tmp_path, monkeypatch, capsys):
+    """The grid used to start every `mhc fit`, each exiting 2 with the reason only in grid_logs/. `mhc grid` runs in
+    this process: the refusal comes before anything starts, so a process of its own adds only its start-up."""
+    from mhc_lightning.commands import main
+
     cmd = _tiny_grid(tmp_path, tiny_corpus, 4) + ["--set", "trainer.max_stepz=3"]
-    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    capsys.readouterr()
     t0 = time.monotonic()
-    res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
-    assert res.stderr.strip().splitlines() == [
+    with pytest.raises(SystemExit) as stopped:
+        main(cmd[1:])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2, err[-2000:]
+    assert err.strip().splitlines() == [
         f"mhc grid: error: {tmp_path / 'grid.yaml'}: `mhc fit` rejects the arguments of run mhc-s1 and 1 more (from "
         "the grid's configs, variants, axes or --set): unrecognized arguments: --trainer.max_stepz=3; "
         "nothing was started"
