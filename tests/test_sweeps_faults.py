@@ -451,7 +451,7 @@ def test_duplicate_proposals_are_not_trained_and_do_not_count(corpus, tmp_path, 
 
 
 # ---- a sweep whose every trial fails must end ------------------------------------------------------------------------
-def test_a_step_of_zero_is_refused_by_mhc_sweep_before_anything_starts(corpus, tmp_path):
+def test_a_step_of_zero_is_refused_by_mhc_sweep_before_anything_starts(corpus, tmp_path, monkeypatch, capsys):
     """`step: 0` passed validation; every trial then failed in suggest_float and the sweep never ended (~800 failed
     trials in 5 minutes). Now: one line naming the key, exit 2, no study, no store."""
     spec = derived_spec(
@@ -461,28 +461,12 @@ def test_a_step_of_zero_is_refused_by_mhc_sweep_before_anything_starts(corpus, t
         space={"model.optim.lr": {"type": "float", "low": 1e-3, "high": 1e-2, "step": 0}},
     )
     storage, uri = f"sqlite:///{tmp_path / 'sweeps.db'}", f"sqlite:///{tmp_path / 'mlflow.db'}"
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mhc_lightning.sweeps",
-            "run",
-            str(spec),
-            "--storage",
-            storage,
-            "--tracking-uri",
-            uri,
-            "--set",
-            f"data.corpus={corpus}",
-        ],
-        cwd=tmp_path,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
-    assert res.stderr.strip().splitlines() == [
+    monkeypatch.chdir(tmp_path)  # in this process: refused before anything starts, a process adds only its start-up
+    capsys.readouterr()
+    code = sweep_main(["run", str(spec), "--storage", storage, "--tracking-uri", uri, "--set", f"data.corpus={corpus}"])
+    err = capsys.readouterr().err
+    assert code == 2, err[-2000:]
+    assert err.strip().splitlines() == [
         f"mhc sweep: error: {spec}: space.model.optim.lr.step: must be a number > 0, got 0"
     ]
     assert not (tmp_path / "sweeps.db").exists() and not (tmp_path / "mlflow.db").exists()
