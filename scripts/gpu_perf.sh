@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The GPU protocol in one call on a GPU machine (docs/benchmarks.md): the GPU tests first, then the benchmarks. Each
-# step has its own time limit, so a hang costs its limit and not the call. Carry .gpuwheels (scripts/gpu_wheels.sh).
+# step has its own time limit, so a hang costs its limit and not the call. Carry .gpuwheels (scripts/gpu_wheels.sh)
+# and .gitpin (scripts/gpu_pin_commit.sh, right before the call: the JSONs then record the commit).
 #   OUT=$OUT bash scripts/gpu_perf.sh                    (about 10 minutes on an H200)
 # Every JSON and log lands in $OUT/perf, returned as one archive ($OUT/perf.tgz: tar xzf perf.tgz), beside
 # $OUT/tests.log. Switches:
-#   TESTS=0        skip the GPU tests (`pytest -m gpu tests`; code that already passed them)
+#   TESTS=0        skip the GPU tests (code that already passed them)
 #   PROFILE=1      the stack and the eager trainer rows profiled (device time per kernel, the GPU waiting on the
 #                  host), and each fused kernel of the trainer's step against copy bandwidth (python -m bench traffic)
 #   COMPILE=0      skip the compiled trainer rows; COMPILE_MODE: their model.compile_mode (default "default";
@@ -23,9 +24,13 @@ python3 -c "import torch, triton, lightning; print(torch.cuda.get_device_name(),
 triton.__version__, 'lightning', lightning.__version__)" | tee "$P/versions.txt"
 
 if [ "${TESTS:-1}" = 1 ]; then
-  echo "== GPU tests (pytest -m gpu)"
-  timeout 300 python3 -m pytest -q -x -m gpu tests -n 8 -p no:cacheprovider > "$OUT/tests.log" 2>&1
+  # the kernel, recompute and model tests run on CUDA where it exists; -m gpu adds the CUDA-only ones elsewhere
+  echo "== GPU tests (the kernel tree on CUDA, and pytest -m gpu)"
+  timeout 300 python3 -m pytest -q -x tests/test_kernels_*.py tests/test_recompute.py tests/test_model.py -n 8 \
+    -p no:cacheprovider > "$OUT/tests.log" 2>&1
   tail -3 "$OUT/tests.log"
+  timeout 200 python3 -m pytest -q -x -m gpu tests -n 8 -p no:cacheprovider > "$OUT/tests_gpu_only.log" 2>&1
+  tail -3 "$OUT/tests_gpu_only.log"
 fi
 
 echo "== stack"

