@@ -25,6 +25,22 @@ def mlflow_logger_arg(tracking_uri: str, experiment: str = "tests", run_name: st
     )
 
 
+def tiny_grid_sets(corpus: Path, steps: int) -> list[str]:
+    """`mhc grid --set` arguments for the same small model as tiny_fit_args (one block), without per-layer figures."""
+    pairs = [
+        f"data.corpus={corpus}",
+        "data.seq_len=32",
+        "data.batch_size=4",
+        "model.arch.n_layers=1",
+        "model.arch.d_model=32",
+        "model.arch.n_heads=2",
+        f"trainer.max_steps={steps}",
+        "trainer.enable_progress_bar=false",
+        "model.diagnostics_every=0",  # per-layer figures cost seconds per validation, and no grid test reads them
+    ]
+    return [arg for pair in pairs for arg in ("--set", pair)]
+
+
 def tiny_fit_args(
     corpus: Path,
     tracking_uri: str,

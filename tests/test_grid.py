@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import CONF, REPO
+from helpers import CONF, REPO, tiny_grid_sets
 
 from mhc_lightning.cli import build_cli
 from mhc_lightning.grid import GridError, expand, load_grid
@@ -66,26 +66,9 @@ def _tiny_grid(tmp_path, corpus, steps: int) -> list[str]:
         "2",
         "--logs",
         str(tmp_path / "logs"),
-        "--set",
-        f"data.corpus={corpus}",
-        "--set",
-        "data.seq_len=32",
-        "--set",
-        "data.batch_size=4",
-        "--set",
-        "model.arch.n_layers=1",
-        "--set",
-        "model.arch.d_model=32",
-        "--set",
-        "model.arch.n_heads=2",
-        "--set",
-        f"trainer.max_steps={steps}",
+        *tiny_grid_sets(corpus, steps),
         "--set",
         f"trainer.default_root_dir={tmp_path / 'runs'}",
-        "--set",
-        "trainer.enable_progress_bar=false",
-        "--set",
-        "model.diagnostics_every=0",  # no per-layer figures: seconds per validation, and no test reads them
     ]
 
 

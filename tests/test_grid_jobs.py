@@ -14,7 +14,7 @@ from pathlib import Path
 
 import lightning as L
 import pytest
-from helpers import REPO, wait_for
+from helpers import REPO, tiny_grid_sets, wait_for
 
 
 class PauseAt(L.Callback):
@@ -127,24 +127,7 @@ def test_requeued_job_resumes_its_own_run_under_slurm_like_env(tiny_corpus, tmp_
         str(tmp_path / "logs"),
         "--runs-dir",
         str(runs_dir),
-        "--set",
-        f"data.corpus={tiny_corpus}",
-        "--set",
-        "data.seq_len=32",
-        "--set",
-        "data.batch_size=4",
-        "--set",
-        "model.arch.n_layers=1",
-        "--set",
-        "model.arch.d_model=32",
-        "--set",
-        "model.arch.n_heads=2",
-        "--set",
-        "trainer.max_steps=6",
-        "--set",
-        "trainer.enable_progress_bar=false",
-        "--set",
-        "model.diagnostics_every=0",  # no per-layer figures: seconds per validation, and nothing here reads them
+        *tiny_grid_sets(tiny_corpus, 6),
         "--set",
         f"trainer.callbacks+={callback}",
     ]
