@@ -2,8 +2,9 @@
 #   source scripts/gpu_env.sh && python3 -m bench stack ...
 # Installs the wheels of scripts/gpu_wheels.sh into /tmp/site, makes kernels/ importable as mhc_lightning.kernels
 # (an editable install did not take effect there) and points the corpus cache at the carried sdist.
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpuwheels/*.whl \
-  || return 1
+# (once per machine: a second source, e.g. by a script that another sources, must not rewrite packages in use)
+[ -e /tmp/site/.installed ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+  --target /tmp/site .gpuwheels/*.whl && touch /tmp/site/.installed; } || return 1
 [ -e mhc_lightning/kernels ] || ln -sfn ../kernels mhc_lightning/kernels
 # The commit the runs record (scripts/gpu_pin_commit.sh): without a .git, provenance records "unknown"
 git config --global --add safe.directory "$PWD"

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One part of issue 60's GPU work on a GPU machine: a grid that continues the store of the part before it.
+# The store travels in .gpustore/ (ignored by git; name it in `carry`) and comes back as $OUT/mlflow.db.gz; copy that
+# over .gpustore/mlflow.db.gz before the next part. Carry .gpuwheels, .cache/corpus and .gitpin (scripts/gpu_env.sh).
+#   GRID=conf/experiments/lr_scan_deep_grid.yaml LIMIT=480 PARALLEL=14 KERNEL_TESTS=1 OUT=$OUT bash scripts/gpu_lr_scan.sh
+# KERNEL_TESTS=1 runs the kernel test tree on CUDA beside the grid (correctness only: sharing the GPU is harmless).
+set -u
+OUT=${OUT:-out}; GRID=${GRID:-conf/experiments/lr_scan_deep_grid.yaml}
+mkdir -p "$OUT"
+if [ -s .gpustore/mlflow.db.gz ]; then gunzip -c .gpustore/mlflow.db.gz > /tmp/seed.db && export SEED_DB=/tmp/seed.db; fi
+source scripts/gpu_env.sh || exit 1
+if [ "${KERNEL_TESTS:-0}" = 1 ]; then
+  ( timeout "${TESTS_LIMIT:-420}" python3 -m pytest -q tests/test_kernels_*.py tests/test_recompute.py tests/test_model.py \
+      -n 3 -p no:cacheprovider > "$OUT/tests.log" 2>&1
+    timeout 120 python3 -m pytest -q -m gpu tests -n 3 -p no:cacheprovider >> "$OUT/tests.log" 2>&1 ) &
+  tests=$!
+fi
+SKIP_DIAG_BENCH=1 GRID=$GRID bash scripts/gpu_stability_grid.sh --skip-finished
+[ -n "${tests:-}" ] && wait "$tests"
+[ -f "$OUT/tests.log" ] && grep -E "passed|failed|error" "$OUT/tests.log" | tail -4
