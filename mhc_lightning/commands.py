@@ -41,6 +41,9 @@ TOOLS = {  # subcommands with their own argparse front ends; everything else is 
         "mhc_lightning.reports.cli:report_main",
         "runs grouped by tags, mean +- std over seeds (= mhc compare --group-by)",
     ),
+    "prepare": Tool(
+        "mhc_lightning.data.prepare:main", "tokenize text / JSON Lines / parquet into token shards for `mhc fit`"
+    ),
     "grid": Tool("mhc_lightning.grid:main", "a grid of `mhc fit` runs: parallel processes here, or SLURM jobs"),
 }
 

