@@ -135,6 +135,8 @@ def check_args(args) -> None:
         raise UserError("--workers and --chunk-mb must be integers >= 1")
     if args.train_tokenizer is not None and args.tokenizer != BYTES:
         raise UserError("pass either --tokenizer FILE or --train-tokenizer VOCAB, not both")
+    if args.tokenizer != BYTES:
+        token_dtype(load_tokenizer(args.tokenizer, args.eod_token).vocab_size, args.dtype)
 
 
 def _request(args, files: list[Path]) -> dict:
@@ -280,7 +282,6 @@ def _tokenizer(args, out: Path, units: list[Unit]) -> str:
             train_bpe(texts, args.train_tokenizer, target.with_name("tokenizer.json.tmp"))
             os.replace(target.with_name("tokenizer.json.tmp"), target)
     else:
-        load_tokenizer(args.tokenizer, args.eod_token)  # refuse a bad file before copying it
         shutil.copyfile(Path(args.tokenizer).expanduser(), target)
     return str(target)
 
@@ -288,9 +289,10 @@ def _tokenizer(args, out: Path, units: list[Unit]) -> str:
 def _write_split(dest: Path, units: list[Unit], split: str, tokenizer_spec: str, dtype: str, args) -> dict:
     """Tokenize ``units`` into ``dest`` with litdata (skipped when a complete index is there already); its tokens and
     the sha256 of every chunk file."""
-    os.environ.setdefault("LITDATA_DISABLE_VERSION_CHECK", "1")  # no request to PyPI from a cluster node
     if not (dest / "index.json").exists():
         from litdata import TokensLoader, optimize
+
+        from . import shards  # noqa: F401 (its warning filters)
 
         print(f"mhc prepare: tokenizing the {split} split ({len(units)} units) into {dest} ...", flush=True)
         fn = partial(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -20,8 +21,11 @@ from ..files import sha256_file
 from .prepare import FORMAT, META
 
 REMOTE_PREFIXES = ("s3://", "gs://", "azure://", "hf://", "local:")
-# litdata asks PyPI for its latest version on first use: not from a cluster node without network
-os.environ.setdefault("LITDATA_DISABLE_VERSION_CHECK", "1")
+# litdata's own advice to upgrade (it asks PyPI once per process; below 0.2.45 always): pyproject.toml says why not.
+# Lightning's caution about an IterableDataset with __len__ under several workers: litdata gives each worker its own
+# part of the shards, so the length is exact.
+warnings.filterwarnings("ignore", message="A newer version of litdata is available")
+warnings.filterwarnings("ignore", message="Your `IterableDataset` has `__len__` defined")
 
 
 def is_remote(corpus: str) -> bool:
@@ -54,7 +58,9 @@ def load_metadata(corpus: str, cache_dir: Optional[str] = None) -> dict:
     try:
         meta = json.loads(local.read_text())
     except (OSError, ValueError) as err:
-        raise UserError(f"data.corpus {corpus}: cannot read {META} ({err}); prepare the data with `mhc prepare`.")
+        raise UserError(
+            f"data.corpus {corpus}: cannot read {META} ({err}); prepare the data with `mhc prepare`."
+        ) from err
     if meta.get("format") != FORMAT:
         raise UserError(
             f"data.corpus {corpus}: {META} has format {meta.get('format')!r}, this version reads "

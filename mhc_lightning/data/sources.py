@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UserError
-from .corpus import SHAKESPEARE, tarball_name, fetch_shakespeare, read_shakespeare_works
+from .corpus import SHAKESPEARE, fetch_shakespeare, read_shakespeare_works, tarball_name
 
 TEXT_SUFFIXES = (".txt", ".md", ".text")
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json.gz", ".json.zst", ".ndjson")
