@@ -1,5 +1,7 @@
 # The project's image: `mhc` (fit / validate / sweep / compare) and optuna-dashboard, same pinned versions
 # as a local install. CPU torch by default; docker/compose.gpu.yml passes a CUDA wheel index instead.
+# The image has no .git: build it with `--build-arg GIT_COMMIT=$(git rev-parse HEAD)` so that every run records the
+# commit it was built from (tag mhc.build.commit); runs are told apart by the digest of their sources either way.
 FROM python:3.11-slim
 
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 MHC_CACHE_DIR=/cache \
@@ -13,6 +15,9 @@ COPY pyproject.toml README.md ./
 COPY mhc_lightning ./mhc_lightning
 COPY kernels ./kernels
 RUN pip install ".[postgres,dashboard]"
+ARG GIT_COMMIT=unknown
+RUN echo "${GIT_COMMIT}" > /app/BUILD_COMMIT
+ENV MHC_BUILD_COMMIT_FILE=/app/BUILD_COMMIT
 # configs and sweep files stay editable data, outside site-packages
 COPY conf ./conf
 COPY sweeps ./sweeps

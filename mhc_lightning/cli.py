@@ -42,8 +42,8 @@ def _plain(ns) -> dict:
     return ns.as_dict() if hasattr(ns, "as_dict") else dict(ns)
 
 
-def validate_model_config(model_cfg) -> None:
-    """Build the config dataclasses once; their errors get the full CLI key as prefix."""
+def validate_model_config(model_cfg) -> dict:
+    """Build the config dataclasses once; their errors get the full CLI key as prefix. Returns them by CLI prefix."""
     arch = _plain(model_cfg.arch)
     hyper = _plain(arch.pop("hyper"))
     built = {}
@@ -59,6 +59,7 @@ def validate_model_config(model_cfg) -> None:
     if model_cfg.diagnostics_every < 0:
         raise ValueError(f"model.diagnostics_every must be >= 0 (0 = off), got {model_cfg.diagnostics_every}")
     check_compile(built["model.arch"], bool(model_cfg.compile), model_cfg.compile_mode)
+    return built
 
 
 class MHCLightningCLI(LightningCLI):
@@ -87,10 +88,13 @@ class MHCLightningCLI(LightningCLI):
         sub = self.config.get("subcommand")
         cfg = self.config.get(sub) if sub else self.config
         try:
-            validate_model_config(cfg.model)
+            hyper = validate_model_config(cfg.model)["model.arch.hyper"]
             check_fused(cfg.model.optim.fused, cfg.trainer.precision)
         except (ValueError, TypeError) as err:
             (self._subcommand_parsers[sub] if sub else parser).error(f"invalid model configuration: {err}")
+        if sub == "fit" and hyper.ignored_sinkhorn_keys():
+            ignored = ", ".join(f"model.arch.hyper.{k}={v}" for k, v in hyper.ignored_sinkhorn_keys().items())
+            print(f"mhc fit: residual_mode={hyper.residual_mode} has no Sinkhorn: ignoring {ignored}", file=sys.stderr)
         # Inputs are checked here, not later: Lightning next replaces the model config by the checkpoint's
         # hyperparameters, and the loggers (which create the MLflow run) do not exist yet. `--ckpt_path last` first
         # becomes the earlier run's own checkpoint (resume.py), so that it is checked like any other.

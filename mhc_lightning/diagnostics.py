@@ -14,15 +14,16 @@ GRAD_SPIKE_FACTOR = 4.0
 
 
 def grad_norm_summary(norms: torch.Tensor, warmup: int) -> dict[str, float]:
-    """Max and spike count of the per-step grad norms [steps] from `warmup` on (early steps are large by design)."""
-    gn = norms[warmup:].double()
-    if gn.numel() == 0:
-        return {}
-    median = gn.median()
-    return {
-        "train/grad_norm_max": gn.max().item(),
-        "train/grad_spikes": float((gn > GRAD_SPIKE_FACTOR * median).sum().item()),
-    }
+    """Statistics of the per-step grad norms [steps], warmup apart (its early steps are large by design): the max over
+    the warmup steps (`train/grad_norm_max_warmup`), and the max and spike count over the steps after it; each where
+    the run has such steps, so a run that never leaves warmup still has its max."""
+    gn = norms.double()
+    out = {"train/grad_norm_max_warmup": gn[:warmup].max().item()} if gn[:warmup].numel() else {}
+    after = gn[warmup:]
+    if after.numel():
+        out["train/grad_norm_max"] = after.max().item()
+        out["train/grad_spikes"] = float((after > GRAD_SPIKE_FACTOR * after.median()).sum().item())
+    return out
 
 
 def h_res_distances(h_res: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -146,7 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("grid", type=Path, help="grid file, e.g. conf/experiments/stability_grid.yaml (format below)")
     p.add_argument("--parallel", type=int, default=1, help="processes at once (they share the device)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra override for every run")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra override for every run, on a key no axis or variant sets (refused otherwise)",
+    )
     p.add_argument("--logs", type=Path, default=Path("grid_logs"), help="one log file per run")
     p.add_argument(
         "--dry-run",
@@ -234,7 +240,7 @@ def submit_jobs(args, spec: dict, runs: list, uri: str, exp_id: str, on_done) ->
 
 def main(argv: Optional[list[str]] = None) -> int:
     from .child_processes import describe_exit, mhc_command, run_parallel
-    from .grid_check import check_runs, check_sets
+    from .grid_check import check_runs, check_sets, sinkhorn_no_ops
     from .grid_jobs import tag_runs
     from .loggers.credentials import clean_tracking_env
     from .loggers.store import absolute_store_uri, default_tracking_uri
@@ -246,7 +252,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         p.error(f"--parallel must be >= 1, got {args.parallel}")
     try:
         spec = load_grid(args.grid)
-        check_sets(args.set)
+        check_sets(args.set, spec, args.grid)
         root = Path(__file__).resolve().parents[1]
         base = root if all((root / c).exists() for c in spec["configs"]) else Path.cwd()
         runs = expand(spec, base, [f"--{s}" for s in args.set])
@@ -254,6 +260,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except GridError as err:
         print(f"mhc grid: error: {err}", file=sys.stderr)
         return 2
+    no_ops = sinkhorn_no_ops(runs)
+    if no_ops:
+        print(f"mhc grid: {no_ops}", file=sys.stderr)
     if args.dry_run:
         for name, _, a in runs:
             print(name, " ".join(a))

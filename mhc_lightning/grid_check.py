@@ -1,26 +1,85 @@
-"""`mhc grid`'s checks before it starts anything, `--dry-run` included: every `--set` is KEY=VALUE, and every run's `mhc
+"""`mhc grid`'s checks before it starts anything, `--dry-run` included: every `--set` is KEY=VALUE on a key that no axis
+or variant sets (the runs would train the --set value under tags and names that say the grid's), and every run's `mhc
 fit` arguments pass `mhc fit`'s parser and the model's cross-field rules (fit_args_check.py, the mechanism `mhc sweep`
 checks its trials with). Without them a misspelt `--set` started every process, each one exiting 2 with the reason
-only in grid_logs/.
+only in grid_logs/. A `sinkhorn_*` key that the grid sets for a mode without Sinkhorn gets a warning: those runs
+repeat each other.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
+
+import yaml
 
 from .errors import UserError
 
 RUN_NAME_FLAG = "--trainer.logger.init_args.run_name="
+MODE_KEY = "model.arch.hyper.residual_mode"
+SINKHORN_PREFIX = "model.arch.hyper.sinkhorn_"
 
 
 class GridError(UserError):
     """A grid file or command line that cannot run; the message names the file and the key."""
 
 
-def check_sets(sets: list[str]) -> None:
+def check_sets(sets: list[str], spec: dict, grid: Path) -> None:
     bad = [s for s in sets if "=" not in s or not s.partition("=")[0].strip()]
     if bad:
         raise GridError(f"--set expects KEY=VALUE (an `mhc fit` key without the leading --), got {bad}")
+    for item in sets:
+        key = item.partition("=")[0].strip().removeprefix("--")
+        if key in spec["axes"]:
+            raise GridError(
+                f"--set {item}: {key} is an axis of {grid} ({spec['axes'][key]}); the runs would train the --set "
+                "value under names and tags that say the axis value: change the axis in the grid file"
+            )
+        setters = [name for name, overrides in spec["variants"].items() if key in (overrides or {})]
+        if setters:
+            raise GridError(
+                f"--set {item}: variant(s) {setters} of {grid} set {key}; the runs would train the --set value "
+                "under a variant that names another: change the variants in the grid file"
+            )
+
+
+def _config_mode(files: list[str]) -> Optional[str]:
+    """model.arch.hyper.residual_mode as the last of these config files that sets it says (None: none does)."""
+    mode = None
+    for path in files:
+        try:
+            cfg = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            continue  # the fit parser's check names it
+        for part in MODE_KEY.split("."):
+            cfg = cfg.get(part) if isinstance(cfg, dict) else None
+        mode = cfg if isinstance(cfg, str) else mode
+    return mode
+
+
+def sinkhorn_no_ops(runs: list[tuple[str, dict, list[str]]]) -> Optional[str]:
+    """A warning when the grid (its variants, axes or --set) sets sinkhorn_* keys for runs of a mode without Sinkhorn
+    (mhc_lite, kromhc), which ignores them: those runs differ only in their names."""
+    from .configs import default_config_files
+    from .model.config import EXACT_MODES
+
+    hit: dict[str, set[str]] = {}
+    for _, tags, argv in runs:
+        keys = {a[2:].partition("=")[0] for a in argv if a.startswith(f"--{SINKHORN_PREFIX}")}
+        if not keys:
+            continue
+        flags = [a.partition("=")[2] for a in argv if a.startswith(f"--{MODE_KEY}=")]
+        files = default_config_files() + [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "-c"]
+        mode = flags[-1] if flags else _config_mode(files)
+        if mode in EXACT_MODES:
+            hit.setdefault(tags.get("variant", "?"), set()).update(keys)
+    if not hit:
+        return None
+    keys = sorted(set().union(*hit.values()))
+    return (
+        f"warning: {', '.join(keys)} is a no-op for {' / '.join(EXACT_MODES)} (no Sinkhorn): the runs of variant(s) "
+        f"{sorted(hit)} differ only in their names"
+    )
 
 
 def check_runs(grid: Path, runs: list[tuple[str, dict, list[str]]]) -> None:

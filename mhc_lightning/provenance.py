@@ -3,7 +3,10 @@ the settings that change results. Read once per process; `callbacks/run_provenan
 
 The code is located from this package's own files, not from the command line or the working directory: MLflow's
 guess (`mlflow.source.git.commit`, from `sys.argv[0]`) records nothing when the `mhc` entry point lives in a venv
-outside the checkout, in Docker or in conda, and a wrong commit when the checkout holds uncommitted code.
+outside the checkout, in Docker or in conda, and a wrong commit when the checkout holds uncommitted code. Where no
+one checkout holds the code that runs (no git: an installed copy, the Docker image; or the kernels imported from
+another tree than the package), the run is labelled by a digest of the package's and the kernels' own source files
+instead, so that such runs are never pooled as one "unknown" code state.
 """
 
 from __future__ import annotations
@@ -11,10 +14,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.metadata
+import importlib.util
+import os
 import platform
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -22,6 +27,8 @@ import torch
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 UNKNOWN = "unknown"
+# The Docker image writes the commit it was built from into this file (Dockerfile, build arg GIT_COMMIT).
+BUILD_COMMIT_ENV = "MHC_BUILD_COMMIT_FILE"
 # The libraries whose versions can change a result; a missing one is recorded as absent.
 LIBRARIES = ("torch", "triton", "lightning", "mlflow", "optuna", "numpy")
 
@@ -38,12 +45,15 @@ class CodeState:
     diff_sha256: str = ""
     diff: str = ""
     checkout: str = ""
+    sources_sha256: str = ""  # the package's and the kernels' .py files (source_digest)
+    unknown_because: str = ""  # set when the checkout does not tell the code that runs
 
     @property
     def label(self) -> str:
-        """commit[:9], with '+<digest[:8]>' when dirty: two runs of one label ran the same code."""
-        if self.commit == UNKNOWN:
-            return UNKNOWN
+        """commit[:9], with '+<digest[:8]>' when dirty: two runs of one label ran the same code. Where no checkout
+        tells the code, 'src:' and the sources' digest."""
+        if self.commit == UNKNOWN or self.unknown_because:
+            return f"src:{self.sources_sha256[:12]}" if self.sources_sha256 else UNKNOWN
         return self.commit[:9] + (f"+{self.diff_sha256[:8]}" if self.dirty else "")
 
 
@@ -81,6 +91,48 @@ def code_state(start: Path = PACKAGE_DIR) -> CodeState:
     if listing:
         text += "".join(f"# untracked: {name}\n" for name in listing)
     return CodeState(commit, dirty, digest.hexdigest() if dirty else "", text if dirty else "", str(root))
+
+
+def kernels_dir() -> Path:
+    """Where `mhc_lightning.kernels` is imported from (the top-level kernels/ folder of an install, mapped in)."""
+    spec = importlib.util.find_spec("mhc_lightning.kernels")
+    return Path(next(iter(spec.submodule_search_locations))).resolve()
+
+
+def source_digest(dirs: tuple[tuple[str, Path], ...]) -> str:
+    """sha256 over every .py file under each (name, folder): its name under `name`, then its bytes."""
+    digest = hashlib.sha256()
+    for name, folder in dirs:
+        for path in sorted(p for p in folder.rglob("*.py") if "__pycache__" not in p.parts):
+            digest.update(f"\0{name}/{path.relative_to(folder).as_posix()}\0".encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def build_commit() -> str:
+    """The commit the Docker image was built from ('' outside the image or when the build did not say)."""
+    path = os.environ.get(BUILD_COMMIT_ENV)
+    try:
+        commit = Path(path).read_text().strip() if path else ""
+    except OSError:
+        return ""
+    return "" if commit in ("", UNKNOWN) else commit
+
+
+@functools.cache
+def run_code() -> CodeState:
+    """The code this process runs: the package's checkout (code_state), with the digest of the sources that are
+    imported, and why that checkout does not tell the code where it does not (no git; kernels from another tree,
+    whose changes the checkout's diff would misstate)."""
+    code, kernels = code_state(), kernels_dir()
+    sources = source_digest((("mhc_lightning", PACKAGE_DIR), ("mhc_lightning.kernels", kernels)))
+    why = ""
+    if code.commit == UNKNOWN:
+        built = build_commit()
+        why = f"no git checkout around {PACKAGE_DIR}" + (f" (image built from commit {built[:12]})" if built else "")
+    elif not kernels.is_relative_to(Path(code.checkout).resolve()):
+        why = f"the kernels are imported from {kernels}, outside the checkout {code.checkout}"
+    return replace(code, sources_sha256=sources, unknown_because=why)
 
 
 def _version(name: str) -> str:

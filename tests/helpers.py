@@ -148,3 +148,10 @@ def trial_worker_pid(trial) -> int | None:
     """The pid in a trial's `worker` attribute ("host:pid")."""
     parts = str(trial.user_attrs.get("worker", "")).split(":")
     return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else None
+
+
+def md_table(path: Path) -> list[dict[str, str]]:
+    """The rows of a markdown table written by the reports, as {header: cell}."""
+    lines = Path(path).read_text().splitlines()
+    cells = [[c.strip() for c in line.strip().strip("|").split("|")] for line in lines if line.startswith("|")]
+    return [dict(zip(cells[0], row)) for row in cells[2:]]

@@ -58,9 +58,9 @@ def test_fit_writes_an_mlflow_run(mode, tiny_corpus, mlflow_uri, tmp_path):
     assert len(runs) == 1
     run = runs[0]
     assert run.info.status == "FINISHED" and run.info.run_name == f"fit-{mode}"
-    assert run.data.params["arch/hyper/residual_mode"] == mode
-    assert run.data.params["arch/vocab_size"] == "256"  # linked from the datamodule
-    assert run.data.params["arch/context"] == "32"  # linked from data.seq_len
+    assert run.data.params["model.arch.hyper.residual_mode"] == mode
+    assert run.data.params["model.arch.vocab_size"] == "256"  # linked from the datamodule
+    assert run.data.params["model.arch.context"] == "32"  # linked from data.seq_len
     m = run.data.metrics
     for key in ("train/loss", "train/grad_norm", "train/lr", "val/loss", "val/bpb", "val/ppl"):
         assert key in m, key
@@ -319,13 +319,13 @@ def test_printed_ui_hint_runs_as_printed(tiny_corpus, tmp_path, _mlflow_template
     assert "val/bpb=" in fit.stdout
     run_id = fit.stdout.split("MLflow run ", 1)[1].split()[0]
     # started from a folder outside the checkout: the run still names the code it ran (callbacks/run_provenance.py)
-    from mhc_lightning.provenance import code_state
+    from mhc_lightning.provenance import run_code
 
     run = mlflow.MlflowClient(f"sqlite:///{work / 'mlflow.db'}").get_run(run_id)
     tags, params = run.data.tags, run.data.params
     # the data seed followed seed_everything (conf/base.yaml: 1234), and the logged hyperparameter says so
-    assert params["seed"] == params["data/seed"] == params["seed_everything"] == "1234"
-    assert tags["mhc.git.commit"] == code_state().commit and tags["mhc.code"] == code_state().label
+    assert params["data.seed"] == params["seed_everything"] == "1234"
+    assert tags["mhc.git.commit"] == run_code().commit and tags["mhc.code"] == run_code().label
     assert tags["mhc.env.torch"] and tags["mhc.data.train_sha256"]
     hint = next(ln for ln in fit.stdout.splitlines() if ln.startswith("view it:"))
     command = hint[len("view it:") :].split("   (then open")[0].strip()

@@ -28,15 +28,16 @@ def fake_run(client, exp_id, name, mode, final, amax=None, tps=1000.0, tags=None
     run = client.create_run(exp_id, run_name=name, tags=tags)
     rid, now = run.info.run_id, int(time.time() * 1000)
     params = {
-        "arch/hyper/residual_mode": mode,
-        "arch/hyper/n_streams": "4",
-        "arch/hyper/sinkhorn_iters": "20",
-        "optim/lr": "0.002",
-        "arch/n_layers": "2",
-        "trainer/max_steps": "40",
+        "model.arch.hyper.residual_mode": mode,
+        "model.arch.hyper.n_streams": "4",
+        "model.arch.hyper.sinkhorn_iters": "20",
+        "model.optim.lr": "0.002",
+        "model.arch.n_layers": "2",
+        "trainer.max_steps": "40",
+        "trainer.gradient_clip_val": "1.0",
         "seed_everything": "1",
-        "data/seed": "1",
-        "corpus": "shakespeare",
+        "data.seed": "1",
+        "data.corpus": "shakespeare",
         **(extra or {}),
     }
     metrics = []
@@ -80,8 +81,9 @@ def test_compare_experiment_table_plots_and_logging(runs, mlflow_uri, tmp_path, 
     assert float(rows[0]["val/loss"]) == pytest.approx(2.0) and rows[0]["steps"] == "40"  # steps 0..39
     assert float(rows[2]["tokens/s (median)"]) == pytest.approx(2500.0, rel=0.05)
     # settings a mode does not use are left blank instead of showing the config default
-    assert rows[1]["sinkhorn_iters"] == "" and rows[2]["n_streams"] == "" and rows[0]["sinkhorn_iters"] == "20"
-    assert "lr" not in rows[0]  # equal in every run: says nothing about the difference
+    sinkhorn, streams = "model.arch.hyper.sinkhorn_iters", "model.arch.hyper.n_streams"
+    assert rows[1][sinkhorn] == "" and rows[2][streams] == "" and rows[0][sinkhorn] == "20"
+    assert "model.optim.lr" not in rows[0]  # equal in every run: says nothing about the difference
     md = (out / "runs.md").read_text().splitlines()
     assert md[0].startswith("| run |") and len(md) == 2 + 3
 
@@ -114,7 +116,8 @@ def test_compare_experiment_table_plots_and_logging(runs, mlflow_uri, tmp_path, 
 
 
 def test_the_table_shows_run_ids_and_the_settings_that_differ(mlflow_uri, tmp_path):
-    """runs.md had no run id (hidden), called the last step index "steps", and left out budget, seed and corpus."""
+    """Every setting that differs is a column (HC and HC without clipping differ in trainer.gradient_clip_val only),
+    in `mhc fit` spelling, old stores' param names read alike; runs.md shows run ids and the steps run."""
     client = MlflowClient(mlflow_uri)
     exp = client.create_experiment("differ")
     base = fake_run(client, exp, "base", "mhc", 2.0)
@@ -122,24 +125,40 @@ def test_the_table_shows_run_ids_and_the_settings_that_differ(mlflow_uri, tmp_pa
         fake_run(client, exp, name, "mhc", 2.1 + i / 10, extra=extra, tags=tags)
         for i, (name, extra, tags) in enumerate(
             [
-                ("longer", {"trainer/max_steps": "80"}, None),
-                ("seed2", {"seed_everything": "2", "data/seed": "2"}, None),
-                ("other-text", {"corpus": "/data/wiki.txt"}, {"mhc.data.train_sha256": "cd" * 32}),
+                ("longer", {"trainer.max_steps": "80"}, None),
+                ("seed2", {"seed_everything": "2", "data.seed": "2"}, None),
+                ("other-text", {"data.corpus": "/data/wiki.txt"}, {"mhc.data.train_sha256": "cd" * 32}),
+                ("noclip", {"trainer.gradient_clip_val": "None"}, None),
             ]
         )
     ]
     out = tmp_path / "differ"
     assert compare_main(["--experiment", "differ", "--tracking-uri", mlflow_uri, "--out", str(out), "--no-log"]) == 0
     rows = {r["run"]: r for r in csv.DictReader(open(out / "runs.csv"))}
-    assert [rows[n]["run_id"] for n in ("base", "longer", "seed2", "other-text")] == ids
-    assert rows["longer"]["max_steps"] == "80" and rows["base"]["max_steps"] == "40"
-    assert (rows["seed2"]["seed"], rows["seed2"]["data_seed"]) == ("2", "2") and rows["base"]["seed"] == "1"
-    assert rows["other-text"]["corpus"] == "/data/wiki.txt" and rows["other-text"]["corpus_sha256"] == "cd" * 6
-    assert {r["steps"] for r in rows.values()} == {"40"} and "lr" not in rows["base"]
+    assert [rows[n]["run_id"] for n in ("base", "longer", "seed2", "other-text", "noclip")] == ids
+    assert rows["longer"]["trainer.max_steps"] == "80" and rows["base"]["trainer.max_steps"] == "40"
+    assert (rows["seed2"]["seed_everything"], rows["seed2"]["data.seed"]) == ("2", "2")
+    assert rows["other-text"]["data.corpus"] == "/data/wiki.txt" and rows["other-text"]["data.train_sha256"] == "cd" * 6
+    assert rows["noclip"]["trainer.gradient_clip_val"] == "None" and rows["base"]["trainer.gradient_clip_val"] == "1.0"
+    assert {r["steps"] for r in rows.values()} == {"40"} and "model.optim.lr" not in rows["base"]
     md = (out / "runs.md").read_text().splitlines()
     header = [c.strip() for c in md[0].strip("|").split("|")]
     assert header[:2] == ["run", "run_id"]
-    assert {"max_steps", "seed", "data_seed", "corpus", "corpus_sha256"} <= set(header)
+    settings = {"trainer.max_steps", "seed_everything", "data.seed", "data.corpus", "data.train_sha256"}
+    assert settings | {"trainer.gradient_clip_val"} <= set(header)
+    old = client.create_run(exp, run_name="old-names").info.run_id  # a store written before the CLI names
+    old_names = {
+        "arch/hyper/residual_mode": "hc",
+        "model.optim.lr": "0.002",
+        "trainer/max_steps": "40",
+        "_instantiator": "x",
+    }
+    client.log_batch(old, params=[Param(k, v) for k, v in old_names.items()])
+    client.set_terminated(old, "FINISHED")
+    assert compare_main(["--runs", base, old, "--tracking-uri", mlflow_uri, "--out", str(out), "--no-log"]) == 0
+    rows = {r["run"]: r for r in csv.DictReader(open(out / "runs.csv"))}
+    assert rows["old-names"]["model.arch.hyper.residual_mode"] == "hc" and "trainer.max_steps" not in rows["base"]
+    assert not any(k.startswith(("arch/", "trainer/", "_")) for k in rows["base"])
     assert f"| base | `{base[:8]}` |" in md[2 + [r.split("|")[1].strip() for r in md[2:]].index("base")]
 
 

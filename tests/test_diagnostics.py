@@ -35,7 +35,10 @@ def test_logit_range_summary():
     assert per_layer["res_logit_range_max"] == [4.0, 8.0, 1.0]
 
 
-def test_grad_norm_summary_counts_every_step_after_warmup():
+def test_grad_norm_summary_counts_every_step_warmup_apart():
     norms = torch.tensor([50.0, 40.0, 1.0, 1.1, 0.9, 9.0, 1.0, 1.2])
-    assert grad_norm_summary(norms, warmup=2) == {"train/grad_norm_max": 9.0, "train/grad_spikes": 1.0}
-    assert grad_norm_summary(norms, warmup=8) == {}
+    after = {"train/grad_norm_max": 9.0, "train/grad_spikes": 1.0}
+    assert grad_norm_summary(norms, warmup=2) == {"train/grad_norm_max_warmup": 50.0, **after}
+    assert grad_norm_summary(norms, warmup=0) == {"train/grad_norm_max": 50.0, "train/grad_spikes": 3.0}
+    # a run that never leaves warmup (max_steps <= warmup_steps) still has its max
+    assert grad_norm_summary(norms, warmup=8) == {"train/grad_norm_max_warmup": 50.0}

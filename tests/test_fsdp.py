@@ -208,7 +208,7 @@ def test_fsdp2_matches_one_process_with_clipping(tiny_corpus, mlflow_uri, tmp_pa
 
     client = mlflow.MlflowClient(tracking_uri=mlflow_uri)
     (run,) = client.search_runs([client.get_experiment_by_name("fsdp2").experiment_id])
-    assert run.info.status == "FINISHED" and run.data.params["trainer/strategy"] == "ModelParallelStrategy"
+    assert run.info.status == "FINISHED" and run.data.params["trainer.strategy"] == "ModelParallelStrategy"
     logged = [
         m.value for m in sorted(client.get_metric_history(run.info.run_id, "train/grad_norm"), key=lambda m: m.step)
     ]

@@ -207,3 +207,49 @@ def test_set_without_a_value_and_help_text(tmp_path, capsys):
     text = build_parser().format_help()
     for piece in ("experiment:", "configs:", "variants:", "axes:", "repeats:", "run names:", "--dry-run", "tags"):
         assert piece in text, piece
+
+
+def test_a_set_on_an_axis_or_variant_key_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    """`--set model.arch.n_layers=2` over an n_layers axis trained 2 blocks under names and tags that said the axis
+    value, so reports paired the wrong runs: refused before anything is written."""
+    from mhc_lightning.grid import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    grid = tmp_path / "g.yaml"
+    grid.write_text(json.dumps(TINY_GRID))
+    for item, says in (
+        ("seed_everything=7", "seed_everything is an axis of"),
+        ("model.arch.hyper.residual_mode=mhc", "variant(s) ['hc'] of"),
+    ):
+        assert main([str(grid), "--set", item]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"mhc grid: error: --set {item}: ") and says in err[0], err
+    assert not (tmp_path / "grid_logs").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+def test_sinkhorn_keys_for_modes_without_sinkhorn_are_named(tmp_path, capsys):
+    """A sinkhorn_iters axis over mhc_lite / kromhc runs identical duplicates: `mhc grid` warns, `mhc fit` says it
+    ignores the key (one line, before its inputs are checked)."""
+    from mhc_lightning.cli import main as fit_main
+    from mhc_lightning.grid_check import sinkhorn_no_ops
+
+    spec = {
+        **TINY_GRID,
+        "variants": {"mhc": {}, "lite": {"model.arch.hyper.residual_mode": "mhc_lite"}},
+        "axes": {"model.arch.hyper.sinkhorn_iters": [5, 20]},
+    }
+    grid = tmp_path / "g.yaml"
+    grid.write_text(json.dumps(spec))
+    said = sinkhorn_no_ops(expand(load_grid(grid), REPO, []))
+    assert "model.arch.hyper.sinkhorn_iters is a no-op for mhc_lite / kromhc" in said and "['lite']" in said
+    assert sinkhorn_no_ops(expand(load_grid(grid), REPO, [])[:1]) is None  # the mhc run uses it
+    missing = tmp_path / "no_corpus.txt"
+    with pytest.raises(SystemExit) as stopped:
+        fit_main(
+            ["fit", "-c", str(CONF / "model" / "kromhc.yaml"), "--model.arch.hyper.sinkhorn_iters=5"]
+            + [f"--data.corpus={missing}"]
+        )
+    assert stopped.value.code == 2
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if "has no Sinkhorn" in ln]
+    assert lines == ["mhc fit: residual_mode=kromhc has no Sinkhorn: ignoring model.arch.hyper.sinkhorn_iters=5"]

@@ -52,6 +52,29 @@ def test_code_state_follows_the_checkout_not_the_working_directory(tmp_path, mon
     assert provenance.code_state.__wrapped__(alone) == provenance.CodeState("unknown", None)
 
 
+def test_params_take_the_names_mhc_fit_takes():
+    """The module's and the datamodule's hyperparameters, told apart by name, and old stores' names read alike."""
+    import inspect
+
+    from mhc_lightning import ByteTextDataModule, LitLM
+    from mhc_lightning.loggers.param_names import DATA_KEYS, MODEL_KEYS, cli_name, cli_params
+
+    assert set(MODEL_KEYS) == set(inspect.signature(LitLM).parameters)
+    assert set(DATA_KEYS) == set(inspect.signature(ByteTextDataModule).parameters)
+    logged = cli_params({"arch": {"hyper": {"residual_mode": "hc"}}, "corpus": "x", "_instantiator": "i", "seed": 3})
+    assert logged == {"model.arch.hyper.residual_mode": "hc", "data.corpus": "x", "data.seed": 3}
+    old = ("arch/hyper/residual_mode", "optim/lr", "trainer/max_steps", "data/seed", "seed", "seed_everything")
+    assert [cli_name(k) for k in old] == [
+        "model.arch.hyper.residual_mode",
+        "model.optim.lr",
+        "trainer.max_steps",
+        "data.seed",
+        "data.seed",
+        "seed_everything",
+    ]
+    assert cli_name("model.arch.n_layers") == "model.arch.n_layers"
+
+
 def test_environment_names_the_libraries():
     env = provenance.environment()
     assert env["torch"] != "absent" and env["lightning"] != "absent" and env["gpu"] == "none"
@@ -79,6 +102,7 @@ def test_weights_digest_takes_scalar_parameters():
 
 def test_every_run_records_code_environment_data_and_settings(tiny_corpus, mlflow_uri, tmp_path):
     provenance.code_state.cache_clear()  # read the checkout now: it may have changed since this process read it
+    provenance.run_code.cache_clear()
     logger = ResilientMLFlowLogger(experiment_name="prov", tracking_uri=mlflow_uri)
     trainer, module = tiny_fit(
         tiny_corpus,
@@ -94,8 +118,9 @@ def test_every_run_records_code_environment_data_and_settings(tiny_corpus, mlflo
     )
     run = _run(mlflow_uri, logger.run_id)
     tags, params = run.data.tags, run.data.params
-    code = provenance.code_state()
-    assert tags["mhc.git.commit"] == code.commit == tags["mlflow.source.git.commit"]
+    code = provenance.run_code()
+    assert tags["mhc.git.commit"] == code.commit
+    assert tags["mhc.code.sha256"] == code.sources_sha256 and len(code.sources_sha256) == 64
     assert tags["mhc.git.dirty"] == str(code.dirty).lower() and tags["mhc.code"] == code.label
     assert tags["mhc.weights_sha256"] == weights_digest(module)
     if code.commit != "unknown" and (REPO / ".git").exists():
@@ -107,25 +132,66 @@ def test_every_run_records_code_environment_data_and_settings(tiny_corpus, mlflo
     train = tiny_corpus.read_bytes()[: dm.train_bytes]
     assert tags["mhc.data.train_sha256"] == hashlib.sha256(train).hexdigest()
     assert tags["mhc.data.seed_source"] == "seed_everything"
-    assert params["seed_everything"] == "3" and params["data/seed"] == "3"
-    assert params["trainer/precision"] == "32-true" and params["trainer/accumulate_grad_batches"] == "2"
-    assert params["trainer/gradient_clip_val"] == "0.5" and params["trainer/max_steps"] == "2"
-    assert params["trainer/devices"] == "1" and params["trainer/strategy"] == "SingleDeviceStrategy"
+    assert params["seed_everything"] == "3" and params["data.seed"] == "3"
+    assert params["trainer.precision"] == "32-true" and params["trainer.accumulate_grad_batches"] == "2"
+    assert params["trainer.gradient_clip_val"] == "0.5" and params["trainer.max_steps"] == "2"
+    assert params["trainer.devices"] == "1" and params["trainer.strategy"] == "SingleDeviceStrategy"
+    assert params["trainer.log_every_n_steps"] and params["trainer.max_time"] == "None"
+    assert params["trainer.limit_val_batches"] and params["trainer.val_check_interval"]
+    # the module's and datamodule's hyperparameters under their `mhc fit` names, without LightningCLI's internals
+    assert params["model.arch.n_layers"] and params["data.batch_size"] and params["model.optim.lr"]
+    assert not any(k.startswith(("arch/", "_")) or "/" in k for k in params)
     artifacts = {a.path for a in mlflow.MlflowClient(mlflow_uri).list_artifacts(logger.run_id, "provenance")}
     assert "provenance/environment.json" in artifacts
-    assert any(p.endswith(".diff") for p in artifacts) == bool(code.dirty)
+    assert any(p.endswith(".diff") for p in artifacts) == bool(code.dirty and not code.unknown_because)
 
 
-def test_a_resumed_run_keeps_the_history_of_its_code_and_settings(tiny_corpus, mlflow_uri, tmp_path, monkeypatch):
+def test_a_resumed_run_keeps_the_history_of_its_code_and_settings(
+    tiny_corpus, mlflow_uri, tmp_path, monkeypatch, capsys
+):
+    """The second part runs code no checkout tells (the Docker image: no git): it says so in one line and is labelled
+    by the digest of its sources, never as a bare "unknown" that would pool with other such runs."""
     first = ResilientMLFlowLogger(experiment_name="prov", tracking_uri=mlflow_uri)
     tiny_fit(tiny_corpus, [RunProvenance()], steps=1, logger=first, default_root_dir=tmp_path)
-    other = provenance.CodeState("f" * 40, True, "e" * 64, "diff --git a/x b/x\n")
-    monkeypatch.setattr("mhc_lightning.callbacks.run_provenance.code_state", lambda: other)
+    other = provenance.CodeState("unknown", None, sources_sha256="e" * 64, unknown_because="no git checkout around /x")
+    monkeypatch.setattr("mhc_lightning.callbacks.run_provenance.run_code", lambda: other)
     again = ResilientMLFlowLogger(experiment_name="prov", tracking_uri=mlflow_uri, run_id=first.run_id)
-    with pytest.warns(UserWarning, match="trainer/max_steps was 1, now 2"):
+    capsys.readouterr()
+    with pytest.warns(UserWarning, match="trainer.max_steps was 1, now 2"):
         tiny_fit(tiny_corpus, [RunProvenance()], steps=2, logger=again, default_root_dir=tmp_path)
+    said = [ln for ln in capsys.readouterr().err.splitlines() if "not one commit's" in ln]
+    assert len(said) == 1 and "no git checkout around /x" in said[0] and "src:eeeeeeeeeeee" in said[0]
     tags, params = (lambda r: (r.data.tags, r.data.params))(_run(mlflow_uri, first.run_id))
-    before = provenance.code_state()
-    assert tags["mhc.git.commit"] == f"{before.commit},{'f' * 40}"
-    assert tags["mhc.code"] == f"{before.label},{other.label}" and tags["mhc.git.dirty"] == "true"
-    assert params["trainer/max_steps"] == "1" and tags["mhc.changed_on_resume.trainer/max_steps"] == "1 -> 2"
+    before = provenance.run_code()
+    assert tags["mhc.git.commit"] == f"{before.commit},unknown" and other.label == "src:" + "e" * 12
+    assert tags["mhc.code"] == f"{before.label},{other.label}"
+    assert tags["mhc.code.sha256"] == f"{before.sources_sha256},{'e' * 64}"
+    assert tags["mhc.code.unknown_because"] == "no git checkout around /x"
+    assert params["trainer.max_steps"] == "1" and tags["mhc.changed_on_resume.trainer.max_steps"] == "1 -> 2"
+
+
+def test_code_without_one_checkout_is_named_by_its_sources(tmp_path, monkeypatch):
+    """No git (an installed copy, the Docker image), or kernels from another tree than the package: the code is the
+    digest of the files imported, which follows every byte of either tree."""
+    pkg, kernels = tmp_path / "pkg", tmp_path / "kernels"
+    for folder in (pkg, kernels):
+        folder.mkdir()
+        (folder / "a.py").write_text("x = 1\n")
+    monkeypatch.setattr(provenance, "PACKAGE_DIR", pkg)
+    monkeypatch.setattr(provenance, "kernels_dir", lambda: kernels)
+    read_checkout = provenance.code_state.__wrapped__
+    monkeypatch.setattr(provenance, "code_state", lambda: provenance.CodeState("unknown", None))
+    built = tmp_path / "COMMIT"
+    built.write_text("abcdef1234567890\n")
+    monkeypatch.setenv(provenance.BUILD_COMMIT_ENV, str(built))
+    code = provenance.run_code.__wrapped__()
+    assert code.label == f"src:{code.sources_sha256[:12]}" and "image built from commit abcdef123456" in (
+        code.unknown_because
+    )
+    (kernels / "a.py").write_text("x = 2\n")
+    assert provenance.run_code.__wrapped__().sources_sha256 != code.sources_sha256
+    root = _repo(tmp_path / "repo")  # a clean checkout whose kernels are not the ones imported
+    monkeypatch.setattr(provenance, "code_state", lambda: read_checkout(root / "pkg"))
+    split = provenance.run_code.__wrapped__()
+    assert split.commit == _git(root, "rev-parse", "HEAD") and "outside the checkout" in split.unknown_because
+    assert split.label.startswith("src:")

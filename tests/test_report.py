@@ -6,13 +6,15 @@ import time
 
 import mlflow
 import pytest
+from helpers import md_table
 from mlflow.entities import Metric, Param
 
 from mhc_lightning.cli import main
 
 
 def make_runs(uri: str):
-    """Two variants x two depths x two seeds with known metrics; one FAILED run that must be ignored."""
+    """Two variants x two depths x two seeds with known metrics; one FAILED run, counted as failed and averaged
+    nowhere."""
     client = mlflow.MlflowClient(uri)
     exp = client.create_experiment("grid")
     for variant, gain in (("hc", 10.0), ("mhc", 1.0)):
@@ -21,7 +23,12 @@ def make_runs(uri: str):
                 run = client.create_run(
                     exp,
                     run_name=f"{variant}-L{depth}-s{seed}",
-                    tags={"variant": variant, "model.arch.n_layers": str(depth), "seed_everything": str(seed)},
+                    tags={
+                        "variant": variant,
+                        "model.arch.n_layers": str(depth),
+                        "seed_everything": str(seed),
+                        "mhc.code": "abc123def",
+                    },
                 )
                 rid, now = run.info.run_id, int(time.time() * 1000)
                 metrics = [Metric("val/bpb", 2.0 + 0.1 * seed, now, 50)]
@@ -83,11 +90,13 @@ def test_report_groups_over_seeds(mlflow_uri, tmp_path, capsys):
         )
     assert exc.value.code == 0
     table = (out / "groups.md").read_text().splitlines()
-    assert len(table) == 2 + 4  # header, rule, 4 groups; the FAILED run is not counted
+    assert len(table) == 2 + 4  # header, rule, 4 groups; the FAILED run is counted, not averaged
     hc4 = next(l for l in table if l.startswith("| hc | 4 |"))
     header = [c.strip() for c in table[0].strip("|").split("|")]
     cells = dict(zip(header, (c.strip() for c in hc4.strip("|").split("|"))))
-    assert cells["runs"] == "2" and cells["code"] == "unknown"  # runs without provenance tags
+    assert (cells["finished"], cells["diverged"], cells["failed"]) == ("2", "0", "0") and cells["code"] == "abc123def"
+    hc2 = dict(zip(header, (c.strip() for c in next(l for l in table if l.startswith("| hc | 2 |")).split("|")[1:])))
+    assert (hc2["finished"], hc2["failed"]) == ("2", "1") and hc2["val bits/byte"].startswith("2.1500")
     assert cells["val bits/byte"] == f"2.1500 ± {math.sqrt(0.005):.4f}"  # val bpb 2.1 and 2.2: mean, sample std
     assert cells["composite Amax fwd (worst token, peak)"].startswith("37 ± 0")  # peak Amax 1 + 9 * 4 = 37
     spikes = next(v for h, v in cells.items() if h.startswith("grad spikes"))
@@ -124,13 +133,13 @@ def test_report_names_missing_group_tags(mlflow_uri, tmp_path, capsys):
     assert "depth" in capsys.readouterr().err
 
 
-def make_effect_runs(uri: str, code: dict[str, str] = None):
+def make_effect_runs(uri: str, code: dict[str, str] = None, experiment: str = "effects"):
     """residual / mhc / hc at one depth over 6 seeds: mhc lower by 0.03 under a seed spread of 0.05, hc equal to the
     residual; `code` gives some runs (by name) another mhc.code tag."""
     import random
 
     rng, client = random.Random(5), mlflow.MlflowClient(uri)
-    exp = client.create_experiment("effects")
+    exp = client.create_experiment(experiment)
     for seed in range(1, 7):
         shared = rng.gauss(0, 0.05)
         for variant, effect in (("residual", 0.0), ("mhc", -0.03), ("hc", 0.0)):
@@ -168,16 +177,13 @@ def test_report_baseline_prints_paired_intervals(mlflow_uri, tmp_path, capsys):
             ]
         )
     assert exc.value.code == 0
-    rows = {
-        line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
-        for line in (out / "vs_residual.md").read_text().splitlines()[2:]
-    }
+    rows = {r["variant"]: r for r in md_table(out / "vs_residual.md")}
     assert set(rows) == {"hc", "mhc"}
     mhc, hc = rows["mhc"], rows["hc"]
-    assert mhc[-1] == "lower" and "paired by seed, n=6" in mhc and float(mhc[3]) < 0
-    low, high = (float(x) for x in mhc[4].strip("[]").split(","))
+    assert mhc["verdict"] == "lower" and mhc["test"] == "paired by seed, n=6" and float(mhc["difference"]) < 0
+    low, high = (float(x) for x in mhc["95% CI"].strip("[]").split(","))
     assert low < -0.03 < high < 0
-    assert hc[-1] == "cannot tell apart"
+    assert hc["verdict"] == "cannot tell apart" and hc["left out"] == "none" and hc["diverged"] == "0/6 vs 0/6"
     assert "abc123def" in (out / "groups.md").read_text()  # the code each group ran
     printed = capsys.readouterr().out
     assert "difference in val_bpb to residual" in printed and "cannot tell apart" in printed
@@ -207,6 +213,11 @@ def test_report_refuses_to_pool_runs_of_different_code(mlflow_uri, tmp_path, cap
     with pytest.raises(SystemExit) as exc:
         main(args + ["--allow-mixed-code"])
     assert exc.value.code == 0
+    # runs of unknown code (no provenance) are each their own code state: never pooled as one
+    make_effect_runs(mlflow_uri, code={"hc-s1": "unknown", "hc-s2": "unknown"}, experiment="unknowns")
+    with pytest.raises(SystemExit) as exc:
+        main([a if a != "effects" else "unknowns" for a in args])
+    assert exc.value.code == 2 and "hc-s1 (unknown:" in capsys.readouterr().err
 
 
 def test_baseline_needs_group_by(capsys):
@@ -229,7 +240,7 @@ def test_lr_scan_report_compares_each_variant_at_its_best_lr(mlflow_uri, tmp_pat
                 rid = client.create_run(
                     exp,
                     run_name=f"{variant}-lr{lr}-s{seed}",
-                    tags={"variant": variant, "model.optim.lr": str(lr), "seed_everything": str(seed)},
+                    tags={"variant": variant, "model.optim.lr": str(lr), "seed_everything": str(seed), "mhc.code": "c"},
                 ).info.run_id
                 client.log_metric(rid, "val/bpb", bpb + 0.01 * seed, step=5)
                 client.set_terminated(rid, "FINISHED")

@@ -59,8 +59,8 @@ def test_extending_a_finished_run_is_refused_without_extend_and_continues_the_lr
     lr_min = 2e-3 * 0.1  # base.yaml's lr x min_lr_ratio, reached at the end of the first 4 steps
     assert before_lr[-1][1] == pytest.approx(lr_min)
     assert [v for _, v in lr[4:]] == pytest.approx([lr_min, lr_min])  # no jump (before: 4.6e-4, then 1.1e-3 ...)
-    assert again.data.params["trainer/max_steps"] == "4"
-    assert again.data.tags["mhc.changed_on_resume.trainer/max_steps"] == "4 -> 6"
+    assert again.data.params["trainer.max_steps"] == "4"
+    assert again.data.tags["mhc.changed_on_resume.trainer.max_steps"] == "4 -> 6"
     config = client.download_artifacts(run.info.run_id, "config.yaml", str(tmp_path))
     text = open(config).read()
     assert "max_steps: 6" in text and "extend: true" in text

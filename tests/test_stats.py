@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from mhc_lightning.reports.stats import difference, format_difference, paired, welch
+from mhc_lightning.reports.stats import difference, divergence_p, format_difference, one_seed, paired, welch
 
 
 def _runs(effect: float, seed_sd: float, noise_sd: float, seeds: int, rng: random.Random):
@@ -50,8 +50,6 @@ def test_unpaired_when_seeds_do_not_pair():
     # baseline ran other seeds: nothing pairs, Welch on all six runs
     d = difference(group, [("7", 2.3), ("8", 2.4), ("9", 2.5)])
     assert not d.paired and d.n == (3, 3) and d.mean == pytest.approx(-0.3)
-    # a repeated seed in one group (two runs of seed 1): not a pairing either
-    assert not difference(group + [("1", 2.05)], [("1", 2.3), ("2", 2.4), ("3", 2.5)]).paired
     # runs without a seed: Welch
     assert not difference([(None, 1.0), (None, 1.2)], [(None, 2.0), (None, 2.1)]).paired
 
@@ -77,3 +75,29 @@ def test_too_few_runs_give_no_interval():
 def test_identical_differences_give_a_point_interval():
     d = paired({"1": 1.5, "2": 2.5}, {"1": 1.0, "2": 2.0})
     assert (d.mean, d.low, d.high) == (0.5, 0.5, 0.5) and d.distinguishable
+
+
+def test_replicates_are_averaged_within_their_seed_and_one_seed_gives_no_verdict():
+    """Four replicates of one seed against four of another are two samples, not eight: no verdict (Welch on the runs
+    would call the 0.1 gap 'lower' at p < 0.001)."""
+    group = [("1", 2.0 + e) for e in (0.0, 0.001, -0.001, 0.0005)]
+    base = [("1", 2.1 + e) for e in (0.0, 0.001, -0.001, 0.0005)]
+    assert welch([v for _, v in group], [v for _, v in base]).distinguishable  # what pooling runs would claim
+    assert one_seed(group) and difference(group, base) is None
+    cells = format_difference(None, why_none="one seed (4 replicates): replicate SD 0.0009")
+    assert cells["verdict"] == "no verdict" and cells["test"].startswith("one seed")
+    # a repeated seed is averaged first, then paired over the three seeds
+    d = difference([("1", 2.0), ("1", 2.2), ("2", 2.1), ("3", 2.2)], [("1", 2.3), ("2", 2.4), ("3", 2.5)])
+    assert d.paired and d.n == (3,) and d.averaged and "replicates averaged" in d.test
+    assert d.mean == pytest.approx(((2.1 - 2.3) + (2.1 - 2.4) + (2.2 - 2.5)) / 3)
+
+
+def test_divergence_rates_are_compared_exactly():
+    from scipy.stats import fisher_exact
+
+    assert (
+        divergence_p(4, 1, 0, 5)
+        == pytest.approx(fisher_exact([[4, 1], [0, 5]]).pvalue)
+        == pytest.approx(0.047619, abs=1e-6)
+    )
+    assert divergence_p(0, 5, 0, 5) == 1.0

@@ -39,6 +39,6 @@ def test_torchrun_two_cpu_processes_write_one_run(tiny_corpus, mlflow_uri, tmp_p
 
     client = mlflow.MlflowClient(tracking_uri=mlflow_uri)
     (run,) = client.search_runs([client.get_experiment_by_name("torchrun").experiment_id])
-    assert run.info.status == "FINISHED" and run.data.params["trainer/devices"] == "2"
+    assert run.info.status == "FINISHED" and run.data.params["trainer.devices"] == "2"
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "train/loss")) == list(range(steps))
     assert logs.count(f"MLflow run {run.info.run_id}") == 1  # announced by rank 0 only

@@ -1,10 +1,14 @@
 """RunProvenance: every run (fit, validate, test; each grid point and sweep trial) records what it ran.
 
 - tags `mhc.git.commit`, `mhc.git.dirty`, `mhc.git.diff_sha256` (and MLflow's own `mlflow.source.git.commit`,
-  overwritten with the real one), `mhc.code` (the label `mhc compare` groups by), `mhc.env.*` (Python, library, CUDA
-  and GPU versions), `mhc.data.train_sha256` / `mhc.data.val_sha256` / `mhc.data.seed_source`;
-- params `seed_everything`, `data/seed` and the trainer settings that change results (`trainer/*`);
-- artifacts `provenance/environment.json` and, for a dirty checkout, `provenance/uncommitted-<digest>.diff`;
+  overwritten with the real one), `mhc.code.sha256` (a digest of the package's and the kernels' sources that run),
+  `mhc.code` (the label `mhc compare` groups by: the commit, or `src:<digest>` where no checkout tells the code, which
+  the run says in one line at its start; `mhc.code.unknown_because` says why; `mhc.build.commit` in the Docker image),
+  `mhc.env.*` (Python, library, CUDA and GPU versions), `mhc.data.train_sha256` / `mhc.data.val_sha256` /
+  `mhc.data.seed_source`;
+- params `seed_everything`, `data.seed` and the trainer settings that change results (`trainer.*`);
+- artifacts `provenance/environment.json` and, for a dirty checkout that holds all the code, the
+  `provenance/uncommitted-<digest>.diff`;
 - at the end of a fit, the tag `mhc.weights_sha256`: a digest of the final weights, so that replicates (same code,
   config and seed) can be checked for bitwise identity from the store alone.
 
@@ -19,34 +23,43 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import warnings
 
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, Timer
 from lightning.pytorch.loggers import MLFlowLogger
 
-from ..provenance import code_state, environment
+from ..provenance import build_commit, environment, run_code
 
 CODE_TAG = "mhc.code"
 COMMIT_TAG = "mhc.git.commit"
 DIRTY_TAG = "mhc.git.dirty"
 DIFF_TAG = "mhc.git.diff_sha256"
+SOURCES_TAG = "mhc.code.sha256"
+UNKNOWN_TAG = "mhc.code.unknown_because"
 WEIGHTS_TAG = "mhc.weights_sha256"
 CHANGED_PREFIX = "mhc.changed_on_resume."
 
 
 def trainer_settings(trainer) -> dict[str, str]:
-    """The Trainer settings that change a result, as params."""
+    """The Trainer settings that change a result (what is trained, validated, or when), as params; max_time in
+    seconds (None: no limit)."""
+    timers = [cb for cb in trainer.callbacks if isinstance(cb, Timer)]
     return {
-        "trainer/precision": str(trainer.precision),
-        "trainer/devices": str(trainer.num_devices),
-        "trainer/num_nodes": str(trainer.num_nodes),
-        "trainer/strategy": type(trainer.strategy).__name__,
-        "trainer/max_steps": str(trainer.max_steps),
-        "trainer/accumulate_grad_batches": str(trainer.accumulate_grad_batches),
-        "trainer/gradient_clip_val": str(trainer.gradient_clip_val),
-        "trainer/gradient_clip_algorithm": str(trainer.gradient_clip_algorithm),
-        "trainer/deterministic": str(torch.are_deterministic_algorithms_enabled()),
+        "trainer.precision": str(trainer.precision),
+        "trainer.devices": str(trainer.num_devices),
+        "trainer.num_nodes": str(trainer.num_nodes),
+        "trainer.strategy": type(trainer.strategy).__name__,
+        "trainer.max_steps": str(trainer.max_steps),
+        "trainer.max_time": str(timers[0]._duration if timers else None),
+        "trainer.accumulate_grad_batches": str(trainer.accumulate_grad_batches),
+        "trainer.gradient_clip_val": str(trainer.gradient_clip_val),
+        "trainer.gradient_clip_algorithm": str(trainer.gradient_clip_algorithm),
+        "trainer.limit_val_batches": str(trainer.limit_val_batches),
+        "trainer.val_check_interval": str(trainer.val_check_interval),
+        "trainer.log_every_n_steps": str(trainer.log_every_n_steps),
+        "trainer.deterministic": str(torch.are_deterministic_algorithms_enabled()),
     }
 
 
@@ -78,17 +91,28 @@ class RunProvenance(Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         if not trainer.is_global_zero:
             return
-        code = code_state()
+        code = run_code()
         params = {"seed_everything": os.environ.get("PL_GLOBAL_SEED", "off"), **trainer_settings(trainer)}
         tags = {
             COMMIT_TAG: code.commit,
             DIRTY_TAG: "unknown" if code.dirty is None else str(code.dirty).lower(),
             DIFF_TAG: code.diff_sha256,
             CODE_TAG: code.label,
+            SOURCES_TAG: code.sources_sha256,
         }
+        if code.unknown_because:
+            tags[UNKNOWN_TAG] = code.unknown_because
+            print(
+                f"mhc: the code this run runs is not one commit's ({code.unknown_because}): recorded as the digest "
+                f"of its sources, {code.label} (tag {SOURCES_TAG})",
+                file=sys.stderr,
+                flush=True,
+            )
+        if build_commit():
+            tags["mhc.build.commit"] = build_commit()
         dm = trainer.datamodule
         if dm is not None and getattr(dm, "train_sha256", None):
-            params["data/seed"] = str(dm.hparams.seed)
+            params["data.seed"] = str(dm.hparams.seed)
             tags.update(
                 {
                     "mhc.data.train_sha256": dm.train_sha256,
@@ -119,7 +143,7 @@ class RunProvenance(Callback):
         client, run_id = lg.experiment, lg.run_id
         run = client.get_run(run_id)
         before_params, before_tags = run.data.params, run.data.tags
-        for key in (COMMIT_TAG, DIRTY_TAG, DIFF_TAG, CODE_TAG):  # a resumed run keeps the history of its code
+        for key in (COMMIT_TAG, DIRTY_TAG, DIFF_TAG, CODE_TAG, SOURCES_TAG):  # a resumed run keeps its code history
             if before_tags.get(key) and before_tags[key] != tags[key]:
                 tags[key] = (
                     _merged(before_tags[key], tags[key])
@@ -137,10 +161,10 @@ class RunProvenance(Callback):
         new_params = {k: v for k, v in params.items() if k not in before_params}
         if new_params:
             lg.log_hyperparams(new_params)
-        if code.commit != "unknown":
+        if code.commit != "unknown" and not code.unknown_because:
             tags["mlflow.source.git.commit"] = code.commit
         for key, value in tags.items():
             client.set_tag(run_id, key, value)
         client.log_text(run_id, json.dumps(env, indent=1, sort_keys=True), "provenance/environment.json")
-        if code.dirty:
+        if code.dirty and not code.unknown_because:  # the diff of a checkout whose kernels did not run would mislead
             client.log_text(run_id, code.diff, f"provenance/uncommitted-{code.diff_sha256[:12]}.diff")

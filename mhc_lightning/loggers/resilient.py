@@ -14,6 +14,8 @@ server and resume"). Every shipped config uses it.
   (`trainer.default_root_dir`/<experiment id>/<run id>/checkpoints); with `log_model: true` they are uploaded as run
   artifacts at the end of a successful fit and the local files are removed once the upload went through.
 - Experiments it creates open in the MLflow UI's training-runs view (store.py).
+- Params carry the names `mhc fit` takes (`model.arch.hyper.residual_mode`, `data.corpus`; param_names.py), without
+  LightningCLI's internals.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 
+from .param_names import cli_params
 from .spool import GuardedClient
 from .store import (
     TrackingUnreachable,
@@ -104,6 +107,10 @@ class ResilientMLFlowLogger(MLFlowLogger):
             }
         if run.info.status != "RUNNING":
             self._guard.update_run(self.run_id, status="RUNNING")
+
+    @rank_zero_only
+    def log_hyperparams(self, params) -> None:
+        super().log_hyperparams(cli_params(params))
 
     @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, float], step: Optional[int] = None) -> None:

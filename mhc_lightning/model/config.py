@@ -1,6 +1,6 @@
 """Architecture configuration: plain dataclasses that LightningCLI exposes field by field."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal, Union
 
 from ..kernels.options import (
@@ -143,6 +143,13 @@ class HyperConfig:
     @property
     def streams(self) -> int:
         return 1 if self.residual_mode == "residual" else self.n_streams
+
+    def ignored_sinkhorn_keys(self) -> dict[str, object]:
+        """The sinkhorn_* keys set away from their defaults in a mode without Sinkhorn (mhc_lite, kromhc): no-ops."""
+        if self.residual_mode not in EXACT_MODES:
+            return {}
+        names = [f.name for f in fields(self) if f.name.startswith("sinkhorn_")]
+        return {k: getattr(self, k) for k in names if getattr(self, k) != getattr(HyperConfig, k)}
 
 
 @dataclass

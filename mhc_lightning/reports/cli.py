@@ -27,6 +27,7 @@ METRICS = [
     "min_colsum",
     "min_colsum_tokmean",
     "logit_range_peak",
+    "grad_norm_max_warmup",
     "grad_norm_max",
     "grad_spikes",
     "tokens_per_sec",
@@ -123,11 +124,14 @@ def _grouped(args, uri: str) -> int:
         args.metric,
         args.allow_mixed_code,
     )
-    print(f"{res['runs']} runs in {res['groups']} groups -> {res['table']}")
+    print(f"{res['said'][0]} {res['groups']} groups (means over finished runs) -> {res['table']}")
     print(Path(res["table"]).read_text())
+    for line in res["said"][1:]:
+        print(line)
     if res["differences"] is not None:
         print(
-            f"difference in {args.metric} to {args.baseline} (95% CI; paired by seed where seeds pair) "
+            f"difference in {args.metric} to {args.baseline} (95% CI over seeds, replicates averaged; paired by seed "
+            "where seeds pair; divergence rates by Fisher's exact test) "
             f"-> {res['differences']}"
         )
         print(Path(res["differences"]).read_text())

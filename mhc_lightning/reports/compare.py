@@ -1,6 +1,7 @@
 """`mhc compare`: a table and plots for a set of MLflow runs (an experiment, an Optuna study, or run ids).
 
-Writes runs.md and runs.csv (configs and final metrics, best val/loss first) and six PNGs: val_loss.png and
+Writes runs.md and runs.csv (every setting, in `mhc fit` spelling, whose value differs between the runs, and final
+metrics, best val/loss first) and six PNGs: val_loss.png and
 train_loss.png (curves), amax_vs_layer.png (composite Amax gain per layer, from the runs' last
 diagnostics/per_layer_step*.json), h_res.png (each run's n x n H_res per sublayer and their composite products, side
 by side, from the same files), grad_norm.png (curves) and tokens_per_sec.png (median per run). They are logged to
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from . import plots
-from .runs import COMPARISON_TAG, CompareError, RunData, code_label, load, search
+from .runs import COMPARISON_TAG, DATA_DIGEST, MODE_KEY, CompareError, RunData, code_label, load, search
 from .tables import fmt, frame, write_table
 
 FINAL_METRICS = [
@@ -30,13 +31,11 @@ FINAL_METRICS = [
 CURVES = ["val/loss", "train/loss", "train/grad_norm", "train/tokens_per_sec"]
 
 
-def differing_columns(configs: list[dict], always=("residual_mode",)) -> list[str]:
-    """Config columns whose values differ between runs (equal everywhere says nothing about the difference)."""
-    return [
-        c
-        for c in dict.fromkeys(k for cfg in configs for k in cfg)
-        if c in always or len({cfg.get(c) for cfg in configs}) > 1 or len(configs) == 1
-    ]
+def differing_columns(configs: list[dict], always=(MODE_KEY,)) -> list[str]:
+    """Settings whose values differ between runs (equal everywhere says nothing about the difference; a setting some
+    runs lack differs), in sorted order after the residual mode."""
+    keys = sorted({k for cfg in configs for k in cfg}, key=lambda k: (k not in always, k))
+    return [c for c in keys if c in always or len({cfg.get(c) for cfg in configs}) > 1 or len(configs) == 1]
 
 
 def steps_done(d: RunData):
@@ -54,7 +53,7 @@ def markdown_ids(df):
     """The table for runs.md: the run id short (its first 8 characters find it in the UI's search; runs.csv has it
     whole), ids and digests as code, so that one like 1234e567 is not read as a number."""
     md = df.assign(run_id=df["run_id"].str[:8])
-    for col in ("run_id", "corpus_sha256"):
+    for col in ("run_id", DATA_DIGEST[0]):
         if col in md:
             md[col] = [f"`{v}`" if v else "" for v in md[col]]
     return md
@@ -83,7 +82,7 @@ def table_rows(data: list[RunData]) -> list[dict[str, Any]]:
 
 def _label(d: RunData, cols: list[str]) -> str:
     cfg = d.config()
-    bits = [f"{c}={fmt(cfg[c])}" if c != "residual_mode" else str(cfg[c]) for c in cols if c in cfg]
+    bits = [f"{c.rsplit('.', 1)[-1]}={fmt(cfg[c])}" if c != MODE_KEY else str(cfg[c]) for c in cols if c in cfg]
     return f"{d.label} " + " ".join(bits)
 
 
@@ -93,7 +92,7 @@ def layers_caption(shown: list[RunData], have: list[RunData]) -> str:
     def why(d: RunData) -> str:
         if d.evaluation:
             return f"{d.stage} run: no training steps"
-        if d.config().get("residual_mode") == "residual":
+        if d.config().get(MODE_KEY) == "residual":
             return "residual: one stream, no H_res"
         return "no per-layer diagnostics logged"
 

@@ -5,9 +5,12 @@ difference to a baseline group with a paired confidence interval (stats.py).
         --tracking-uri http://127.0.0.1:5000 --out docs/results --report docs/results.md \
         --notes docs/results_notes.md --context docs/results/context.txt
 
-Groups come from run tags (the grid runner tags every run with its variant and axis values); only FINISHED
-training runs count. A group pools runs of one code state only (tag `mhc.code`: commit, and a digest of any
-uncommitted change), unless allow_mixed_code is set. Reads local stores and servers alike (runs.py).
+Groups come from what ran: a key is read from the run's settings (its params, `mhc fit` spelling, e.g.
+model.arch.hyper.residual_mode: plain `mhc fit` runs group as well as a grid's), else from its tags (a grid's
+`variant`). Each group counts its runs finished / diverged / failed (outcomes.py); means, intervals and plots are over
+finished runs. A group pools runs of one code state only (tag `mhc.code`: commit, and a digest of any uncommitted
+change; runs of unknown code never pool), unless allow_mixed_code is set, and a group whose runs differ in any other
+setting than the grouping keys and the seed is flagged. Reads local stores and servers alike (runs.py).
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ from pathlib import Path
 from typing import Optional
 
 from ..diagnostics import GRAD_SPIKE_FACTOR as SPIKE_FACTOR
-from . import plots, sensitivity
-from .runs import CompareError, RunData, code_label, load, search, seed_of
-from .stats import difference, format_difference
+from . import outcomes, plots, sensitivity
+from .outcomes import COUNTED, counts, only, outcome
+from .runs import SEED_KEY, CompareError, RunData, code_label, load, search, seed_of
+from .stats import difference, divergence_p, format_difference, one_seed
 from .tables import frame, write_table
 
 HISTORIES = [
@@ -51,8 +55,9 @@ COLUMNS = [  # (summary key, header, format)
     ("stream_spread", "stream spread (last sublayer)", "{:.3g}"),
     ("hres_dist_identity", "‖H_res − I‖ (final, layer mean)", "{:.3g}"),
     ("hres_dist_identity_peak", "‖H_res − I‖ (largest layer, peak)", "{:.3g}"),
-    ("grad_norm_max", "max grad norm (pre-clip)", "{:.3g}"),
-    ("grad_spikes", f"grad spikes (>{SPIKE_FACTOR:g}x median)", "{:.2g}"),
+    ("grad_norm_max_warmup", "max grad norm in warmup (pre-clip)", "{:.3g}"),
+    ("grad_norm_max", "max grad norm after warmup (pre-clip)", "{:.3g}"),
+    ("grad_spikes", f"grad spikes after warmup (>{SPIKE_FACTOR:g}x median)", "{:.2g}"),
     ("tokens_per_sec", "tokens/s", "{:.3g}"),
 ]
 
@@ -60,8 +65,9 @@ COLUMNS = [  # (summary key, header, format)
 def run_summary(d: RunData) -> dict[str, float]:
     """Per-run scalars: final validation, the extreme gains seen over training, spikes, throughput.
 
-    Grad-norm maxima and spikes come from the run's every-step summary (`train/grad_norm_max`, `train/grad_spikes`,
-    logged by the module) where it has one; older runs only have the logged curve, every log_every_n_steps-th step.
+    Grad-norm maxima and spikes, warmup apart (diagnostics.grad_norm_summary), come from the run's every-step summary
+    (`train/grad_norm_max*`, `train/grad_spikes`, logged by the module) where it has one; older runs only have the
+    logged curve, every log_every_n_steps-th step.
     """
 
     def peak(key):
@@ -72,8 +78,9 @@ def run_summary(d: RunData) -> dict[str, float]:
         vals = [v for _, v in d.curves.get(key, [])]
         return min(vals) if vals else math.nan
 
-    warmup = int(d.params.get("optim/warmup_steps", 0))  # early steps are large by design, not spikes
+    warmup = int(d.resolved.get("model.optim.warmup_steps", 0))  # early steps are large by design, not spikes
     gn = [v for step, v in d.curves.get("train/grad_norm", []) if step >= warmup]
+    in_warmup = [v for step, v in d.curves.get("train/grad_norm", []) if step < warmup]
     med = st.median(gn) if gn else math.nan
     tps = [v for _, v in d.curves.get("train/tokens_per_sec", [])]
     every_step = "train/grad_norm_max" in d.metrics
@@ -89,6 +96,7 @@ def run_summary(d: RunData) -> dict[str, float]:
         "stream_spread": d.metrics.get("streams/spread_last", math.nan),
         "hres_dist_identity": d.metrics.get("hres/dist_identity", math.nan),
         "hres_dist_identity_peak": peak("hres/dist_identity_max"),
+        "grad_norm_max_warmup": d.metrics.get("train/grad_norm_max_warmup", max(in_warmup) if in_warmup else math.nan),
         "grad_norm_max": d.metrics["train/grad_norm_max"] if every_step else (max(gn) if gn else math.nan),
         "grad_spikes": d.metrics.get("train/grad_spikes", math.nan)
         if every_step
@@ -108,30 +116,56 @@ def _num(v: str):
 
 
 def check_one_code(groups: dict[tuple, list[RunData]]) -> None:
-    """Refuse a group that pools runs of different code (commits, or uncommitted changes): one line naming them."""
-    for gk, runs in groups.items():
+    """Refuse a group that pools runs of different or unknown code (commits, uncommitted changes, sources): one line
+    naming them."""
+    for gk, runs in only(groups, COUNTED).items():
         labels = {d.run_id: code_label(d) for d in runs}
         if len(set(labels.values())) > 1 or any("," in v for v in labels.values()):
             named = ", ".join(f"{d.name} ({labels[d.run_id]})" for d in runs)
             raise CompareError(
-                f"group {' '.join(map(str, gk))} pools runs of different code: {named}; compare runs "
-                "of one commit (rerun them), or pass --allow-mixed-code to pool them anyway"
+                f"group {' '.join(map(str, gk))} pools runs of different or unknown code: {named}; "
+                "compare runs of one commit (rerun them), or pass --allow-mixed-code to pool them anyway"
             )
 
 
+def setting(d: RunData, key: str) -> Optional[str]:
+    """What the run ran with for `key` (its params, `mhc fit` spelling), else its tag of that name (a grid's variant);
+    None when it has neither."""
+    value = d.resolved.get(key)
+    return value if value is not None else d.tags.get(key)
+
+
 def group(data: list[RunData], keys: list[str]) -> dict[tuple, list[RunData]]:
+    """Runs by their values of `keys`. A failed or unfinished run without them (it stopped before logging its
+    settings) is left out; a finished or diverged one is an error naming what the run has."""
     groups: dict[tuple, list[RunData]] = defaultdict(list)
     for d in data:
-        missing = [k for k in keys if k not in d.tags]
+        missing = [k for k in keys if setting(d, k) is None]
+        if missing and outcome(d) not in COUNTED:
+            continue
         if missing:
-            raise CompareError(f"run {d.name} has no tag(s) {missing}; group by tags the runs carry: {sorted(d.tags)}")
-        groups[tuple(_num(d.tags[k]) for k in keys)].append(d)
+            tags = sorted(k for k in d.tags if not k.startswith(("mlflow.", "mhc.", "optuna.")))
+            raise CompareError(
+                f"run {d.name} has no setting or tag {missing}; group by a setting in `mhc fit` spelling "
+                f"(e.g. {sensitivity.LR_KEY}; the run has {len(d.resolved)}) or a tag it carries: {tags}"
+            )
+        groups[tuple(_num(setting(d, k)) for k in keys)].append(d)
     return dict(
         sorted(
             groups.items(),
             key=lambda kv: tuple((isinstance(x, str), x if not isinstance(x, str) else 0, str(x)) for x in kv[0]),
         )
     )
+
+
+SEED_KEYS = (SEED_KEY, "data.seed")  # vary within a group by design
+
+
+def differing_settings(runs: list[RunData], keys: list[str]) -> list[str]:
+    """Settings, other than the grouping keys and the seeds, in which the group's runs differ (a key some runs lack
+    counts as differing)."""
+    names = {k for d in runs for k in d.resolved} - set(keys) - set(SEED_KEYS)
+    return sorted(k for k in names if len({d.resolved.get(k) for d in runs}) > 1)
 
 
 def mean_std(vals: list[float]) -> tuple[float, float]:
@@ -159,16 +193,25 @@ def replicate_sd(runs: list[RunData], metric: str = "val_bpb") -> float:
 
 
 def tables(groups, keys):
-    """(numbers: mean and std columns, for the CSV; text: 'mean ± std' cells under readable headers, for markdown)."""
+    """(numbers: mean and std columns, for the CSV; text: 'mean ± std' cells under readable headers, for markdown).
+    Runs are counted by outcome; means are over the finished runs."""
     records, cells = [], []
-    replicated = any(len({seed_of(d) for d in runs}) < len(runs) for runs in groups.values())
+    finished = {gk: only({gk: runs}, ("finished",)).get(gk, []) for gk, runs in groups.items()}
+    replicated = any(len({seed_of(d) for d in runs}) < len(runs) for runs in finished.values())
+    differing = {gk: differing_settings(only({gk: runs}, COUNTED).get(gk, []), keys) for gk, runs in groups.items()}
+    unfinished = any(counts(runs)["unfinished"] for runs in groups.values())
     for gk, runs in groups.items():
-        sums = [run_summary(d) for d in runs]
-        code = ",".join(sorted({code_label(d) for d in runs}))
-        rec = dict(zip(keys, gk), runs=len(runs), code=code)
-        row = {**{k: str(v) for k, v in zip(keys, gk)}, "runs": str(len(runs)), "code": code}
+        sums = [run_summary(d) for d in finished[gk]]
+        c = counts(runs)
+        code = ",".join(sorted({code_label(d) for d in only({gk: runs}, COUNTED).get(gk, [])}))
+        rec = dict(zip(keys, gk), **{k: c[k] for k in outcomes.OUTCOMES if k != "unfinished" or unfinished})
+        rec["code"] = code
+        row = {**{k: str(v) for k, v in zip(keys, gk)}, **{k: str(v) for k, v in rec.items() if k in c}}
+        row["code"] = code
+        if any(differing.values()):
+            rec["settings that differ"] = row["settings that differ"] = ", ".join(differing[gk]) or "–"
         if replicated:  # the same seed run more than once: the run-to-run spread beside the seed spread
-            rec["replicate_sd"] = replicate_sd(runs)
+            rec["replicate_sd"] = replicate_sd(finished[gk])
             row["replicate SD of val bits/byte"] = (
                 "–" if math.isnan(rec["replicate_sd"]) else (f"{rec['replicate_sd']:.4f}")
             )
@@ -181,15 +224,28 @@ def tables(groups, keys):
     return frame(records), frame(cells)
 
 
+def _no_verdict(pairs: list[list], sides: list[list[RunData]], metric: str) -> str:
+    """Why a difference has no interval: a side with one seed (its replicate spread shown instead), or too few."""
+    for side, ps, rs in zip(("group", "baseline"), pairs, sides):
+        if one_seed(ps):
+            sd = replicate_sd(rs, metric)
+            spread = "–" if math.isnan(sd) else f"{sd:.4f}"
+            return f"{side} has one seed ({len(ps)} runs): replicate SD {spread} only"
+    return "too few seeds"
+
+
 def baseline_differences(groups: dict[tuple, list[RunData]], keys: list[str], baseline: str, metric: str = "val_bpb"):
-    """Each group's difference in `metric` to the group that has `baseline` as its first key and the same other keys:
-    paired by seed where seeds pair, Welch otherwise (stats.difference). Returns the DataFrame of rows."""
+    """Each group's difference in `metric` to the group that has `baseline` as its first key and the same other keys,
+    over finished runs, replicates averaged within their seed: paired by seed where seeds pair, Welch otherwise
+    (stats.difference); the runs left out and why; the divergence rates with Fisher's exact p. Returns the DataFrame
+    of rows."""
     if not any(str(gk[0]) == baseline for gk in groups):
         raise CompareError(
             f"--baseline {baseline!r}: no group has {keys[0]}={baseline}; "
             f"groups: {sorted({str(gk[0]) for gk in groups})}"
         )
     by_key = {tuple(str(x) for x in gk): runs for gk, runs in groups.items()}
+    value = lambda d: run_summary(d)[metric]  # noqa: E731
     rows = []
     for gk, runs in groups.items():
         if str(gk[0]) == baseline:
@@ -197,8 +253,24 @@ def baseline_differences(groups: dict[tuple, list[RunData]], keys: list[str], ba
         base = by_key.get((baseline, *(str(x) for x in gk[1:])))
         if base is None:
             continue
-        pairs = [[(seed_of(d), run_summary(d)[metric]) for d in rs] for rs in (runs, base)]
-        rows.append({**{k: str(v) for k, v in zip(keys, gk)}, "vs": baseline, **format_difference(difference(*pairs))})
+        sides = [[d for d in rs if outcome(d) == "finished"] for rs in (runs, base)]
+        pairs = [[(seed_of(d), value(d)) for d in rs if not math.isnan(value(d))] for rs in sides]
+        diff = difference(*pairs)
+        cells = format_difference(diff, why_none=_no_verdict(pairs, sides, metric))
+        left_out = [outcomes.dropped(rs, value) for rs in (runs, base)]
+        (c, cb) = counts(runs), counts(base)
+        rates = f"{c['diverged']}/{c['diverged'] + c['finished']} vs {cb['diverged']}/{cb['diverged'] + cb['finished']}"
+        p_div = divergence_p(c["diverged"], c["finished"], cb["diverged"], cb["finished"])
+        rows.append(
+            {
+                **{k: str(v) for k, v in zip(keys, gk)},
+                "vs": baseline,
+                **cells,
+                "left out": "; ".join(f"{w}: {t}" for w, t in zip(("group", baseline), left_out) if t) or "none",
+                "diverged": rates,
+                "divergence p (Fisher exact)": f"{p_div:.3g}",
+            }
+        )
     return frame(rows)
 
 
@@ -316,12 +388,10 @@ def report(
     allow_mixed_code: bool = False,
 ) -> dict:
     data = load(
-        tracking_uri,
-        search(tracking_uri, experiment=experiment, include_evaluation=include_evaluation, finished_only=True),
-        HISTORIES,
+        tracking_uri, search(tracking_uri, experiment=experiment, include_evaluation=include_evaluation), HISTORIES
     )
-    if not data:
-        raise CompareError(f"experiment {experiment!r} has no FINISHED runs")
+    if not any(outcome(d) in COUNTED for d in data):
+        raise CompareError(f"experiment {experiment!r} has no finished or diverged runs")
     groups = group(data, keys)
     if not allow_mixed_code:
         check_one_code(groups)
@@ -330,12 +400,13 @@ def report(
     figures, lr_path, best_path = {}, None, None
     compared, compared_keys = groups, keys
     if sensitivity.LR_KEY in keys:  # an lr scan: compare each variant at its own best lr
-        value = lambda d: run_summary(d)["val_bpb"]  # noqa: E731
-        lr_path, _ = write_table(sensitivity.lr_table(groups, keys, value), out, "lr_sensitivity", formatter=str)
-        figure = sensitivity.lr_figure(groups, keys, value, out / "lr_sensitivity.png")
+        counted = only(groups, COUNTED)
+        value = lambda d: run_summary(d)["val_bpb"] if outcome(d) == "finished" else math.nan  # noqa: E731
+        lr_path, _ = write_table(sensitivity.lr_table(counted, keys, value), out, "lr_sensitivity", formatter=str)
+        figure = sensitivity.lr_figure(counted, keys, value, out / "lr_sensitivity.png")
         if figure is not None:
             figures["lr_sensitivity"] = figure
-        compared, compared_keys = sensitivity.at_best_lr(groups, keys, value)
+        compared, compared_keys = sensitivity.at_best_lr(counted, keys, value)
         if compared:
             best_numbers, best_text = tables(compared, compared_keys)
             best_path, _ = write_table(best_numbers, out, "at_best_lr", md_df=best_text)
@@ -344,8 +415,9 @@ def report(
         diff_path, _ = write_table(
             baseline_differences(compared, compared_keys, baseline, metric), out, f"vs_{baseline}", formatter=str
         )
-    if compared:
-        figures.update(make_plots(compared, compared_keys, out))
+    if only(compared, ("finished",)):
+        figures.update(make_plots(only(compared, ("finished",)), compared_keys, out))
+    said = outcomes.lines(data, groups)
     if report_path:
         rel = os.path.relpath(out, report_path.parent)
         parts = [
@@ -355,8 +427,8 @@ def report(
         if context and context.exists():
             parts.append("Context:\n\n" + "".join(f"    {line}\n" for line in context.read_text().splitlines()) + "\n")
         parts.append(
-            f"{len(data)} finished runs, grouped by {', '.join(keys)}; mean ± std over the runs of each "
-            f"group. {seed_note(data, groups)}\n\n" + md_path.read_text()
+            f"{said[0]} Grouped by {', '.join(keys)}; mean ± std over the finished runs of each group. "
+            f"{seed_note(data, groups)}\n\n" + md_path.read_text() + "".join(f"\n{line}\n" for line in said[1:])
         )
         if lr_path is not None:
             parts.append(
@@ -368,9 +440,11 @@ def report(
             parts.append("Each group at its best lr:\n\n" + best_path.read_text())
         if diff_path is not None:
             parts.append(
-                f"Difference in {metric} to `{baseline}` (group − {baseline}; 95 % confidence interval, "
-                'paired by seed where both groups ran the same seeds, Welch otherwise; "cannot tell apart": '
-                "the interval holds 0):\n\n" + diff_path.read_text()
+                f"Difference in {metric} to `{baseline}` over finished runs (group − {baseline}; 95 % confidence "
+                "interval; replicates of a seed averaged first, no verdict from a single seed; paired by seed where "
+                'both groups ran the same seeds, Welch otherwise; "cannot tell apart": the interval holds 0), the '
+                "runs left out and why, and the divergence rates with Fisher's exact p (two-sided):\n\n"
+                + diff_path.read_text()
             )
         parts.append("\n".join(f"![{k}]({rel}/{p.name})" for k, p in figures.items()) + "\n")
         if notes and notes.exists():
@@ -378,6 +452,7 @@ def report(
         report_path.write_text("\n".join(parts))
     return {
         "runs": len(data),
+        "said": said,
         "groups": len(groups),
         "table": md_path,
         "plots": figures,

@@ -17,36 +17,25 @@ from typing import Any, Optional
 
 from ..errors import UserError
 from ..loggers.filters import equals
+from ..loggers.param_names import cli_name, internal
 from ..loggers.tags import STAGE_TAG
 
-# Config columns: (column, MLflow param keys to try; "tag:" marks a tag). Lightning logs the module's and the
-# datamodule's hparams (the latter unprefixed: corpus), RunProvenance seed_everything, data/seed and trainer/*, the
-# sweep the trial's values as trial.<cli key>.
-CONFIG_COLUMNS = [
-    ("residual_mode", ["arch/hyper/residual_mode"]),
-    ("n_streams", ["arch/hyper/n_streams"]),
-    ("sinkhorn_iters", ["arch/hyper/sinkhorn_iters"]),
-    ("intensity", ["trial.callbacks.SinkhornScheduler.intensity"]),
-    ("alpha_init", ["arch/hyper/alpha_init"]),
-    ("bias_init", ["arch/hyper/bias_init"]),
-    ("lr", ["optim/lr"]),
-    ("n_layers", ["arch/n_layers"]),
-    ("d_model", ["arch/d_model"]),
-    ("max_steps", ["trainer/max_steps", "trial.trainer.max_steps"]),
-    ("seed", ["seed_everything", "trial.seed_everything"]),
-    ("data_seed", ["data/seed"]),
-    ("corpus", ["corpus", "trial.data.corpus"]),
-    ("corpus_sha256", ["tag:mhc.data.train_sha256"]),  # the bytes trained on: the same name can hold other text
-]
-SHORT = {"corpus_sha256": 12}  # characters shown of long digests
-SINKHORN_ONLY = ("sinkhorn_iters", "intensity")
+# The settings a run ran with are its params, under their `mhc fit` names (loggers/param_names.py maps the names of
+# older stores); a sweep trial's values also as trial.<key>. The bytes trained on are a tag: one corpus name can hold
+# other text.
+DATA_DIGEST = ("data.train_sha256", "mhc.data.train_sha256", 12)  # (column, tag, characters shown)
+SINKHORN = ("model.arch.hyper.sinkhorn_",)
+# Settings a mode does not read (Sinkhorn for HC, streams for the residual): shown blank, since a value would mislead.
 UNUSED_BY_MODE = {
-    "residual": SINKHORN_ONLY + ("n_streams", "alpha_init", "bias_init"),
-    "hc": SINKHORN_ONLY + ("bias_init",),
-    "identity": SINKHORN_ONLY,
-    "mhc_lite": SINKHORN_ONLY,
-    "kromhc": SINKHORN_ONLY,
+    "residual": SINKHORN + ("model.arch.hyper.n_streams", "model.arch.hyper.alpha_init", "model.arch.hyper.bias_init"),
+    "hc": SINKHORN + ("model.arch.hyper.bias_init",),
+    "identity": SINKHORN,
+    "mhc_lite": SINKHORN,
+    "kromhc": SINKHORN,
 }
+MODE_KEY = "model.arch.hyper.residual_mode"
+SEED_KEY = "seed_everything"
+FINAL_LOSSES = ("val/loss", "val/bpb")
 COMPARISON_TAG = "mhc.kind"  # on the runs `mhc compare` creates to hold its files
 EVALUATION_STAGES = ("validate", "test")
 
@@ -82,41 +71,53 @@ class RunData:
         base = f"t{self.tags['optuna.trial']}" if "optuna.trial" in self.tags else self.name
         return f"{base} [{self.stage}]" if self.evaluation else base
 
+    @property
+    def resolved(self) -> dict[str, str]:
+        """The settings the run ran with, {`mhc fit` key: value}, from its params (a sweep's trial.<key> values
+        where the run has no such param)."""
+        out = {cli_name(k): v for k, v in self.params.items() if not k.startswith("trial.") and not internal(k)}
+        for k, v in self.params.items():
+            if k.startswith("trial."):
+                out.setdefault(cli_name(k[len("trial.") :]), v)
+        return out
+
     def config(self) -> dict[str, Any]:
-        out = {}
-        for col, keys in CONFIG_COLUMNS:
-            for k in keys:
-                source, key = (self.tags, k[4:]) if k.startswith("tag:") else (self.params, k)
-                if key in source:
-                    out[col] = source[key][: SHORT[col]] if col in SHORT else source[key]
-                    break
-        for k, v in self.params.items():  # other swept values, by their last key component
-            if k.startswith("trial.") and not any(k in keys for _, keys in CONFIG_COLUMNS):
-                out.setdefault(k.rsplit(".", 1)[-1], v)
-        # Settings the mode ignores (Sinkhorn for HC, streams for the residual baseline) would only mislead.
-        unused = UNUSED_BY_MODE.get(out.get("residual_mode"), ())
-        return {k: v for k, v in out.items() if k not in unused}
+        """The resolved settings and the digest of the bytes trained on, without those the run's mode ignores."""
+        out: dict[str, Any] = dict(self.resolved)
+        column, tag, width = DATA_DIGEST
+        if tag in self.tags:
+            out[column] = self.tags[tag][:width]
+        unused = UNUSED_BY_MODE.get(out.get(MODE_KEY), ())
+        return {k: v for k, v in out.items() if not k.startswith(unused)}
 
     def tokens_per_sec(self) -> Optional[float]:
         vals = [v for _, v in self.curves.get("train/tokens_per_sec", [])]
         return statistics.median(vals) if vals else self.metrics.get("train/tokens_per_sec")
 
 
-CODE_TAG = "mhc.code"  # commit[:9] (+ digest of the uncommitted change), set by callbacks/run_provenance.py
+CODE_TAG = "mhc.code"  # commit[:9] (+ digest of the uncommitted change) or src:<digest>: callbacks/run_provenance.py
+SOURCES_TAG = "mhc.code.sha256"
+UNKNOWN_CODE = "unknown"
 
 
 def code_label(d: RunData) -> str:
-    """The code a run ran, as `mhc compare` shows and groups it: the provenance tag; for a run from before it,
-    MLflow's own commit guess marked '?' (it never knew about uncommitted changes), else 'unknown'."""
-    if CODE_TAG in d.tags:
-        return d.tags[CODE_TAG]
+    """The code a run ran, as the reports show and group it: the provenance tag; for a run from before it, MLflow's
+    own commit guess marked '?' (it never knew about uncommitted changes). A run whose code is unknown gets a label
+    of its own ('unknown:<run id>'), so that unknown runs never pool as one code state."""
+    label = d.tags.get(CODE_TAG)
+    if label and label != UNKNOWN_CODE:
+        return label
+    if d.tags.get(SOURCES_TAG):
+        return f"src:{d.tags[SOURCES_TAG][:12]}"
     guess = d.tags.get("mlflow.source.git.commit")
-    return f"{guess[:9]}?" if guess else "unknown"
+    if guess and not label:
+        return f"{guess[:9]}?"
+    return f"{UNKNOWN_CODE}:{d.run_id[:8]}"
 
 
 def seed_of(d: RunData) -> Optional[str]:
-    """The run's seed_everything: the grid's axis tag, else the logged param; None when neither exists."""
-    return d.tags.get("seed_everything") or d.params.get("seed_everything")
+    """The seed the run ran with (its seed_everything param), else the grid's axis tag; None when neither exists."""
+    return d.resolved.get(SEED_KEY) or d.tags.get(SEED_KEY)
 
 
 def search(
@@ -125,7 +126,6 @@ def search(
     study: Optional[str] = None,
     run_ids: Optional[list[str]] = None,
     include_evaluation: bool = False,
-    finished_only: bool = False,
 ):
     """The runs of an experiment (without sweep parents and comparison runs), of an Optuna study (its trials) or
     these run ids, as mlflow.search_runs' DataFrame (one row per run; columns params.*, tags.*, metrics.*)."""
@@ -166,8 +166,6 @@ def search(
         df = df[~df[col].isin(EVALUATION_STAGES)]
         if not len(df):
             raise CompareError("only evaluation runs (mhc validate / test) match; add --include-eval to compare them")
-    if finished_only:
-        df = df[df["status"] == "FINISHED"]
     return df
 
 
@@ -205,6 +203,10 @@ def load(tracking_uri: str, df, histories: list[str]) -> list[RunData]:
     with tempfile.TemporaryDirectory() as tmp:
         for _, row in df.iterrows():
             tags = _row_dict(row, "tags.")
+            metrics = {k: float(v) for k, v in _row_dict(row, "metrics.").items()}
+            if any(f"metrics.{k}" in row and k not in metrics for k in FINAL_LOSSES):
+                # a blank cell is a metric the run never logged or a NaN it did (a diverged run): ask the run
+                metrics = dict(client.get_run(row["run_id"]).data.metrics)
             d = RunData(
                 row["run_id"],
                 tags.get("mlflow.runName") or row["run_id"][:8],
@@ -212,7 +214,7 @@ def load(tracking_uri: str, df, histories: list[str]) -> list[RunData]:
                 str(row["experiment_id"]),
                 {k: str(v) for k, v in _row_dict(row, "params.").items()},
                 tags,
-                {k: float(v) for k, v in _row_dict(row, "metrics.").items()},
+                metrics,
             )
             for key in histories:
                 if key in d.metrics:
