@@ -36,7 +36,7 @@ RUNTIME_ARCH_KEYS = frozenset(
     }
 )
 # Architecture keys set through another key (CLI links): name the one the user sets
-LINKED_FROM = {"context": "data.seq_len"}
+LINKED_FROM = {"context": "data.seq_len", "vocab_size": "data.corpus (its tokenizer's vocabulary)"}
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 
 
@@ -54,7 +54,8 @@ def as_dict(ns) -> dict:
 
 def check_inputs(subcommand: str, cfg) -> Optional[CheckpointInfo]:
     """Check the corpus and the checkpoint of the parsed `subcommand` config; return what the checkpoint tells."""
-    ByteTextDataModule(**as_dict(cfg.data)).check_corpus()
+    data = ByteTextDataModule(**as_dict(cfg.data))
+    data.check_corpus()
     ckpt = cfg.get("ckpt_path")
     if ckpt is None:
         if subcommand in EVAL_COMMANDS:
@@ -65,7 +66,8 @@ def check_inputs(subcommand: str, cfg) -> Optional[CheckpointInfo]:
         return None
     if ckpt in CKPT_KEYWORDS or str(ckpt).startswith("registry"):
         return None
-    return check_checkpoint(Path(ckpt), as_dict(cfg.model.arch))
+    # the vocabulary follows the data (a CLI link applied later): compare the checkpoint with the data's
+    return check_checkpoint(Path(ckpt), {**as_dict(cfg.model.arch), "vocab_size": data.vocab_size})
 
 
 def check_checkpoint(path: Path, arch: dict) -> CheckpointInfo:

@@ -118,6 +118,13 @@ class RunProvenance(Callback):
                     "mhc.data.train_sha256": dm.train_sha256,
                     "mhc.data.val_sha256": dm.val_sha256,
                     "mhc.data.seed_source": str(dm.seed_source),
+                    # what a token is: val/bpb = val/loss / ln 2 / bytes_per_token; nats per token compare only
+                    # between runs of one tokenizer (mhc compare / report say so)
+                    "mhc.data.tokenizer": str(getattr(dm, "tokenizer_name", "bytes (raw)")),
+                    "mhc.data.tokenizer_sha256": str(
+                        (getattr(dm, "meta", None) or {}).get("tokenizer", {}).get("sha256", "")
+                    ),
+                    "mhc.data.bytes_per_token": f"{getattr(dm, 'bytes_per_token', 1.0):.6f}",
                 }
             )
         env = environment(trainer.strategy.root_device)

@@ -28,6 +28,7 @@ DATA_KEYS = (
     "shuffle",
     "allow_binary",
     "pin_memory",
+    "tokenizer",
 )
 SECTIONS = ("model", "data", "trainer")
 TOP_LEVEL = ("seed_everything",)
