@@ -15,6 +15,7 @@ import yaml
 from jsonargparse import ActionYesNo, set_parsing_settings
 from lightning.pytorch.cli import LightningCLI
 
+from .callbacks.divergence import EXIT_DIVERGED, DivergenceGuard, TrainingDiverged
 from .callbacks.final_validation import FinalValidation
 from .callbacks.per_layer_artifacts import PerLayerArtifacts
 from .callbacks.progress_lines import ProgressLines
@@ -150,6 +151,7 @@ def build_cli(
         SystemMetrics(),
         ProgressLines(),
         GracefulStop(),
+        DivergenceGuard(),
         *(given if isinstance(given, list) else [given]),
     ]
     pk = parser_kwargs(
@@ -222,6 +224,10 @@ def run_trainer_command(command: str, args: list[str], argv: Optional[list[str]]
         if status is None:
             raise
         sys.exit(status)
+    except TrainingDiverged as err:  # the run is FAILED and tagged already (callbacks/divergence.py)
+        if err.announce:
+            print(f"mhc {command}: error: {one_line(str(err))}", file=sys.stderr)
+        sys.exit(EXIT_DIVERGED)
     except CheckpointWriteError as err:
         fail(command, f"{err} Resume with: {resume_command(args)}" if err.resumable else str(err))
     except UserError as err:
