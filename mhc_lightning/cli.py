@@ -234,6 +234,23 @@ def run_trainer_command(command: str, args: list[str], argv: Optional[list[str]]
         fail(command, str(err))
     except ArgumentError as err:
         fail(command, f"{parser_message(err)} (options: `mhc {command} --help`)")
+    except Exception as err:
+        user = _user_error_in(err)
+        if user is None:
+            raise
+        fail(command, str(user))
+
+
+def _user_error_in(err: BaseException) -> Optional[UserError]:
+    """The UserError behind `err`: jsonargparse wraps what a class raises while it instantiates it (a logger whose
+    store cannot be opened) in errors of its own, whose text repeats every argument of the class."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, UserError):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
 
 
 if __name__ == "__main__":
