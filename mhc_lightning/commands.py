@@ -42,6 +42,7 @@ TOOLS = {  # subcommands with their own argparse front ends; everything else is 
         "runs grouped by tags, mean +- std over seeds (= mhc compare --group-by)",
     ),
     "grid": Tool("mhc_lightning.grid:main", "a grid of `mhc fit` runs: parallel processes here, or SLURM jobs"),
+    "export": Tool("mhc_lightning.pretrained:main", "a checkpoint's model as model.safetensors + config.json"),
 }
 
 
