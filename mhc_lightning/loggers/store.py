@@ -112,11 +112,15 @@ _DATABASES = ("postgresql", "postgres", "mysql", "mssql")  # SQLAlchemy schemes 
 def unopenable(uri: str, err: BaseException) -> TrackingUnreachable:
     """The one line for a tracking store that could not be opened, its URI and the error's first line masked."""
     first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    check = (
+        "Another process holds a lock on it (a long transaction, an open `sqlite3` shell): let it finish"
+        if "database is locked" in first
+        else 'Check the URI, that the database answers and that its driver is installed (`pip install -e ".[postgres]"`'
+        " for postgresql+psycopg2://)"
+    )
     return TrackingUnreachable(
-        f"MLflow tracking store {mask(str(uri))} could not be opened ({type(err).__name__}: {mask(first)}). Check the "
-        'URI, that the database answers and that its driver is installed (`pip install -e ".[postgres]"` for '
-        "postgresql+psycopg2://), or point MLFLOW_TRACKING_URI or --trainer.logger.init_args.tracking_uri at a "
-        "running store."
+        f"MLflow tracking store {mask(str(uri))} could not be opened ({type(err).__name__}: {mask(first)}). {check}, "
+        "or point MLFLOW_TRACKING_URI or --trainer.logger.init_args.tracking_uri at another store."
     )
 
 
