@@ -22,6 +22,9 @@ _EXPORTS = {
     "GPTConfig": "mhc_lightning.model",
     "HyperConfig": "mhc_lightning.model",
     "HyperConnection": "mhc_lightning.model",
+    # trained weights outside the platform (`mhc export`)
+    "load_pretrained": "mhc_lightning.pretrained",
+    "save_pretrained": "mhc_lightning.pretrained",
     # training
     "LitLM": "mhc_lightning.module",
     "OptimConfig": "mhc_lightning.module",

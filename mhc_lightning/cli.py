@@ -15,6 +15,7 @@ import yaml
 from jsonargparse import ActionYesNo, set_parsing_settings
 from lightning.pytorch.cli import LightningCLI
 
+from .callbacks.divergence import EXIT_DIVERGED, DivergenceGuard, TrainingDiverged
 from .callbacks.final_validation import FinalValidation
 from .callbacks.per_layer_artifacts import PerLayerArtifacts
 from .callbacks.progress_lines import ProgressLines
@@ -154,6 +155,7 @@ def build_cli(
         SystemMetrics(),
         ProgressLines(),
         GracefulStop(),
+        DivergenceGuard(),
         *(given if isinstance(given, list) else [given]),
     ]
     pk = parser_kwargs(
@@ -226,12 +228,33 @@ def run_trainer_command(command: str, args: list[str], argv: Optional[list[str]]
         if status is None:
             raise
         sys.exit(status)
+    except TrainingDiverged as err:  # the run is FAILED and tagged already (callbacks/divergence.py)
+        if err.announce:
+            print(f"mhc {command}: error: {one_line(str(err))}", file=sys.stderr)
+        sys.exit(EXIT_DIVERGED)
     except CheckpointWriteError as err:
         fail(command, f"{err} Resume with: {resume_command(args)}" if err.resumable else str(err))
     except UserError as err:
         fail(command, str(err))
     except ArgumentError as err:
         fail(command, f"{parser_message(err)} (options: `mhc {command} --help`)")
+    except Exception as err:
+        user = _user_error_in(err)
+        if user is None:
+            raise
+        fail(command, str(user))
+
+
+def _user_error_in(err: BaseException) -> Optional[UserError]:
+    """The UserError behind `err`: jsonargparse wraps what a class raises while it instantiates it (a logger whose
+    store cannot be opened) in errors of its own, whose text repeats every argument of the class."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, UserError):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
 
 
 if __name__ == "__main__":

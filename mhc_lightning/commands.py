@@ -15,7 +15,7 @@ from typing import NamedTuple, Optional
 
 from .child_processes import die_with_parent
 from .errors import EXIT_USER_ERROR, UserError, one_line
-from .loggers.credentials import clean_tracking_env
+from .loggers.credentials import clean_tracking_env, mask
 
 # The Trainer entry points `mhc` offers. `predict` is left out: the byte LM has no prediction data or
 # writer, so Lightning's `predict` could only fail.
@@ -45,6 +45,7 @@ TOOLS = {  # subcommands with their own argparse front ends; everything else is 
         "mhc_lightning.data.prepare:main", "tokenize text / JSON Lines / parquet into token shards for `mhc fit`"
     ),
     "grid": Tool("mhc_lightning.grid:main", "a grid of `mhc fit` runs: parallel processes here, or SLURM jobs"),
+    "export": Tool("mhc_lightning.pretrained:main", "a checkpoint's model as model.safetensors + config.json"),
 }
 
 
@@ -66,7 +67,8 @@ def overview() -> str:
 
 
 def fail(command: str, message: str) -> None:
-    print(f"mhc {command}: error: {one_line(message)}", file=sys.stderr)
+    """The one line of a problem the user can fix, exit status 2; a password in any URL it quotes is masked."""
+    print(f"mhc {command}: error: {mask(one_line(message))}", file=sys.stderr)
     sys.exit(EXIT_USER_ERROR)
 
 

@@ -26,6 +26,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from .checkpoint_io import CheckpointWriteError, last_good
+from .loggers.credentials import mask
 from .loggers.mlflow_runs import mlflow_loggers
 from .resume import resume_command
 
@@ -48,7 +49,7 @@ STOP = _Stop()
 
 
 def _say(text: str) -> None:
-    print(f"mhc fit: {text}", file=sys.stderr, flush=True)
+    print(f"mhc fit: {mask(text)}", file=sys.stderr, flush=True)  # the resume command repeats the URIs given
 
 
 def _last_checkpoint_callback(trainer) -> Optional[ModelCheckpoint]:

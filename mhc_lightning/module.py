@@ -415,8 +415,14 @@ class LitLM(L.LightningModule):
 
     def configure_model(self) -> None:
         """Lightning's ModelParallelStrategy: FSDP2 over its data-parallel mesh (sharding.py). Other strategies wrap
-        the model themselves (FSDPStrategy) or not at all."""
-        if type(self.trainer.strategy).__name__ == "ModelParallelStrategy" and not self._fully_sharded:
+        the model themselves (FSDPStrategy) or not at all. Outside a Trainer (`LitLM.load_from_checkpoint` calls this
+        hook too) there is nothing to shard."""
+        trainer = self._trainer  # the `trainer` property raises when the module is not attached to one
+        if (
+            trainer is not None
+            and type(trainer.strategy).__name__ == "ModelParallelStrategy"
+            and not self._fully_sharded
+        ):
             fully_shard_model(self.model, self.device_mesh)
             self._fully_sharded = True
 

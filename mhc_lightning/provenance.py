@@ -33,6 +33,11 @@ BUILD_COMMIT_ENV = "MHC_BUILD_COMMIT_FILE"
 LIBRARIES = ("torch", "triton", "lightning", "mlflow", "optuna", "numpy")
 
 
+# Files that hold secrets (docker compose's .env): never in the digest or the diff artifact, tracked or not, ignored
+# or not (a digest of a password file invites offline guessing).
+SECRET_FILES = (":(glob,exclude)**/.env*",)
+
+
 @dataclass(frozen=True)
 class CodeState:
     """commit: HEAD of the checkout this package is imported from (UNKNOWN for an installed copy or without git);
@@ -72,8 +77,9 @@ def code_state(start: Path = PACKAGE_DIR) -> CodeState:
     except (subprocess.SubprocessError, OSError):
         return CodeState(UNKNOWN, None)  # an installed copy: no checkout around it
     try:
-        diff = _git(root, "diff", "HEAD", "--binary")
-        untracked = [p for p in _git(root, "ls-files", "--others", "--exclude-standard", "-z").split(b"\0") if p]
+        diff = _git(root, "diff", "HEAD", "--binary", "--", ".", *SECRET_FILES)
+        listed = _git(root, "ls-files", "--others", "--exclude-standard", "-z", "--", ".", *SECRET_FILES)
+        untracked = [p for p in listed.split(b"\0") if p]
     except (subprocess.SubprocessError, OSError):
         return CodeState(commit, None, checkout=str(root))
     digest = hashlib.sha256(diff)

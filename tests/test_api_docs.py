@@ -38,7 +38,7 @@ def test_the_api_page_runs_as_written(tmp_path, _mlflow_template):
     import shutil
 
     blocks = re.findall(r"```python\n(.*?)```", (REPO / "docs" / "api.md").read_text(), flags=re.S)
-    assert len(blocks) == 2
+    assert len(blocks) == 3
     (tmp_path / "notes.txt").write_text(make_text(60_000, seed=3))
     shutil.copy(_mlflow_template, tmp_path / "mlflow.db")  # a migrated store: migrations cost seconds
     script = tmp_path / "api_example.py"
@@ -53,3 +53,4 @@ def test_the_api_page_runs_as_written(tmp_path, _mlflow_template):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "| run" in out.stdout and "'h_res'" in out.stdout and "'train_loss'" in out.stdout
+    assert out.stdout.rstrip().endswith("True")  # the exported model generates what the checkpoint does

@@ -12,6 +12,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from test_callbacks_common import CorruptBatchAt, StepRecorder, params_finite, tiny_fit
 
 from mhc_lightning.callbacks import GradientSnapshots, InstabilityDetector, RollbackError, SinkhornScheduler, channel_of
+from mhc_lightning.callbacks.divergence import TrainingDiverged
 
 
 def _detector(**kw) -> InstabilityDetector:
@@ -149,8 +150,9 @@ def test_rollback_cap_stops_with_clear_error(tiny_corpus):
         RollbackError,
         match=r"1 rollback\(s\) already happened within the last 100 steps "
         r"\(max_rollbacks=1, at steps \[35\]\)",
-    ):
+    ) as stopped:
         tiny_fit(tiny_corpus, [CorruptBatchAt(35, 38), _detector(), snaps], steps=45)
+    assert isinstance(stopped.value, TrainingDiverged) and stopped.value.step == 38  # `mhc fit` ends it as diverged
 
 
 @pytest.mark.slow

@@ -47,6 +47,9 @@ def test_code_state_follows_the_checkout_not_the_working_directory(tmp_path, mon
     (root / "pkg" / "b.py").write_text("y = 1\n")
     more = provenance.code_state.__wrapped__(root / "pkg")
     assert more.dirty and more.diff_sha256 != edited.diff_sha256 and "# untracked: pkg/b.py" in more.diff
+    for secret in (root / ".env", root / "pkg" / ".env.local"):  # not ignored here: still never digested
+        secret.write_text("POSTGRES_PASSWORD=hunter2\n")
+    assert provenance.code_state.__wrapped__(root / "pkg") == more
     alone = tmp_path / "installed"
     alone.mkdir()
     assert provenance.code_state.__wrapped__(alone) == provenance.CodeState("unknown", None)

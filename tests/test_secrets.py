@@ -10,7 +10,9 @@ runs.
 from __future__ import annotations
 
 import base64
+import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -19,16 +21,19 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import lightning as L
 import optuna
 import psutil
 import pytest
 import requests
-from helpers import derived_spec, make_text
+from helpers import derived_spec, make_text, tiny_fit_args
 from mlflow import MlflowClient
+from test_callbacks_common import one_thread
 from test_grid import _tiny_grid
 from test_tracking_server import MlflowServer
+from tracking_servers import free_port, fresh_databases
 
-from mhc_lightning.cli import MHCLightningCLI, build_cli
+from mhc_lightning.cli import MHCLightningCLI, build_cli, main
 from mhc_lightning.loggers.credentials import PASSWORD_ENV, USER_ENV, mask, split_credentials, take_credentials
 
 USER, SECRET = "mhc", f"s3cr3t-{uuid.uuid4().hex[:8]}"
@@ -172,6 +177,7 @@ def test_credentials_leave_the_uri_for_the_environment(monkeypatch):
     assert (os.environ[USER_ENV], os.environ[PASSWORD_ENV]) == (USER, SECRET)
     text = f"tracking_uri: {db}\nstorage: sqlite:///a@b.db\nmail me@example.com, http://h:1/x"
     assert mask(text) == text.replace("u:pw@", "u:***@")
+    assert mask("postgresql://h/db?sslmode=require&password=pw#x") == "postgresql://h/db?sslmode=require&password=***#x"
 
 
 @pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
@@ -252,3 +258,69 @@ def test_grid_keeps_the_tracking_password_out_of_outputs_artifacts_and_argv(serv
     runs = client.search_runs([exp.experiment_id])
     assert sorted((r.data.tags["variant"], r.info.status) for r in runs) == [("hc", "FINISHED"), ("mhc", "FINISHED")]
     assert all(r.data.tags["seed_everything"] == "1" and r.data.tags["grid"] == "tiny-grid" for r in runs)
+
+
+def _one_error_line(text: str) -> str:
+    (line,) = [ln for ln in text.splitlines() if ln.strip() and ln != "Seed set to 1234"]
+    return line
+
+
+@pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
+def test_unreachable_stores_with_a_password_are_one_masked_line(tiny_corpus, tmp_path, monkeypatch, capfd):
+    """An MLflow server and two PostgreSQL stores (with and without their driver) on a closed port, each URI with a
+    password (in the user info and as a query parameter): one line naming the store, masked, exit 2, nothing written.
+    capfd: MLflow's and SQLAlchemy's own log handlers write to the real stderr."""
+    monkeypatch.chdir(tmp_path)
+    for k in (USER_ENV, PASSWORD_ENV):
+        monkeypatch.delenv(k, raising=False)
+    port = free_port()
+    for uri in (
+        f"http://{USER}:{SECRET}@127.0.0.1:{port}",
+        f"postgresql+psycopg2://postgres:{SECRET}@127.0.0.1:{port}/test?password={SECRET}",
+        f"postgresql://postgres:{SECRET}@127.0.0.1:{port}/test",  # SQLAlchemy's default driver, not installed
+    ):
+        args = tiny_fit_args(tiny_corpus, uri, tmp_path / "runs")
+        with pytest.raises(SystemExit) as ended:
+            main(args)
+        out, err = capfd.readouterr()
+        assert ended.value.code == 2, err
+        line = _one_error_line(out + err)
+        assert line.startswith("mhc fit: error: MLflow tracking ") and "127.0.0.1" in line and SECRET not in line
+        assert not (tmp_path / "runs").exists()
+
+
+class SigtermAt(L.Callback):
+    """Sends this process SIGTERM after optimizer step `step`."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
+def test_a_fit_on_a_database_store_with_a_password_keeps_it_out_of_outputs_and_the_run(
+    tiny_corpus, tmp_path, monkeypatch, capfd
+):
+    """A real PostgreSQL store (trust auth: any password is accepted) named with a password, and the fit stopped by
+    SIGTERM: the resume command it prints, everything else it prints, and the run's params, tags and artifacts
+    (config.yaml, provenance) hold the password masked or not at all."""
+    monkeypatch.chdir(tmp_path)
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as in a fresh process
+    hook = "--trainer.callbacks+=" + json.dumps({"class_path": f"{__name__}.SigtermAt", "init_args": {"step": 2}})
+    try:
+        with fresh_databases("secret") as dbs:
+            uri = dbs["secret"].replace("postgres@", f"postgres:{SECRET}@")
+            with one_thread(), pytest.raises(SystemExit) as ended:
+                main([*tiny_fit_args(tiny_corpus, uri, tmp_path / "runs", steps=6), hook])
+            out, err = capfd.readouterr()
+            assert ended.value.code == 143, err
+            (resume,) = [ln for ln in err.splitlines() if "Resume with:" in ln]
+            assert "postgres:***@" in resume
+            assert SECRET not in out + err
+            n, stored = stored_text(MlflowClient(uri), "tests", tmp_path / "artifacts")
+            assert n == 1 and "postgres:***@" in stored and SECRET not in stored
+    finally:
+        signal.signal(signal.SIGTERM, previous)

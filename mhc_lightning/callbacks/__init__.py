@@ -8,8 +8,9 @@
 
 They share one record (events.py) and work alone or together: conf/presets/stability.yaml, docs/stability.md.
 
-`mhc fit|validate|test` install two more by default (cli.build_cli): FinalValidation (final_validation.py: every fit
-ends with a validation) and PerLayerArtifacts (per_layer_artifacts.py: the per-layer diagnostics as MLflow artifacts).
+`mhc fit|validate|test` install more by default (cli.build_cli), among them FinalValidation (final_validation.py: every
+fit ends with a validation), PerLayerArtifacts (per_layer_artifacts.py: the per-layer diagnostics as MLflow artifacts)
+and DivergenceGuard (divergence.py: a non-finite training loss ends the fit, FAILED, exit status 3).
 """
 
 from .events import StabilityChannel, StabilityEvent, channel_of

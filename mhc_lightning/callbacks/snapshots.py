@@ -37,13 +37,14 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from ..model import hyper_connections
+from .divergence import TrainingDiverged
 from .events import StabilityEvent, channel_of, check_choice, check_number, log_metrics
 from .snapshot_files import SnapshotFiles
 from .snapshot_state import Snapshot, copy_state, fingerprint, rng_state, set_rng_state, tensors
 
 
-class RollbackError(RuntimeError):
-    """Raised when a rollback cannot be served (no valid snapshot) or the rollback cap is exceeded."""
+class RollbackError(TrainingDiverged):
+    """Raised when a rollback cannot be served (no valid snapshot) or the rollback cap is exceeded: the run diverged."""
 
 
 class GradientSnapshots(Callback):
@@ -361,7 +362,7 @@ class GradientSnapshots(Callback):
                 trainer,
             )
             channel.flush(trainer)
-            raise RollbackError(msg)
+            raise RollbackError(msg, step)
 
         rejected: list[str] = []
         for source, entry in self._candidates():
@@ -412,7 +413,7 @@ class GradientSnapshots(Callback):
             trainer,
         )
         channel.flush(trainer)
-        raise RollbackError(msg)
+        raise RollbackError(msg, step)
 
     def _after_restore(self, trainer, pl_module, request, snap, source, batch_idx, rejected, detail_check) -> None:
         step = self._batch_step

@@ -20,11 +20,15 @@ USER_ENV, PASSWORD_ENV = "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"
 URI_ENV = "MLFLOW_TRACKING_URI"
 # user:password@ after a scheme's //, within one token (text may hold several URLs and other '@'s)
 _USERINFO = re.compile(r"(//[^:/@\s'\"]+:)[^@/\s'\"]*@")
+# a secret passed as a URL query parameter (`postgresql://host/db?password=...`, `?token=...`)
+_QUERY_SECRET = re.compile(
+    r"([?&;](?:password|passwd|pwd|secret|token|access_token|api_key|apikey)=)[^&;#\s'\"]*", re.IGNORECASE
+)
 
 
 def mask(text: str) -> str:
-    """Every `//user:password@` in `text` as `//user:***@`."""
-    return _USERINFO.sub(r"\1***@", text)
+    """Every `//user:password@` in `text` as `//user:***@`, and every password-like query parameter as `...=***`."""
+    return _QUERY_SECRET.sub(r"\1***", _USERINFO.sub(r"\1***@", str(text)))
 
 
 def split_credentials(uri: str) -> tuple[str, Optional[str], Optional[str]]:

@@ -37,8 +37,10 @@ from .store import (
     check_tracking,
     ensure_experiment,
     is_outage,
+    probe_database,
     redact,
     store_lock,
+    unopenable,
     use_fast_http_failures,
 )
 
@@ -65,8 +67,13 @@ class ResilientMLFlowLogger(MLFlowLogger):
     ):
         use_fast_http_failures()
         given = inspect.signature(MLFlowLogger).bind_partial(*args, **kwargs).arguments
-        with store_lock(given.get("tracking_uri", os.getenv("MLFLOW_TRACKING_URI"))):
-            super().__init__(*args, **kwargs)  # its MlflowClient opens (and migrates a new) store right away
+        uri = given.get("tracking_uri", os.getenv("MLFLOW_TRACKING_URI"))
+        probe_database(uri)  # in seconds, not after MLflow's retries
+        try:
+            with store_lock(uri):
+                super().__init__(*args, **kwargs)  # its MlflowClient opens (and migrates a new) store right away
+        except Exception as err:  # one line, the URI masked, instead of a traceback that quotes it
+            raise unopenable(uri, err) from None
         self._spool_dir, self._flush_timeout = spool_dir, flush_timeout
         self._started = False
         self._logged_up_to: dict[str, int] = {}  # resumed run: last step already logged, per metric

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import UserError
+from .credentials import mask
 
 # Fail fast instead of MLflow's default 7 retries with exponential backoff (minutes per call): a training process
 # waits on a dead server for at most (retries + 1) x timeout per attempt, and the spool retries later on its own.
@@ -44,9 +45,7 @@ class TrackingUnreachable(UserError):
     """The MLflow tracking store cannot be reached; the message names the URI and what to do."""
 
 
-def redact(url: str) -> str:
-    """user:password@host -> user:***@host, for tags and messages."""
-    return re.sub(r"(//[^:/@]+:)[^@]*@", r"\1***@", url)
+redact = mask  # the name launchers and messages use: user:***@host, password-like query parameters ***
 
 
 def is_outage(err: BaseException) -> bool:
@@ -107,6 +106,42 @@ def ui_hint(uri: str) -> str:
     return f"{mlflow_command()} ui --backend-store-uri {shlex.quote(absolute_store_uri(uri))}"
 
 
+_DATABASES = ("postgresql", "postgres", "mysql", "mssql")  # SQLAlchemy schemes MLflow takes as tracking stores
+
+
+def unopenable(uri: str, err: BaseException) -> TrackingUnreachable:
+    """The one line for a tracking store that could not be opened, its URI and the error's first line masked."""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    check = (
+        "Another process holds a lock on it (a long transaction, an open `sqlite3` shell): let it finish"
+        if "database is locked" in first
+        else 'Check the URI, that the database answers and that its driver is installed (`pip install -e ".[postgres]"`'
+        " for postgresql+psycopg2://)"
+    )
+    return TrackingUnreachable(
+        f"MLflow tracking store {mask(str(uri))} could not be opened ({type(err).__name__}: {mask(first)}). {check}, "
+        "or point MLFLOW_TRACKING_URI or --trainer.logger.init_args.tracking_uri at another store."
+    )
+
+
+def probe_database(uri: Optional[str], timeout: int = 5) -> None:
+    """Open one connection to a database tracking store (nothing for other stores) and raise `unopenable` if that
+    fails: MLflow retries a failed open for about 100 s, logging a warning per attempt, before its traceback."""
+    scheme = str(uri or "").partition(":")[0].partition("+")[0].lower()
+    if scheme not in _DATABASES:
+        return
+    import sqlalchemy
+
+    try:
+        engine = sqlalchemy.create_engine(
+            uri, connect_args={"connect_timeout": timeout} if scheme != "mssql" else {}, poolclass=sqlalchemy.NullPool
+        )
+        with engine.connect():
+            pass
+    except Exception as err:
+        raise unopenable(uri, err) from None
+
+
 def check_tracking(
     uri: str, timeout: float = 5.0, option: Optional[str] = "--trainer.logger.init_args.tracking_uri"
 ) -> None:
@@ -127,6 +162,7 @@ def check_tracking(
                 + (f" or {option}" if option else "")
                 + " at a running one."
             ) from None
+    probe_database(uri)
     try:
         prepare_store(uri)  # /health skips the server's Host-header check; one API call does not
     except Exception as err:
@@ -137,7 +173,7 @@ def check_tracking(
         )
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise TrackingUnreachable(
-            f"MLflow tracking store {redact(uri)} refused the connection: {first}{hint}"
+            f"MLflow tracking store {redact(uri)} refused the connection: {mask(first)}{hint}"
         ) from None
 
 

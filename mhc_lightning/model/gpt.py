@@ -7,7 +7,7 @@ once before the final norm (docs/design.md §4): expanding per block would make 
 import contextlib
 import math
 from collections.abc import Iterator
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn as nn
@@ -90,6 +90,54 @@ class GPT(nn.Module):
             x = h.to(self.stream_dtype(h))
         x = run_sublayers(self.sublayers, x, self.recompute_block)
         return self.lm_head(self.norm(self.collapse(x, h.dtype)))
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt: Union[torch.Tensor, bytes, str],
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: Optional[int] = None,
+        generator: Optional[torch.Generator] = None,
+    ) -> Union[torch.Tensor, bytes]:
+        """Continue `prompt` by `max_new_tokens` tokens, each drawn from the softmax of the last logits / temperature
+        (temperature 0: greedy, the most likely token), among the `top_k` most likely when given. Each step reads the
+        last `context` tokens (no KV cache: one full forward per token). A tensor prompt ([T] or [B, T] token ids) gives
+        the ids with the continuation appended; bytes or str (UTF-8) give bytes, for the byte vocabulary of 256."""
+        if temperature < 0 or (top_k is not None and top_k < 1) or max_new_tokens < 0:
+            raise ValueError(
+                f"generate needs temperature >= 0, top_k >= 1 or None and max_new_tokens >= 0, got temperature="
+                f"{temperature}, top_k={top_k}, max_new_tokens={max_new_tokens}"
+            )
+        as_bytes = isinstance(prompt, (bytes, str))
+        if as_bytes:
+            if self.cfg.vocab_size < 256:
+                raise ValueError(
+                    f"a bytes prompt needs the byte vocabulary (256), this model has {self.cfg.vocab_size}"
+                )
+            data = prompt.encode() if isinstance(prompt, str) else prompt
+            prompt = torch.tensor(list(data), dtype=torch.long)
+        idx = prompt.to(self.embed.weight.device).long()
+        single = idx.dim() == 1
+        idx = idx[None] if single else idx
+        was_training = self.training
+        self.eval()
+        try:
+            for _ in range(max_new_tokens):
+                logits = self(idx[:, -self.cfg.context :])[:, -1].float()
+                if temperature == 0:
+                    nxt = logits.argmax(-1, keepdim=True)
+                else:
+                    logits = logits / temperature
+                    if top_k is not None and top_k < logits.shape[-1]:
+                        kth = torch.topk(logits, top_k).values[:, -1:]
+                        logits = logits.masked_fill(logits < kth, float("-inf"))
+                    nxt = torch.multinomial(logits.softmax(-1), 1, generator=generator)
+                idx = torch.cat([idx, nxt], dim=1)
+        finally:
+            self.train(was_training)
+        out = idx[0] if single else idx
+        return bytes(out.flatten().tolist()) if as_bytes else out
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
