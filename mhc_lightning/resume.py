@@ -144,8 +144,9 @@ def find_checkpoint(
     for run in candidates:
         folder = Path(dirpath) if dirpath else root / run.info.experiment_id / run.info.run_id / "checkpoints"
         local = folder / LOCAL_LAST
-        if local.is_file():
-            return run.info.run_id, local
+        newest = newest_last(folder)
+        if newest is not None:
+            return run.info.run_id, newest
         looked.append(str(local))
         if any(a.path == ARTIFACT_LAST for a in client.list_artifacts(run.info.run_id, "last")):
             folder.mkdir(parents=True, exist_ok=True)
@@ -160,6 +161,19 @@ def find_checkpoint(
         f"--ckpt_path last: no checkpoint of {what} at {uri}{where}; run the same command without --ckpt_path to "
         "start it, or pass a checkpoint file"
     )
+
+
+def newest_last(folder: Path) -> Optional[Path]:
+    """The folder's last.ckpt, or a versioned last-vN.ckpt beside it where that holds a later step: Lightning wrote one
+    when a resumed checkpoint named no last file, leaving last.ckpt at the resumed step."""
+    local = folder / LOCAL_LAST
+    versioned = [p for p in folder.glob(f"{Path(LOCAL_LAST).stem}-v*.ckpt") if p.is_file()]
+    if not versioned:
+        return local if local.is_file() else None
+    from .checkpoint_io import checkpoint_step
+
+    found = [(checkpoint_step(p) or -1, p.stat().st_mtime_ns, p) for p in [local, *versioned] if p.is_file()]
+    return max(found)[2]
 
 
 def resume_command(args: list[str]) -> str:
