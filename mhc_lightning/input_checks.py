@@ -17,12 +17,10 @@ import torch
 
 from .checkpoint_io import verify
 from .data import ByteTextDataModule
+from .early_checks import check_checkpoint_exists, check_checkpoint_given, is_checkpoint_file
 from .errors import UserError
 from .loggers.tags import CHECKPOINT_RUN_KEY
 
-EVAL_COMMANDS = ("validate", "test")
-# ckpt_path values that Lightning resolves itself at run time rather than paths to a file
-CKPT_KEYWORDS = ("last", "best", "hpc")
 # How the same weights are computed, not which weights: may differ between training and evaluation
 # (e.g. Triton kernels when training on a GPU, the torch reference when evaluating on a CPU).
 RUNTIME_ARCH_KEYS = frozenset(
@@ -56,27 +54,13 @@ def check_inputs(subcommand: str, cfg) -> Optional[CheckpointInfo]:
     """Check the corpus and the checkpoint of the parsed `subcommand` config; return what the checkpoint tells."""
     ByteTextDataModule(**as_dict(cfg.data)).check_corpus()
     ckpt = cfg.get("ckpt_path")
-    if ckpt is None:
-        if subcommand in EVAL_COMMANDS:
-            raise UserError(
-                f"{subcommand} evaluates a checkpoint: pass --ckpt_path <file.ckpt> "
-                "(fit writes runs/<experiment id>/<run id>/checkpoints/last.ckpt)."
-            )
-        return None
-    if ckpt in CKPT_KEYWORDS or str(ckpt).startswith("registry"):
-        return None
-    return check_checkpoint(Path(ckpt), as_dict(cfg.model.arch))
+    check_checkpoint_given(subcommand, ckpt)
+    return check_checkpoint(Path(ckpt), as_dict(cfg.model.arch)) if is_checkpoint_file(ckpt) else None
 
 
 def check_checkpoint(path: Path, arch: dict) -> CheckpointInfo:
     """Refuse a missing or unreadable checkpoint, or one trained with another architecture than ``arch``."""
-    if not path.exists():
-        raise UserError(
-            f"checkpoint {path} does not exist; pass --ckpt_path with the path of a .ckpt file "
-            "(fit writes runs/<experiment id>/<run id>/checkpoints/last.ckpt)."
-        )
-    if not path.is_file():
-        raise UserError(f"checkpoint {path} is a folder; pass --ckpt_path with a .ckpt file in it.")
+    check_checkpoint_exists(path)
     verify(path, _run_id_from_layout(path))  # CorruptCheckpoint names the newest good checkpoint beside it
     ckpt = _load(path)
     trained = (ckpt.get("hyper_parameters") or {}).get("arch")
