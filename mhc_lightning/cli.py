@@ -25,7 +25,7 @@ from .commands import TOOLS, TRAINER_COMMANDS, Tool, fail, main, overview  # noq
 from .configs import parser_kwargs
 from .data import ByteTextDataModule
 from .errors import UserError, one_line
-from .input_checks import check_inputs
+from .input_checks import check_inputs, schedule_warnings
 from .interrupts import GracefulStop, finish
 from .loggers.credentials import take_credentials
 from .loggers.mlflow_runs import announce_run, label_runs, mlflow_logger_configs
@@ -98,6 +98,15 @@ class MHCLightningCLI(LightningCLI):
         self.checkpoint_info = check_inputs(sub, cfg) if sub else None
         if sub == "fit" and self.checkpoint_info is not None:
             check_resume(cfg, self.checkpoint_info, resumed)  # the same budget, or --extend; says the step
+        elif sub == "fit" and cfg.get("ckpt_path") is None:
+            model = cfg.model
+            for line in schedule_warnings(
+                int(cfg.trainer.max_steps or -1),
+                model.optim.warmup_steps,
+                model.diagnostics_every,
+                model.arch.hyper.residual_mode,
+            ):
+                print(f"mhc fit: warning: {line}", file=sys.stderr, flush=True)
 
     def before_instantiate_classes(self) -> None:
         if self.subcommand:

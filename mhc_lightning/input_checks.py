@@ -58,6 +58,26 @@ def check_inputs(subcommand: str, cfg) -> Optional[CheckpointInfo]:
     return check_checkpoint(Path(ckpt), as_dict(cfg.model.arch)) if is_checkpoint_file(ckpt) else None
 
 
+def schedule_warnings(max_steps: int, warmup_steps: int, diagnostics_every: int, residual_mode: str) -> list[str]:
+    """What a new fit's step budget silently spoils, one line each: a run that is all warm-up (the learning rate never
+    reaches model.optim.lr), and diagnostics taken at step 0 only (`mhc compare` would show the initial H_res)."""
+    if max_steps <= 0:
+        return []
+    said = []
+    if warmup_steps >= max_steps:
+        said.append(
+            f"model.optim.warmup_steps={warmup_steps} >= trainer.max_steps={max_steps}: the whole run is warm-up, "
+            f"the learning rate never reaches model.optim.lr; lower warmup_steps below {max_steps}"
+        )
+    if residual_mode != "residual" and diagnostics_every >= max_steps:
+        said.append(
+            f"model.diagnostics_every={diagnostics_every} >= trainer.max_steps={max_steps}: diagnostics are taken at "
+            f"step 0 only, so the run's H_res figures show its initialisation; lower diagnostics_every below "
+            f"{max_steps}"
+        )
+    return said
+
+
 def check_checkpoint(path: Path, arch: dict) -> CheckpointInfo:
     """Refuse a missing or unreadable checkpoint, or one trained with another architecture than ``arch``."""
     check_checkpoint_exists(path)

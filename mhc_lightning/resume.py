@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from .child_processes import mhc_command
 from .errors import UserError
 from .loggers.mlflow_runs import mlflow_logger_configs
 from .loggers.tags import STAGE_TAG
@@ -178,7 +179,8 @@ def newest_last(folder: Path) -> Optional[Path]:
 
 def resume_command(args: list[str]) -> str:
     """`mhc <args> --ckpt_path last`, shell-quoted: the command that continues the run `args` started (an earlier
-    --ckpt_path is replaced)."""
+    --ckpt_path is replaced), with this environment's `mhc` by its full path, as the end-of-fit line names `mlflow`:
+    it runs without the venv activated."""
     kept, i = [], 0
     while i < len(args):
         if args[i] == "--ckpt_path":
@@ -187,4 +189,4 @@ def resume_command(args: list[str]) -> str:
         if not args[i].startswith("--ckpt_path="):
             kept.append(args[i])
         i += 1
-    return shlex.join(["mhc", *kept, "--ckpt_path", LAST])
+    return shlex.join([*mhc_command(), *kept, "--ckpt_path", LAST])

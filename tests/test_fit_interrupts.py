@@ -61,10 +61,10 @@ def _stopped_line(text: str) -> str:
 
 
 def _resume_argv(line: str) -> list[str]:
-    """The command after `Resume with:`, as argv for this interpreter's `mhc`."""
+    """The command after `Resume with:`, as argv."""
     argv = shlex.split(line.partition("Resume with: ")[2])
-    assert argv[0] == "mhc"
-    return [MHC, *argv[1:]]
+    assert argv[0] == MHC  # by its full path: it runs without the venv activated
+    return argv
 
 
 def _history(client: MlflowClient, run_id: str, key: str) -> list[tuple[int, float]]:
@@ -116,7 +116,7 @@ def test_ctrl_c_and_sigterm_stop_with_a_checkpoint_killed_run_and_resume_command
     line = _stopped_line(text)
     assert line.startswith(
         f"mhc fit: stopped by Ctrl-C (SIGINT) at step 3; checkpoint of step 3 saved as "
-        f"{folder / 'last.ckpt'}; MLflow run {run.info.run_id} marked KILLED. Resume with: mhc fit "
+        f"{folder / 'last.ckpt'}; MLflow run {run.info.run_id} marked KILLED. Resume with: {MHC} fit "
     )
     assert _resume_argv(line) == [*first, "--ckpt_path", "last"]  # the same arguments, shell-quoted
     assert run.info.status == "KILLED" and _step(folder) == 3 and "Traceback" not in text

@@ -17,7 +17,7 @@ from helpers import CONF, make_text, tiny_fit_args
 from mlflow.entities import ViewType
 
 from mhc_lightning.cli import main
-from mhc_lightning.input_checks import arch_mismatches
+from mhc_lightning.input_checks import arch_mismatches, schedule_warnings
 
 
 def random_bytes(n: int) -> bytes:
@@ -237,3 +237,12 @@ def test_console_script_refuses_with_one_line_and_leaves_nothing(case, tmp_path)
     assert len(lines) == 1 and lines[0].startswith(f"mhc {args[0]}: error: "), out.stderr
     assert str(corpus if case == "random_corpus" else tmp_path / "runs" / "last.ckpt") in lines[0]
     assert sorted(p.name for p in work.iterdir()) == []  # no mlflow.db, runs/ or mlruns/
+
+
+def test_a_shortened_quickstart_is_warned_that_it_is_all_warm_up_and_diagnostics_only_at_step_0():
+    """conf/quickstart.yaml with --trainer.max_steps=20: warmup_steps 20, diagnostics_every 20."""
+    warmup, diagnostics = schedule_warnings(20, 20, 20, "mhc")
+    assert warmup.startswith("model.optim.warmup_steps=20 >= trainer.max_steps=20: the whole run is warm-up")
+    assert diagnostics.startswith("model.diagnostics_every=20 >= trainer.max_steps=20: diagnostics are taken at step 0")
+    assert schedule_warnings(360, 20, 20, "mhc") == [] and schedule_warnings(-1, 20, 20, "mhc") == []
+    assert schedule_warnings(20, 5, 20, "residual") == []  # a residual run takes no diagnostics
