@@ -13,6 +13,7 @@ from typing import Optional
 
 from jsonargparse import ActionYesNo, set_parsing_settings
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.plugins.environments import SLURMEnvironment
 
 from .callbacks.final_validation import FinalValidation
 from .callbacks.per_layer_artifacts import PerLayerArtifacts
@@ -121,6 +122,11 @@ class MHCLightningCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs):
         trainer = super().instantiate_trainer(**kwargs)
         use_verified_checkpoints(trainer)  # written whole, with a digest that is checked before a resume
+        environment = trainer._accelerator_connector.cluster_environment  # what Lightning's signal handling reads
+        if isinstance(environment, SLURMEnvironment):
+            # Its requeue saves hpc_ckpt_<n>.ckpt in default_root_dir, often shared by jobs, and any later fit there
+            # restores it in a new run: a fit resumes only its own run's checkpoints (--ckpt_path last)
+            environment.auto_requeue = False
         return trainer
 
     def after_fit(self) -> None:

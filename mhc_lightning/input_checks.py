@@ -36,6 +36,7 @@ RUNTIME_ARCH_KEYS = frozenset(
 # Architecture keys set through another key (CLI links): name the one the user sets
 LINKED_FROM = {"context": "data.seq_len"}
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
+HPC_PREFIX = "hpc_ckpt_"  # Lightning's SLURM requeue checkpoints: hpc_ckpt_<n>.ckpt in default_root_dir
 
 
 @dataclass
@@ -55,7 +56,27 @@ def check_inputs(subcommand: str, cfg) -> Optional[CheckpointInfo]:
     ByteTextDataModule(**as_dict(cfg.data)).check_corpus()
     ckpt = cfg.get("ckpt_path")
     check_checkpoint_given(subcommand, ckpt)
+    if ckpt is None:
+        refuse_foreign_hpc_checkpoint(Path(cfg.trainer.get("default_root_dir") or "."))
     return check_checkpoint(Path(ckpt), as_dict(cfg.model.arch)) if is_checkpoint_file(ckpt) else None
+
+
+def refuse_foreign_hpc_checkpoint(root: Path) -> None:
+    """Under SLURM, Lightning restores the newest hpc_ckpt_<n>.ckpt in default_root_dir into any fit or evaluation
+    given no checkpoint, without a word: in a folder jobs share, another job's weights in a new run. `mhc` turns its
+    requeue off (cli.py), so such a file is never this run's: refuse and say how to use it on purpose."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    versions = {p: p.stem[len(HPC_PREFIX) :] for p in root.glob(f"{HPC_PREFIX}*.ckpt")}
+    numbered = [(int(v), p) for p, v in versions.items() if v.isdigit()]
+    if not numbered or not SLURMEnvironment.detect():
+        return
+    newest = max(numbered)[1]
+    raise UserError(
+        f"trainer.default_root_dir {root} holds {newest.name}, a checkpoint of Lightning's SLURM requeue (not this "
+        f"run's), which Lightning would restore into this new run without a word; give this fit a "
+        f"trainer.default_root_dir of its own, or pass --ckpt_path {newest} to start from it on purpose"
+    )
 
 
 def schedule_warnings(max_steps: int, warmup_steps: int, diagnostics_every: int, residual_mode: str) -> list[str]:

@@ -124,7 +124,12 @@ class GracefulStop(Callback):
             lightning(signal.SIGTERM, frame)
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        self._restore_handlers()  # no on_train_end after an exception; a signal from now on stops at once
+        try:
+            self._stop_with_checkpoint(trainer, exception)
+        finally:
+            self._restore_handlers()  # no on_train_end after an exception
+
+    def _stop_with_checkpoint(self, trainer, exception: BaseException) -> None:
         if trainer.state.fn != "fit":
             return
         if STOP.signum is None and isinstance(exception, (KeyboardInterrupt, SIGTERMException)):

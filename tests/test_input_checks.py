@@ -246,3 +246,28 @@ def test_a_shortened_quickstart_is_warned_that_it_is_all_warm_up_and_diagnostics
     assert diagnostics.startswith("model.diagnostics_every=20 >= trainer.max_steps=20: diagnostics are taken at step 0")
     assert schedule_warnings(360, 20, 20, "mhc") == [] and schedule_warnings(-1, 20, 20, "mhc") == []
     assert schedule_warnings(20, 5, 20, "residual") == []  # a residual run takes no diagnostics
+
+
+def test_under_slurm_a_fit_never_restores_another_jobs_requeue_checkpoint(
+    tiny_corpus, mlflow_uri, tmp_path, capsys, monkeypatch
+):
+    """The sbatch recipe's shared default_root_dir holds an hpc_ckpt of another job: Lightning would restore it into
+    this new run without a word. Refused in one line; and no fit leaves such a file for the next (requeue off)."""
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
+    from test_grid_jobs import SLURM_LIKE
+
+    from mhc_lightning.cli import build_cli
+
+    for key, value in {**SLURM_LIKE, "SLURM_JOB_ID": "5151"}.items():
+        monkeypatch.setenv(key, value)
+    shared = tmp_path / "shared"
+    for n in (2, 12):
+        _write(shared / f"hpc_ckpt_{n}.ckpt", b"another job's weights")
+    args = tiny_fit_args(tiny_corpus, mlflow_uri, shared)
+    line = one_error_line(args, capsys)
+    assert "holds hpc_ckpt_12.ckpt, a checkpoint of Lightning's SLURM requeue (not this run's)" in line
+    assert line.endswith(f"or pass --ckpt_path {shared / 'hpc_ckpt_12.ckpt'} to start from it on purpose")
+    assert_nothing_written(mlflow_uri, tmp_path, tmp_path / "no-root")
+    assert sorted(p.name for p in shared.iterdir()) == ["hpc_ckpt_12.ckpt", "hpc_ckpt_2.ckpt"]
+    environment = build_cli(args[1:], run=False).trainer._accelerator_connector.cluster_environment
+    assert isinstance(environment, SLURMEnvironment) and environment.auto_requeue is False
