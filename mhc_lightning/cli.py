@@ -11,9 +11,9 @@ import warnings
 from argparse import ArgumentError
 from typing import Optional
 
-import yaml
 from jsonargparse import ActionYesNo, set_parsing_settings
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.plugins.environments import SLURMEnvironment
 
 from .callbacks.divergence import EXIT_DIVERGED, DivergenceGuard, TrainingDiverged
 from .callbacks.final_validation import FinalValidation
@@ -27,14 +27,13 @@ from .commands import TOOLS, TRAINER_COMMANDS, Tool, fail, main, overview  # noq
 from .configs import parser_kwargs
 from .data import ByteTextDataModule
 from .errors import UserError, one_line
-from .input_checks import check_inputs
+from .input_checks import check_inputs, schedule_warnings
 from .interrupts import GracefulStop, finish
 from .loggers.credentials import take_credentials
 from .loggers.mlflow_runs import announce_run, label_runs, mlflow_logger_configs
 from .loggers.save_config import MLflowSaveConfig
 from .model import GPTConfig, HyperConfig
 from .module import LitLM, OptimConfig, check_compile, check_fused
-from .optimizer_options import refuse_optimizer_options
 from .quiet import silence_known_noise
 from .resume import check_resume, resolve_last, resume_command
 
@@ -105,6 +104,15 @@ class MHCLightningCLI(LightningCLI):
         self.checkpoint_info = check_inputs(sub, cfg) if sub else None
         if sub == "fit" and self.checkpoint_info is not None:
             check_resume(cfg, self.checkpoint_info, resumed)  # the same budget, or --extend; says the step
+        elif sub == "fit" and cfg.get("ckpt_path") is None:
+            model = cfg.model
+            for line in schedule_warnings(
+                int(cfg.trainer.max_steps or -1),
+                model.optim.warmup_steps,
+                model.diagnostics_every,
+                model.arch.hyper.residual_mode,
+            ):
+                print(f"mhc fit: warning: {line}", file=sys.stderr, flush=True)
 
     def before_instantiate_classes(self) -> None:
         if self.subcommand:
@@ -119,6 +127,11 @@ class MHCLightningCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs):
         trainer = super().instantiate_trainer(**kwargs)
         use_verified_checkpoints(trainer)  # written whole, with a digest that is checked before a resume
+        environment = trainer._accelerator_connector.cluster_environment  # what Lightning's signal handling reads
+        if isinstance(environment, SLURMEnvironment):
+            # Its requeue saves hpc_ckpt_<n>.ckpt in default_root_dir, often shared by jobs, and any later fit there
+            # restores it in a new run: a fit resumes only its own run's checkpoints (--ckpt_path last)
+            environment.auto_requeue = False
         return trainer
 
     def after_fit(self) -> None:
@@ -176,32 +189,6 @@ def build_cli(
     )
 
 
-def check_config_files(args: list[str]) -> None:
-    """Raise UserError naming the file, line and column of the first `-c` file that is not valid YAML.
-
-    jsonargparse reports a YAML error without saying which of the -c files it is in.
-    """
-    for i, arg in enumerate(args):
-        if arg in ("-c", "--config") and i + 1 < len(args):
-            path = args[i + 1]
-        elif arg.startswith("--config="):
-            path = arg.partition("=")[2]
-        else:
-            continue
-        try:
-            with open(path, encoding="utf-8") as f:
-                yaml.safe_load(f)
-        except OSError:
-            continue  # not a file (-c also takes inline YAML); jsonargparse reports it
-        except yaml.YAMLError as err:
-            mark, started = getattr(err, "problem_mark", None), getattr(err, "context_mark", None)
-            where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            problem = getattr(err, "problem", None) or one_line(err)
-            if started and getattr(err, "context", None):
-                problem += f", {err.context} that starts at line {started.line + 1}, column {started.column + 1}"
-            raise UserError(f"config file {path}{where}: not valid YAML ({problem}); fix the file.") from err
-
-
 def parser_message(err: ArgumentError) -> str:
     """jsonargparse's (often nested, multi-line) message reduced to one line: the key and the innermost reasons."""
     lines = [ln for ln in str(err).splitlines() if ln.strip()]
@@ -215,8 +202,6 @@ def parser_message(err: ArgumentError) -> str:
 def run_trainer_command(command: str, args: list[str], argv: Optional[list[str]]) -> None:
     """`mhc fit|validate|test ARGS`; argv None: LightningCLI reads sys.argv itself."""
     try:
-        check_config_files(args)
-        refuse_optimizer_options(args)
         with warnings.catch_warnings():
             # main(argv) called from Python (tests, tools) passes argv on; sys.argv is its caller's, not ours
             warnings.filterwarnings("ignore", message="LightningCLI's args parameter")

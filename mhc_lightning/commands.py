@@ -1,7 +1,8 @@
 """`mhc`: the command dispatcher (the console script). Cheap to import: no torch, no Lightning, no MLflow.
 
 `mhc --help` and an unknown command answer from here at once; a tool (`sweep`, `compare`, `report`, `grid`) imports
-only its own module; `fit`, `validate` and `test` import Lightning through cli.py, and only when they run.
+only its own module; `fit`, `validate` and `test` import Lightning through cli.py, and only when they run, after the
+checks that need no Lightning (early_checks.py: flags, config files, corpus, checkpoint).
 
 Whatever the command, a problem the user can fix (a UserError, a parser error, a broken YAML file) is printed as one
 line, `mhc <command>: error: ...`, with exit status 2 and no traceback.
@@ -14,6 +15,7 @@ import sys
 from typing import NamedTuple, Optional
 
 from .child_processes import die_with_parent
+from .early_checks import check_arguments
 from .errors import EXIT_USER_ERROR, UserError, one_line
 from .loggers.credentials import clean_tracking_env, mask
 
@@ -93,6 +95,10 @@ def main(argv: Optional[list[str]] = None) -> None:
             sys.exit(getattr(importlib.import_module(module), func)(args[1:]))
         except UserError as err:
             fail(command, str(err))
+    try:  # a typo, a missing file: answered before torch and Lightning are imported
+        check_arguments(command, args[1:])
+    except UserError as err:
+        fail(command, str(err))
     # by name, as the tools: cli.py imports this module (for TOOLS and main), never the other way round
     module, _, func = TRAINER_TARGET.partition(":")
     # argv=None lets LightningCLI read sys.argv itself

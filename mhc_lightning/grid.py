@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -100,6 +101,14 @@ def expand(spec: dict, root: Path, extra: list[str]) -> list[tuple[str, dict, li
                 ] + extra
                 runs.append((name, tags, argv))
     return runs
+
+
+def report_command(spec: dict) -> list[str]:
+    """The `mhc report` that compares the grid's variants at each point of its axes, pooled over seeds and repeats."""
+    keys = ["variant", *(k for k in spec["axes"] if k not in ("seed_everything", "data.seed"))]
+    variants = list(spec["variants"])
+    baseline = ["--baseline", "residual" if "residual" in variants else variants[0]] if len(variants) > 1 else []
+    return ["report", "--experiment", spec["experiment"], "--group-by", ",".join(keys), *baseline]
 
 
 def log_path(logs: Path, run_name: str) -> Path:
@@ -265,7 +274,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"mhc grid: {no_ops}", file=sys.stderr)
     if args.dry_run:
         for name, _, a in runs:
-            print(name, " ".join(a))
+            print(f"{shlex.join(mhc_command() + a)}   # {name}")  # pasteable as it is
         return 0
     uri = absolute_store_uri(default_tracking_uri())
     client, exp_id = prepare_store(uri, spec["experiment"])
@@ -301,6 +310,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"mhc grid: error: {err}", file=sys.stderr)
         return 2
     print(f"{len(runs) - len(failed)}/{len(runs)} runs finished; failed: {failed or 'none'}")
+    if len(failed) < len(runs):
+        print(f"next: {shlex.join(mhc_command() + report_command(spec))}")
     return 1 if failed else 0
 
 

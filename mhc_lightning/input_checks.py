@@ -17,12 +17,10 @@ import torch
 
 from .checkpoint_io import verify
 from .data import ByteTextDataModule
+from .early_checks import check_checkpoint_exists, check_checkpoint_given, is_checkpoint_file
 from .errors import UserError
 from .loggers.tags import CHECKPOINT_RUN_KEY
 
-EVAL_COMMANDS = ("validate", "test")
-# ckpt_path values that Lightning resolves itself at run time rather than paths to a file
-CKPT_KEYWORDS = ("last", "best", "hpc")
 # How the same weights are computed, not which weights: may differ between training and evaluation
 # (e.g. Triton kernels when training on a GPU, the torch reference when evaluating on a CPU).
 RUNTIME_ARCH_KEYS = frozenset(
@@ -38,6 +36,7 @@ RUNTIME_ARCH_KEYS = frozenset(
 # Architecture keys set through another key (CLI links): name the one the user sets
 LINKED_FROM = {"context": "data.seq_len", "vocab_size": "data.corpus (its tokenizer's vocabulary)"}
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
+HPC_PREFIX = "hpc_ckpt_"  # Lightning's SLURM requeue checkpoints: hpc_ckpt_<n>.ckpt in default_root_dir
 
 
 @dataclass
@@ -57,28 +56,56 @@ def check_inputs(subcommand: str, cfg) -> Optional[CheckpointInfo]:
     data = ByteTextDataModule(**as_dict(cfg.data))
     data.check_corpus()
     ckpt = cfg.get("ckpt_path")
+    check_checkpoint_given(subcommand, ckpt)
     if ckpt is None:
-        if subcommand in EVAL_COMMANDS:
-            raise UserError(
-                f"{subcommand} evaluates a checkpoint: pass --ckpt_path <file.ckpt> "
-                "(fit writes runs/<experiment id>/<run id>/checkpoints/last.ckpt)."
-            )
-        return None
-    if ckpt in CKPT_KEYWORDS or str(ckpt).startswith("registry"):
+        refuse_foreign_hpc_checkpoint(Path(cfg.trainer.get("default_root_dir") or "."))
+    if not is_checkpoint_file(ckpt):
         return None
     # the vocabulary follows the data (a CLI link applied later): compare the checkpoint with the data's
     return check_checkpoint(Path(ckpt), {**as_dict(cfg.model.arch), "vocab_size": data.vocab_size})
 
 
+def refuse_foreign_hpc_checkpoint(root: Path) -> None:
+    """Under SLURM, Lightning restores the newest hpc_ckpt_<n>.ckpt in default_root_dir into any fit or evaluation
+    given no checkpoint, without a word: in a folder jobs share, another job's weights in a new run. `mhc` turns its
+    requeue off (cli.py), so such a file is never this run's: refuse and say how to use it on purpose."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    versions = {p: p.stem[len(HPC_PREFIX) :] for p in root.glob(f"{HPC_PREFIX}*.ckpt")}
+    numbered = [(int(v), p) for p, v in versions.items() if v.isdigit()]
+    if not numbered or not SLURMEnvironment.detect():
+        return
+    newest = max(numbered)[1]
+    raise UserError(
+        f"trainer.default_root_dir {root} holds {newest.name}, a checkpoint of Lightning's SLURM requeue (not this "
+        f"run's), which Lightning would restore into this new run without a word; give this fit a "
+        f"trainer.default_root_dir of its own, or pass --ckpt_path {newest} to start from it on purpose"
+    )
+
+
+def schedule_warnings(max_steps: int, warmup_steps: int, diagnostics_every: int, residual_mode: str) -> list[str]:
+    """What a new fit's step budget silently spoils, one line each: a run that is all warm-up (the learning rate never
+    reaches model.optim.lr), and diagnostics taken at step 0 only (`mhc compare` would show the initial H_res)."""
+    if max_steps <= 0:
+        return []
+    said = []
+    if warmup_steps >= max_steps:
+        said.append(
+            f"model.optim.warmup_steps={warmup_steps} >= trainer.max_steps={max_steps}: the whole run is warm-up, "
+            f"the learning rate never reaches model.optim.lr; lower warmup_steps below {max_steps}"
+        )
+    if residual_mode != "residual" and diagnostics_every >= max_steps:
+        said.append(
+            f"model.diagnostics_every={diagnostics_every} >= trainer.max_steps={max_steps}: diagnostics are taken at "
+            f"step 0 only, so the run's H_res figures show its initialisation; lower diagnostics_every below "
+            f"{max_steps}"
+        )
+    return said
+
+
 def check_checkpoint(path: Path, arch: dict) -> CheckpointInfo:
     """Refuse a missing or unreadable checkpoint, or one trained with another architecture than ``arch``."""
-    if not path.exists():
-        raise UserError(
-            f"checkpoint {path} does not exist; pass --ckpt_path with the path of a .ckpt file "
-            "(fit writes runs/<experiment id>/<run id>/checkpoints/last.ckpt)."
-        )
-    if not path.is_file():
-        raise UserError(f"checkpoint {path} is a folder; pass --ckpt_path with a .ckpt file in it.")
+    check_checkpoint_exists(path)
     verify(path, _run_id_from_layout(path))  # CorruptCheckpoint names the newest good checkpoint beside it
     ckpt = _load(path)
     trained = (ckpt.get("hyper_parameters") or {}).get("arch")

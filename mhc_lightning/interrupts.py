@@ -56,6 +56,23 @@ def _last_checkpoint_callback(trainer) -> Optional[ModelCheckpoint]:
     return next((cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath), None)
 
 
+def _last_name(cb: ModelCheckpoint) -> str:
+    """The run's last.ckpt, spelt as ModelCheckpoint spells it (it compares the strings before versioning a name)."""
+    return cb.format_checkpoint_name({}, cb.CHECKPOINT_NAME_LAST)
+
+
+def keep_last_name(trainer) -> None:
+    """A fit resumed from its own last checkpoint writes the next one as last.ckpt: its checkpoint may name no last
+    file (written by an interrupt before the first periodic save) or a versioned one, and ModelCheckpoint would then
+    write last-v1.ckpt and leave last.ckpt behind at the resumed step."""
+    cb, resumed = _last_checkpoint_callback(trainer), trainer.ckpt_path
+    if cb is None or not cb.save_last or not resumed or "://" in str(resumed):
+        return
+    resumed = Path(resumed)
+    if resumed.parent.resolve() == Path(cb.dirpath).resolve() and resumed.name.startswith(cb.CHECKPOINT_NAME_LAST):
+        cb.last_model_path = _last_name(cb)
+
+
 class GracefulStop(Callback):
     """Installed by the CLI in every Trainer: see the module docstring."""
 
@@ -72,11 +89,15 @@ class GracefulStop(Callback):
         # After Lightning installed its SIGTERM handler (kept, and called): until here Python's and Lightning's own
         # handling applies, which on_exception also understands.
         self._trainer, self._after_validation = trainer, False
+        keep_last_name(trainer)
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGINT, signal.SIGTERM):
                 self._previous[signum] = signal.signal(signum, self._on_signal)
 
     def on_train_end(self, trainer, pl_module) -> None:
+        self._restore_handlers()
+
+    def _restore_handlers(self) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
@@ -104,6 +125,12 @@ class GracefulStop(Callback):
             lightning(signal.SIGTERM, frame)
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        try:
+            self._stop_with_checkpoint(trainer, exception)
+        finally:
+            self._restore_handlers()  # no on_train_end after an exception
+
+    def _stop_with_checkpoint(self, trainer, exception: BaseException) -> None:
         if trainer.state.fn != "fit":
             return
         if STOP.signum is None and isinstance(exception, (KeyboardInterrupt, SIGTERMException)):
@@ -118,13 +145,16 @@ class GracefulStop(Callback):
             return
         STOP.folder = Path(cb.dirpath)
         if isinstance(exception, SIGTERMException) and cb.save_last and not trainer.sanity_checking:
-            path = STOP.folder / f"{cb.CHECKPOINT_NAME_LAST}{cb.FILE_EXTENSION}"
+            # Set before the save, as ModelCheckpoint does: the checkpoint's callback state names this file as the
+            # run's last one, so the resumed fit overwrites it instead of writing last-v1.ckpt beside it.
+            previous, cb.last_model_path = cb.last_model_path, _last_name(cb)
             try:
-                trainer.save_checkpoint(path)  # the loops stopped at a step boundary: resumes like a periodic one
+                trainer.save_checkpoint(cb.last_model_path)  # the loops stopped at a step boundary: resumes exactly
             except CheckpointWriteError as err:  # the run must still end, and say what is safe
+                cb.last_model_path = previous
                 _say(str(err))
                 return
-            cb.last_model_path, STOP.checkpoint = str(path), path
+            STOP.checkpoint = Path(cb.last_model_path)
 
 
 def finish(args: list[str]) -> Optional[int]:

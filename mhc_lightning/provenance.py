@@ -31,6 +31,25 @@ UNKNOWN = "unknown"
 BUILD_COMMIT_ENV = "MHC_BUILD_COMMIT_FILE"
 # The libraries whose versions can change a result; a missing one is recorded as absent.
 LIBRARIES = ("torch", "triton", "lightning", "mlflow", "optuna", "numpy")
+# What the platform writes where it runs (stores and their SQLite journals, the spool, checkpoints, logs, reports) is
+# not code: it never makes a checkout dirty, whatever the checkout's .gitignore says (another process writing
+# mlflow.db-journal would give each run a random diff digest). Git pathspec globs from the checkout's top.
+RUNTIME_FILES = (
+    "**/*.db",
+    "**/*.db-journal",
+    "**/*.db-wal",
+    "**/*.db-shm",
+    "**/*.journal.log*",
+    "**/mlflow_spool/**",
+    "**/mlruns/**",
+    "**/mlartifacts/**",
+    "**/runs/**",
+    "**/lightning_logs/**",
+    "**/checkpoints/**",
+    "**/grid_logs/**",
+    "reports/**",
+)
+_NOT_RUNTIME = (".", *(f":(exclude,glob){pattern}" for pattern in RUNTIME_FILES))
 
 
 # Files that hold secrets (docker compose's .env): never in the digest or the diff artifact, tracked or not, ignored
@@ -41,7 +60,8 @@ SECRET_FILES = (":(glob,exclude)**/.env*",)
 @dataclass(frozen=True)
 class CodeState:
     """commit: HEAD of the checkout this package is imported from (UNKNOWN for an installed copy or without git);
-    dirty: whether tracked files differ from it or untracked, non-ignored files exist (None: unknown);
+    dirty: whether tracked files differ from it or untracked, non-ignored files exist, RUNTIME_FILES aside (None:
+    unknown);
     diff_sha256: digest of that difference (the `git diff HEAD` bytes, then each untracked file's name and bytes);
     diff: the difference as text, kept with the run so that the code can be rebuilt."""
 
@@ -77,8 +97,8 @@ def code_state(start: Path = PACKAGE_DIR) -> CodeState:
     except (subprocess.SubprocessError, OSError):
         return CodeState(UNKNOWN, None)  # an installed copy: no checkout around it
     try:
-        diff = _git(root, "diff", "HEAD", "--binary", "--", ".", *SECRET_FILES)
-        listed = _git(root, "ls-files", "--others", "--exclude-standard", "-z", "--", ".", *SECRET_FILES)
+        diff = _git(root, "diff", "HEAD", "--binary", "--", *_NOT_RUNTIME, *SECRET_FILES)
+        listed = _git(root, "ls-files", "--others", "--exclude-standard", "-z", "--", *_NOT_RUNTIME, *SECRET_FILES)
         untracked = [p for p in listed.split(b"\0") if p]
     except (subprocess.SubprocessError, OSError):
         return CodeState(commit, None, checkout=str(root))

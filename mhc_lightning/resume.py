@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from .child_processes import mhc_command
 from .errors import UserError
 from .loggers.mlflow_runs import mlflow_logger_configs
 from .loggers.tags import STAGE_TAG
@@ -144,8 +145,9 @@ def find_checkpoint(
     for run in candidates:
         folder = Path(dirpath) if dirpath else root / run.info.experiment_id / run.info.run_id / "checkpoints"
         local = folder / LOCAL_LAST
-        if local.is_file():
-            return run.info.run_id, local
+        newest = newest_last(folder)
+        if newest is not None:
+            return run.info.run_id, newest
         looked.append(str(local))
         if any(a.path == ARTIFACT_LAST for a in client.list_artifacts(run.info.run_id, "last")):
             folder.mkdir(parents=True, exist_ok=True)
@@ -162,9 +164,23 @@ def find_checkpoint(
     )
 
 
+def newest_last(folder: Path) -> Optional[Path]:
+    """The folder's last.ckpt, or a versioned last-vN.ckpt beside it where that holds a later step: Lightning wrote one
+    when a resumed checkpoint named no last file, leaving last.ckpt at the resumed step."""
+    local = folder / LOCAL_LAST
+    versioned = [p for p in folder.glob(f"{Path(LOCAL_LAST).stem}-v*.ckpt") if p.is_file()]
+    if not versioned:
+        return local if local.is_file() else None
+    from .checkpoint_io import checkpoint_step
+
+    found = [(checkpoint_step(p) or -1, p.stat().st_mtime_ns, p) for p in [local, *versioned] if p.is_file()]
+    return max(found)[2]
+
+
 def resume_command(args: list[str]) -> str:
     """`mhc <args> --ckpt_path last`, shell-quoted: the command that continues the run `args` started (an earlier
-    --ckpt_path is replaced)."""
+    --ckpt_path is replaced), with this environment's `mhc` by its full path, as the end-of-fit line names `mlflow`:
+    it runs without the venv activated."""
     kept, i = [], 0
     while i < len(args):
         if args[i] == "--ckpt_path":
@@ -173,4 +189,4 @@ def resume_command(args: list[str]) -> str:
         if not args[i].startswith("--ckpt_path="):
             kept.append(args[i])
         i += 1
-    return shlex.join(["mhc", *kept, "--ckpt_path", LAST])
+    return shlex.join([*mhc_command(), *kept, "--ckpt_path", LAST])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -15,9 +16,11 @@ import torch
 from helpers import REPO, handshake_arg, tiny_fit_args, wait_for
 from mlflow import MlflowClient
 
+from mhc_lightning.child_processes import mhc_command
 from mhc_lightning.cli import main
 
 TESTS = REPO / "tests"
+MHC = shlex.join(mhc_command())  # the entry point the printed commands name
 
 
 _NO_DIAGNOSTICS = ("--model.diagnostics_every=0",)
@@ -135,7 +138,7 @@ def test_full_disk_stops_with_one_line_and_leaves_no_partial_file(
     (line,) = _error_lines(err)
     assert f"in {folder}: No space left on device (ENOSPC)" in line
     assert f"the last good checkpoint is {folder / 'last.ckpt'} (step 2)" in line
-    assert line.endswith(" --ckpt_path last") and "Resume with: mhc fit -c " in line
+    assert line.endswith(" --ckpt_path last") and f"Resume with: {MHC} fit -c " in line
     assert "Traceback" not in err
     files = sorted(p.name for p in folder.iterdir())
     assert files == ["epoch=0-step=2.ckpt", "last.ckpt"], files  # no temporary or partial file
@@ -185,7 +188,7 @@ def test_read_only_checkpoint_folder_stops_a_real_fit_with_one_line(tiny_corpus,
     (line,) = _error_lines(text)
     assert f"in {folder}: Permission denied (EACCES)" in line
     assert f"the last good checkpoint is {folder / 'last.ckpt'} (step 2)" in line
-    assert line.endswith(" --ckpt_path last") and "Resume with: mhc fit " in line
+    assert line.endswith(" --ckpt_path last") and f"Resume with: {MHC} fit " in line
     assert "Traceback" not in text
     assert _files(folder) == before
     print(f"[figures] read-only checkpoint folder: exit 2, {len(text.splitlines())} lines of output: {line}")

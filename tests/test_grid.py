@@ -3,6 +3,7 @@ them as tagged child processes that die with it."""
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -253,3 +254,22 @@ def test_sinkhorn_keys_for_modes_without_sinkhorn_are_named(tmp_path, capsys):
     assert stopped.value.code == 2
     lines = [ln for ln in capsys.readouterr().err.splitlines() if "has no Sinkhorn" in ln]
     assert lines == ["mhc fit: residual_mode=kromhc has no Sinkhorn: ignoring model.arch.hyper.sinkhorn_iters=5"]
+
+
+def test_dry_run_prints_pasteable_commands_and_a_grid_names_its_report(tmp_path, monkeypatch, capsys):
+    from mhc_lightning.child_processes import mhc_command
+    from mhc_lightning.grid import main, report_command
+
+    monkeypatch.chdir(tmp_path)
+    grid = tmp_path / "g.yaml"
+    spec = {**TINY_GRID, "variants": {**TINY_GRID["variants"], "odd": {"trainer.logger.init_args.tags": {"a b": "$x"}}}}
+    grid.write_text(json.dumps(spec))
+    assert main([str(grid), "--dry-run"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    runs = expand(load_grid(grid), REPO, [])
+    assert [shlex.split(line, comments=True) for line in lines] == [mhc_command() + argv for _, _, argv in runs]
+    assert [line.rpartition("   # ")[2] for line in lines] == [name for name, _, _ in runs]
+    spec["axes"] = {"model.arch.n_layers": [2, 4], "seed_everything": [1, 2]}
+    assert report_command(spec) == [
+        "report", "--experiment", "tiny-grid", "--group-by", "variant,model.arch.n_layers", "--baseline", "mhc"
+    ]  # fmt: skip

@@ -17,7 +17,7 @@ from helpers import CONF, make_text, tiny_fit_args
 from mlflow.entities import ViewType
 
 from mhc_lightning.cli import main
-from mhc_lightning.input_checks import arch_mismatches
+from mhc_lightning.input_checks import arch_mismatches, schedule_warnings
 
 
 def random_bytes(n: int) -> bytes:
@@ -199,11 +199,9 @@ def test_yaml_syntax_error_names_the_file_and_line(tiny_corpus, mlflow_uri, tmp_
 @pytest.mark.parametrize(
     "arg,says",
     [
-        ("--trainer.max_stepz=3", "unrecognized arguments: --trainer.max_stepz=3"),
         ("--trainer.max_steps=abc", "Parser key \"trainer.max_steps\": Expected a <class 'int'>. Got value: abc"),
         ("--trainer.logger.init_args.colour=red", "Option 'colour' is not accepted"),
         ("--model.arch.n_heads=3", "model.arch.d_model must be divisible by n_heads"),
-        ("--config=/nonexistent/mine.yaml", "File does not exist: '/nonexistent/mine.yaml'"),
         ("--trainer.callbacks+=nowhere.Callback", "No module named 'nowhere'"),
     ],
 )
@@ -239,3 +237,37 @@ def test_console_script_refuses_with_one_line_and_leaves_nothing(case, tmp_path)
     assert len(lines) == 1 and lines[0].startswith(f"mhc {args[0]}: error: "), out.stderr
     assert str(corpus if case == "random_corpus" else tmp_path / "runs" / "last.ckpt") in lines[0]
     assert sorted(p.name for p in work.iterdir()) == []  # no mlflow.db, runs/ or mlruns/
+
+
+def test_a_shortened_quickstart_is_warned_that_it_is_all_warm_up_and_diagnostics_only_at_step_0():
+    """conf/quickstart.yaml with --trainer.max_steps=20: warmup_steps 20, diagnostics_every 20."""
+    warmup, diagnostics = schedule_warnings(20, 20, 20, "mhc")
+    assert warmup.startswith("model.optim.warmup_steps=20 >= trainer.max_steps=20: the whole run is warm-up")
+    assert diagnostics.startswith("model.diagnostics_every=20 >= trainer.max_steps=20: diagnostics are taken at step 0")
+    assert schedule_warnings(360, 20, 20, "mhc") == [] and schedule_warnings(-1, 20, 20, "mhc") == []
+    assert schedule_warnings(20, 5, 20, "residual") == []  # a residual run takes no diagnostics
+
+
+def test_under_slurm_a_fit_never_restores_another_jobs_requeue_checkpoint(
+    tiny_corpus, mlflow_uri, tmp_path, capsys, monkeypatch
+):
+    """The sbatch recipe's shared default_root_dir holds an hpc_ckpt of another job: Lightning would restore it into
+    this new run without a word. Refused in one line; and no fit leaves such a file for the next (requeue off)."""
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
+    from test_grid_jobs import SLURM_LIKE
+
+    from mhc_lightning.cli import build_cli
+
+    for key, value in {**SLURM_LIKE, "SLURM_JOB_ID": "5151"}.items():
+        monkeypatch.setenv(key, value)
+    shared = tmp_path / "shared"
+    for n in (2, 12):
+        _write(shared / f"hpc_ckpt_{n}.ckpt", b"another job's weights")
+    args = tiny_fit_args(tiny_corpus, mlflow_uri, shared)
+    line = one_error_line(args, capsys)
+    assert "holds hpc_ckpt_12.ckpt, a checkpoint of Lightning's SLURM requeue (not this run's)" in line
+    assert line.endswith(f"or pass --ckpt_path {shared / 'hpc_ckpt_12.ckpt'} to start from it on purpose")
+    assert_nothing_written(mlflow_uri, tmp_path, tmp_path / "no-root")
+    assert sorted(p.name for p in shared.iterdir()) == ["hpc_ckpt_12.ckpt", "hpc_ckpt_2.ckpt"]
+    environment = build_cli(args[1:], run=False).trainer._accelerator_connector.cluster_environment
+    assert isinstance(environment, SLURMEnvironment) and environment.auto_requeue is False

@@ -78,6 +78,37 @@ def test_params_take_the_names_mhc_fit_takes():
     assert cli_name("model.arch.n_layers") == "model.arch.n_layers"
 
 
+# What `mhc` and `mlflow ui` write where they run; none of it is code
+RUNTIME_SAMPLES = (
+    "mlflow.db",
+    "mlflow.db-journal",
+    "mlflow.db-wal",
+    "mlflow.db-shm",
+    "sweeps.db-journal",
+    "study.journal.log",
+    "mlflow_spool/run.jsonl",
+    "mlruns/0/meta.yaml",
+    "runs/1/0123/checkpoints/last.ckpt",
+    "grid_logs/mhc-seed0.log",
+    "reports/quickstart/report.md",
+)
+
+
+def test_the_platforms_own_runtime_files_never_make_a_run_dirty(tmp_path):
+    """A clean checkout whose .gitignore knows none of them, with a store another process is writing: not dirty."""
+    root = _repo(tmp_path / "repo")
+    for name in RUNTIME_SAMPLES:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(b"written at run time")
+    state = provenance.code_state.__wrapped__(root / "pkg")
+    assert state.dirty is False and state.diff_sha256 == "" and state.label == state.commit[:9]
+    (root / "pkg" / "reports").mkdir()
+    (root / "pkg" / "reports" / "plots.py").write_text("code = True\n")  # code, though in a folder named reports
+    assert provenance.code_state.__wrapped__(root / "pkg").diff.endswith("# untracked: pkg/reports/plots.py\n")
+    ignored = _git(REPO, "check-ignore", "--no-index", *RUNTIME_SAMPLES).splitlines()
+    assert ignored == list(RUNTIME_SAMPLES)  # and this checkout's .gitignore keeps them out of `git add -A`
+
+
 def test_environment_names_the_libraries():
     env = provenance.environment()
     assert env["torch"] != "absent" and env["lightning"] != "absent" and env["gpu"] == "none"

