@@ -252,8 +252,9 @@ def check_arguments(subcommand: str, args: list[str]) -> None:
     corpus = _resolved(given, "data.corpus")
     if isinstance(corpus, str):
         from .data.corpus import SHAKESPEARE, corpus_files
+        from .data.shards import is_prepared
 
-        if corpus != SHAKESPEARE["name"]:
+        if corpus != SHAKESPEARE["name"] and not is_prepared(corpus):  # shards: checked with their metadata later
             corpus_files(Path(corpus).expanduser(), bool(_resolved(given, "data.allow_binary")))
     ckpt = _resolved(given, "ckpt_path")
     check_checkpoint_given(subcommand, ckpt)
