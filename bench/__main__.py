@@ -12,7 +12,18 @@ import os
 import sys
 from pathlib import Path
 
-BENCHMARKS = ("trainer", "curve", "stack", "host", "traffic", "resources", "callbacks", "diagnostics", "recompute")
+BENCHMARKS = (
+    "trainer",
+    "curve",
+    "stack",
+    "host",
+    "traffic",
+    "resources",
+    "callbacks",
+    "diagnostics",
+    "recompute",
+    "data",
+)
 
 
 def summary(name: str) -> str:

@@ -225,7 +225,7 @@ def test_unknown_command_is_one_line(capsys):
     err = capsys.readouterr().err.strip()
     assert err == (
         "mhc: error: unknown command 'predict'; the commands are fit, validate, test, sweep, compare, "
-        "report, grid, export (`mhc --help` says what each does)"
+        "report, prepare, grid, export (`mhc --help` says what each does)"
     )
 
 

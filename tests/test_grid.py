@@ -245,11 +245,12 @@ def test_sinkhorn_keys_for_modes_without_sinkhorn_are_named(tmp_path, capsys):
     said = sinkhorn_no_ops(expand(load_grid(grid), REPO, []))
     assert "model.arch.hyper.sinkhorn_iters is a no-op for mhc_lite / kromhc" in said and "['lite']" in said
     assert sinkhorn_no_ops(expand(load_grid(grid), REPO, [])[:1]) is None  # the mhc run uses it
-    missing = tmp_path / "no_corpus.txt"
+    too_short = tmp_path / "short.txt"  # passes the early checks, refused after the model config is read
+    too_short.write_text("a short text\n")
     with pytest.raises(SystemExit) as stopped:
         fit_main(
             ["fit", "-c", str(CONF / "model" / "kromhc.yaml"), "--model.arch.hyper.sinkhorn_iters=5"]
-            + [f"--data.corpus={missing}"]
+            + [f"--data.corpus={too_short}"]
         )
     assert stopped.value.code == 2
     lines = [ln for ln in capsys.readouterr().err.splitlines() if "has no Sinkhorn" in ln]

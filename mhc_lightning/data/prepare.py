@@ -29,13 +29,12 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..files import sha256_file
+from .shards import FORMAT, META  # and litdata's warning filters
 from .sources import ERROR_POLICIES, SourceError, Unit, documents, source_files, units_of
 from .tokenizers import BYTES, EOD_TEXT, load_tokenizer, token_dtype, train_bpe
 
-META = "mhc_data.json"
 REQUEST = ".prepare_request.json"  # the arguments of a preparation under way, to continue it
 SPLITS = ("val", "train")
-FORMAT = 1
 
 
 def in_val(text: str, val_fraction: float) -> bool:
@@ -291,8 +290,6 @@ def _write_split(dest: Path, units: list[Unit], split: str, tokenizer_spec: str,
     the sha256 of every chunk file."""
     if not (dest / "index.json").exists():
         from litdata import TokensLoader, optimize
-
-        from . import shards  # noqa: F401 (its warning filters)
 
         print(f"mhc prepare: tokenizing the {split} split ({len(units)} units) into {dest} ...", flush=True)
         fn = partial(

@@ -18,8 +18,9 @@ from typing import Optional
 
 from ..errors import UserError
 from ..files import sha256_file
-from .prepare import FORMAT, META
 
+META = "mhc_data.json"  # the metadata `mhc prepare` writes last: a folder with it is a complete dataset
+FORMAT = 1  # its layout's version
 REMOTE_PREFIXES = ("s3://", "gs://", "azure://", "hf://", "local:")
 # litdata's own advice to upgrade (it asks PyPI once per process; below 0.2.45 always): pyproject.toml says why not.
 # Lightning's caution about an IterableDataset with __len__ under several workers: litdata gives each worker its own
