@@ -106,3 +106,20 @@ def test_plain_fits_group_by_a_cli_key_and_differing_settings_are_flagged(mlflow
     assert groups["hc"]["settings that differ"] == "trainer.max_time" and groups["mhc"]["settings that differ"] == "–"
     rows = {r[mode]: r for r in md_table(out / "vs_residual.md")}
     assert rows["mhc"]["verdict"] == "lower" and rows["mhc"]["test"] == "paired by seed, n=3"
+
+
+def test_nats_per_token_are_not_compared_across_tokenizers(mlflow_uri, tmp_path, capsys):
+    """A BPE run and a byte run: bits per byte are compared (and the report says why only they are), nats per token
+    are refused in one line."""
+    client = mlflow.MlflowClient(mlflow_uri)
+    exp = client.create_experiment("tok")
+    mode = "model.arch.hyper.residual_mode"
+    for seed in (1, 2):
+        _run(client, exp, f"bytes-s{seed}", {mode: "residual", "seed_everything": seed}, 2.0 + 0.01 * seed)
+        bpe = {"mhc.data.tokenizer_sha256": "ab" * 32, "mhc.data.tokenizer": "tokenizer.json"}
+        _run(client, exp, f"bpe-s{seed}", {mode: "mhc", "seed_everything": seed}, 1.9 + 0.01 * seed, tags=bpe)
+    _report(mlflow_uri, tmp_path, "tok", mode, "--baseline", "residual")
+    assert "bits per byte compare across them, nats per token do not" in capsys.readouterr().out
+    code = main(["--experiment", "tok", "--group-by", mode, "--tracking-uri", mlflow_uri, "--out", str(tmp_path / "x"),
+                 "--baseline", "residual", "--metric", "val_loss"], prog="mhc report")  # fmt: skip
+    assert code == 2 and "val_loss is nats per token of each one's tokens" in capsys.readouterr().err

@@ -17,7 +17,17 @@ from pathlib import Path
 from typing import Any, Optional
 
 from . import plots
-from .runs import COMPARISON_TAG, DATA_DIGEST, MODE_KEY, CompareError, RunData, code_label, load, search
+from .runs import (
+    COMPARISON_TAG,
+    DATA_DIGEST,
+    MODE_KEY,
+    CompareError,
+    RunData,
+    code_label,
+    load,
+    search,
+    tokenizer_of,
+)
 from .tables import fmt, frame, write_table
 
 FINAL_METRICS = [
@@ -71,6 +81,8 @@ def table_rows(data: list[RunData]) -> list[dict[str, Any]]:
             row["trial"] = d.tags["optuna.trial"]
             row["state"] = d.tags.get("optuna.state", "")
         row.update({c: cfg.get(c, "") for c in cols})
+        if len({tokenizer_of(x) for x in data}) > 1:  # nats per token are per token of this tokenizer
+            row["tokenizer"] = d.tags.get("mhc.data.tokenizer", "bytes")
         row["steps"] = steps_done(d)
         for m in FINAL_METRICS:
             row[m] = d.metrics.get(m, "")
@@ -172,8 +184,9 @@ def compare(
     check_tracking(tracking_uri, option="--tracking-uri")
     df = search(tracking_uri, experiment, study, run_ids, include_evaluation)
     data = load(tracking_uri, df, CURVES)
-    # best first: lowest final val/loss; runs without it last
-    data.sort(key=lambda d: (not math.isfinite(d.metrics.get("val/loss", math.nan)), d.metrics.get("val/loss", 0.0)))
+    # best first: lowest final bits per byte (which, unlike nats per token, compare across tokenizers); runs without
+    # it last
+    data.sort(key=lambda d: (not math.isfinite(d.metrics.get("val/bpb", math.nan)), d.metrics.get("val/bpb", 0.0)))
     out = Path(out)
     df = frame(table_rows(data))
     md, csv_path = write_table(df, out, "runs", md_df=markdown_ids(df))

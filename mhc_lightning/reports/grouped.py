@@ -26,7 +26,7 @@ from typing import Optional
 from ..diagnostics import GRAD_SPIKE_FACTOR as SPIKE_FACTOR
 from . import outcomes, plots, sensitivity
 from .outcomes import COUNTED, counts, only, outcome
-from .runs import SEED_KEY, CompareError, RunData, code_label, load, search, seed_of
+from .runs import SEED_KEY, CompareError, RunData, code_label, load, search, seed_of, tokenizer_of
 from .stats import difference, divergence_p, format_difference, one_seed
 from .tables import frame, write_table
 
@@ -45,6 +45,7 @@ HISTORIES = [
 ]
 COLUMNS = [  # (summary key, header, format)
     ("val_bpb", "val bits/byte", "{:.4f}"),
+    ("val_loss", "val nats/token", "{:.4f}"),  # per token of the run's tokenizer (tokenizers() below)
     ("amax_fwd_peak", "composite Amax fwd (worst token, peak)", "{:.4g}"),
     ("amax_bwd_peak", "composite Amax bwd (worst token, peak)", "{:.4g}"),
     ("amax_bwd_tokmean_peak", "composite Amax bwd (token mean, peak)", "{:.4g}"),
@@ -126,6 +127,23 @@ def check_one_code(groups: dict[tuple, list[RunData]]) -> None:
                 f"group {' '.join(map(str, gk))} pools runs of different or unknown code: {named}; "
                 "compare runs of one commit (rerun them), or pass --allow-mixed-code to pool them anyway"
             )
+
+
+def tokenizers(data: list[RunData], metric: str) -> Optional[str]:
+    """Refuse nats per token across tokenizers (a token is not the same unit); else, where the runs use several, the
+    line that says so. Bits per byte compare across tokenizers."""
+    used = sorted({tokenizer_of(d)[:12] for d in data if outcome(d) in COUNTED})
+    if len(used) < 2:
+        return None
+    if metric == "val_loss":
+        raise CompareError(
+            f"the runs use {len(used)} tokenizers ({', '.join(used)}): val_loss is nats per token of each one's "
+            "tokens and does not compare across them; compare --metric val_bpb (bits per byte) instead"
+        )
+    return (
+        f"The runs use {len(used)} tokenizers ({', '.join(used)}): bits per byte compare across them, nats per "
+        "token do not (each is per token of its run's tokenizer)."
+    )
 
 
 def setting(d: RunData, key: str) -> Optional[str]:
@@ -392,6 +410,7 @@ def report(
     )
     if not any(outcome(d) in COUNTED for d in data):
         raise CompareError(f"experiment {experiment!r} has no finished or diverged runs")
+    mixed_tokenizers = tokenizers(data, metric)
     groups = group(data, keys)
     if not allow_mixed_code:
         check_one_code(groups)
@@ -417,7 +436,7 @@ def report(
         )
     if only(compared, ("finished",)):
         figures.update(make_plots(only(compared, ("finished",)), compared_keys, out))
-    said = outcomes.lines(data, groups)
+    said = outcomes.lines(data, groups) + ([mixed_tokenizers] if mixed_tokenizers else [])
     if report_path:
         rel = os.path.relpath(out, report_path.parent)
         parts = [

@@ -44,6 +44,11 @@ class CompareError(UserError):
     """Nothing to report on (no such experiment, study or run); the message says what exists."""
 
 
+def tokenizer_of(d: RunData) -> str:
+    """The run's tokenizer (its sha256 tag); runs without the tag trained on raw bytes."""
+    return d.tags.get("mhc.data.tokenizer_sha256") or "bytes"
+
+
 @dataclass
 class RunData:
     run_id: str
