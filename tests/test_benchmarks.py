@@ -425,3 +425,21 @@ def test_curve_smoke_runs_a_trainer_call_per_point(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["width"] for r in rows] == [64, 64] and all(r["tokens_per_s"] for r in rows)
     assert all(r["x_residual_median"] for r in rows if r["variant"] == "mhc")
+
+
+@pytest.mark.slow
+def test_data_smoke_measures_memory_loader_and_prepare(tmp_path):
+    from bench import data
+
+    out = tmp_path / "data.json"
+    args = ["--sizes", "0.01", "--batches", "5", "--text-mb", "0.3", "--vocab", "300", "--out", str(out)]
+    assert data.main([*args, "--workdir", str(tmp_path / "w")]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["measure"], r["workers"]) for r in rows] == [
+        ("loader", 0),
+        ("loader", 2),
+        ("prepare", 1),
+        ("prepare", 2),
+    ]
+    assert all(r["tokens_per_s"] > 0 and r["anon_mib"] > 0 for r in rows[:2])
+    assert all(r["mb_per_s"] > 0 and r["encode_only_mb_per_s"] > 0 for r in rows[2:])

@@ -73,7 +73,6 @@ def load_metadata(corpus: str, cache_dir: Optional[str] = None) -> dict:
 def _download(remote: str, local: Path) -> None:
     from litdata.streaming.downloader import get_downloader
 
-    use_plain_http_s3(remote)
     local.parent.mkdir(parents=True, exist_ok=True)
     tmp = local.with_name(local.name + f".{os.getpid()}.tmp")
     try:
@@ -121,7 +120,6 @@ def windows(corpus: str, split: str, seq_len: int, shuffle: bool, seed: int, cac
     from litdata import StreamingDataset, TokensLoader
 
     source = _join(corpus, split) if is_remote(corpus) else str((Path(str(corpus)).expanduser() / split).resolve())
-    use_plain_http_s3(source)
     kwargs = {"cache_dir": str(stream_cache_dir(cache_dir) / split)} if is_remote(corpus) else {}
     return StreamingDataset(
         source,
@@ -142,30 +140,3 @@ def collate_windows(items: list) -> tuple:
 
     batch = torch.from_numpy(np.stack(items).astype(np.int64))
     return batch[:, :-1], batch[:, 1:]
-
-
-def use_plain_http_s3(uri: str) -> None:
-    """litdata fetches s3 chunks through obstore, which refuses a plain-http endpoint (a local S3-compatible server,
-    AWS_ENDPOINT_URL=http://...); there, chunks go through boto3, as litdata's index already does."""
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
-    if not (str(uri).startswith("s3://") and endpoint.startswith("http://")):
-        return
-    import asyncio
-    from urllib.parse import urlparse
-
-    from litdata.streaming.downloader import S3Downloader, register_downloader
-
-    class PlainHttpS3Downloader(S3Downloader):
-        def download_file(self, remote_filepath: str, local_filepath: str) -> None:
-            if os.path.exists(local_filepath):
-                return
-            url = urlparse(remote_filepath)
-            tmp = f"{local_filepath}.{os.getpid()}.part"
-            os.makedirs(os.path.dirname(local_filepath) or ".", exist_ok=True)
-            self._client.client.download_file(url.netloc, url.path.lstrip("/"), tmp)
-            os.replace(tmp, local_filepath)
-
-        async def adownload_file(self, remote_filepath: str, local_filepath: str) -> None:
-            await asyncio.to_thread(self.download_file, remote_filepath, local_filepath)
-
-    register_downloader("s3://", PlainHttpS3Downloader, overwrite=True)

@@ -23,7 +23,7 @@ from .corpus import SHAKESPEARE, fetch_shakespeare, read_shakespeare_works, tarb
 TEXT_SUFFIXES = (".txt", ".md", ".text")
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json.gz", ".json.zst", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
-RANGE_BYTES = 16 * 2**20  # a unit of an uncompressed JSON Lines file: enough work per task, bounded worker memory
+RANGE_BYTES = 4 * 2**20  # a unit of an uncompressed JSON Lines file: work for every core, bounded worker memory
 ERROR_POLICIES = ("strict", "replace")
 
 
