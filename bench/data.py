@@ -179,7 +179,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--batches", type=int, default=2000)
-    ap.add_argument("--text-mb", type=float, default=40)
+    ap.add_argument("--text-mb", type=float, default=100)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--workdir", help="where the corpora go (default: a temporary folder, removed after)")
     ap.add_argument("--skip", default="", help="comma-separated: memory, prepare")

@@ -94,6 +94,7 @@ def _fit(shards: Path, dirpath: Path, steps: int, ckpt_path=None):
     return rec.seen, module, trainer
 
 
+@pytest.mark.slow
 def test_a_fit_resumed_mid_epoch_sees_the_batches_of_an_uninterrupted_one(shards, tmp_path):
     straight, module, trainer = _fit(shards, tmp_path / "a", steps=40)
     assert trainer.num_training_batches > 40  # the checkpoint at step 14 is mid-epoch

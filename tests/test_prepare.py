@@ -70,6 +70,7 @@ def test_shards_hold_every_document_once_with_end_of_document_tokens(prepared):
     assert meta["command"][:2] == ["mhc", "prepare"] and meta["request"]["val_fraction"] == 0.2
 
 
+@pytest.mark.slow
 def test_same_inputs_give_identical_shards_and_a_second_run_does_nothing(prepared, tmp_path, capsys):
     out, _ = prepared
     src = out.parent / "src"
@@ -86,6 +87,7 @@ def test_same_inputs_give_identical_shards_and_a_second_run_does_nothing(prepare
             assert (again / split / name).read_bytes() == (out / split / name).read_bytes()
 
 
+@pytest.mark.slow
 def test_a_cut_off_preparation_keeps_the_finished_split_and_completes(prepared, tmp_path):
     out, _ = prepared
     src = out.parent / "src"
@@ -129,6 +131,7 @@ def test_bad_input_is_one_line_before_anything_is_written(tmp_path, capsys, line
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_policies_and_sources_that_are_not_documents(tmp_path, capsys):
     src = _jsonl(tmp_path / "src" / "docs.jsonl", [b'{"text": "caf\xe9 ' + b"x" * 400 + b'"}'] * 3 + [b'{"text": ""}'])
     code, err = prepare(
@@ -153,6 +156,7 @@ def test_policies_and_sources_that_are_not_documents(tmp_path, capsys):
     assert code == 2 and "does not exist" in err
 
 
+@pytest.mark.slow
 def test_parquet_and_zstd_sources(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -174,6 +178,7 @@ def test_parquet_and_zstd_sources(tmp_path):
     assert sum(s["bytes"] for s in meta["splits"].values()) == sum(len(d.encode()) for d in docs)
 
 
+@pytest.mark.slow
 def test_a_trained_bpe_is_carried_with_the_data_and_encodes_every_byte(tmp_path):
     from tokenizers import Tokenizer
 

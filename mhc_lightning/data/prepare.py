@@ -233,7 +233,9 @@ def prepare(args) -> Path:
         todo = [u for u, r in zip(units, scanned["per_unit"]) if r["counts"][split]["documents"]]
         splits[split] = {
             **scanned["splits"][split],
-            **_write_split(out / split, todo, split, tokenizer_spec, dtype, args),
+            **_write_split(
+                out / split, todo, split, tokenizer_spec, dtype, args, scanned["splits"][split]["documents"]
+            ),
         }
     meta = {
         "format": FORMAT,
@@ -285,14 +287,21 @@ def _tokenizer(args, out: Path, units: list[Unit]) -> str:
     return str(target)
 
 
-def _write_split(dest: Path, units: list[Unit], split: str, tokenizer_spec: str, dtype: str, args) -> dict:
+def _write_split(
+    dest: Path, units: list[Unit], split: str, tokenizer_spec: str, dtype: str, args, documents: int
+) -> dict:
     """Tokenize ``units`` into ``dest`` with litdata (skipped when a complete index is there already); its tokens and
     the sha256 of every chunk file."""
     if not (dest / "index.json").exists():
         from litdata import TokensLoader, optimize
 
         print(f"mhc prepare: tokenizing the {split} split ({len(units)} units) into {dest} ...", flush=True)
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one worker per core already
+        # litdata stages chunks in one folder per machine (/tmp/chunks) unless told otherwise: two preparations at
+        # once would take each other's chunks
+        work = dest.parent / ".litdata" / split
+        os.environ["DATA_OPTIMIZER_CACHE_FOLDER"] = str(work / "chunks")
+        os.environ["DATA_OPTIMIZER_DATA_CACHE_FOLDER"] = str(work / "data")
         fn = partial(
             tokenize_unit,
             split=split,
@@ -311,13 +320,16 @@ def _write_split(dest: Path, units: list[Unit], split: str, tokenizer_spec: str,
             num_workers=min(args.workers, len(units)),
             reorder_files=False,
             use_checkpoint=True,
-            # fork: a worker starts in milliseconds instead of re-importing torch (seconds per worker and split);
-            # the tokenizer's own threads stay off in them (one process per core already)
-            start_method="fork",
+            start_method="spawn",  # not fork: the process may run threads (a tokenizer's, a test runner's)
         )
+    shutil.rmtree(dest.parent / ".litdata", ignore_errors=True)
     index = json.loads((dest / "index.json").read_text())
+    tokens = sum(c["dim"] for c in index["chunks"])
+    if tokens < documents or not all((dest / c["filename"]).is_file() for c in index["chunks"]):
+        shutil.rmtree(dest)  # never leave a split that looks finished
+        raise RuntimeError(f"litdata wrote {tokens} tokens for {documents} documents of the {split} split into {dest}")
     chunks = {c["filename"]: sha256_file(dest / c["filename"]) for c in index["chunks"]}
-    return {"tokens": sum(c["dim"] for c in index["chunks"]), "chunks": chunks}
+    return {"tokens": tokens, "chunks": chunks}
 
 
 def main(argv: list[str]) -> int:
