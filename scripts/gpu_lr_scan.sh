@@ -2,8 +2,20 @@
 # One part of issue 60's GPU work on a GPU machine: a grid that continues the store of the part before it.
 # The store travels in .gpustore/ (ignored by git; name it in `carry`) and comes back as $OUT/mlflow.db.gz; copy that
 # over .gpustore/mlflow.db.gz before the next part. Carry .gpuwheels, .cache/corpus and .gitpin (scripts/gpu_env.sh).
-#   GRID=conf/experiments/lr_scan_deep_grid.yaml LIMIT=480 PARALLEL=14 KERNEL_TESTS=1 OUT=$OUT bash scripts/gpu_lr_scan.sh
 # KERNEL_TESTS=1 runs the kernel test tree on CUDA beside the grid (correctness only: sharing the GPU is harmless).
+#
+# The plan, each step one device call (here: bash scripts/gpu_wheels.sh once, bash scripts/gpu_pin_commit.sh before
+# every call; carry [".gpuwheels", ".cache/corpus", ".gitpin", ".gpustore"]):
+#   1. the scan at 48 sublayers, 7 variants x 5 lr x seeds 1, 2 (70 runs), as many calls as it takes:
+#        LIMIT=450 PARALLEL=14 KERNEL_TESTS=1 bash scripts/gpu_lr_scan.sh      (KERNEL_TESTS=1 in the first call only)
+#      then here: cp /work/.device/.../mlflow.db.gz .gpustore/mlflow.db.gz
+#   2. once every variant has a best lr (here):
+#        python scripts/lr_confirm_grid.py sqlite:///<the unzipped store> > conf/experiments/lr_confirm_grid.yaml
+#      commit it, pin, and run 8 fresh seeds at each variant's best lr (56 runs), as many calls as it takes:
+#        GRID=conf/experiments/lr_confirm_grid.yaml LIMIT=450 PARALLEL=14 bash scripts/gpu_lr_scan.sh
+#   3. here: the store into docs/results/, docs/results/regenerate.sh gains the two reports
+#        mhc report --experiment lr-scan --group-by variant,model.optim.lr
+#        mhc report --experiment lr-confirm --group-by variant --baseline residual
 set -u
 OUT=${OUT:-out}; GRID=${GRID:-conf/experiments/lr_scan_deep_grid.yaml}
 mkdir -p "$OUT"
