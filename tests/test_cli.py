@@ -19,7 +19,7 @@ from helpers import CONF, tiny_fit_args
 from mhc_lightning.cli import TOOLS, TRAINER_COMMANDS, build_cli, main
 from mhc_lightning.errors import UserError
 from mhc_lightning.loggers.tags import CHECKPOINT_TAG, SOURCE_RUN_TAG
-from mhc_lightning.model.config import RESIDUAL_MODES
+from mhc_lightning.model.modes import RESIDUAL_MODES
 
 
 def runs_of(uri: str, experiment: str = "tests"):

@@ -8,9 +8,11 @@ from helpers import make_text
 
 from mhc_lightning.kernels import reference
 from mhc_lightning.kernels.reference import gain_report
-from mhc_lightning.model import GPT, GPTConfig, HyperConfig
+from mhc_lightning.model import GPT, GPTConfig, HyperConfig, exact_init
+from mhc_lightning.model.modes import MODES as SPECS
+from mhc_lightning.model.modes import RESIDUAL_MODES
 
-MODES = ["residual", "hc", "mhc", "identity", "mhc_lite", "kromhc"]
+MODES = list(RESIDUAL_MODES)
 
 
 def tiny(mode="mhc", n_layers=2, d_model=32, **hyper) -> GPTConfig:
@@ -172,6 +174,21 @@ def test_each_mode_trains(mode):
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.7 * losses[0], losses
+
+
+def test_every_mode_spec_names_ops_inits_and_streams_that_exist():
+    """The registry's references resolve, for a new entry too: its enter / exit ops on the reference (and the fused
+    kernels when it claims them), its res init, the n it allows; and its modes are residual_mode's Literal's."""
+    from mhc_lightning.kernels import fused
+
+    assert tuple(SPECS) == RESIDUAL_MODES
+    for spec in SPECS.values():
+        ops = [spec.enter, spec.exit] if spec.multi_stream else []
+        assert all(hasattr(reference, op) and (not spec.fused or hasattr(fused, op)) for op in ops), spec.name
+        assert (spec.res_init is not None) == spec.exact and (not spec.exact or hasattr(exact_init, spec.res_init))
+        assert spec.allowed_streams() is None or all(isinstance(n, int) for n in spec.allowed_streams())
+        assert not spec.chains or (spec.fused and spec.parameters == "phi")
+        assert set(spec.warns) <= set(spec.ignores)
 
 
 def test_config_errors_name_field_and_allowed_values():
