@@ -8,7 +8,7 @@ import types
 
 import pytest
 import torch
-from test_callbacks_common import NaNGradAt, StepRecorder, params_finite, tiny_fit, tiny_module
+from helpers import NaNGradAt, StepRecorder, params_finite, tiny_fit, tiny_module
 
 from mhc_lightning.callbacks import GradientSnapshots, InstabilityDetector, StabilityEvent, channel_of
 

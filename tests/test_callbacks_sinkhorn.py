@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from helpers import NaNGradAt, tiny_fit, tiny_module
 from lightning.pytorch.loggers import Logger
-from test_callbacks_common import NaNGradAt, tiny_fit, tiny_module
 
 from mhc_lightning.callbacks import InstabilityDetector, SinkhornScheduler
 from mhc_lightning.callbacks.sinkhorn_schedule import next_iters

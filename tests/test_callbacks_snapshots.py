@@ -7,9 +7,8 @@ import math
 import lightning as L
 import pytest
 import torch
-from helpers import make_text
+from helpers import CorruptBatchAt, StepRecorder, make_text, params_finite, tiny_fit
 from lightning.pytorch.callbacks import ModelCheckpoint
-from test_callbacks_common import CorruptBatchAt, StepRecorder, params_finite, tiny_fit
 
 from mhc_lightning.callbacks import GradientSnapshots, InstabilityDetector, RollbackError, SinkhornScheduler, channel_of
 from mhc_lightning.callbacks.divergence import TrainingDiverged

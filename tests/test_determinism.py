@@ -3,7 +3,7 @@ order, with no atomics: docs/kernels.md). On the CPU the fused path runs under t
 
 import pytest
 import torch
-from test_callbacks_common import tiny_fit, tiny_module
+from helpers import tiny_fit, tiny_module
 
 from mhc_lightning.callbacks.run_provenance import weights_digest
 from mhc_lightning.kernels import fused, get_ops

@@ -8,9 +8,8 @@ import re
 
 import lightning as L
 import pytest
-from helpers import CONF, tiny_fit_args
+from helpers import CONF, one_thread, tiny_fit, tiny_fit_args
 from mlflow import MlflowClient
-from test_callbacks_common import one_thread, tiny_fit
 
 from mhc_lightning.callbacks import InstabilityDetector
 from mhc_lightning.callbacks.divergence import EXIT_DIVERGED, DivergenceGuard, TrainingDiverged

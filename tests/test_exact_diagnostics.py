@@ -4,8 +4,7 @@ sweep dimension) declining the families that have no Sinkhorn."""
 
 import pytest
 import torch
-from helpers import CONF
-from test_callbacks_common import tiny_fit, tiny_module
+from helpers import CONF, tiny_fit, tiny_module
 
 from mhc_lightning.callbacks import SinkhornScheduler
 from mhc_lightning.diagnostics import summarize

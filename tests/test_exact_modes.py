@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from test_streams import quick_model, recorded, text_batches, train
+from helpers import quick_model, recorded, text_batches, train
 
 from mhc_lightning.kernels import reference as R
 from mhc_lightning.model import GPT, GPTConfig, HyperConfig, HyperConnection

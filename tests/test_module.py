@@ -8,7 +8,7 @@ import sys
 import lightning as L
 import pytest
 import torch
-from test_callbacks_common import tiny_fit
+from helpers import tiny_fit
 
 SYNCS = ("item", "tolist", "__float__", "__int__", "__bool__")
 

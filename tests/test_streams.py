@@ -3,52 +3,12 @@ learns; an init that keeps the streams identical is refused at start-up and caug
 
 import pytest
 import torch
-import torch.nn.functional as F
-from helpers import make_text
-from test_callbacks_common import tiny_fit, tiny_module
+from helpers import quick_model, recorded, text_batches, tiny_fit, tiny_module, train
 
 from mhc_lightning.callbacks import InstabilityDetector, channel_of
 from mhc_lightning.diagnostics import h_res_distances, summarize
-from mhc_lightning.model import GPT, GPTConfig, HyperConfig
+from mhc_lightning.model import HyperConfig
 from mhc_lightning.model.stream_spread import stream_spread
-
-
-def quick_model(mode: str, **hyper) -> GPT:
-    """The quickstart's shape (3 blocks, C = 128, n = 4), on the reference ops."""
-    torch.manual_seed(0)
-    return GPT(
-        GPTConfig(
-            n_layers=3,
-            d_model=128,
-            n_heads=4,
-            context=64,
-            hyper=HyperConfig(residual_mode=mode, kernel_backend="torch", **hyper),
-        )
-    )
-
-
-def text_batches(steps: int, B: int = 8, T: int = 64) -> torch.Tensor:
-    data = torch.tensor(list(make_text(steps * B * (T + 1) + 10, seed=3).encode()), dtype=torch.long)
-    return data[: steps * B * (T + 1)].view(steps, B, T + 1)
-
-
-def recorded(m: GPT, idx: torch.Tensor) -> dict:
-    with m.recording(), torch.no_grad():
-        m(idx)
-    return m.recorded()
-
-
-def train(m: GPT, steps: int = 60, lr: float = 3e-3) -> torch.Tensor:
-    """AdamW on real text; returns a held-out batch for probing."""
-    opt = torch.optim.AdamW(m.parameters(), lr=lr)
-    batches = text_batches(steps + 1)
-    for s in range(steps):
-        x = batches[s]
-        loss = F.cross_entropy(m(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return batches[steps][:, :-1]
 
 
 @pytest.mark.slow
