@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 import lightning as L
+import pytest
 import torch
 import torch.nn.functional as F
 import yaml
@@ -25,6 +26,23 @@ CONF = REPO / "conf"
 
 
 make_text = english_like_text
+
+_PARAM = type(pytest.param(None))
+
+
+def fast_first(argnames, argvalues, **kwargs):
+    """`pytest.mark.parametrize` whose first case alone runs in the fast tier (`pytest -m "not slow"`): every op and
+    path once, on its first setting; the other cases (dtypes, stream counts, layouts, modes) are marked slow and run
+    in the full suite. Stacked, the first case of each makes the one fast combination."""
+    several = len(argnames.split(",") if isinstance(argnames, str) else argnames) > 1
+
+    def later(v):
+        if isinstance(v, _PARAM):
+            return pytest.param(*v.values, marks=[*v.marks, pytest.mark.slow], id=v.id)
+        return pytest.param(*v, marks=pytest.mark.slow) if several else pytest.param(v, marks=pytest.mark.slow)
+
+    values = list(argvalues)
+    return pytest.mark.parametrize(argnames, values[:1] + [later(v) for v in values[1:]], **kwargs)
 
 
 def mlflow_logger_arg(tracking_uri: str, experiment: str = "tests", run_name: str = "test", **extra) -> str:
@@ -80,6 +98,18 @@ def tiny_fit_args(
         "--trainer.enable_model_summary=false",
         mlflow_logger_arg(tracking_uri, experiment, run_name),
     ]
+
+
+# the variables SLURM sets in a job step of one task (Lightning then sees a SLURM cluster)
+SLURM_LIKE = {
+    "SLURM_JOB_ID": "4242",
+    "SLURM_JOB_NAME": "mhc-grid",
+    "SLURM_NTASKS": "1",
+    "SLURM_PROCID": "0",
+    "SLURM_LOCALID": "0",
+    "SLURM_NODEID": "0",
+    "SLURM_NODELIST": "localhost",
+}
 
 
 def handshake_arg(dirpath: Path, steps: list[int]) -> str:

@@ -7,7 +7,7 @@ import math
 import lightning as L
 import pytest
 import torch
-from helpers import CorruptBatchAt, StepRecorder, make_text, params_finite, tiny_fit
+from helpers import CorruptBatchAt, StepRecorder, fast_first, make_text, params_finite, tiny_fit
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from mhc_lightning.callbacks import GradientSnapshots, InstabilityDetector, RollbackError, SinkhornScheduler, channel_of
@@ -201,7 +201,7 @@ def test_resume_mid_epoch_equals_uninterrupted(tmp_path, monkeypatch):
     assert not all(torch.equal(straight[k], plain[k]) for k in straight)
 
 
-@pytest.mark.parametrize(
+@fast_first(
     "kwargs, match",
     [
         ({"keep": 0}, r"GradientSnapshots.keep is 0 and GradientSnapshots.dirpath is null"),

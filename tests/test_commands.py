@@ -7,7 +7,7 @@ import sys
 from argparse import ArgumentError
 
 import pytest
-from helpers import CONF
+from helpers import CONF, fast_first
 
 REFUSAL = (
     "is not an option of mhc: the optimizer is AdamW with weight-decay groups (none on norms, biases, HC "
@@ -28,7 +28,7 @@ def test_help_and_the_tools_import_neither_torch_nor_lightning():
     assert out.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize(
+@fast_first(
     "flag, named",
     [
         ("--optimizer=Adam", "--optimizer"),

@@ -8,7 +8,7 @@ import subprocess
 import time
 
 import pytest
-from helpers import CONF, REPO, TINY_GRID, tiny_grid_command
+from helpers import CONF, REPO, TINY_GRID, fast_first, tiny_grid_command
 
 from mhc_lightning.cli import build_cli
 from mhc_lightning.grid import GridError, expand, load_grid
@@ -121,7 +121,7 @@ def test_a_misspelt_set_is_refused_before_any_run_starts(tiny_corpus, tmp_path, 
     print(f"[figures] misspelt --set: refused in {time.monotonic() - t0:.1f} s, 0 runs started")
 
 
-@pytest.mark.parametrize(
+@fast_first(
     "change, says",
     [
         (
@@ -147,7 +147,7 @@ def test_every_run_is_checked_by_the_fit_parser_with_dry_run_too(change, says, t
     assert all(piece in err[0] for piece in says) and err[0].endswith("; nothing was started"), err
 
 
-@pytest.mark.parametrize(
+@fast_first(
     "grid, says",
     [
         ({**TINY_GRID, "axis": {"seed_everything": [1, 2]}}, "unknown key(s) ['axis']; allowed keys: ['experiment'"),

@@ -4,7 +4,7 @@ training."""
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import make_text
+from helpers import fast_first, make_text
 
 from mhc_lightning.kernels import reference
 from mhc_lightning.kernels.reference import gain_report
@@ -45,7 +45,7 @@ def final_hidden(m: GPT, idx: torch.Tensor) -> torch.Tensor:
     return seen["x"]
 
 
-@pytest.mark.parametrize("mode", MODES)
+@fast_first("mode", MODES)
 def test_shapes(mode):
     m = GPT(tiny(mode))
     idx = text_batch()[:, :-1]
@@ -55,7 +55,7 @@ def test_shapes(mode):
         m(torch.zeros(1, 33, dtype=torch.long))
 
 
-@pytest.mark.parametrize("mode", MODES)
+@fast_first("mode", MODES)
 def test_causality(mode):
     torch.manual_seed(0)
     m = GPT(tiny(mode, phi_init="normal", bias_init="hc_identity"))
@@ -133,7 +133,7 @@ def test_recorded_mhc_coefficients():
     assert "logit_range" not in ident.recorded()
 
 
-@pytest.mark.parametrize("chain", [False, True])
+@fast_first("chain", [False, True])
 def test_recorded_logit_range_is_the_res_logits_range(chain):
     """At init (phi = 0) the res logits are the bias, res_gap * I: every token's range is res_gap, in either wiring.
     With phi moved off zero the range is what the reference computes from the sublayer's input stream."""
@@ -159,7 +159,7 @@ def test_recorded_logit_range_is_the_res_logits_range(chain):
     assert not torch.allclose(m.recorded()["logit_range"][0], torch.full((32,), 5.0))
 
 
-@pytest.mark.parametrize("mode", MODES)
+@fast_first("mode", MODES)
 def test_each_mode_trains(mode):
     torch.manual_seed(0)
     m = GPT(tiny(mode))
@@ -222,7 +222,7 @@ def stream_dtype_seen(m: GPT, idx: torch.Tensor) -> torch.dtype:
     return seen[0], loss.detach()
 
 
-@pytest.mark.parametrize("mode", MODES)
+@fast_first("mode", MODES)
 def test_stream_dtype_follows_autocast(mode):
     torch.manual_seed(0)
     base = GPT(tiny(mode, phi_init="normal", bias_init="hc_identity"))
@@ -243,7 +243,7 @@ def test_stream_dtype_follows_autocast(mode):
         assert stream_dtype_seen(base, idx)[0] == torch.float32
 
 
-@pytest.mark.parametrize("mode", ["residual", "mhc"])
+@fast_first("mode", ["residual", "mhc"])
 def test_explicit_stream_dtype_without_autocast(mode):
     """A bf16 stream with fp32 weights and no autocast: the branches still get their weights' dtype."""
     torch.manual_seed(0)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import make_text, write_documents
+from helpers import fast_first, make_text, write_documents
 
 from mhc_lightning.commands import main
 from mhc_lightning.data.prepare import META, in_val
@@ -95,7 +95,7 @@ def _jsonl(path: Path, lines: list[bytes]) -> Path:
     return path
 
 
-@pytest.mark.parametrize(
+@fast_first(
     "lines, extra, match",
     [
         ([b'{"body": "x"}'], [], r"line 1: no text field 'text' \(it has: body\); pass --text-field"),

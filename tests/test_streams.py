@@ -3,7 +3,7 @@ learns; an init that keeps the streams identical is refused at start-up and caug
 
 import pytest
 import torch
-from helpers import quick_model, recorded, text_batches, tiny_fit, tiny_module, train
+from helpers import fast_first, quick_model, recorded, text_batches, tiny_fit, tiny_module, train
 
 from mhc_lightning.callbacks import InstabilityDetector, channel_of
 from mhc_lightning.diagnostics import h_res_distances, summarize
@@ -12,7 +12,7 @@ from mhc_lightning.model.stream_spread import stream_spread
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["mhc", "identity"])
+@fast_first("mode", ["mhc", "identity"])
 def test_default_init_parts_the_streams_and_h_res_learns(mode):
     m = quick_model(mode)
     probe = text_batches(1)[0][:, :-1]
@@ -32,7 +32,7 @@ def test_default_init_parts_the_streams_and_h_res_learns(mode):
         assert torch.equal(after["h_res"][0, 0], torch.eye(4))
 
 
-@pytest.mark.parametrize("mode", ["mhc", "identity"])
+@fast_first("mode", ["mhc", "identity"])
 def test_symmetric_init_keeps_the_streams_identical_bit_for_bit(mode):
     """The trap the default avoids: phi = 0 with symmetric biases (run here only with the explicit opt-in)."""
     m = quick_model(mode, bias_init="zeros", allow_identical_streams=True)
@@ -42,8 +42,8 @@ def test_symmetric_init_keeps_the_streams_identical_bit_for_bit(mode):
         assert torch.allclose(rec["h_res"], torch.full_like(rec["h_res"], 0.25), atol=1e-6)
 
 
-@pytest.mark.parametrize("scheme", ["zeros", "near_identity"])
-@pytest.mark.parametrize("mode", ["mhc", "identity"])
+@fast_first("scheme", ["zeros", "near_identity"])
+@fast_first("mode", ["mhc", "identity"])
 def test_identical_stream_configs_are_refused_naming_the_keys(mode, scheme):
     with pytest.raises(
         ValueError,
@@ -88,7 +88,7 @@ def test_sinkhorn_count_changes_h_res_in_the_default_config():
     assert (one.sum(-2) - 1).abs().max() > (twenty.sum(-2) - 1).abs().max()  # more iterations: columns closer
 
 
-@pytest.mark.parametrize(
+@fast_first(
     "scheme,extra,diag",
     [
         ("home", {}, 0.99256),
