@@ -92,9 +92,10 @@ class MHCLightningCLI(LightningCLI):
             check_fused(cfg.model.optim.fused, cfg.trainer.precision)
         except (ValueError, TypeError) as err:
             (self._subcommand_parsers[sub] if sub else parser).error(f"invalid model configuration: {err}")
-        if sub == "fit" and hyper.ignored_sinkhorn_keys():
-            ignored = ", ".join(f"model.arch.hyper.{k}={v}" for k, v in hyper.ignored_sinkhorn_keys().items())
-            print(f"mhc fit: residual_mode={hyper.residual_mode} has no Sinkhorn: ignoring {ignored}", file=sys.stderr)
+        ignored = hyper.spec.ignored_settings(hyper) if sub == "fit" else {}
+        if ignored:
+            keys = ", ".join(f"model.arch.hyper.{k}={v}" for k, v in ignored.items())
+            print(f"mhc fit: residual_mode={hyper.residual_mode} has no Sinkhorn: ignoring {keys}", file=sys.stderr)
         # Inputs are checked here, not later: Lightning next replaces the model config by the checkpoint's
         # hyperparameters, and the loggers (which create the MLflow run) do not exist yet. `--ckpt_path last` first
         # becomes the earlier run's own checkpoint (resume.py), so that it is checked like any other.

@@ -61,8 +61,9 @@ def sinkhorn_no_ops(runs: list[tuple[str, dict, list[str]]]) -> Optional[str]:
     """A warning when the grid (its variants, axes or --set) sets sinkhorn_* keys for runs of a mode without Sinkhorn
     (mhc_lite, kromhc), which ignores them: those runs differ only in their names."""
     from .configs import default_config_files
-    from .model.config import EXACT_MODES
+    from .model.modes import warning_modes
 
+    no_sinkhorn = warning_modes(SINKHORN_PREFIX.rpartition(".")[2])
     hit: dict[str, set[str]] = {}
     for _, tags, argv in runs:
         keys = {a[2:].partition("=")[0] for a in argv if a.startswith(f"--{SINKHORN_PREFIX}")}
@@ -71,13 +72,13 @@ def sinkhorn_no_ops(runs: list[tuple[str, dict, list[str]]]) -> Optional[str]:
         flags = [a.partition("=")[2] for a in argv if a.startswith(f"--{MODE_KEY}=")]
         files = default_config_files() + [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "-c"]
         mode = flags[-1] if flags else _config_mode(files)
-        if mode in EXACT_MODES:
+        if mode in no_sinkhorn:
             hit.setdefault(tags.get("variant", "?"), set()).update(keys)
     if not hit:
         return None
     keys = sorted(set().union(*hit.values()))
     return (
-        f"warning: {', '.join(keys)} is a no-op for {' / '.join(EXACT_MODES)} (no Sinkhorn): the runs of variant(s) "
+        f"warning: {', '.join(keys)} is a no-op for {' / '.join(no_sinkhorn)} (no Sinkhorn): the runs of variant(s) "
         f"{sorted(hit)} differ only in their names"
     )
 

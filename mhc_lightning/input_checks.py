@@ -20,6 +20,7 @@ from .data import ByteTextDataModule
 from .early_checks import check_checkpoint_exists, check_checkpoint_given, is_checkpoint_file
 from .errors import UserError
 from .loggers.tags import CHECKPOINT_RUN_KEY
+from .model.modes import spec
 
 # How the same weights are computed, not which weights: may differ between training and evaluation
 # (e.g. Triton kernels when training on a GPU, the torch reference when evaluating on a CPU).
@@ -94,7 +95,7 @@ def schedule_warnings(max_steps: int, warmup_steps: int, diagnostics_every: int,
             f"model.optim.warmup_steps={warmup_steps} >= trainer.max_steps={max_steps}: the whole run is warm-up, "
             f"the learning rate never reaches model.optim.lr; lower warmup_steps below {max_steps}"
         )
-    if residual_mode != "residual" and diagnostics_every >= max_steps:
+    if spec(residual_mode).multi_stream and diagnostics_every >= max_steps:
         said.append(
             f"model.diagnostics_every={diagnostics_every} >= trainer.max_steps={max_steps}: diagnostics are taken at "
             f"step 0 only, so the run's H_res figures show its initialisation; lower diagnostics_every below "

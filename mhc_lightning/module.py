@@ -41,8 +41,8 @@ class OptimConfig:
     warmup_steps: int = 50
     min_lr_ratio: float = 0.1
     # AdamW's implementation: None picks torch's fused kernel when every parameter is on a CUDA device (one pass over
-    # parameters, gradients and moments instead of a dozen foreach passes: 4.0 -> 1.8 ms of a trainer step on an
-    # H200), else its default (foreach); true / false force fused / foreach
+    # parameters, gradients and moments instead of a dozen foreach passes), else its default (foreach); true / false
+    # force fused / foreach
     fused: Optional[bool] = None
 
     def __post_init__(self) -> None:
@@ -90,12 +90,12 @@ def check_compile(arch: GPTConfig, compile: bool, compile_mode: str = "default")
         raise ValueError(
             f"model.compile_mode: {compile_mode!r} is not a torch.compile mode; allowed: {', '.join(modes)}"
         )
-    if compile and arch.hyper.chain_sublayers is True and arch.hyper.residual_mode in ("mhc", "identity"):
+    if compile and arch.hyper.chain_sublayers is True and arch.hyper.spec.chains:
         raise ValueError(
             "model.compile=true with model.arch.hyper.chain_sublayers=true is refused: the chained stack "
             "does not finish compiling (docs/benchmarks.md); set one of them to false"
         )
-    if compile and arch.hyper.rebuild_branch_input and arch.hyper.residual_mode != "residual":
+    if compile and arch.hyper.rebuild_branch_input and arch.hyper.spec.multi_stream:
         raise ValueError(
             "model.compile=true with model.arch.hyper.rebuild_branch_input=true is refused: dynamo does "
             "not trace the saved-tensor hooks that drop the branch's input (the compiler chooses what to "

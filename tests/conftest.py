@@ -58,19 +58,3 @@ def corpus(tmp_path_factory) -> Path:
     p = tmp_path_factory.mktemp("corpus") / "corpus.txt"
     p.write_text(make_text(60_000, seed=7))
     return p
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-    """The fast tier (`pytest -m "not slow"`) runs each parametrized test at its first case: every op and path
-    once, on its smallest setting. The other cases (dtypes, stream counts, layouts, modes) count as slow and run
-    in the full suite. Runs before the `-m` selection, so the marks it adds are honoured."""
-    seen = set()
-    for item in items:
-        if getattr(item, "callspec", None) is None:
-            continue
-        key = (item.path, item.originalname)
-        if key in seen:
-            item.add_marker(pytest.mark.slow)
-        else:
-            seen.add(key)

@@ -3,6 +3,7 @@ ones are checked for their arguments here and run by the `gpu`-marked smokes. Th
 docs/benchmarks.md, not in tests."""
 
 import argparse
+import importlib
 import io
 import json
 import subprocess
@@ -10,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from helpers import REPO
+from helpers import REPO, fast_first
 
 sys.path.insert(0, str(REPO))  # `bench` is the repo's top-level folder, not an installed package
 from bench import __main__ as entry  # noqa: E402
@@ -62,7 +63,7 @@ def test_help_lists_every_benchmark_with_one_line():
     listed = {line.split()[0]: line for line in proc.stdout.splitlines() if line.startswith("  ")}
     assert set(listed) == set(entry.BENCHMARKS)
     for name in entry.BENCHMARKS:
-        module = sys.modules[f"bench.{name}"]
+        module = importlib.import_module(f"bench.{name}")
         assert callable(module.main) and module.__doc__.splitlines()[0] in listed[name]
 
 
@@ -171,7 +172,7 @@ def test_trainer_variants_get_their_fit_arguments_and_kernel_config(tmp_path):
     assert env["MHC_KERNEL_CONFIG"] == '{"coef_fwd": {"BT": 128}}' and str(REPO) in env["PYTHONPATH"]
 
 
-@pytest.mark.parametrize(
+@fast_first(
     "argv,line",
     [
         (
@@ -251,7 +252,7 @@ def test_traffic_reads_the_trainer_benchmarks_rows_and_u_in_the_streams_dtype_wh
     assert rows["mhc"]["mb_per_call"] == (4 * 256 * 2 + 4 * 4 + 256 * 2) * 1024 / 1e6 and rows["mhc"]["us"] == 40.0
 
 
-@pytest.mark.parametrize(
+@fast_first(
     "extra,line",
     [
         (["--copy-tbps", "0"], "--copy-tbps: 0.0; allowed: a bandwidth above 0 (TB/s)"),

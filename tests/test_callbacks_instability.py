@@ -8,7 +8,7 @@ import types
 
 import pytest
 import torch
-from test_callbacks_common import NaNGradAt, StepRecorder, params_finite, tiny_fit, tiny_module
+from helpers import NaNGradAt, StepRecorder, fast_first, params_finite, tiny_fit, tiny_module
 
 from mhc_lightning.callbacks import GradientSnapshots, InstabilityDetector, StabilityEvent, channel_of
 
@@ -122,7 +122,7 @@ def test_loss_spike_and_grad_explosion_thresholds():
     assert det._evaluate(trainer, module, 16, 2.0, 1.0, [0.5, 0.5], 1.0) == []  # a falling loss is fine
 
 
-@pytest.mark.parametrize(
+@fast_first(
     "kwargs, match",
     [
         (

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import CONF, mlflow_logger_arg, tiny_fit_args
-from test_callbacks_common import one_thread
+from helpers import CONF, mlflow_logger_arg, one_thread, tiny_fit_args
 
 from mhc_lightning.callbacks import GradientSnapshots, InstabilityDetector, SinkhornScheduler
 from mhc_lightning.cli import build_cli

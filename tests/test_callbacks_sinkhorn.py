@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from helpers import NaNGradAt, fast_first, tiny_fit, tiny_module
 from lightning.pytorch.loggers import Logger
-from test_callbacks_common import NaNGradAt, tiny_fit, tiny_module
 
 from mhc_lightning.callbacks import InstabilityDetector, SinkhornScheduler
 from mhc_lightning.callbacks.sinkhorn_schedule import next_iters
@@ -110,7 +110,7 @@ def test_no_sinkhorn_layers_is_a_noop(tiny_corpus):
     assert sched.history.maxlen and not sched.history
 
 
-@pytest.mark.parametrize(
+@fast_first(
     "kwargs, match",
     [
         ({"min_iters": 10, "max_iters": 5}, r"SinkhornScheduler.max_iters must be an integer >= 10"),

@@ -7,9 +7,8 @@ import math
 import lightning as L
 import pytest
 import torch
-from helpers import make_text
+from helpers import CorruptBatchAt, StepRecorder, fast_first, make_text, params_finite, tiny_fit
 from lightning.pytorch.callbacks import ModelCheckpoint
-from test_callbacks_common import CorruptBatchAt, StepRecorder, params_finite, tiny_fit
 
 from mhc_lightning.callbacks import GradientSnapshots, InstabilityDetector, RollbackError, SinkhornScheduler, channel_of
 from mhc_lightning.callbacks.divergence import TrainingDiverged
@@ -202,7 +201,7 @@ def test_resume_mid_epoch_equals_uninterrupted(tmp_path, monkeypatch):
     assert not all(torch.equal(straight[k], plain[k]) for k in straight)
 
 
-@pytest.mark.parametrize(
+@fast_first(
     "kwargs, match",
     [
         ({"keep": 0}, r"GradientSnapshots.keep is 0 and GradientSnapshots.dirpath is null"),

@@ -14,12 +14,12 @@ import lightning.pytorch as pl
 import mlflow
 import pytest
 import yaml
-from helpers import CONF, tiny_fit_args
+from helpers import CONF, fast_first, tiny_fit_args
 
 from mhc_lightning.cli import TOOLS, TRAINER_COMMANDS, build_cli, main
 from mhc_lightning.errors import UserError
 from mhc_lightning.loggers.tags import CHECKPOINT_TAG, SOURCE_RUN_TAG
-from mhc_lightning.model.config import RESIDUAL_MODES
+from mhc_lightning.model.modes import RESIDUAL_MODES
 
 
 def runs_of(uri: str, experiment: str = "tests"):
@@ -51,7 +51,7 @@ def test_diagnostics_are_logged_at_the_steps_they_were_taken(tiny_corpus, mlflow
     assert "diagnostics/per_layer_step0000014.json" in arts
 
 
-@pytest.mark.parametrize("mode", ["residual", "hc", "mhc", "identity"])
+@fast_first("mode", ["residual", "hc", "mhc", "identity"])
 def test_fit_writes_an_mlflow_run(mode, tiny_corpus, mlflow_uri, tmp_path):
     main(tiny_fit_args(tiny_corpus, mlflow_uri, tmp_path / "root", mode=mode, run_name=f"fit-{mode}"))
     client, runs = runs_of(mlflow_uri)
@@ -120,7 +120,7 @@ def test_validate_and_test_subcommands_open_their_own_runs(tiny_corpus, mlflow_u
 SHIPPED = sorted(p for p in CONF.rglob("*.yaml") if "experiments" not in p.parts)
 
 
-@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: str(p.relative_to(CONF)))
+@fast_first("path", SHIPPED, ids=lambda p: str(p.relative_to(CONF)))
 def test_every_shipped_config_parses(path, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     extra = [] if path.name in ("base.yaml", "quickstart.yaml") else ["-c", str(CONF / "base.yaml")]
@@ -155,7 +155,7 @@ def test_interpolation_follows_later_overrides(tmp_path, monkeypatch):
     assert cli.trainer.logger._run_name == "hc-L4-C64"
 
 
-@pytest.mark.parametrize(
+@fast_first(
     "arg,message",
     [
         ("--model.arch.hyper.residual_mode=dense", "residual_mode"),
@@ -197,7 +197,7 @@ def test_bad_values_fail_at_parse_time(arg, message, capsys):
 # ---- discoverability -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("argv", [[], ["--help"], ["-h"]])
+@fast_first("argv", [[], ["--help"], ["-h"]])
 def test_help_lists_every_command_with_one_line(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         main(argv)
@@ -209,7 +209,7 @@ def test_help_lists_every_command_with_one_line(argv, capsys):
     assert "predict" not in out  # no predict data or writer: not offered
 
 
-@pytest.mark.parametrize("command", [*TRAINER_COMMANDS, *TOOLS])
+@fast_first("command", [*TRAINER_COMMANDS, *TOOLS])
 def test_every_command_has_its_own_help(command, capsys):
     with pytest.raises(SystemExit) as exc:
         main([command, "--help"])
@@ -260,7 +260,7 @@ def test_console_script_help():
 # ---- the end of a fit: a last validation, and how to look at the run --------------------------------------
 
 
-@pytest.mark.parametrize(
+@fast_first(
     "steps,interval,validated_at",
     [
         (3, 2, [2, 3]),  # not a multiple: one more validation at the end

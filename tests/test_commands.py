@@ -7,7 +7,7 @@ import sys
 from argparse import ArgumentError
 
 import pytest
-from helpers import CONF
+from helpers import CONF, fast_first
 
 REFUSAL = (
     "is not an option of mhc: the optimizer is AdamW with weight-decay groups (none on norms, biases, HC "
@@ -16,18 +16,19 @@ REFUSAL = (
 
 
 def test_help_and_the_tools_import_neither_torch_nor_lightning():
-    """`mhc --help` answers before anything heavy is imported (Lightning alone costs seconds)."""
+    """`mhc --help` answers before anything heavy is imported (Lightning alone costs seconds); the reports read the
+    mode registry without torch."""
     code = (
         "import sys, contextlib, io\nfrom mhc_lightning.commands import main\n"
         "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n    main(['--help'])\n"
-        "import mhc_lightning.grid, mhc_lightning.reports.cli, mhc_lightning.sweeps.cli\n"
+        "import mhc_lightning.grid, mhc_lightning.reports.cli, mhc_lightning.sweeps.cli, mhc_lightning.reports.runs\n"
         "print(sorted(m for m in ('torch', 'lightning', 'mlflow', 'optuna', 'pandas') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize(
+@fast_first(
     "flag, named",
     [
         ("--optimizer=Adam", "--optimizer"),

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import make_text
+from helpers import fast_first, make_text
 
 from mhc_lightning.data import ByteTextDataModule, CorpusError, load_corpus
 from mhc_lightning.data import corpus as corpus_mod
@@ -193,7 +193,7 @@ def test_too_short_corpus(tmp_path: Path):
         _dm(p, seq_len=32, batch_size=2, val_fraction=0.05)
 
 
-@pytest.mark.parametrize(
+@fast_first(
     "kw", [{"seq_len": 0}, {"batch_size": 0}, {"val_fraction": 1.0}, {"val_works": 0}, {"seed": -1}, {"seed": 1.5}]
 )
 def test_bad_arguments(kw):
@@ -298,7 +298,7 @@ def test_one_binary_file_in_a_folder_is_named(tmp_path: Path):
 # --- sizes without loading (the CLI's check before a run exists) -------------------------------------------
 
 
-@pytest.mark.parametrize("layout", ["file", "folder_of_one", "folder", "folder_with_empty_file"])
+@fast_first("layout", ["file", "folder_of_one", "folder", "folder_with_empty_file"])
 def test_split_sizes_match_the_loaded_splits(layout, tmp_path: Path):
     root = tmp_path / "corpus"
     root.mkdir()

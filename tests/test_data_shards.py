@@ -13,9 +13,8 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from helpers import make_text
+from helpers import make_text, write_documents
 from lightning.pytorch.callbacks import ModelCheckpoint
-from test_prepare import write_documents
 
 from mhc_lightning.commands import main
 from mhc_lightning.data import ByteTextDataModule

@@ -3,7 +3,7 @@ order, with no atomics: docs/kernels.md). On the CPU the fused path runs under t
 
 import pytest
 import torch
-from test_callbacks_common import tiny_fit, tiny_module
+from helpers import fast_first, tiny_fit, tiny_module
 
 from mhc_lightning.callbacks.run_provenance import weights_digest
 from mhc_lightning.kernels import fused, get_ops
@@ -21,7 +21,7 @@ def restore_deterministic_mode():
     torch.use_deterministic_algorithms(mode, warn_only=warn_only)
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.slow)])
+@fast_first("backend", ["torch", pytest.param("triton", marks=pytest.mark.slow)])
 def test_two_deterministic_fits_are_bitwise_identical(tiny_corpus, monkeypatch, backend):
     calls = []
     if backend == "triton":

@@ -16,7 +16,7 @@ import lightning as L
 import mlflow
 import pytest
 import torch
-from helpers import CONF, REPO, tiny_fit_args
+from helpers import CONF, REPO, fast_first, tiny_fit_args
 
 MHC = Path(sys.executable).with_name("mhc")
 TIMEOUT = 240
@@ -296,9 +296,7 @@ def test_rollback_under_ddp_fault_on_one_rank_keeps_ranks_equal_and_skips_the_sa
 
 
 # ---- presets -------------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    "env, nodes", [({}, 1), ({"SLURM_NNODES": "4"}, 4), ({"SLURM_NNODES": "4", "MHC_NUM_NODES": "2"}, 2)]
-)
+@fast_first("env, nodes", [({}, 1), ({"SLURM_NNODES": "4"}, 4), ({"SLURM_NNODES": "4", "MHC_NUM_NODES": "2"}, 2)])
 def test_multinode_preset_reads_the_node_count(env, nodes, monkeypatch, capsys):
     import yaml
 

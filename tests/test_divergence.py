@@ -8,9 +8,8 @@ import re
 
 import lightning as L
 import pytest
-from helpers import CONF, tiny_fit_args
+from helpers import CONF, fast_first, one_thread, tiny_fit, tiny_fit_args
 from mlflow import MlflowClient
-from test_callbacks_common import one_thread, tiny_fit
 
 from mhc_lightning.callbacks import InstabilityDetector
 from mhc_lightning.callbacks.divergence import EXIT_DIVERGED, DivergenceGuard, TrainingDiverged
@@ -33,7 +32,7 @@ class NaNLossAt(L.Callback):
             self._hook = None
 
 
-@pytest.mark.parametrize("preset", ["default", "stability"])
+@fast_first("preset", ["default", "stability"])
 def test_a_diverging_fit_ends_failed_and_tagged_with_one_line(preset, tiny_corpus, mlflow_uri, tmp_path, capsys):
     """lr 1e6 makes the loss NaN within a few steps. Checked every 4th step (log_every_n_steps) and at validations
     (none before step 30 here): the default config ends at the first check after the NaN; under the stability preset,

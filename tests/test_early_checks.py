@@ -9,7 +9,7 @@ import sys
 import warnings
 
 import pytest
-from helpers import CONF
+from helpers import CONF, fast_first
 
 from mhc_lightning.early_checks import parser_keys
 
@@ -93,7 +93,7 @@ def _real_options(subcommand: str) -> set[str]:
     }
 
 
-@pytest.mark.parametrize("subcommand", ["fit", "validate"])
+@fast_first("subcommand", ["fit", "validate"])
 def test_the_keys_read_from_source_are_the_parsers(subcommand):
     """Never stricter than the parser (every option it has passes), and no key it lacks passes outside a Trainer
     argument, where loggers and callbacks take keys of their own."""

@@ -4,8 +4,7 @@ sweep dimension) declining the families that have no Sinkhorn."""
 
 import pytest
 import torch
-from helpers import CONF
-from test_callbacks_common import tiny_fit, tiny_module
+from helpers import CONF, fast_first, tiny_fit, tiny_module
 
 from mhc_lightning.callbacks import SinkhornScheduler
 from mhc_lightning.diagnostics import summarize
@@ -46,7 +45,7 @@ def summary_of(h_res: torch.Tensor) -> tuple[dict, dict]:
     return summarize({"h_res": h_res, "h_pre": ones, "h_post": ones, "spread": ones[..., 0]})
 
 
-@pytest.mark.parametrize("family", EXACT)
+@fast_first("family", EXACT)
 def test_composite_gains_are_one_over_48_sublayers(family):
     """Every composite reading (forward, backward, smallest column sum; worst token and token mean) is 1 to 1e-6 with
     float64 coefficients, and to the accumulated fp32 rounding (48 layers x a few ulps < 1e-5) with the fp32 ones the
@@ -72,7 +71,7 @@ def test_the_same_reading_catches_sinkhorn_s_drift():
     assert abs(scalars["amax/composite_bwd_max"] - 1) > 1e-3 and scalars["amax/composite_min_colsum_worst"] < 1 - 1e-3
 
 
-@pytest.mark.parametrize("mode", EXACT)
+@fast_first("mode", EXACT)
 def test_recorded_model_feeds_every_reading(mode):
     """Through the model (24 blocks = 48 sublayers, float64, phi and gates as after training): recorded() carries
     H_res, H_pre, H_post and the stream spread for each sublayer; summarize gives composite gains 1 to 1e-6, H_res's
@@ -102,7 +101,7 @@ def test_recorded_model_feeds_every_reading(mode):
         assert len(per_layer[key]) == 48, key
 
 
-@pytest.mark.parametrize("mode", EXACT)
+@fast_first("mode", EXACT)
 def test_sinkhorn_scheduler_declines_in_one_line(mode, tiny_corpus):
     sched = SinkhornScheduler(every=2)
     with pytest.warns(

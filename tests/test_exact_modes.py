@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from test_streams import quick_model, recorded, text_batches, train
+from helpers import fast_first, quick_model, recorded, text_batches, train
 
 from mhc_lightning.kernels import reference as R
 from mhc_lightning.model import GPT, GPTConfig, HyperConfig, HyperConnection
@@ -20,7 +20,7 @@ EXACT = ["mhc_lite", "kromhc"]
 MHC_DIAG_GAP6 = math.exp(6) / (math.exp(6) + 3)  # Sinkhorn(6 I) at n = 4: 0.992619
 
 
-@pytest.mark.parametrize("mode", EXACT)
+@fast_first("mode", EXACT)
 def test_init_is_a_prenorm_residual_with_mhc_s_diagonal(mode):
     """t = 0, phi = 0: sublayer k reads stream k mod 4 (0.953 / 0.047), writes every stream (H_post = 1), and H_res
     has mHC's diagonal at res_gap 6 (0.992619); mHC-lite's H_res is the very matrix mHC starts from."""
@@ -38,8 +38,8 @@ def test_init_is_a_prenorm_residual_with_mhc_s_diagonal(mode):
         assert rec["h_res"][0, 0, 0].tolist() == pytest.approx([p * p, p * (1 - p), p * (1 - p), (1 - p) ** 2])
 
 
-@pytest.mark.parametrize("n", [2, 3, 4, 5])
-@pytest.mark.parametrize("gap", [0.0, 1.0, 6.0, 10.0])
+@fast_first("n", [2, 3, 4, 5])
+@fast_first("gap", [0.0, 1.0, 6.0, 10.0])
 def test_lite_gap_gives_mhc_s_diagonal(n, gap):
     z = torch.zeros(math.factorial(n), dtype=torch.float64)
     z[0] = lite_gap(n, gap)
@@ -49,29 +49,29 @@ def test_lite_gap_gives_mhc_s_diagonal(n, gap):
     assert off.tolist() == pytest.approx([off[0].item()] * (n * n - n), rel=1e-12)  # d I + o (J - I), as mHC
 
 
-@pytest.mark.parametrize("n", [2, 4, 8, 16])
-@pytest.mark.parametrize("gap", [0.0, 1.0, 6.0, 10.0])
+@fast_first("n", [2, 4, 8, 16])
+@fast_first("gap", [0.0, 1.0, 6.0, 10.0])
 def test_krom_logit_gives_mhc_s_diagonal(n, gap):
     K = n.bit_length() - 1
     h = R.kronecker_res(torch.full((K,), krom_logit(n, gap), dtype=torch.float64), n)
     assert h.diagonal().tolist() == pytest.approx([mhc_diagonal(n, gap)] * n, rel=1e-12)
 
 
-@pytest.mark.parametrize("mode,cols", [("mhc_lite", 2 * 4 + 24), ("kromhc", 2 * 4 + 2)])
+@fast_first("mode,cols", [("mhc_lite", 2 * 4 + 24), ("kromhc", 2 * 4 + 2)])
 def test_parameter_layout(mode, cols):
     layer = quick_model(mode).sublayers[0]
     assert layer.phi.shape == (4 * 128, cols) and layer.bias.shape == (cols,) and layer.alpha.shape == (3,)
 
 
-@pytest.mark.parametrize("scheme", ["zeros", "near_identity"])
-@pytest.mark.parametrize("mode", EXACT)
+@fast_first("scheme", ["zeros", "near_identity"])
+@fast_first("mode", EXACT)
 def test_identical_stream_configs_are_refused(mode, scheme):
     with pytest.raises(ValueError, match=r"keeps all 4 streams identical.*allow_identical_streams"):
         HyperConfig(residual_mode=mode, bias_init=scheme)
     HyperConfig(residual_mode=mode, bias_init=scheme, phi_init="normal")
 
 
-@pytest.mark.parametrize("mode", EXACT)
+@fast_first("mode", EXACT)
 def test_symmetric_init_keeps_the_streams_identical_bit_for_bit(mode):
     """zeros: H_res = J/n (the average of all permutations; each Kronecker factor J/2) and the streams never part."""
     m = quick_model(mode, bias_init="zeros", allow_identical_streams=True)
@@ -110,7 +110,7 @@ class Poisoned:
         raise AssertionError(f"op {name} requested through get_ops")
 
 
-@pytest.mark.parametrize("mode", EXACT)
+@fast_first("mode", EXACT)
 def test_exact_modes_never_ask_get_ops_for_their_ops(mode, monkeypatch):
     """kernel_backend auto picks the fused ops on CUDA; the exact families must not reach them: every op they run,
     the stream's expand and collapse included, is the reference's, whatever get_ops would answer."""
@@ -138,7 +138,7 @@ def float64_sublayer(mode: str, n: int = 4, C: int = 6, seed: int = 0) -> HyperC
     return layer
 
 
-@pytest.mark.parametrize("mode,n", [("mhc_lite", 4), ("mhc_lite", 3), ("kromhc", 4), ("kromhc", 8)])
+@fast_first("mode,n", [("mhc_lite", 4), ("mhc_lite", 3), ("kromhc", 4), ("kromhc", 8)])
 def test_sublayer_matches_the_float64_reference_forward_and_gradients(mode, n):
     """x_next = H_res x + h_post^T F(h_pre x) with the reference's coefficients, written out here; the same output
     and the same gradients for x, phi, bias, alpha and the branch's weights."""
@@ -155,7 +155,7 @@ def test_sublayer_matches_the_float64_reference_forward_and_gradients(mode, n):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("mode", EXACT)
+@fast_first("mode", EXACT)
 def test_sublayer_gradcheck_float64(mode):
     layer = float64_sublayer(mode, C=2)
     names = ["phi", "bias", "alpha"]
@@ -168,7 +168,7 @@ def test_sublayer_gradcheck_float64(mode):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", EXACT)
+@fast_first("mode", EXACT)
 def test_training_moves_h_res_off_identity_and_parts_the_streams(mode):
     """Gain exactly 1 must not mean a frozen H_res: after 60 AdamW steps H_res has left its t = 0 value, the streams
     have parted and every row and column still sums to 1 (fp32 rounding)."""
@@ -184,7 +184,7 @@ def test_training_moves_h_res_off_identity_and_parts_the_streams(mode):
     assert rows.max().item() < 1e-6 and cols.max().item() < 1e-6
 
 
-@pytest.mark.parametrize("mode", EXACT)
+@fast_first("mode", EXACT)
 def test_recompute_and_rebuilt_branch_input_give_the_same_gradients(mode):
     """The selective recompute and the branch input's rebuild run the exact families through their forward."""
     idx = text_batches(1, B=2, T=16)[0]
@@ -208,7 +208,7 @@ def test_recompute_and_rebuilt_branch_input_give_the_same_gradients(mode):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", EXACT)
+@fast_first("mode", EXACT)
 def test_compiled_model_matches_eager_in_one_graph(mode):
     """The fast path: the reference ops under torch.compile (aot_eager: graph capture and autograd, no C++ build),
     one graph without breaks, the same loss and gradients as eager."""

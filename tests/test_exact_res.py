@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from helpers import fast_first
 
 from mhc_lightning.kernels import reference as R
 from mhc_lightning.kernels.options import MHCOptions
@@ -46,7 +47,7 @@ def by_hand(z, family, n):
     return lite_by_hand(z, n) if family == "mhc_lite" else krom_by_hand(z, n)
 
 
-@pytest.mark.parametrize("family,n", FAMILIES)
+@fast_first("family,n", FAMILIES)
 def test_h_res_matches_the_construction_by_hand(family, n):
     torch.manual_seed(n)
     z = 2.0 * torch.randn(3, 5, R.exact_res_count(family, n), dtype=torch.float64)
@@ -55,8 +56,8 @@ def test_h_res_matches_the_construction_by_hand(family, n):
     torch.testing.assert_close(h, by_hand(z, family, n), rtol=1e-12, atol=1e-14)
 
 
-@pytest.mark.parametrize("family,n", FAMILIES)
-@pytest.mark.parametrize("scale", [1.0, 10.0])
+@fast_first("family,n", FAMILIES)
+@fast_first("scale", [1.0, 10.0])
 def test_rows_and_columns_are_exact_up_to_rounding(family, n, scale):
     """Both axes sum to 1: float64 to 1e-14, float32 to a few ulps, also with saturated (x10) logits."""
     torch.manual_seed(0)
@@ -95,7 +96,7 @@ def test_kronecker_layout_first_factor_is_the_most_significant_bit():
     assert h[0, 0].item() == pytest.approx(p.item()) and h[0, 4].item() == pytest.approx(1 - p.item())
 
 
-@pytest.mark.parametrize("family,n", [("mhc_lite", 3), ("mhc_lite", 4), ("kromhc", 4), ("kromhc", 8)])
+@fast_first("family,n", [("mhc_lite", 3), ("mhc_lite", 4), ("kromhc", 4), ("kromhc", 8)])
 def test_h_res_gradcheck_float64(family, n):
     torch.manual_seed(1)
     z = torch.randn(2, R.exact_res_count(family, n), dtype=torch.float64, requires_grad=True)
@@ -113,7 +114,7 @@ def random_params(family: str, n: int, C: int, dtype=torch.float64, seed: int = 
     return x, phi, bias, alpha
 
 
-@pytest.mark.parametrize("family,n", [("mhc_lite", 4), ("kromhc", 4), ("kromhc", 8)])
+@fast_first("family,n", [("mhc_lite", 4), ("kromhc", 4), ("kromhc", 8)])
 def test_coefficients_match_the_equations(family, n):
     """h_pre = sigma(.) + pre_eps, h_post = post_mult sigma(.), H^res from alpha_res x phi_res / rms + b_res."""
     x, phi, bias, alpha = random_params(family, n, C=6)
@@ -128,7 +129,7 @@ def test_coefficients_match_the_equations(family, n):
     torch.testing.assert_close(h_res, by_hand(z, family, n))
 
 
-@pytest.mark.parametrize("family,n", [("mhc_lite", 3), ("mhc_lite", 4), ("kromhc", 4), ("kromhc", 8)])
+@fast_first("family,n", [("mhc_lite", 3), ("mhc_lite", 4), ("kromhc", 4), ("kromhc", 8)])
 def test_coefficients_and_enter_gradcheck_float64(family, n):
     """Every gradient of the op the model runs: x, phi, bias, alpha through h_pre, h_post, h_res and u."""
     x, phi, bias, alpha = (t.requires_grad_() for t in random_params(family, n, C=2, T=2))
@@ -139,7 +140,7 @@ def test_coefficients_and_enter_gradcheck_float64(family, n):
     assert torch.autograd.gradcheck(enter, (x, phi, bias, alpha))
 
 
-@pytest.mark.parametrize("family", ["mhc_lite", "kromhc"])
+@fast_first("family", ["mhc_lite", "kromhc"])
 def test_float32_path_matches_float64_reference(family):
     x, phi, bias, alpha = random_params(family, 4, C=32, dtype=torch.float64, seed=3)
     ref = R.exact_enter(x, phi, bias, alpha, family)[1:]

@@ -17,10 +17,9 @@ from types import SimpleNamespace
 import lightning as L
 import pytest
 import torch
-from helpers import CONF, REPO, handshake_arg, wait_for
+from helpers import CONF, REPO, handshake_arg, one_thread, wait_for
 from lightning.pytorch.callbacks import ModelCheckpoint
 from mlflow import MlflowClient
-from test_callbacks_common import one_thread
 
 from mhc_lightning.cli import main
 from mhc_lightning.interrupts import keep_last_name

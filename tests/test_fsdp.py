@@ -14,7 +14,7 @@ import lightning as L
 import mlflow
 import pytest
 import torch
-from helpers import CONF, REPO, tiny_fit_args
+from helpers import CONF, REPO, fast_first, tiny_fit_args
 
 
 def old_rule(name: str, p: torch.Tensor) -> bool:
@@ -22,7 +22,7 @@ def old_rule(name: str, p: torch.Tensor) -> bool:
     return p.ndim == 2 and (".branch." in name or name == "embed.weight")
 
 
-@pytest.mark.parametrize(
+@fast_first(
     "hyper, tied",
     [
         ({"residual_mode": "residual"}, True),
@@ -50,7 +50,7 @@ def _fsdp1_rank(rank: int, pg_file: str, out: str) -> None:
     backward of rank-specific data; writes the decay test on the optimizer's view of the shards and LitLM's global
     grad norms."""
     import torch.distributed as dist
-    from test_callbacks_common import tiny_module
+    from helpers import tiny_module
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
@@ -90,7 +90,7 @@ def test_fsdp1_global_grad_norm_and_decay_over_two_ranks(tmp_path):
     """FSDP1 shards as flat 1-D pieces (the shape rule would lose the matrices' decay): the name rule keeps them,
     and the squared shard norms summed over the ranks give the norm of the whole averaged gradient, on every rank."""
     import torch.multiprocessing as mp
-    from test_callbacks_common import tiny_module
+    from helpers import tiny_module
 
     procs = [
         mp.get_context("spawn").Process(

@@ -5,12 +5,10 @@ import json
 import os
 import shlex
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
-from helpers import CONF, REPO, tiny_grid_sets
+from helpers import CONF, REPO, TINY_GRID, fast_first, tiny_grid_command
 
 from mhc_lightning.cli import build_cli
 from mhc_lightning.grid import GridError, expand, load_grid
@@ -48,31 +46,6 @@ def test_bad_grid_file_names_the_missing_key(tmp_path):
         load_grid(bad)
 
 
-TINY_GRID = {
-    "experiment": "tiny-grid",
-    "configs": ["conf/model/mhc.yaml", "conf/presets/debug.yaml"],
-    "variants": {"mhc": {}, "hc": {"model.arch.hyper.residual_mode": "hc"}},
-    "axes": {"seed_everything": [1]},
-}
-
-
-def _tiny_grid(tmp_path, corpus, steps: int) -> list[str]:
-    grid = tmp_path / "grid.yaml"
-    grid.write_text(json.dumps(TINY_GRID))
-    return [
-        str(Path(sys.executable).with_name("mhc")),
-        "grid",
-        str(grid),
-        "--parallel",
-        "2",
-        "--logs",
-        str(tmp_path / "logs"),
-        *tiny_grid_sets(corpus, steps),
-        "--set",
-        f"trainer.default_root_dir={tmp_path / 'runs'}",
-    ]
-
-
 # That `mhc grid` runs every point as a tagged `mhc fit` is checked on the runs of test_secrets.py's grid test: one
 # grid run less (three processes' start-up) in CI.
 
@@ -85,7 +58,7 @@ def test_killed_grid_takes_its_runs_along(tiny_corpus, tmp_path):
 
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
     grid = subprocess.Popen(
-        _tiny_grid(tmp_path, tiny_corpus, 100000),
+        tiny_grid_command(tmp_path, tiny_corpus, 100000),
         cwd=tmp_path,
         env=env,
         stdout=subprocess.DEVNULL,
@@ -130,7 +103,7 @@ def test_a_misspelt_set_is_refused_before_any_run_starts(tiny_corpus, tmp_path, 
     this process: the refusal comes before anything starts, so a process of its own adds only its start-up."""
     from mhc_lightning.commands import main
 
-    cmd = _tiny_grid(tmp_path, tiny_corpus, 4) + ["--set", "trainer.max_stepz=3"]
+    cmd = tiny_grid_command(tmp_path, tiny_corpus, 4) + ["--set", "trainer.max_stepz=3"]
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     capsys.readouterr()
@@ -148,7 +121,7 @@ def test_a_misspelt_set_is_refused_before_any_run_starts(tiny_corpus, tmp_path, 
     print(f"[figures] misspelt --set: refused in {time.monotonic() - t0:.1f} s, 0 runs started")
 
 
-@pytest.mark.parametrize(
+@fast_first(
     "change, says",
     [
         (
@@ -174,7 +147,7 @@ def test_every_run_is_checked_by_the_fit_parser_with_dry_run_too(change, says, t
     assert all(piece in err[0] for piece in says) and err[0].endswith("; nothing was started"), err
 
 
-@pytest.mark.parametrize(
+@fast_first(
     "grid, says",
     [
         ({**TINY_GRID, "axis": {"seed_everything": [1, 2]}}, "unknown key(s) ['axis']; allowed keys: ['experiment'"),

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import lightning as L
 import pytest
-from helpers import REPO, tiny_grid_sets, wait_for
+from helpers import REPO, SLURM_LIKE, tiny_grid_sets, wait_for
 
 
 class PauseAt(L.Callback):
@@ -42,15 +42,6 @@ GRID = {
     "configs": ["conf/model/mhc.yaml", "conf/presets/debug.yaml"],
     "variants": {"mhc": {}},
     "axes": {"seed_everything": [1]},
-}
-SLURM_LIKE = {
-    "SLURM_JOB_ID": "4242",
-    "SLURM_JOB_NAME": "mhc-grid",
-    "SLURM_NTASKS": "1",
-    "SLURM_PROCID": "0",
-    "SLURM_LOCALID": "0",
-    "SLURM_NODEID": "0",
-    "SLURM_NODELIST": "localhost",
 }
 
 

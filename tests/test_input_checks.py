@@ -13,7 +13,7 @@ from pathlib import Path
 import mlflow
 import pytest
 import torch
-from helpers import CONF, make_text, tiny_fit_args
+from helpers import CONF, fast_first, make_text, tiny_fit_args
 from mlflow.entities import ViewType
 
 from mhc_lightning.cli import main
@@ -77,7 +77,7 @@ CORPUS_CASES = {  # name: (make the corpus under tmp, what the line must say)
 }
 
 
-@pytest.mark.parametrize("case", CORPUS_CASES)
+@fast_first("case", CORPUS_CASES)
 def test_bad_corpus_is_refused_before_the_run(case, mlflow_uri, tmp_path, capsys):
     make, says = CORPUS_CASES[case]
     corpus = make(tmp_path)
@@ -97,7 +97,7 @@ def _eval_args(sub: str, corpus, uri, root, ckpt=None) -> list[str]:
     return args + ([f"--ckpt_path={ckpt}"] if ckpt is not None else [])
 
 
-@pytest.mark.parametrize("sub", ["validate", "test", "fit"])
+@fast_first("sub", ["validate", "test", "fit"])
 def test_missing_checkpoint(sub, tiny_corpus, mlflow_uri, tmp_path, capsys):
     missing = tmp_path / "gone" / "last.ckpt"
     line = one_error_line(_eval_args(sub, tiny_corpus, mlflow_uri, tmp_path / "root", missing), capsys)
@@ -111,7 +111,7 @@ def test_evaluation_without_a_checkpoint(tiny_corpus, mlflow_uri, tmp_path, caps
     assert_nothing_written(mlflow_uri, tmp_path, tmp_path / "root")
 
 
-@pytest.mark.parametrize("content", [b"not a checkpoint", "zip"])
+@fast_first("content", [b"not a checkpoint", "zip"])
 def test_file_that_is_not_a_checkpoint(content, tiny_corpus, mlflow_uri, tmp_path, capsys):
     fake = tmp_path / "model.ckpt"
     if content == "zip":  # a zip archive, but not one torch.save wrote
@@ -196,7 +196,7 @@ def test_yaml_syntax_error_names_the_file_and_line(tiny_corpus, mlflow_uri, tmp_
     assert_nothing_written(mlflow_uri, tmp_path, tmp_path / "root")
 
 
-@pytest.mark.parametrize(
+@fast_first(
     "arg,says",
     [
         ("--trainer.max_steps=abc", "Parser key \"trainer.max_steps\": Expected a <class 'int'>. Got value: abc"),
@@ -212,7 +212,7 @@ def test_parser_errors_are_one_line_with_a_pointer_to_help(arg, says, tiny_corpu
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["random_corpus", "missing_checkpoint"])
+@fast_first("case", ["random_corpus", "missing_checkpoint"])
 def test_console_script_refuses_with_one_line_and_leaves_nothing(case, tmp_path):
     """As a newcomer types it, in a fresh folder with the default ./mlflow.db store: no store, no folders."""
     work = tmp_path / "work"
@@ -253,8 +253,8 @@ def test_under_slurm_a_fit_never_restores_another_jobs_requeue_checkpoint(
 ):
     """The sbatch recipe's shared default_root_dir holds an hpc_ckpt of another job: Lightning would restore it into
     this new run without a word. Refused in one line; and no fit leaves such a file for the next (requeue off)."""
+    from helpers import SLURM_LIKE
     from lightning.pytorch.plugins.environments import SLURMEnvironment
-    from test_grid_jobs import SLURM_LIKE
 
     from mhc_lightning.cli import build_cli
 

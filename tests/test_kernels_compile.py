@@ -9,6 +9,7 @@ import importlib
 
 import pytest
 import torch
+from helpers import fast_first
 from kernel_checks import CUDA, DEV, coef_inputs, enter_block, leaf, poisoned_outputs
 
 from mhc_lightning.kernels import MHCOptions, fused
@@ -98,7 +99,7 @@ def _compiled_matches_eager(block, seed, before_compile=lambda: None):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
+@fast_first(
     "block",
     [_block, _block_pre, _block_enter, _block_chain, _block_hc, _block_hc_enter, _block_hc_enter_folded],
     ids=["three_ops", "mhc_pre", "mhc_enter", "boundary", "hc", "hc_enter", "hc_enter_folded"],
@@ -185,7 +186,7 @@ def test_eager_path_skips_the_dispatcher_and_compile_sees_the_custom_ops():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
+@fast_first(
     "block,module,x_pass",
     [(_block_enter, projection, "x_pass"), (_block_hc_enter, hc, "backward")],
     ids=["mhc_enter", "hc_enter"],

@@ -3,6 +3,7 @@
 
 import pytest
 import torch
+from helpers import fast_first
 from kernel_checks import (
     CUDA,
     DEV,
@@ -30,8 +31,8 @@ from mhc_lightning.kernels.fused import hc, hc_operands, projection
 pytestmark = pytest.mark.usefixtures(poisoned_outputs.__name__)
 
 
-@pytest.mark.parametrize("m", [3, 6, 10, 20])  # n + 2 for n = 1, 4, 8; and wider
-@pytest.mark.parametrize(
+@fast_first("m", [3, 6, 10, 20])  # n + 2 for n = 1, 4, 8; and wider
+@fast_first(
     "dtype,w_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)]
 )
 def test_rms_proj(m, dtype, w_dtype):
@@ -53,9 +54,9 @@ def test_rms_proj(m, dtype, w_dtype):
         check(a, b, t_g, name)
 
 
-@pytest.mark.parametrize("n", [1, 2, 4, 8])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("use_tanh", [True, False])
+@fast_first("n", [1, 2, 4, 8])
+@fast_first("dtype", [torch.float32, torch.bfloat16])
+@fast_first("use_tanh", [True, False])
 def test_hc_coefficients(n, dtype, use_tanh, monkeypatch):
     """The fused HC coefficients (one op: projection and tail in one kernel, the tail's backward in another, partial
     sums of the static parameters' gradients over several row blocks, the last one partial) against the float64
@@ -85,10 +86,10 @@ def _strided(p: torch.Tensor) -> torch.Tensor:
     return torch.stack([p, p], -1)[..., 0]
 
 
-@pytest.mark.parametrize("n", [1, 2, 4, 8])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("use_tanh", [True, False])
-@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+@fast_first("n", [1, 2, 4, 8])
+@fast_first("dtype", [torch.float32, torch.bfloat16])
+@fast_first("use_tanh", [True, False])
+@fast_first("layout", ["contiguous", "strided"])
 def test_hc_enter_then_write_back_matches_reference(n, dtype, use_tanh, layout, monkeypatch):
     """HC's one op for coefficients and u (`hc_enter`) with the write-back reading the x it hands on: the stream out
     and the gradient of x and of every parameter against float64. Its backward writes one dx: <du, x_i> in the tail
@@ -126,8 +127,8 @@ def test_hc_enter_then_write_back_matches_reference(n, dtype, use_tanh, layout, 
     assert [e for e in entries if e.endswith("_bwd_x")] == ["hc_bwd_x"]  # HC's rows at their own tiles
 
 
-@pytest.mark.parametrize("n", [1, 4, 8])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@fast_first("n", [1, 4, 8])
+@fast_first("dtype", [torch.float32, torch.bfloat16])
 def test_hc_operands_equal_the_torch_composition(n, dtype):
     """`hc_operands.hc_operands` (one launch) gives the projection weights and the packed statics exactly as the torch
     composition does (reference.hc_projection_weights, `hc.hc_statics`), over several channel blocks with a partial
@@ -164,7 +165,7 @@ def test_hc_enter_u_and_coefficients_match_the_composition():
     assert torch.equal(u, fused.stream_pre(inputs[0], want[0]))
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+@fast_first("layout", ["contiguous", "strided"])
 def test_u_in_the_branchs_dtype_is_the_cast_bitwise(layout, monkeypatch):
     """kernel_checks.check_u_in_the_branchs_dtype on `hc_enter`, its operands made inside the op and by torch."""
     torch.manual_seed(91)

@@ -3,6 +3,7 @@ sublayer l's write-back and sublayer l + 1's coefficients and input, every outpu
 
 import pytest
 import torch
+from helpers import fast_first
 from kernel_checks import ITERS, SHAPES, boundary_inputs, poisoned_outputs, run_boundary
 
 from mhc_lightning.kernels import MHCOptions, fused
@@ -12,8 +13,8 @@ from mhc_lightning.kernels.fused import boundary, projection
 pytestmark = pytest.mark.usefixtures(poisoned_outputs.__name__)
 
 
-@pytest.mark.parametrize("n", [1, 2, 4, 8])
-@pytest.mark.parametrize("exact_axis", ["rows", "cols"])
+@fast_first("n", [1, 2, 4, 8])
+@fast_first("exact_axis", ["rows", "cols"])
 def test_boundary_fp32(n, exact_axis):
     torch.manual_seed(80 + n + len(exact_axis))
     for lead, c in SHAPES:
@@ -26,12 +27,12 @@ def test_boundary_fp32(n, exact_axis):
         )
 
 
-@pytest.mark.parametrize(
+@fast_first(
     "prev_res,next_res",
     [(False, False), (False, True), (True, False)],
     ids=["identity", "identity-mhc", "mhc-identity"],
 )
-@pytest.mark.parametrize("n", [2, 4])
+@fast_first("n", [2, 4])
 def test_boundary_identity_hc(prev_res, next_res, n):
     """H^res = I on either side of the boundary (identity-HC sublayers), in any combination."""
     torch.manual_seed(90 + n + 2 * prev_res + next_res)

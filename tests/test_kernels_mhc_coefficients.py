@@ -3,6 +3,7 @@ reference: `mhc_coefficients`, `mhc_pre`, `mhc_enter` (with its write-back), the
 
 import pytest
 import torch
+from helpers import fast_first
 from kernel_checks import (
     CUDA,
     DEV,
@@ -91,9 +92,9 @@ def _run_coef(inputs, dtype, **kw):
     return out
 
 
-@pytest.mark.parametrize("n", [1, 2, 4, 8])
-@pytest.mark.parametrize("exact_axis", ["rows", "cols"])
-@pytest.mark.parametrize("res_layout", ["src_dst", "dst_src"])
+@fast_first("n", [1, 2, 4, 8])
+@fast_first("exact_axis", ["rows", "cols"])
+@fast_first("res_layout", ["src_dst", "dst_src"])
 def test_coefficients_fp32(n, exact_axis, res_layout):
     torch.manual_seed(n * 7 + len(exact_axis) + len(res_layout))
     for lead, c in SHAPES:
@@ -119,7 +120,7 @@ def test_coefficients_fp32_20_iters_and_saturation():
     _run_coef(coef_inputs(lead, c, 4, torch.float32, gate=10.0), torch.float32, sinkhorn_iters=ITERS, exact_axis="cols")
 
 
-@pytest.mark.parametrize("n", [1, 2, 4, 8])
+@fast_first("n", [1, 2, 4, 8])
 def test_coefficients_identity_hc(n):
     """phi with 2n columns: no res block, h_res is None."""
     torch.manual_seed(100 + n)
@@ -127,8 +128,8 @@ def test_coefficients_identity_hc(n):
         _run_coef(coef_inputs(lead, c, n, torch.float32, with_res=False), torch.float32)
 
 
-@pytest.mark.parametrize("phi_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("exact_axis", ["rows", "cols"])
+@fast_first("phi_dtype", [torch.float32, torch.bfloat16])
+@fast_first("exact_axis", ["rows", "cols"])
 def test_coefficients_bf16(phi_dtype, exact_axis):
     torch.manual_seed(3)
     for lead, c in SHAPES:
@@ -151,8 +152,8 @@ def test_reference_mhc_pre_is_the_composition():
     assert torch.equal(u, R.stream_pre(x, h_ref[0]))
 
 
-@pytest.mark.parametrize("n", [1, 2, 4, 8])
-@pytest.mark.parametrize("mode", ["rows", "cols", "identity"])
+@fast_first("n", [1, 2, 4, 8])
+@fast_first("mode", ["rows", "cols", "identity"])
 def test_mhc_pre_fp32(n, mode):
     torch.manual_seed(60 + n + len(mode))
     for lead, c in SHAPES:
@@ -189,8 +190,8 @@ def test_mhc_pre_bf16_partial_grads_and_both_sinkhorn_launches(monkeypatch):
     assert seen == {True, False} and sinks == {True, False}
 
 
-@pytest.mark.parametrize("u_inside_max_c", [0, 4096])
-@pytest.mark.parametrize(
+@fast_first("u_inside_max_c", [0, 4096])
+@fast_first(
     "n,dtype,phi_dtype",
     [
         (4, torch.bfloat16, torch.float32),
@@ -246,7 +247,7 @@ def _check_x_pass(lead, c, n, phi_dtype, with_u=True):
     check(dx, ref_dx, 1e-4, "dx")
 
 
-@pytest.mark.parametrize(
+@fast_first(
     "n,phi_dtype",
     [(4, torch.float32), (4, torch.bfloat16), (1, torch.float32), (2, torch.bfloat16), (8, torch.float32)],
 )
@@ -265,7 +266,7 @@ def test_x_pass_on_16_bit_parts(n, phi_dtype):
 TMA_SHAPE = ((150,), 64) if not CUDA else ((2, 1031), 1024)  # C a multiple of the x pass's BK: u's columns tile
 
 
-@pytest.mark.parametrize("n,phi_dtype", [(4, torch.float32), (2, torch.bfloat16), (8, torch.float32)])
+@fast_first("n,phi_dtype", [(4, torch.float32), (2, torch.bfloat16), (8, torch.float32)])
 def test_x_pass_by_tma_descriptors(n, phi_dtype, monkeypatch):
     """mHC's x pass loads x, dL, dx_in, du and stores dx by TMA descriptor. A token count no multiple of the token
     block and several token splits (rows past the end read as zero, none written; no block reaches into the next
@@ -315,7 +316,7 @@ def _check_enter_block(n, dtype, mode):
         check(a, b, t_g, name)
 
 
-@pytest.mark.parametrize(
+@fast_first(
     "n,dtype,mode",
     [
         (4, torch.bfloat16, "rows"),
@@ -364,7 +365,7 @@ def test_the_trainers_sublayer_takes_no_avoidable_launch(monkeypatch):
         assert sorted(calls) == sorted(want), (phi_dtype, rows_max_c, calls)
 
 
-@pytest.mark.parametrize("stages", [None, 2])
+@fast_first("stages", [None, 2])
 def test_the_gradient_loops_take_their_pipelining_depth_from_config(stages, monkeypatch):
     """CONFIG loop_stages reaches the two gradient kernels' token / channel loops (tl.range num_stages: every load of
     the loop an async copy on the GPU; the interpreter runs the same loop), with the same float64-checked gradients
@@ -389,7 +390,7 @@ def test_the_gradient_loops_take_their_pipelining_depth_from_config(stages, monk
         check(a, b, TOL[torch.bfloat16][2], name)
 
 
-@pytest.mark.parametrize("op", ["mhc_pre", "mhc_enter", "mhc_boundary"])
+@fast_first("op", ["mhc_pre", "mhc_enter", "mhc_boundary"])
 def test_u_in_the_branchs_dtype_is_the_cast_bitwise(op, monkeypatch):
     """kernel_checks.check_u_in_the_branchs_dtype on mHC's three ops that hand a branch its input."""
     torch.manual_seed(91)

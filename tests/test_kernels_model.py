@@ -3,6 +3,7 @@ under bf16-mixed), each branch's input in its own dtype, and the branch input re
 
 import pytest
 import torch
+from helpers import fast_first
 from kernel_checks import CUDA, DEV, ITERS, check, poisoned_outputs
 
 from mhc_lightning.kernels import fused
@@ -11,7 +12,7 @@ from mhc_lightning.kernels.fused import write_back
 pytestmark = pytest.mark.usefixtures(poisoned_outputs.__name__)
 
 
-@pytest.mark.parametrize("mode", ["mhc", "identity", "hc", "residual"])
+@fast_first("mode", ["mhc", "identity", "hc", "residual"])
 def test_model_training_step_kernels_equal_reference(mode):
     """One training step of the GPT with the fused kernels equals the same step on the reference ops (the residual
     GPT's fused op: RoPE)."""
@@ -49,7 +50,7 @@ def test_model_training_step_kernels_equal_reference(mode):
         check(grads_k[name], grads_r[name].double(), 2e-3, name)
 
 
-@pytest.mark.parametrize("mode,chain", [("mhc", "auto"), ("mhc", False), ("hc", "auto")])
+@fast_first("mode,chain", [("mhc", "auto"), ("mhc", False), ("hc", "auto")])
 def test_model_hands_each_branch_its_input_without_a_cast(mode, chain, monkeypatch):
     """Under bf16 autocast with a bf16 stream (the trainer's), every mHC / HC branch gets u in its parameters' fp32 from
     the op itself (`mhc_enter` one sublayer at a time, the boundary op in the chain, `hc_enter`): no cast node between
@@ -112,7 +113,7 @@ def test_model_hands_each_branch_its_input_without_a_cast(mode, chain, monkeypat
         assert ((a - b).norm() / b.norm()).item() < 1e-2
 
 
-@pytest.mark.parametrize(
+@fast_first(
     "mode,chain,via",
     [
         ("mhc", True, "write-back"),
@@ -175,7 +176,7 @@ def test_model_rebuilds_the_branch_input_bitwise_and_keeps_less(mode, chain, via
     assert kept_u - kept == 4 * 32 * 4 * 16 * 2, (kept_u, kept)  # sublayers * C * fp32 * tokens
 
 
-@pytest.mark.parametrize("mode", ["mhc", "identity", "hc", "residual"])
+@fast_first("mode", ["mhc", "identity", "hc", "residual"])
 def test_model_step_under_bf16_autocast_matches_float64(mode):
     """A training step as the trainer runs it under bf16-mixed (autocast, bf16 stream) on the fused kernels, against
     the same step in float64 on the reference ops: the loss, and all gradients together (single parameters with a

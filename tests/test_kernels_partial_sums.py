@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from helpers import fast_first
 from kernel_checks import DEV, check, poisoned_outputs
 
 from mhc_lightning.kernels.fused import host, partial_sums
@@ -9,7 +10,7 @@ from mhc_lightning.kernels.fused import host, partial_sums
 pytestmark = pytest.mark.usefixtures(poisoned_outputs.__name__)
 
 
-@pytest.mark.parametrize("splits,rows", [(1, 1), (16, 130), (5, 1100), (3, 4099)])
+@fast_first("splits,rows", [(1, 1), (16, 130), (5, 1100), (3, 4099)])
 def test_parameter_gradient_partials_summed_in_one_launch(splits, rows):
     """The weight's split partials and the vectors' per-block partials (one row per vector element, [PW, programs]:
     each row summed by its own program) in one launch, each gradient written in its own dtype into its own tensor;

@@ -6,6 +6,7 @@ Without CUDA the kernels run under the Triton interpreter at small shapes. Outpu
 
 import pytest
 import torch
+from helpers import fast_first
 from kernel_checks import CUDA, DEV, poisoned_outputs
 
 from mhc_lightning.kernels import fused, reference
@@ -24,8 +25,8 @@ def _close(out, ref, tol, name):
     )
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", SHAPES)
+@fast_first("dtype", [torch.float32, torch.bfloat16])
+@fast_first("shape", SHAPES)
 def test_rope_qkv_matches_float64_forward_and_gradient(shape, dtype):
     B, T, H, D = shape
     torch.manual_seed(0)

@@ -3,6 +3,7 @@ streams) and `sum_streams` (the "sum" collapse), one kernel each way, against fl
 
 import pytest
 import torch
+from helpers import fast_first
 from kernel_checks import DEV, SHAPES, TOL, check, f64, grads, leaf, poisoned_outputs, upstream
 
 from mhc_lightning.kernels import fused
@@ -11,8 +12,8 @@ from mhc_lightning.kernels import reference as R
 pytestmark = pytest.mark.usefixtures(poisoned_outputs.__name__)
 
 
-@pytest.mark.parametrize("n", [1, 2, 4, 8])
-@pytest.mark.parametrize(
+@fast_first("n", [1, 2, 4, 8])
+@fast_first(
     "h_dtype,stream_dtype",
     [(torch.float32, torch.bfloat16), (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)],
 )

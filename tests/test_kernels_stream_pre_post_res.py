@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from helpers import fast_first
 from kernel_checks import (
     CUDA,
     DEV,
@@ -31,8 +32,8 @@ from mhc_lightning.kernels import reference as R
 pytestmark = pytest.mark.usefixtures(poisoned_outputs.__name__)
 
 
-@pytest.mark.parametrize("n", [1, 2, 4, 8])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@fast_first("n", [1, 2, 4, 8])
+@fast_first("dtype", [torch.float32, torch.bfloat16])
 def test_stream_pre(n, dtype):
     torch.manual_seed(20 + n)
     for lead, c in SHAPES:
@@ -70,7 +71,7 @@ POST_BWD_TILES = {
 }
 
 
-@pytest.mark.parametrize(
+@fast_first(
     "n,dtype,tiles",
     [
         (1, torch.float32, "rows"),
@@ -84,7 +85,7 @@ POST_BWD_TILES = {
         (8, torch.bfloat16, "looped partials"),
     ],
 )
-@pytest.mark.parametrize("with_res", [True, False])
+@fast_first("with_res", [True, False])
 def test_stream_post_res(n, dtype, tiles, with_res, monkeypatch):
     launches = []
     on_launch(monkeypatch, ("_post_bwd_2d",), lambda name, kw: launches.append((kw["grid"], kw["LOOP_STAGES"])))

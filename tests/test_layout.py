@@ -12,7 +12,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from helpers import REPO
+from helpers import REPO, fast_first
 
 # source folder -> the package name it is imported as (kernels/ is installed as mhc_lightning.kernels)
 ROOTS = {REPO / "mhc_lightning": "mhc_lightning", REPO / "kernels": "mhc_lightning.kernels"}
@@ -138,7 +138,7 @@ def external_imports(path: Path) -> set[str]:
     return out - {"__future__"}
 
 
-@pytest.mark.parametrize(
+@fast_first(
     "package, allowed_inside, allowed_outside",
     [
         # the model: plain nn.Modules over the kernels, usable without Lightning, MLflow or the rest of the package

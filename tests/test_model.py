@@ -4,13 +4,15 @@ training."""
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import make_text
+from helpers import fast_first, make_text
 
 from mhc_lightning.kernels import reference
 from mhc_lightning.kernels.reference import gain_report
-from mhc_lightning.model import GPT, GPTConfig, HyperConfig
+from mhc_lightning.model import GPT, GPTConfig, HyperConfig, exact_init
+from mhc_lightning.model.modes import MODES as SPECS
+from mhc_lightning.model.modes import RESIDUAL_MODES
 
-MODES = ["residual", "hc", "mhc", "identity", "mhc_lite", "kromhc"]
+MODES = list(RESIDUAL_MODES)
 
 
 def tiny(mode="mhc", n_layers=2, d_model=32, **hyper) -> GPTConfig:
@@ -43,7 +45,7 @@ def final_hidden(m: GPT, idx: torch.Tensor) -> torch.Tensor:
     return seen["x"]
 
 
-@pytest.mark.parametrize("mode", MODES)
+@fast_first("mode", MODES)
 def test_shapes(mode):
     m = GPT(tiny(mode))
     idx = text_batch()[:, :-1]
@@ -53,7 +55,7 @@ def test_shapes(mode):
         m(torch.zeros(1, 33, dtype=torch.long))
 
 
-@pytest.mark.parametrize("mode", MODES)
+@fast_first("mode", MODES)
 def test_causality(mode):
     torch.manual_seed(0)
     m = GPT(tiny(mode, phi_init="normal", bias_init="hc_identity"))
@@ -131,7 +133,7 @@ def test_recorded_mhc_coefficients():
     assert "logit_range" not in ident.recorded()
 
 
-@pytest.mark.parametrize("chain", [False, True])
+@fast_first("chain", [False, True])
 def test_recorded_logit_range_is_the_res_logits_range(chain):
     """At init (phi = 0) the res logits are the bias, res_gap * I: every token's range is res_gap, in either wiring.
     With phi moved off zero the range is what the reference computes from the sublayer's input stream."""
@@ -157,7 +159,7 @@ def test_recorded_logit_range_is_the_res_logits_range(chain):
     assert not torch.allclose(m.recorded()["logit_range"][0], torch.full((32,), 5.0))
 
 
-@pytest.mark.parametrize("mode", MODES)
+@fast_first("mode", MODES)
 def test_each_mode_trains(mode):
     torch.manual_seed(0)
     m = GPT(tiny(mode))
@@ -172,6 +174,21 @@ def test_each_mode_trains(mode):
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.7 * losses[0], losses
+
+
+def test_every_mode_spec_names_ops_inits_and_streams_that_exist():
+    """The registry's references resolve, for a new entry too: its enter / exit ops on the reference (and the fused
+    kernels when it claims them), its res init, the n it allows; and its modes are residual_mode's Literal's."""
+    from mhc_lightning.kernels import fused
+
+    assert tuple(SPECS) == RESIDUAL_MODES
+    for spec in SPECS.values():
+        ops = [spec.enter, spec.exit] if spec.multi_stream else []
+        assert all(hasattr(reference, op) and (not spec.fused or hasattr(fused, op)) for op in ops), spec.name
+        assert (spec.res_init is not None) == spec.exact and (not spec.exact or hasattr(exact_init, spec.res_init))
+        assert spec.allowed_streams() is None or all(isinstance(n, int) for n in spec.allowed_streams())
+        assert not spec.chains or (spec.fused and spec.parameters == "phi")
+        assert set(spec.warns) <= set(spec.ignores)
 
 
 def test_config_errors_name_field_and_allowed_values():
@@ -205,7 +222,7 @@ def stream_dtype_seen(m: GPT, idx: torch.Tensor) -> torch.dtype:
     return seen[0], loss.detach()
 
 
-@pytest.mark.parametrize("mode", MODES)
+@fast_first("mode", MODES)
 def test_stream_dtype_follows_autocast(mode):
     torch.manual_seed(0)
     base = GPT(tiny(mode, phi_init="normal", bias_init="hc_identity"))
@@ -226,7 +243,7 @@ def test_stream_dtype_follows_autocast(mode):
         assert stream_dtype_seen(base, idx)[0] == torch.float32
 
 
-@pytest.mark.parametrize("mode", ["residual", "mhc"])
+@fast_first("mode", ["residual", "mhc"])
 def test_explicit_stream_dtype_without_autocast(mode):
     """A bf16 stream with fp32 weights and no autocast: the branches still get their weights' dtype."""
     torch.manual_seed(0)

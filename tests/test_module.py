@@ -8,7 +8,7 @@ import sys
 import lightning as L
 import pytest
 import torch
-from test_callbacks_common import tiny_fit
+from helpers import fast_first, tiny_fit
 
 SYNCS = ("item", "tolist", "__float__", "__int__", "__bool__")
 
@@ -39,12 +39,12 @@ class CountHostReads(L.Callback):
         self.on = False
 
 
-@pytest.mark.parametrize("mode", ["residual", "mhc"])
+@fast_first("mode", ["residual", "mhc"])
 def test_training_steps_read_nothing_back_to_the_host(tiny_corpus, monkeypatch, mode):
     """With no stability callback and no diagnostics due, a step queues its kernels and returns: a read-back
     (the pre-clip grad norm's .item() did it before) makes the host wait for the GPU every step, so the next step's
     launches no longer overlap this step's kernels."""
-    from test_callbacks_common import tiny_module
+    from helpers import tiny_module
 
     counter = CountHostReads(monkeypatch)
     # Lightning makes a plain number passed to self.log into a tensor on the module's device: a blocking copy to
@@ -87,7 +87,7 @@ def test_progress_bar_reads_the_loss_back_every_log_interval(tiny_corpus, monkey
     """With a progress bar, the loss it shows is read back to the host at the first step and then every
     log_every_n_steps steps, and shown as a host number in between; train/loss itself is no progress-bar value
     (Lightning would read it back after every step)."""
-    from test_callbacks_common import tiny_module
+    from helpers import tiny_module
 
     import mhc_lightning.module as module_file
 
@@ -108,7 +108,7 @@ def test_progress_bar_reads_the_loss_back_every_log_interval(tiny_corpus, monkey
     assert bar["loss"] == pytest.approx(float(module.last_loss))
 
 
-@pytest.mark.parametrize(
+@fast_first(
     "mode,graphed",
     [("default", False), ("reduce-overhead", True), ("max-autotune", True), ("max-autotune-no-cudagraphs", False)],
 )
@@ -152,13 +152,13 @@ def _clipped_grads(module, steps_seen: list) -> None:
     module.configure_gradient_clipping = recorded  # Lightning looks the hook up on the instance
 
 
-@pytest.mark.parametrize("clip", [1e-3, 1e6])
+@fast_first("clip", [1e-3, 1e6])
 def test_norm_clipping_reuses_the_logged_norm_and_matches_clip_grad_norm(tiny_corpus, monkeypatch, clip):
     """Norm clipping scales the gradients by clip / (norm + 1e-6) where that is below 1, with the pre-clip norm the
     step already computed for its log: one pass over the gradients (torch's clip_grad_norm_, which would compute the
     norm again, is never called), the same gradients as clip_grad_norm_ gives (float64 reference); a clip above the
     norm leaves them bit for bit."""
-    from test_callbacks_common import tiny_module
+    from helpers import tiny_module
 
     def refused(*a, **k):
         raise AssertionError("clip_grad_norm_ was called")
@@ -179,14 +179,12 @@ def test_norm_clipping_reuses_the_logged_norm_and_matches_clip_grad_norm(tiny_co
             torch.testing.assert_close(g1.double(), g0.double() * coef, rtol=1e-5, atol=1e-12)
 
 
-@pytest.mark.parametrize(
-    "fused,precision", [(True, "bf16-mixed"), (True, "32-true"), (None, "32-true"), (False, "32-true")]
-)
+@fast_first("fused,precision", [(True, "bf16-mixed"), (True, "32-true"), (None, "32-true"), (False, "32-true")])
 def test_optimizer_implementation_follows_model_optim_fused(tiny_corpus, fused, precision):
     """model.optim.fused: true runs torch's fused AdamW (and keeps norm clipping under bf16-mixed, which Lightning's
     mixed-precision plugin refuses for an optimizer that could unscale in its step), false torch's default, null
     (auto) fused on CUDA and the default on a CPU; the clipped step trains either way."""
-    from test_callbacks_common import ACCELERATOR
+    from helpers import ACCELERATOR
 
     from mhc_lightning.model import GPTConfig
     from mhc_lightning.module import LitLM, OptimConfig

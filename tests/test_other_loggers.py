@@ -8,7 +8,7 @@ import json
 
 import pytest
 import yaml
-from helpers import tiny_fit_args
+from helpers import fast_first, tiny_fit_args
 
 
 def fit_with_logger(corpus, tmp_path, class_path: str) -> None:
@@ -20,7 +20,7 @@ def fit_with_logger(corpus, tmp_path, class_path: str) -> None:
     main(args + ["--trainer.logger=" + json.dumps(logger)])
 
 
-@pytest.mark.parametrize(
+@fast_first(
     "class_path",
     [
         "lightning.pytorch.loggers.CSVLogger",

@@ -4,34 +4,18 @@ written."""
 
 from __future__ import annotations
 
-import gzip
 import json
 import re
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import make_text
+from helpers import fast_first, make_text, write_documents
 
 from mhc_lightning.commands import main
 from mhc_lightning.data.prepare import META, in_val
 from mhc_lightning.data.shards import windows
 from mhc_lightning.data.tokenizers import token_dtype
-
-
-def write_documents(folder: Path, n: int = 60, seed: int = 0) -> list[str]:
-    """n documents of generated text as a JSON Lines file, a gzip one and a text file; returns the texts in the order
-    `mhc prepare` reads them (files by name)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    docs = [make_text(200 + 37 * i, seed=seed + i) for i in range(n)]
-    third = n // 3
-    (folder / "a.jsonl").write_text(
-        "".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs[:third]))
-    )
-    with gzip.open(folder / "b.jsonl.gz", "wt") as f:
-        f.writelines(json.dumps({"text": d}) + "\n" for d in docs[third : n - 1])
-    (folder / "c.txt").write_text(docs[-1])
-    return docs
 
 
 def prepare(*args, capsys=None) -> tuple[int, str]:
@@ -111,7 +95,7 @@ def _jsonl(path: Path, lines: list[bytes]) -> Path:
     return path
 
 
-@pytest.mark.parametrize(
+@fast_first(
     "lines, extra, match",
     [
         ([b'{"body": "x"}'], [], r"line 1: no text field 'text' \(it has: body\); pass --text-field"),

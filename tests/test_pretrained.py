@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from test_callbacks_common import tiny_fit
+from helpers import tiny_fit
 
 from mhc_lightning import LitLM, load_pretrained
 from mhc_lightning.commands import main

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import mlflow
 import pytest
-from test_callbacks_common import tiny_fit
+from helpers import tiny_fit
 
 from mhc_lightning import provenance
 from mhc_lightning.callbacks.run_provenance import RunProvenance, weights_digest

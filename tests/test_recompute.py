@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import CONF
+from helpers import CONF, fast_first
 
 from mhc_lightning.model import GPT, GPTConfig, HyperConfig, hyper_connections, recompute
 from mhc_lightning.model.recompute import live_activation_bytes, optimal_block, run_sublayers, saved_tensor_bytes
@@ -50,7 +50,7 @@ def loss_and_grads(m: GPT, idx: torch.Tensor):
     return loss.detach(), {name: p.grad for name, p in m.named_parameters()}
 
 
-@pytest.mark.parametrize("L,expected", [(12, 3), (24, 4), (48, 6), (60, 6)])
+@fast_first("L,expected", [(12, 3), (24, 4), (48, 6), (60, 6)])
 def test_optimal_block_matches_the_worked_table(L, expected):
     assert optimal_block(L, 4) == expected
 
@@ -61,7 +61,7 @@ def test_auto_block_and_residual():
     assert model("residual", block=2).recompute_block == 0  # no mHC ops: nothing to recompute
 
 
-@pytest.mark.parametrize(
+@fast_first(
     "mode,backend",
     [
         ("mhc", "torch"),
@@ -109,7 +109,7 @@ def test_live_bytes_agree_with_saved_tensors_hooks_without_recompute():
     assert saved_bytes(m, idx) == hooked + 4
 
 
-@pytest.mark.parametrize("backend,blocks", [("torch", (2, 3, 6)), ("triton", (6,))])  # the interpreter is slow
+@fast_first("backend,blocks", [("torch", (2, 3, 6)), ("triton", (6,))])  # the interpreter is slow
 def test_recompute_drops_the_stream_inside_each_block(backend, blocks):
     n_layers, C, n = 3, 32, 4
     iters = 4 if backend == "triton" else 20
@@ -181,7 +181,7 @@ def test_recording_is_kept_once(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@fast_first("backend", ["torch", "triton"])
 def test_recompute_under_torch_compile(backend):
     """AOT autograd with the selective-checkpoint tags (aot_eager: the same graphs inductor gets, no C++ build); with
     the fused kernels the boundary op is a custom op inside each checkpointed block, recomputed in the backward."""
@@ -200,7 +200,7 @@ def test_recompute_under_torch_compile(backend):
         torch.testing.assert_close(p.grad, grads0[name], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("mode,backend", [("mhc", "torch"), ("identity", "torch"), ("mhc", "triton")])
+@fast_first("mode,backend", [("mhc", "torch"), ("identity", "torch"), ("mhc", "triton")])
 def test_chain_equals_one_sublayer_at_a_time(mode, backend):
     """run_sublayers chains mHC sublayers through the boundary op; calling each sublayer on its own (its own
     coefficients, input and write-back) is the same function: same output, gradients and recorded coefficients."""
@@ -302,7 +302,7 @@ def test_config_values_and_cli(tmp_path, monkeypatch):
     assert build_cli(base + ["--model.arch.recompute_block=3"], run=False).model.model.recompute_block == 3
 
 
-@pytest.mark.parametrize("mode", ["mhc", "identity", "hc"])
+@fast_first("mode", ["mhc", "identity", "hc"])
 def test_rebuilt_branch_input_same_step_less_memory(mode):
     """HyperConfig.rebuild_branch_input on the reference ops in fp32: the loss and every gradient bitwise those of the
     model that keeps u, and autograd keeps exactly one u per sublayer less (C fp32 values per token). The fused kernels
@@ -322,7 +322,7 @@ def test_rebuilt_branch_input_same_step_less_memory(mode):
         assert saved_bytes(lean, idx) == saved_bytes(base, idx)  # so holding x for a rebuild would cost more: off
 
 
-@pytest.mark.parametrize(
+@fast_first(
     "backend,device",
     [("torch", "cpu"), ("triton", "cpu")] + ([("triton", "cuda")] if torch.cuda.is_available() else []),
 )
@@ -381,7 +381,7 @@ def test_activation_checkpointing_from_outside_is_honoured(backend, device):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("wrapper", ["FullyShardedDataParallel", "fully_shard"])
+@fast_first("wrapper", ["FullyShardedDataParallel", "fully_shard"])
 def test_external_checkpoint_under_fsdp_mixed_precision(wrapper, tmp_path):
     """Under FSDP with a mixed-precision param_dtype (Lightning's FSDPStrategy: bf16 under bf16-mixed) each branch
     computes in bf16 while its parameters, read from outside its forward, show fp32, or none during the backward.

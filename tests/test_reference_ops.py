@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from helpers import fast_first
 from torch.autograd import gradcheck
 
 from mhc_lightning.kernels import MHCOptions, get_ops, reference
@@ -28,7 +29,7 @@ def logits(*shape, scale=3.0, seed=0, dtype=torch.float64):
 # ---- Sinkhorn -------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("start", ["softmax_eps", "exp", "log_domain"])
+@fast_first("start", ["softmax_eps", "exp", "log_domain"])
 def test_rows_exact_after_t_iterations(start):
     h = sinkhorn(logits(500, 4, 4).float(), iters=20, start=start)
     rows, cols = sinkhorn_residuals(h)
@@ -61,8 +62,8 @@ def test_sinkhorn_saturated_logits_stay_finite():
         assert sinkhorn_residuals(h)[0].max() < 1e-5
 
 
-@pytest.mark.parametrize("axis", ["rows", "cols"])
-@pytest.mark.parametrize("start", ["softmax_eps", "exp", "log_domain"])
+@fast_first("axis", ["rows", "cols"])
+@fast_first("start", ["softmax_eps", "exp", "log_domain"])
 def test_sinkhorn_gradcheck_float64(axis, start):
     z = logits(3, 4, 4, scale=1.5).requires_grad_()
     assert gradcheck(lambda t: sinkhorn(t, 20, 1e-6, axis, start), (z,), eps=1e-6, atol=1e-6)

@@ -8,8 +8,7 @@ import json
 import lightning as L
 import mlflow
 import pytest
-from helpers import tiny_fit_args
-from test_callbacks_common import tiny_fit
+from helpers import tiny_fit, tiny_fit_args
 
 
 def test_progress_bar_shows_tokens_per_sec_and_lr(tiny_corpus):

@@ -26,12 +26,9 @@ import optuna
 import psutil
 import pytest
 import requests
-from helpers import derived_spec, make_text, tiny_fit_args
+from helpers import derived_spec, make_text, one_thread, tiny_fit_args, tiny_grid_command
 from mlflow import MlflowClient
-from test_callbacks_common import one_thread
-from test_grid import _tiny_grid
-from test_tracking_server import MlflowServer
-from tracking_servers import free_port, fresh_databases
+from tracking_servers import MlflowServer, free_port, fresh_databases
 
 from mhc_lightning.cli import MHCLightningCLI, build_cli, main
 from mhc_lightning.loggers.credentials import PASSWORD_ENV, USER_ENV, mask, split_credentials, take_credentials
@@ -245,7 +242,7 @@ def test_grid_keeps_the_tracking_password_out_of_outputs_artifacts_and_argv(serv
     """Also the grid runner's own check, on the same runs (a grid costs three processes' start-up): every point
     ran as an `mhc fit` of its own, tagged with its variant, its axes and the grid."""
     first = len(server["seen"])
-    code, out, children = run_watching_children(_tiny_grid(tmp_path, corpus, 4), tmp_path, server["with_secret"])
+    code, out, children = run_watching_children(tiny_grid_command(tmp_path, corpus, 4), tmp_path, server["with_secret"])
     assert code == 0 and "2/2 runs finished" in out, out[-3000:]
     assert SECRET not in out and SECRET not in files_text(tmp_path / "logs")
     check_children(children, 2)

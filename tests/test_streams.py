@@ -3,56 +3,16 @@ learns; an init that keeps the streams identical is refused at start-up and caug
 
 import pytest
 import torch
-import torch.nn.functional as F
-from helpers import make_text
-from test_callbacks_common import tiny_fit, tiny_module
+from helpers import fast_first, quick_model, recorded, text_batches, tiny_fit, tiny_module, train
 
 from mhc_lightning.callbacks import InstabilityDetector, channel_of
 from mhc_lightning.diagnostics import h_res_distances, summarize
-from mhc_lightning.model import GPT, GPTConfig, HyperConfig
+from mhc_lightning.model import HyperConfig
 from mhc_lightning.model.stream_spread import stream_spread
 
 
-def quick_model(mode: str, **hyper) -> GPT:
-    """The quickstart's shape (3 blocks, C = 128, n = 4), on the reference ops."""
-    torch.manual_seed(0)
-    return GPT(
-        GPTConfig(
-            n_layers=3,
-            d_model=128,
-            n_heads=4,
-            context=64,
-            hyper=HyperConfig(residual_mode=mode, kernel_backend="torch", **hyper),
-        )
-    )
-
-
-def text_batches(steps: int, B: int = 8, T: int = 64) -> torch.Tensor:
-    data = torch.tensor(list(make_text(steps * B * (T + 1) + 10, seed=3).encode()), dtype=torch.long)
-    return data[: steps * B * (T + 1)].view(steps, B, T + 1)
-
-
-def recorded(m: GPT, idx: torch.Tensor) -> dict:
-    with m.recording(), torch.no_grad():
-        m(idx)
-    return m.recorded()
-
-
-def train(m: GPT, steps: int = 60, lr: float = 3e-3) -> torch.Tensor:
-    """AdamW on real text; returns a held-out batch for probing."""
-    opt = torch.optim.AdamW(m.parameters(), lr=lr)
-    batches = text_batches(steps + 1)
-    for s in range(steps):
-        x = batches[s]
-        loss = F.cross_entropy(m(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return batches[steps][:, :-1]
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["mhc", "identity"])
+@fast_first("mode", ["mhc", "identity"])
 def test_default_init_parts_the_streams_and_h_res_learns(mode):
     m = quick_model(mode)
     probe = text_batches(1)[0][:, :-1]
@@ -72,7 +32,7 @@ def test_default_init_parts_the_streams_and_h_res_learns(mode):
         assert torch.equal(after["h_res"][0, 0], torch.eye(4))
 
 
-@pytest.mark.parametrize("mode", ["mhc", "identity"])
+@fast_first("mode", ["mhc", "identity"])
 def test_symmetric_init_keeps_the_streams_identical_bit_for_bit(mode):
     """The trap the default avoids: phi = 0 with symmetric biases (run here only with the explicit opt-in)."""
     m = quick_model(mode, bias_init="zeros", allow_identical_streams=True)
@@ -82,8 +42,8 @@ def test_symmetric_init_keeps_the_streams_identical_bit_for_bit(mode):
         assert torch.allclose(rec["h_res"], torch.full_like(rec["h_res"], 0.25), atol=1e-6)
 
 
-@pytest.mark.parametrize("scheme", ["zeros", "near_identity"])
-@pytest.mark.parametrize("mode", ["mhc", "identity"])
+@fast_first("scheme", ["zeros", "near_identity"])
+@fast_first("mode", ["mhc", "identity"])
 def test_identical_stream_configs_are_refused_naming_the_keys(mode, scheme):
     with pytest.raises(
         ValueError,
@@ -128,7 +88,7 @@ def test_sinkhorn_count_changes_h_res_in_the_default_config():
     assert (one.sum(-2) - 1).abs().max() > (twenty.sum(-2) - 1).abs().max()  # more iterations: columns closer
 
 
-@pytest.mark.parametrize(
+@fast_first(
     "scheme,extra,diag",
     [
         ("home", {}, 0.99256),

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import optuna
 import pytest
-from helpers import REPO, derived_spec, make_text, trial_worker_pid, wait_for_running_trial
+from helpers import REPO, derived_spec, fast_first, make_text, trial_worker_pid, wait_for_running_trial
 from mlflow import MlflowClient
 
 from mhc_lightning.sweeps.cli import main as sweep_main
@@ -316,7 +316,7 @@ def test_study_stopped_by_max_failed_continues_after_the_fix(corpus, tmp_path, c
 
 # ---- item 7: sweep-file mistakes found before, or at the first of, the trials ----------------------------------------
 @pytest.mark.slow  # the `mhc fit` parser is built in the launcher: a few seconds
-@pytest.mark.parametrize(
+@fast_first(
     "change, named",
     [
         ({"fixed": {"trainer.max_stepz": 5}}, "trainer.max_stepz"),
@@ -352,7 +352,7 @@ def test_unknown_fit_keys_are_refused_before_any_trial(change, named, corpus, tm
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("metric", ["val/los", "train/tokens_per_secc"])
+@fast_first("metric", ["val/los", "train/tokens_per_secc"])
 def test_an_objective_metric_never_logged_stops_the_sweep_at_the_first_trial(metric, corpus, tmp_path, capsys):
     """val/* metrics are checked at the first validation, others at the end of the first trial: one trial, not
     budget.max_failed + 1 of them, and one line naming the metric."""

@@ -8,7 +8,7 @@ from pathlib import Path
 import optuna
 import pytest
 import yaml
-from helpers import REPO
+from helpers import REPO, fast_first
 
 from mhc_lightning.loggers.store import redact
 from mhc_lightning.sweeps import factories, liveness
@@ -32,7 +32,7 @@ def minimal(**over) -> dict:
     return d
 
 
-@pytest.mark.parametrize("path", SWEEPS, ids=lambda p: p.name)
+@fast_first("path", SWEEPS, ids=lambda p: p.name)
 def test_shipped_sweeps_load(path):
     spec = load_spec(path)
     assert spec.space and spec.objectives and spec.n_trials >= 1
@@ -56,7 +56,7 @@ def test_shipped_sweeps_cover_the_issue_space():
     assert load_spec(REPO / "sweeps" / "loss_vs_amax.yaml").multi_objective
 
 
-@pytest.mark.parametrize(
+@fast_first(
     "over, expected",
     [
         ({"sampler": {"name": "annealing"}}, ["sampler.name", "'annealing'", "tpe", "nsga2"]),
@@ -113,7 +113,7 @@ LR = "model.optim.lr"
 ITERS = "model.arch.hyper.sinkhorn_iters"
 
 
-@pytest.mark.parametrize(
+@fast_first(
     "key, dist, field, says",
     [
         (LR, {"type": "float", "low": 1e-4, "high": 1e-2, "step": 0}, "step", "a number > 0, got 0"),

@@ -10,7 +10,7 @@ the events table, so each one works alone.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional, get_args
 
 from lightning.pytorch.utilities import rank_zero_info
 
@@ -19,7 +19,8 @@ from ..loggers.mlflow_runs import mlflow_loggers
 if TYPE_CHECKING:
     import torch
 
-ACTIONS = ("log", "skip", "rollback", "stop")
+Action = Literal["log", "skip", "rollback", "stop"]
+ACTIONS = get_args(Action)
 _SEVERITY = {a: i for i, a in enumerate(ACTIONS)}  # stop > rollback > skip > log
 EVENTS_ARTIFACT = "stability/events.json"
 

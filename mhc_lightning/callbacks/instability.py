@@ -17,10 +17,11 @@ cannot repair), and the event row says so.
 
 from __future__ import annotations
 
+import inspect
 import math
 import statistics
 from collections import deque
-from typing import Literal, Optional
+from typing import Optional
 
 import numpy as np
 import torch
@@ -29,6 +30,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from .events import (
     ACTIONS,
+    Action,
     StabilityEvent,
     channel_of,
     check_choice,
@@ -39,19 +41,6 @@ from .events import (
     stronger,
 )
 
-Action = Literal["log", "skip", "rollback", "stop"]
-KINDS = (
-    "loss_spike",
-    "grad_explosion",
-    "layer_grad_explosion",
-    "nonfinite_loss",
-    "nonfinite_grad",
-    "nonfinite_param",
-    "amax",
-    "sinkhorn_residual",
-    "amp_overflow",
-    "degenerate_streams",
-)
 _MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation
 
 
@@ -132,6 +121,7 @@ class InstabilityDetector(Callback):
         on_amp_overflow: Action = "log",
         on_degenerate_streams: Action = "log",
     ):
+        given = dict(locals())  # the on_<kind> arguments, read by kind below
         super().__init__()
         me = type(self).__name__
         for name, value in (("loss_window", loss_window), ("grad_window", grad_window)):
@@ -152,18 +142,7 @@ class InstabilityDetector(Callback):
         check_number(me, "degenerate_after", degenerate_after, low=0, integer=True)
         if not isinstance(check_params, bool):
             raise ValueError(f"{me}.check_params must be true or false, got {check_params!r}")
-        self.actions = {
-            "loss_spike": on_loss_spike,
-            "grad_explosion": on_grad_explosion,
-            "layer_grad_explosion": on_layer_grad_explosion,
-            "nonfinite_loss": on_nonfinite_loss,
-            "nonfinite_grad": on_nonfinite_grad,
-            "nonfinite_param": on_nonfinite_param,
-            "amax": on_amax,
-            "sinkhorn_residual": on_sinkhorn_residual,
-            "amp_overflow": on_amp_overflow,
-            "degenerate_streams": on_degenerate_streams,
-        }
+        self.actions = {kind: given[f"on_{kind}"] for kind in KINDS}
         for kind, action in self.actions.items():
             check_choice(me, f"on_{kind}", action, ACTIONS)
         self.loss_z_threshold, self.loss_min_scale = loss_z_threshold, loss_min_scale
@@ -333,11 +312,11 @@ class InstabilityDetector(Callback):
                         f"composite H_res gain fwd {d['amax/composite_fwd_max']:.4g}, "
                         f"bwd {d['amax/composite_bwd_max']:.4g} (worst token)",
                     )
-            is_mhc = (
+            sinkhorn = (
                 getattr(getattr(pl_module, "model", None), "cfg", None) is not None
-                and pl_module.model.cfg.hyper.residual_mode == "mhc"
+                and pl_module.model.cfg.hyper.spec.sinkhorn
             )
-            if self.sinkhorn_residual_bound is not None and is_mhc and "sinkhorn/col_residual_max" in d:
+            if self.sinkhorn_residual_bound is not None and sinkhorn and "sinkhorn/col_residual_max" in d:
                 res = max(d["sinkhorn/row_residual_max"], d["sinkhorn/col_residual_max"])
                 if not res <= self.sinkhorn_residual_bound:
                     add(
@@ -410,3 +389,8 @@ class InstabilityDetector(Callback):
             rank_zero_warn(msg)
             set_tag(trainer, "stability.stop_reason", msg[:4900])
             trainer.should_stop = True
+
+
+# The event kinds, written once: as the detector's on_<kind> arguments (the config keys that set their actions).
+_ARGS = inspect.signature(InstabilityDetector.__init__).parameters
+KINDS = tuple(name.removeprefix("on_") for name in _ARGS if name.startswith("on_"))

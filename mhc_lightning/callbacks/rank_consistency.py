@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal, Optional, get_args
 
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
 from ..distributed import ranks_in_sync, sharded
+
+OnMismatch = Literal["raise", "warn"]
 
 
 class RankConsistencyCheck(Callback):
@@ -24,13 +26,11 @@ class RankConsistencyCheck(Callback):
         dirpath: each rank also writes rank<r>.json there (global_step and digests), for tests and post-mortems.
     """
 
-    def __init__(
-        self, every_n_steps: int = 0, on_mismatch: Literal["raise", "warn"] = "raise", dirpath: Optional[str] = None
-    ):
+    def __init__(self, every_n_steps: int = 0, on_mismatch: OnMismatch = "raise", dirpath: Optional[str] = None):
         super().__init__()
         if not isinstance(every_n_steps, int) or every_n_steps < 0:
             raise ValueError(f"RankConsistencyCheck.every_n_steps must be an integer >= 0, got {every_n_steps!r}")
-        if on_mismatch not in ("raise", "warn"):
+        if on_mismatch not in get_args(OnMismatch):
             raise ValueError(f"RankConsistencyCheck.on_mismatch must be 'raise' or 'warn', got {on_mismatch!r}")
         self.every_n_steps, self.on_mismatch = every_n_steps, on_mismatch
         self.dirpath = Path(dirpath) if dirpath is not None else None

@@ -32,23 +32,12 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
 from ..model import hyper_connections
-from ..model.config import EXACT_MODES
 from .events import channel_of, check_number, log_metrics
+from .instability import KINDS
 
-# Detector / snapshot event kinds that mean "the constraint must tighten".
-TIGHTEN_KINDS = frozenset(
-    {
-        "loss_spike",
-        "grad_explosion",
-        "layer_grad_explosion",
-        "nonfinite_loss",
-        "nonfinite_grad",
-        "nonfinite_param",
-        "amax",
-        "sinkhorn_residual",
-        "rollback",
-    }
-)
+# Detector / snapshot event kinds that mean "the constraint must tighten": all but the two that H_res does not cause
+# (an fp16 overflow, which the GradScaler handles, and streams that stayed identical), and the snapshots' rollback.
+TIGHTEN_KINDS = frozenset(KINDS) - {"amp_overflow", "degenerate_streams"} | {"rollback"}
 
 
 def next_iters(
@@ -151,11 +140,10 @@ class SinkhornScheduler(Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         self._seen_events = 0
         model = getattr(pl_module, "model", None)
-        self._layers = [l for l in hyper_connections(model) if l.mode == "mhc"] if model is not None else []
+        self._layers = [l for l in hyper_connections(model) if l.spec.sinkhorn] if model is not None else []
         if not self._layers:
             self._active = False
-            modes = {l.mode for l in hyper_connections(model)} if model is not None else set()
-            exact = sorted(modes & set(EXACT_MODES))
+            exact = sorted({l.mode for l in hyper_connections(model) if l.spec.exact} if model is not None else ())
             why = (
                 f"residual_mode={exact[0]} makes H_res exactly doubly stochastic without Sinkhorn"
                 if exact

@@ -460,7 +460,7 @@ class GradientSnapshots(Callback):
 
     def _direct_sinkhorn_cooldown(self, pl_module, cooling: bool) -> None:
         """Without a SinkhornScheduler, hold the iterations at the cool-down minimum, then put them back."""
-        layers = [l for l in hyper_connections(pl_module.model) if l.mode == "mhc"]
+        layers = [l for l in hyper_connections(pl_module.model) if l.spec.sinkhorn]
         if cooling and self._sinkhorn_saved is None:
             self._sinkhorn_saved = [l.sinkhorn_iters for l in layers]
             for l in layers:

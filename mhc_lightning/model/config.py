@@ -1,7 +1,7 @@
 """Architecture configuration: plain dataclasses that LightningCLI exposes field by field."""
 
-from dataclasses import dataclass, field, fields
-from typing import Literal, Union
+from dataclasses import dataclass, field
+from typing import Literal, Union, get_args
 
 from ..kernels.options import (
     EXACT_AXES,
@@ -13,26 +13,19 @@ from ..kernels.options import (
     ResLayout,
     SinkhornStart,
 )
-from ..kernels.reference import KROM_STREAMS, LITE_STREAMS
+from .modes import DEFAULT_MODE, ModeSpec, ResidualMode, spec
 
-ResidualMode = Literal["residual", "hc", "mhc", "identity", "mhc_lite", "kromhc"]
-RESIDUAL_MODES = ("residual", "hc", "mhc", "identity", "mhc_lite", "kromhc")
-# H_res exactly doubly stochastic without Sinkhorn (docs/design.md §15); no fused kernels: reference ops only
-EXACT_MODES = ("mhc_lite", "kromhc")
-EXACT_STREAMS = {"mhc_lite": LITE_STREAMS, "kromhc": KROM_STREAMS}
-# coefficients from one projection of the flattened stream through phi (docs/design.md §2)
-PHI_MODES = ("mhc", "identity") + EXACT_MODES
 BiasInit = Literal["home", "zeros", "hc_identity", "a6", "near_identity"]
-BIAS_INITS = ("home", "zeros", "hc_identity", "a6", "near_identity")
+BIAS_INITS = get_args(BiasInit)
 # Inits whose biases treat every stream alike: with phi = 0 the n streams then stay identical for the whole run
 # (docs/design.md §6, "the symmetric trap").
 SYMMETRIC_BIAS_INITS = ("zeros", "near_identity")
 PhiInit = Literal["zeros", "normal", "xavier"]
-PHI_INITS = ("zeros", "normal", "xavier")
+PHI_INITS = get_args(PhiInit)
 Collapse = Literal["sum", "head"]
-COLLAPSES = ("sum", "head")
+COLLAPSES = get_args(Collapse)
 StreamDtype = Literal["auto", "float32", "bfloat16", "float16"]
-STREAM_DTYPES = ("auto", "float32", "bfloat16", "float16")
+STREAM_DTYPES = get_args(StreamDtype)
 
 
 def _one_of(name: str, value, allowed) -> None:
@@ -56,7 +49,7 @@ class HyperConfig:
     n_streams: number of residual streams n (ignored by residual; the paper uses 4).
     """
 
-    residual_mode: ResidualMode = "mhc"
+    residual_mode: ResidualMode = DEFAULT_MODE
     n_streams: int = 4
     sinkhorn_iters: int = 20  # t_max; changed at run time by the scheduler callback
     sinkhorn_eps: float = 1e-6
@@ -91,7 +84,7 @@ class HyperConfig:
     rebuild_branch_input: bool = False
 
     def __post_init__(self) -> None:
-        _one_of("residual_mode", self.residual_mode, RESIDUAL_MODES)
+        spec(self.residual_mode)
         _one_of("chain_sublayers", self.chain_sublayers, (True, False, "auto"))
         _at_least("n_streams", self.n_streams, 1)
         _at_least("sinkhorn_iters", self.sinkhorn_iters, 1)
@@ -106,15 +99,15 @@ class HyperConfig:
         _at_least("res_gap", self.res_gap, 0.0)
         _at_least("pre_gap", self.pre_gap, 0.0)
         _one_of("rebuild_branch_input", self.rebuild_branch_input, (True, False))
-        if self.residual_mode in EXACT_MODES:
-            _one_of(
-                f"n_streams for residual_mode={self.residual_mode}", self.n_streams, EXACT_STREAMS[self.residual_mode]
+        mode = self.spec
+        allowed = mode.allowed_streams()
+        if allowed is not None:
+            _one_of(f"n_streams for residual_mode={mode.name}", self.n_streams, allowed)
+        if not mode.fused and self.kernel_backend == "triton":
+            raise ValueError(
+                f"kernel_backend=triton has no kernels for residual_mode={mode.name} (its "
+                "ops run as torch reference ops); set kernel_backend to one of ['auto', 'torch']"
             )
-            if self.kernel_backend == "triton":
-                raise ValueError(
-                    f"kernel_backend=triton has no kernels for residual_mode={self.residual_mode} (its "
-                    "ops run as torch reference ops); set kernel_backend to one of ['auto', 'torch']"
-                )
         if self.identical_streams and not self.allow_identical_streams:
             raise ValueError(
                 f"bias_init={self.bias_init} with phi_init=zeros keeps all {self.n_streams} streams identical for the "
@@ -124,11 +117,16 @@ class HyperConfig:
             )
 
     @property
+    def spec(self) -> ModeSpec:
+        """What residual_mode is and does (model/modes.py)."""
+        return spec(self.residual_mode)
+
+    @property
     def identical_streams(self) -> bool:
         """True when nothing in the init tells the streams apart, so they stay equal forever (docs/design.md §6):
         a multi-stream mHC / identity-HC / mHC-lite / KromHC with phi = 0 and biases that treat every stream alike."""
         return (
-            self.residual_mode in PHI_MODES
+            self.spec.parameters == "phi"
             and self.n_streams > 1
             and self.phi_init == "zeros"
             and self.bias_init in SYMMETRIC_BIAS_INITS
@@ -138,18 +136,11 @@ class HyperConfig:
     def ops_backend(self) -> KernelBackend:
         """The kernel_backend the sublayers' ops run on: the exact families have no fused kernels, so theirs is always
         the torch reference, whatever kernel_backend says (auto would pick the fused ops on CUDA)."""
-        return "torch" if self.residual_mode in EXACT_MODES else self.kernel_backend
+        return self.kernel_backend if self.spec.fused else "torch"
 
     @property
     def streams(self) -> int:
-        return 1 if self.residual_mode == "residual" else self.n_streams
-
-    def ignored_sinkhorn_keys(self) -> dict[str, object]:
-        """The sinkhorn_* keys set away from their defaults in a mode without Sinkhorn (mhc_lite, kromhc): no-ops."""
-        if self.residual_mode not in EXACT_MODES:
-            return {}
-        names = [f.name for f in fields(self) if f.name.startswith("sinkhorn_")]
-        return {k: getattr(self, k) for k in names if getattr(self, k) != getattr(HyperConfig, k)}
+        return self.n_streams if self.spec.multi_stream else 1
 
 
 @dataclass
@@ -189,7 +180,7 @@ class GPTConfig:
         rb = self.recompute_block
         if rb != "auto" and (isinstance(rb, bool) or not isinstance(rb, int) or rb < 0):
             raise ValueError(f"recompute_block must be 'auto' or an int >= 0 (0 = off), got {rb!r}")
-        if rb != 0 and self.hyper.rebuild_branch_input and self.hyper.residual_mode != "residual":
+        if rb != 0 and self.hyper.rebuild_branch_input and self.hyper.spec.multi_stream:
             raise ValueError(
                 f"recompute_block={rb!r} with hyper.rebuild_branch_input=true is refused: the recompute "
                 "drops the branch's input already; set recompute_block to 0 or rebuild_branch_input to "

@@ -16,7 +16,8 @@ import math
 
 import torch
 
-from ..kernels.reference import exact_res_count
+from ..kernels.reference import factor_count, permutation_count
+from .modes import ModeSpec
 
 # the mHC diagonal gap each scheme of docs/design.md §6 sets (home: res_gap); 0 = uniform J/n, the symmetric start
 SCHEME_GAPS = {"a6": 6.0, "hc_identity": 1.0, "near_identity": 10.0, "zeros": 0.0}
@@ -34,16 +35,23 @@ def lite_gap(n: int, gap: float) -> float:
 
 def krom_logit(n: int, gap: float) -> float:
     """Each KromHC factor's logit, from p = d^(1/K)."""
-    log_p = math.log(mhc_diagonal(n, gap)) / exact_res_count("kromhc", n)
+    log_p = math.log(mhc_diagonal(n, gap)) / factor_count(n)
     return log_p - math.log(-math.expm1(log_p)) if log_p < 0 else math.inf
 
 
-def exact_res_bias(family: str, n: int, scheme: str, res_gap: float) -> torch.Tensor:
-    """The family's res-logit biases [r] for bias_init `scheme` (home: res_gap)."""
+def lite_res_bias(n: int, gap: float) -> torch.Tensor:
+    """mHC-lite's n! res-logit biases: the identity permutation leads the others by `lite_gap`."""
+    out = torch.zeros(permutation_count(n))
+    out[0] = lite_gap(n, gap)  # permutation 0 is the identity (kernels/reference/birkhoff.py)
+    return out
+
+
+def krom_res_bias(n: int, gap: float) -> torch.Tensor:
+    """KromHC's log2 n res-logit biases, all `krom_logit`."""
+    return torch.full((factor_count(n),), krom_logit(n, gap))
+
+
+def exact_res_bias(spec: ModeSpec, n: int, scheme: str, res_gap: float) -> torch.Tensor:
+    """The res-logit biases [r] of exact mode `spec` (its res_init) for bias_init `scheme` (home: res_gap)."""
     gap = res_gap if scheme == "home" else SCHEME_GAPS[scheme]
-    count = exact_res_count(family, n)
-    if family == "mhc_lite":
-        out = torch.zeros(count)
-        out[0] = lite_gap(n, gap)  # permutation 0 is the identity (kernels/reference/birkhoff.py)
-        return out
-    return torch.full((count,), krom_logit(n, gap))
+    return globals()[spec.res_init](n, gap)

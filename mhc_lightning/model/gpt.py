@@ -34,7 +34,7 @@ class GPT(nn.Module):
         self.cfg = cfg
         h, C = cfg.hyper, cfg.d_model
         self.n = h.streams
-        self.multi_stream = h.residual_mode != "residual"
+        self.multi_stream = h.spec.multi_stream
         self.embed = nn.Embedding(cfg.vocab_size, C)
         branches = []
         for _ in range(cfg.n_layers):

@@ -7,7 +7,8 @@ mHC / identity-HC sublayers also run as a chain (`enter`, then `chain` per subla
 `run_sublayers` drives it): at each sublayer boundary one op writes sublayer l's output stream and computes
 sublayer l+1's coefficients and input from it (kernels/reference/boundary.py): one op, and one autograd node, per
 sublayer instead of two (host time; the kernels are the same, docs/kernels.md). `forward` is one sublayer on its own.
-mHC-lite / KromHC sublayers run one at a time on the reference ops (`reference.exact_enter`): no fused kernels.
+mHC-lite / KromHC sublayers run one at a time on the reference ops (`exact_enter`): no fused kernels. What each
+mode learns and which ops it runs is its spec's (model/modes.py).
 """
 
 import math
@@ -19,7 +20,7 @@ import torch.nn as nn
 from ..kernels import MHCOptions, get_ops, reference
 from ..kernels.reference import compute_dtype, in_dtype
 from .branch_input import others_keep_saved_tensors, rebuilt_in_backward
-from .config import BIAS_INITS, EXACT_MODES, PHI_MODES, HyperConfig
+from .config import BIAS_INITS, HyperConfig
 from .exact_init import exact_res_bias
 from .fsdp_dtype import param_compute_dtype
 from .stream_spread import stream_spread
@@ -60,21 +61,20 @@ class HyperConnection(nn.Module):
     def __init__(self, branch: nn.Module, d_model: int, layer_index: int, cfg: HyperConfig):
         super().__init__()
         self.branch, self.cfg, self.layer_index = branch, cfg, layer_index
-        self.mode = cfg.residual_mode
+        self.mode, self.spec = cfg.residual_mode, cfg.spec
         self.sinkhorn_iters = cfg.sinkhorn_iters  # per layer: the scheduler callback changes it at run time
         self.record = False  # when set, keep the first sequence's coefficients for diagnostics
         self.last: Optional[dict[str, torch.Tensor]] = None
         n, home = cfg.streams, layer_index % cfg.streams
-        if self.mode in PHI_MODES:
-            with_res = self.mode == "mhc"
-            bias = mhc_bias_init(cfg.bias_init, n, home, with_res, cfg.res_gap, cfg.pre_gap)
-            if self.mode in EXACT_MODES:  # [pre | post] as mHC's, then the family's own res logits
-                bias = torch.cat([bias, exact_res_bias(self.mode, n, cfg.bias_init, cfg.res_gap)])
+        if self.spec.parameters == "phi":
+            bias = mhc_bias_init(cfg.bias_init, n, home, self.spec.sinkhorn, cfg.res_gap, cfg.pre_gap)
+            if self.spec.exact:  # [pre | post] as mHC's, then the family's own res logits
+                bias = torch.cat([bias, exact_res_bias(self.spec, n, cfg.bias_init, cfg.res_gap)])
             self.phi = nn.Parameter(torch.empty(n * d_model, bias.numel()))
             self.bias = nn.Parameter(bias)
             self.alpha = nn.Parameter(torch.full((3,), cfg.alpha_init))
             self.reset_phi()
-        elif self.mode == "hc":
+        elif self.spec.parameters == "hc":
             # HC paper §2.3: W = 0, s = 0.01, B = 1, A_m = e_{k mod n}, A_r = I -> exactly a pre-norm residual.
             self.norm_weight = nn.Parameter(torch.ones(d_model))
             self.w_beta = nn.Parameter(torch.zeros(d_model))
@@ -97,7 +97,7 @@ class HyperConnection(nn.Module):
     @property
     def chains(self) -> bool:
         """True when this sublayer can run in a chain (mHC / identity-HC: coefficients from phi)."""
-        return self.mode in ("mhc", "identity")
+        return self.spec.chains
 
     def ops(self, device: torch.device):
         """The ops this sublayer runs on (the exact families' are always the reference: HyperConfig.ops_backend)."""
@@ -173,7 +173,7 @@ class HyperConnection(nn.Module):
                 "h_res": None if h_res is None else h_res[:1].detach(),
                 "spread": stream_spread(out[:1].detach()),
             }
-            if self.mode == "mhc" and x_in is not None:
+            if self.spec.sinkhorn and x_in is not None:
                 with torch.no_grad():  # no matmul op: the forward may run inside a selective checkpoint
                     z = reference.mhc_res_logits(
                         x_in[:1].detach(),
@@ -192,55 +192,18 @@ class HyperConnection(nn.Module):
         takes them as they are (host time per op, docs/kernels.md)."""
         lead, C = x.shape[:-2], x.shape[-1]
         ops = self.ops(x.device)
-        xt, u, h_pre, h_post, h_res = ops.mhc_enter(
-            x if x.dim() == 3 else x.reshape(-1, *x.shape[-2:]),
-            self.phi,
-            self.bias,
-            self.alpha,
-            self.options(),
-            self.branch_dtype(),
-        )
+        xt, u, h_pre, h_post, h_res = self.enter_op(ops, x if x.dim() == 3 else x.reshape(-1, *x.shape[-2:]))
         return xt, u.view(*lead, C), h_pre, h_post, h_res
 
-    def chain(self, carry: Carry, nxt: Optional["HyperConnection"]):
-        """Run the branch on the carried input and write its output back into the stream. With a next sublayer, the
-        same op computes that sublayer's coefficients and input (the Carry for `nxt.chain`); without one, returns
-        the stream in the shape `enter` received it."""
-        x, u, h_pre, h_post, h_res = carry
-        lead, C = u.shape[:-1], u.shape[-1]
-        ops = self.ops(u.device)
-        f = self.run_branch(u, x, h_pre).reshape(-1, C)
-        if nxt is None:
-            out = ops.stream_post_res(x, f, h_post, h_res)
-            self.remember(h_pre, h_post, h_res, out, lead, x)
-            return out.view(*lead, *out.shape[-2:])
-        x_next, u_next, *coefs = ops.mhc_boundary(
-            x, f, h_post, h_res, nxt.phi, nxt.bias, nxt.alpha, nxt.options(), nxt.branch_dtype()
-        )
-        self.remember(h_pre, h_post, h_res, x_next, lead, x)
-        return (x_next, u_next.view(*lead, C), *coefs)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.mode == "residual":
-            return x + self.run_branch(x).to(x.dtype)  # the stream keeps its dtype (the mHC ops do the same)
-        # The ops run on the flat stream [tokens, n, C] and the branch on [..., C]: four views per sublayer, where
-        # each op reshaping its inputs and outputs took about a dozen (host time in the eager step, docs/kernels.md)
-        lead, (n, C) = x.shape[:-2], x.shape[-2:]
-        flat = x if x.dim() == 3 else x.reshape(-1, n, C)
-        ops = self.ops(x.device)
-        if self.chains:
-            xt, u, h_pre, h_post, h_res = ops.mhc_enter(
-                flat, self.phi, self.bias, self.alpha, self.options(), self.branch_dtype()
-            )
-        elif self.mode in EXACT_MODES:
-            xt, u, h_pre, h_post, h_res = reference.exact_enter(
-                flat, self.phi, self.bias, self.alpha, self.mode, self.options(), self.branch_dtype()
-            )
-        else:
+    def enter_op(self, ops, x: torch.Tensor) -> tuple:
+        """The spec's enter op on the flat stream x [tokens, n, C] with this sublayer's parameters: (the stream its
+        write-back reads, u, h_pre, h_post, h_res)."""
+        enter = getattr(ops, self.spec.enter)
+        if self.spec.parameters == "hc":
             c = self.cfg
             # x' (the stream the write-back reads) comes out of the same op, so x's gradients meet in its x pass
-            xt, u, h_pre, h_post, h_res = ops.hc_enter(
-                flat,
+            return enter(
+                x,
                 self.norm_weight,
                 self.w_beta,
                 self.w_m,
@@ -254,14 +217,44 @@ class HyperConnection(nn.Module):
                 use_tanh=c.hc_tanh,
                 u_dtype=self.branch_dtype(),
             )
+        family = (self.mode,) if self.spec.exact else ()  # the exact ops take the family's name
+        return enter(x, self.phi, self.bias, self.alpha, *family, self.options(), self.branch_dtype())
+
+    def chain(self, carry: Carry, nxt: Optional["HyperConnection"]):
+        """Run the branch on the carried input and write its output back into the stream. With a next sublayer, the
+        same op computes that sublayer's coefficients and input (the Carry for `nxt.chain`); without one, returns
+        the stream in the shape `enter` received it."""
+        x, u, h_pre, h_post, h_res = carry
+        lead, C = u.shape[:-1], u.shape[-1]
+        ops = self.ops(u.device)
+        f = self.run_branch(u, x, h_pre).reshape(-1, C)
+        if nxt is None:
+            out = getattr(ops, self.spec.exit)(x, f, h_post, h_res)
+            self.remember(h_pre, h_post, h_res, out, lead, x)
+            return out.view(*lead, *out.shape[-2:])
+        x_next, u_next, *coefs = ops.mhc_boundary(
+            x, f, h_post, h_res, nxt.phi, nxt.bias, nxt.alpha, nxt.options(), nxt.branch_dtype()
+        )
+        self.remember(h_pre, h_post, h_res, x_next, lead, x)
+        return (x_next, u_next.view(*lead, C), *coefs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.spec.multi_stream:
+            return x + self.run_branch(x).to(x.dtype)  # the stream keeps its dtype (the mHC ops do the same)
+        # The ops run on the flat stream [tokens, n, C] and the branch on [..., C]: four views per sublayer, where
+        # each op reshaping its inputs and outputs took about a dozen (host time in the eager step, docs/kernels.md)
+        lead, (n, C) = x.shape[:-2], x.shape[-2:]
+        flat = x if x.dim() == 3 else x.reshape(-1, n, C)
+        ops = self.ops(x.device)
+        xt, u, h_pre, h_post, h_res = self.enter_op(ops, flat)
         f = self.run_branch(u.view(*lead, C), xt, h_pre)
-        out = ops.stream_post_res(xt, f.view(-1, C), h_post, h_res)
+        out = getattr(ops, self.spec.exit)(xt, f.view(-1, C), h_post, h_res)
         self.remember(h_pre, h_post, h_res, out, lead, flat)
         return out.view(*lead, n, C)
 
     def extra_repr(self) -> str:
         out = f"mode={self.mode}, layer={self.layer_index}, n={self.cfg.streams}"
-        return out + (f", sinkhorn_iters={self.sinkhorn_iters}" if self.mode == "mhc" else "")
+        return out + (f", sinkhorn_iters={self.sinkhorn_iters}" if self.spec.sinkhorn else "")
 
 
 def hyper_connections(module: nn.Module) -> list[HyperConnection]:

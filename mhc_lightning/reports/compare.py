@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from ..model.modes import MODES
 from . import plots
 from .runs import (
     COMPARISON_TAG,
@@ -104,8 +105,9 @@ def layers_caption(shown: list[RunData], have: list[RunData]) -> str:
     def why(d: RunData) -> str:
         if d.evaluation:
             return f"{d.stage} run: no training steps"
-        if d.config().get(MODE_KEY) == "residual":
-            return "residual: one stream, no H_res"
+        mode = MODES.get(d.config().get(MODE_KEY))
+        if mode is not None and not mode.multi_stream:
+            return f"{mode.name}: one stream, no H_res"
         return "no per-layer diagnostics logged"
 
     missing = [f"{d.label} ({why(d)})" for d in shown if d not in have]

@@ -19,20 +19,14 @@ from ..errors import UserError
 from ..loggers.filters import equals
 from ..loggers.param_names import cli_name, internal
 from ..loggers.tags import STAGE_TAG
+from ..model.modes import MODES
 
 # The settings a run ran with are its params, under their `mhc fit` names (loggers/param_names.py maps the names of
 # older stores); a sweep trial's values also as trial.<key>. The bytes trained on are a tag: one corpus name can hold
 # other text.
 DATA_DIGEST = ("data.train_sha256", "mhc.data.train_sha256", 12)  # (column, tag, characters shown)
-SINKHORN = ("model.arch.hyper.sinkhorn_",)
 # Settings a mode does not read (Sinkhorn for HC, streams for the residual): shown blank, since a value would mislead.
-UNUSED_BY_MODE = {
-    "residual": SINKHORN + ("model.arch.hyper.n_streams", "model.arch.hyper.alpha_init", "model.arch.hyper.bias_init"),
-    "hc": SINKHORN + ("model.arch.hyper.bias_init",),
-    "identity": SINKHORN,
-    "mhc_lite": SINKHORN,
-    "kromhc": SINKHORN,
-}
+UNUSED_BY_MODE = {name: tuple(f"model.arch.hyper.{k}" for k in spec.ignores) for name, spec in MODES.items()}
 MODE_KEY = "model.arch.hyper.residual_mode"
 SEED_KEY = "seed_everything"
 FINAL_LOSSES = ("val/loss", "val/bpb")

@@ -14,6 +14,7 @@ import yaml
 CALLBACK_PREFIX = "callbacks."  # space keys "callbacks.<Class>.<init arg>" become a trial callback
 CLI_ROOTS = ("model.", "data.", "trainer.", "seed_everything", "optimizer", "lr_scheduler", "ckpt_path")
 Problem = Optional[Union[str, tuple[str, str]]]
+SINKHORN_KEY = "sinkhorn_"  # the HyperConfig fields sinkhorn_*, and the SinkhornScheduler's arguments
 
 
 def cli_key_problem(key) -> Problem:
@@ -28,7 +29,7 @@ def cli_key_problem(key) -> Problem:
 def sinkhorn_key_problem(params: list, fixed: dict[str, Any], base: list[Path]) -> Problem:
     """A Sinkhorn dimension (model.arch.hyper.sinkhorn_*, the SinkhornScheduler's arguments) that a trial of an
     exactly doubly stochastic mode would sample: those modes have no Sinkhorn, so the dimension would be noise."""
-    from ..model.config import EXACT_MODES
+    from ..model.modes import warning_modes
 
     key = "model.arch.hyper.residual_mode"
     swept = next((p for p in params if p.key == key), None)
@@ -37,7 +38,7 @@ def sinkhorn_key_problem(params: list, fixed: dict[str, Any], base: list[Path]) 
         if not p.key.startswith(("model.arch.hyper.sinkhorn_", f"{CALLBACK_PREFIX}SinkhornScheduler.")):
             continue
         reach = p.when.get(key, swept.choices) if swept is not None else [mode]
-        exact = [m for m in reach if m in EXACT_MODES]
+        exact = [m for m in reach if m in warning_modes(SINKHORN_KEY)]
         if exact:
             return p.key, (
                 f"residual_mode {exact} has no Sinkhorn (H_res exactly doubly stochastic): sample it only "
@@ -48,7 +49,9 @@ def sinkhorn_key_problem(params: list, fixed: dict[str, Any], base: list[Path]) 
 
 def base_residual_mode(base: list[Path]) -> str:
     """model.arch.hyper.residual_mode as the base configs set it (the last one that does wins), else the default."""
-    mode = "mhc"
+    from ..model.modes import DEFAULT_MODE
+
+    mode = DEFAULT_MODE
     for path in base:
         cfg = yaml.safe_load(path.read_text())
         for part in ("model", "arch", "hyper"):
