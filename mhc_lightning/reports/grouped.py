@@ -246,7 +246,11 @@ def tables(groups, keys):
 
 
 def _no_verdict(pairs: list[list], sides: list[list[RunData]], metric: str) -> str:
-    """Why a difference has no interval: a side with one seed (its replicate spread shown instead), or too few."""
+    """Why a difference has no interval: a side without the metric (the residual has no Amax), a side with one seed
+    (its replicate spread shown instead), or too few seeds."""
+    for side, ps, rs in zip(("group", "baseline"), pairs, sides):
+        if rs and not ps:
+            return f"{side} has no {metric}"
     for side, ps, rs in zip(("group", "baseline"), pairs, sides):
         if one_seed(ps):
             sd = replicate_sd(rs, metric)
