@@ -292,3 +292,28 @@ def test_amax_plot_keeps_the_default_colours_in_another_style(tmp_path):
     with plt.style.context("ggplot"):
         path = plots.save(plots.amax_vs_layer(series), tmp_path / "amax.png")
     assert colour_pixels(path, TAB[0]) > 300 and colour_pixels(path, TAB[1]) > 300
+
+
+def test_the_h_res_heatmap_shows_a_small_deviation_from_the_identity(tmp_path):
+    """mHC's H_res stays within ≈ 0.02 of I: on a ±1 scale it looked like step 0. The H_l − I rows get a scale fitted
+    to their range, symmetric-log beside an HC run whose H_res moves by units; the composites keep theirs."""
+    from mhc_lightning.reports import plots
+
+    n, layers = 4, 3
+    rng = np.random.default_rng(0)
+    near = [np.eye(n) + 0.02 * (rng.random((n, n)) - 0.5) for _ in range(layers)]
+    far = [np.eye(n) + 3.0 * (rng.random((n, n)) - 0.5) for _ in range(layers)]
+
+    def contrast(fig, run, row):  # colour distance between 0 and +0.01 in one row's first matrix
+        im = fig.axes[(run * 2 + row) * layers].images[0]
+        zero, small = (np.array(im.cmap(im.norm(v))[:3]) for v in (0.0, 0.01))
+        return float(np.abs(zero - small).max())
+
+    alone = plots.h_res_heatmaps([("mhc", [m.tolist() for m in near])])
+    assert contrast(alone, 0, 0) > 0.3  # ±1 symmetric-log: 0.01 was 0.005 of the colour range
+    assert "largest |H_l − I| entry: 0.0" in alone.texts[0].get_text()
+    both = plots.h_res_heatmaps([("mhc", [m.tolist() for m in near]), ("hc", [m.tolist() for m in far])])
+    assert contrast(both, 0, 0) > 0.15 and contrast(both, 1, 0) > 0.15  # one scale for both runs' H_l − I
+    composite = both.axes[1 * layers].images[0].norm
+    assert composite.vmax >= 1.0 and composite.vmin <= -1.0  # P_l: linear within ±1, log beyond
+    plots.save(both, tmp_path / "h_res.png")

@@ -120,3 +120,39 @@ def test_a_fit_without_its_progress_bar_reports_each_validation_and_no_noise(tin
     assert "litlogger" not in both and "LeafSpec" not in both, both[-3000:]
     # the debug preset's 4 steps are all warm-up (base.yaml: 30 steps), said once before the run
     assert res.stderr.count("mhc fit: warning: model.optim.warmup_steps=30 >= trainer.max_steps=4: ") == 1
+
+
+def test_a_resumed_fit_s_progress_bar_has_its_total_and_eta(tmp_path):
+    """Lightning skips on_train_epoch_start when it resumes mid-epoch, where its bar learns its total: the resumed
+    bar had neither total nor ETA. It counts from the batch it resumed at, to the step budget."""
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback, TQDMProgressBar
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from mhc_lightning.callbacks.progress_lines import ProgressLines
+
+    seen = []
+
+    class Seen(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            bar = trainer.progress_bar_callback.train_progress_bar
+            seen.append((bar.n, bar.total, bar.initial, "<" in str(bar)))  # "<" leads tqdm's time left
+
+    def fit(steps, ckpt=None):
+        trainer = L.Trainer(
+            max_steps=steps,
+            default_root_dir=tmp_path,
+            callbacks=[TQDMProgressBar(), ProgressLines(), Seen()],
+            logger=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            accelerator="cpu",
+        )
+        trainer.fit(BoringModel(), ckpt_path=ckpt)
+        return trainer
+
+    fit(3)
+    seen.clear()
+    fit(6, ckpt=str(next(tmp_path.rglob("*.ckpt"))))
+    assert [(n, total, initial) for n, total, initial, _ in seen] == [(4, 6, 3), (5, 6, 3), (6, 6, 3)]
+    assert all(eta for *_, eta in seen)

@@ -123,3 +123,28 @@ def test_nats_per_token_are_not_compared_across_tokenizers(mlflow_uri, tmp_path,
     code = main(["--experiment", "tok", "--group-by", mode, "--tracking-uri", mlflow_uri, "--out", str(tmp_path / "x"),
                  "--baseline", "residual", "--metric", "val_loss"], prog="mhc report")  # fmt: skip
     assert code == 2 and "val_loss is nats per token of each one's tokens" in capsys.readouterr().err
+
+
+def test_a_group_of_one_run_shows_its_value_and_each_report_has_its_own_folder(mlflow_uri, tmp_path, monkeypatch):
+    """One mHC run beside two residual runs: its cells are its values, not "± 0.0000"; a comparison of a metric the
+    runs lack says so. Without --out, `mhc report` and `mhc compare` of one experiment write into folders of their own
+    under reports/."""
+    client = mlflow.MlflowClient(mlflow_uri)
+    exp = client.create_experiment("one")
+    mode = "model.arch.hyper.residual_mode"
+    for seed in (1, 2):
+        _run(client, exp, f"res-{seed}", {mode: "residual", "seed_everything": seed}, 2.2 + 0.01 * seed)
+    _run(client, exp, "mhc-1", {mode: "mhc", "seed_everything": 1}, 2.15)
+    monkeypatch.chdir(tmp_path)
+    amax = ["--baseline", "residual", "--metric", "amax_bwd_peak"]
+    assert (
+        main(["--experiment", "one", "--group-by", mode, "--tracking-uri", mlflow_uri, *amax], prog="mhc report") == 0
+    )
+    assert main(["--experiment", "one", "--tracking-uri", mlflow_uri, "--no-log"]) == 0
+    grouped = tmp_path / "reports" / "one" / f"by_{mode}"
+    groups = {r[mode]: r for r in md_table(grouped / "groups.md")}
+    assert groups["mhc"]["val bits/byte"] == "2.1500" and groups["residual"]["val bits/byte"].startswith("2.2150 ± ")
+    assert "±" not in "".join(groups["mhc"].values())
+    (row,) = md_table(grouped / "vs_residual.md")
+    assert row["verdict"] == "no verdict" and row["test"] == "group has no amax_bwd_peak"
+    assert (tmp_path / "reports" / "one" / "runs.md").is_file() and not (tmp_path / "reports" / "grouped").exists()

@@ -3,6 +3,8 @@ Optuna plots, resuming, and `mhc compare` on the sweep's runs."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import shutil
 from pathlib import Path
 
@@ -43,12 +45,22 @@ def sweep(tmp_path_factory, _mlflow_template):
     ]
     mp = pytest.MonkeyPatch()
     mp.chdir(root)  # MLflow's sqlite store puts artifacts under ./mlruns
+    out = io.StringIO()
     try:
-        code = sweep_main(argv)
+        with contextlib.redirect_stdout(out):
+            code = sweep_main(argv)
     finally:
         mp.undo()
     storage = f"sqlite:///{root / 'sweeps.db'}"  # the default: beside the MLflow store
-    return {"root": root, "uri": uri, "storage": storage, "argv": argv, "code": code, "corpus": corpus}
+    return {
+        "root": root,
+        "uri": uri,
+        "storage": storage,
+        "argv": argv,
+        "code": code,
+        "corpus": corpus,
+        "stdout": out.getvalue(),
+    }
 
 
 def _children(client, study="smoke"):
@@ -107,6 +119,15 @@ def check_records(sweep):
     assert {"best_trial.json", "trials.csv", "sweep.yaml"} <= {
         a.path for a in client.list_artifacts(parent.info.run_id)
     }
+
+    # every line about a trial says which trial it is: the worker's, and the fit's own progress lines
+    lines = sweep["stdout"].splitlines()
+    for t in study.trials:
+        assert any(ln.startswith(f"[worker 0.0, trial {t.number}] started: ") for ln in lines), sweep["stdout"]
+        end = "complete: val/loss " if t.state == S.COMPLETE else "pruned at step 2"
+        assert any(ln.startswith(f"[worker 0.0, trial {t.number}] {end}") for ln in lines), sweep["stdout"]
+    assert any(ln.startswith("[mhc fit, trial 0] step 2/") for ln in lines), sweep["stdout"]
+    assert not any(ln.startswith("[mhc fit] ") for ln in lines), sweep["stdout"]
 
     # the trial is what `mhc fit` would run: its command line is the base configs plus the trial's values
     cmd = Path(client.download_artifacts(by_trial[0].info.run_id, "trial_command.txt", str(sweep["root"]))).read_text()

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerates docs/results.md, docs/results/{init_study,long_runs,replicates}.md with `mhc compare` from the
+# Regenerates docs/results.md, docs/results/{amax_vs_mhc,init_study,long_runs,replicates}.md with `mhc compare` from the
 # committed MLflow stores (SQLite, gzipped) and their per-layer diagnostics artifacts, served by a local mlflow server
 # (the stores' artifact URIs are mlflow-artifacts:/..., as on the GPU machine that wrote them).
 #   bash docs/results/regenerate.sh            # from the repository root, with the venv of README's first command
@@ -27,6 +27,9 @@ serve() {  # serve <store name> <port>: unpack docs/results/<name>_{mlflow.db.gz
 serve stability 5077
 "$bin/mhc" compare --experiment stability --group-by variant,model.arch.n_layers --baseline residual \
   --tracking-uri http://127.0.0.1:5077 --out docs/results --report docs/results.md --notes docs/results_notes.md --context docs/results/context.txt
+"$bin/mhc" compare --experiment stability --group-by variant,model.arch.n_layers --baseline mhc --metric amax_bwd_peak \
+  --tracking-uri http://127.0.0.1:5077 --out docs/results/amax_vs_mhc --report docs/results/amax_vs_mhc.md \
+  --context docs/results/context.txt
 "$bin/mhc" compare --experiment stability-long --group-by variant,model.arch.n_layers \
   --tracking-uri http://127.0.0.1:5077 --out docs/results/long_runs --report docs/results/long_runs.md \
   --context docs/results/context.txt

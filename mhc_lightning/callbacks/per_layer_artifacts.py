@@ -2,10 +2,10 @@
 
 Three files per validation, named after the step the values were recorded at (LitLM.last_diagnostics_step), not the
 step of the validation: `diagnostics/per_layer_step<step>.json` (what `mhc compare` reads back), the Amax-vs-layer
-figure `diagnostics/amax_per_layer_step<step>.png` and the heatmaps of every sublayer's n x n H_res (token mean) and
-of their composite products, `diagnostics/h_res_step<step>.png`. The module only keeps the values
-(LitLM.last_per_layer); this callback writes and draws them, so that training imports no plotting. `mhc
-fit|validate|test` install it by default (cli.build_cli), as FinalValidation.
+figure `diagnostics/amax_per_layer_step<step>.png` and the heatmaps of every sublayer's n x n H_res − I (token mean,
+on a colour scale fitted to its range) and of the composite products, `diagnostics/h_res_step<step>.png`. The
+module only keeps the values (LitLM.last_per_layer); this callback writes and draws them, so that training imports no
+plotting. `mhc fit|validate|test` install it by default (cli.build_cli), as FinalValidation.
 """
 
 from lightning.pytorch.callbacks import Callback

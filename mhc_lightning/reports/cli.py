@@ -50,7 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--tracking-uri",
         help="sqlite:///abs/mlflow.db or http://host:5000 (default: $MLFLOW_TRACKING_URI, else ./mlflow.db)",
     )
-    p.add_argument("--out", help="output folder (default: reports/<experiment|study|runs>)")
+    p.add_argument(
+        "--out",
+        help="output folder (default, one per report: reports/<experiment>, reports/study_<study>, with --group-by "
+        "reports/<experiment>/by_<keys>, with --runs reports/runs_<ids>)",
+    )
     p.add_argument("--top", type=int, default=12, help="runs drawn in the plots (best by val/loss); the table has all")
     p.add_argument(
         "--include-eval",
@@ -85,6 +89,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def default_out(args) -> Path:
+    """Each report its own folder, so that one report never overwrites another's tables and plots."""
+    from ..names import file_name
+
+    if args.group_by:
+        return Path("reports") / file_name(args.experiment) / file_name(f"by_{args.group_by}")
+    if args.runs:
+        more = f"_and_{len(args.runs) - 3}_more" if len(args.runs) > 3 else ""
+        return Path("reports") / file_name("runs_" + "_".join(r[:8] for r in args.runs[:3]) + more)
+    # a sweep's experiment is named after its study by default: the two reports must not share a folder
+    return Path("reports") / file_name(args.experiment if args.experiment else f"study_{args.study}")
+
+
 def grouped_command(args, uri: str) -> list[str]:
     """The canonical `mhc compare` arguments of a grouped report, as its header quotes them."""
     cmd = ["--experiment", args.experiment, "--group-by", args.group_by, "--tracking-uri", uri]
@@ -109,7 +126,7 @@ def grouped_command(args, uri: str) -> list[str]:
 def _grouped(args, uri: str) -> int:
     from .grouped import report
 
-    out = Path(args.out or "reports/grouped")
+    out = Path(args.out) if args.out else default_out(args)
     res = report(
         uri,
         args.experiment,
@@ -141,7 +158,7 @@ def _grouped(args, uri: str) -> int:
 def _compare(args, uri: str) -> int:
     from .compare import compare
 
-    out = args.out or str(Path("reports") / (args.experiment or args.study or "runs"))
+    out = args.out or str(default_out(args))
     res = compare(
         uri, out, args.experiment, args.study, args.runs, not args.no_log, args.top, args.log_run_id, args.include_eval
     )

@@ -3,8 +3,8 @@
 Writes runs.md and runs.csv (every setting, in `mhc fit` spelling, whose value differs between the runs, and final
 metrics, best val/loss first) and six PNGs: val_loss.png and
 train_loss.png (curves), amax_vs_layer.png (composite Amax gain per layer, from the runs' last
-diagnostics/per_layer_step*.json), h_res.png (each run's n x n H_res per sublayer and their composite products, side
-by side, from the same files), grad_norm.png (curves) and tokens_per_sec.png (median per run). They are logged to
+diagnostics/per_layer_step*.json), h_res.png (each run's n x n H_res − I per sublayer and the composite products,
+side by side, from the same files), grad_norm.png (curves) and tokens_per_sec.png (median per run). They are logged to
 MLflow too: into the study's parent run for --study, else into a new "compare-..." run in the experiment of the
 first run (--no-log to skip).
 """

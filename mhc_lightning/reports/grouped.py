@@ -211,8 +211,9 @@ def replicate_sd(runs: list[RunData], metric: str = "val_bpb") -> float:
 
 
 def tables(groups, keys):
-    """(numbers: mean and std columns, for the CSV; text: 'mean ± std' cells under readable headers, for markdown).
-    Runs are counted by outcome; means are over the finished runs."""
+    """(numbers: mean and std columns, for the CSV; text: 'mean ± std' cells under readable headers, for markdown;
+    a group of one finished run shows its value, std blank). Runs are counted by outcome; means are over the finished
+    runs."""
     records, cells = [], []
     finished = {gk: only({gk: runs}, ("finished",)).get(gk, []) for gk, runs in groups.items()}
     replicated = any(len({seed_of(d) for d in runs}) < len(runs) for runs in finished.values())
@@ -234,16 +235,22 @@ def tables(groups, keys):
                 "–" if math.isnan(rec["replicate_sd"]) else (f"{rec['replicate_sd']:.4f}")
             )
         for key, header, f in COLUMNS:
-            m, s = mean_std([x[key] for x in sums])
-            rec[key], rec[key + "_std"] = m, s
-            row[header] = "–" if math.isnan(m) else f"{f.format(m)} ± {f.format(s)}"
+            vals = [x[key] for x in sums if not math.isnan(x[key])]
+            m, s = mean_std(vals)
+            alone = len(vals) == 1  # one run has no spread: its value, not "± 0"
+            rec[key], rec[key + "_std"] = m, math.nan if alone else s
+            row[header] = "–" if math.isnan(m) else (f.format(m) if alone else f"{f.format(m)} ± {f.format(s)}")
         records.append(rec)
         cells.append(row)
     return frame(records), frame(cells)
 
 
 def _no_verdict(pairs: list[list], sides: list[list[RunData]], metric: str) -> str:
-    """Why a difference has no interval: a side with one seed (its replicate spread shown instead), or too few."""
+    """Why a difference has no interval: a side without the metric (the residual has no Amax), a side with one seed
+    (its replicate spread shown instead), or too few seeds."""
+    for side, ps, rs in zip(("group", "baseline"), pairs, sides):
+        if rs and not ps:
+            return f"{side} has no {metric}"
     for side, ps, rs in zip(("group", "baseline"), pairs, sides):
         if one_seed(ps):
             sd = replicate_sd(rs, metric)
@@ -415,7 +422,7 @@ def report(
     if not allow_mixed_code:
         check_one_code(groups)
     numbers, text = tables(groups, keys)
-    md_path, _ = write_table(numbers, out, "groups", md_df=text)
+    md_path, _ = write_table(numbers, out, "groups", md_df=text, formatter=str)
     figures, lr_path, best_path = {}, None, None
     compared, compared_keys = groups, keys
     if sensitivity.LR_KEY in keys:  # an lr scan: compare each variant at its own best lr
@@ -428,7 +435,7 @@ def report(
         compared, compared_keys = sensitivity.at_best_lr(counted, keys, value)
         if compared:
             best_numbers, best_text = tables(compared, compared_keys)
-            best_path, _ = write_table(best_numbers, out, "at_best_lr", md_df=best_text)
+            best_path, _ = write_table(best_numbers, out, "at_best_lr", md_df=best_text, formatter=str)
     diff_path = None
     if baseline is not None:
         diff_path, _ = write_table(
@@ -446,7 +453,8 @@ def report(
         if context and context.exists():
             parts.append("Context:\n\n" + "".join(f"    {line}\n" for line in context.read_text().splitlines()) + "\n")
         parts.append(
-            f"{said[0]} Grouped by {', '.join(keys)}; mean ± std over the finished runs of each group. "
+            f"{said[0]} Grouped by {', '.join(keys)}; mean ± std over the finished runs of each group (a "
+            "group of one run: its value alone). "
             f"{seed_note(data, groups)}\n\n" + md_path.read_text() + "".join(f"\n{line}\n" for line in said[1:])
         )
         if lr_path is not None:

@@ -103,30 +103,60 @@ def composite_of(h_res_tokmean: Sequence) -> list:
     return composite_products(torch.tensor(h_res_tokmean, dtype=torch.float64)).tolist()
 
 
+def _deviation_norm(devs):
+    """The colour scale of the H_l − I rows, fitted to their range: linear over ±(largest deviation); symmetric-log
+    when the runs' deviations span more than a decade (HC beside mHC), linear within the smallest run's, so that
+    mHC's ≈ 0.02 is not one flat colour beside HC's units."""
+    from matplotlib.colors import Normalize, SymLogNorm
+
+    tops = [d for d in devs if d > 0]
+    if not tops:
+        return Normalize(-1.0, 1.0)  # every H_l is I (identity-HC): nothing to fit
+    lo, hi = min(tops), max(tops)
+    if hi / lo > 10:
+        return SymLogNorm(linthresh=lo, vmin=-hi, vmax=hi)
+    return Normalize(-hi, hi)
+
+
 def h_res_heatmaps(series: Sequence[tuple[str, Sequence]], title: str = "", note: str = ""):
-    """Every sublayer's n x n mixing matrix as a heatmap, two rows per series (a run): the token-mean H_l, and the
-    composite P_l = H_{L-1} ... H_l of those (what reaches the last sublayer from sublayer l). One colour scale for
-    the whole figure, linear within +-1 and logarithmic beyond (HC's composites reach hundreds; mHC's stay in [0, 1]),
-    so that runs side by side compare cell by cell. Returns the figure."""
+    """Every sublayer's n x n mixing matrix as a heatmap, two rows per series (a run): the token-mean H_l minus the
+    identity, and the composite P_l = H_{L-1} ... H_l of those (what reaches the last sublayer from sublayer l).
+    H_l − I has its own colour scale fitted to its range (_deviation_norm): near I, as mHC's H_res stays, a ±1 scale
+    shows nothing. P_l keeps one scale linear within ±1 and logarithmic beyond (HC's composites reach hundreds;
+    mHC's stay in [0, 1]). Each scale is shared by the whole figure, so that runs side by side compare cell by cell;
+    each run's label gives its largest |H_l − I| entry. Returns the figure."""
     plt = _pyplot()
     import numpy as np
     from matplotlib.cm import ScalarMappable
-    from matplotlib.colors import SymLogNorm
+    from matplotlib.colors import Normalize, SymLogNorm
 
-    blocks = [(label, np.asarray(h, dtype=float), np.asarray(composite_of(h), dtype=float)) for label, h in series]
-    n_cols = max(len(h) for _, h, _ in blocks)
-    vmax = max(1.0, max(float(np.abs(m).max()) for _, h, p in blocks for m in (h, p)))
-    norm = SymLogNorm(linthresh=1.0, vmin=-vmax, vmax=vmax)
-    key = "H_l: token-mean H_res of sublayer l; P_l = H_{L-1} ... H_l; entries: row = to, column = from"
+    blocks = []
+    for label, h in series:
+        h = np.asarray(h, dtype=float)
+        dev = h - np.eye(h.shape[-1])
+        top = float(np.abs(dev).max())
+        blocks.append(
+            (
+                f"{label}  (largest |H_l − I| entry: {top:.3g})".lstrip(),
+                dev,
+                top,
+                np.asarray(composite_of(h), dtype=float),
+            )
+        )
+    n_cols = max(len(dev) for _, dev, _, _ in blocks)
+    dev_norm = _deviation_norm([top for _, _, top, _ in blocks])
+    vmax = max(1.0, max(float(np.abs(p).max()) for _, _, _, p in blocks))
+    p_norm = SymLogNorm(linthresh=1.0, vmin=-vmax, vmax=vmax) if vmax > 1 else Normalize(-1.0, 1.0)
+    key = "H_l − I: token-mean H_res of sublayer l minus I; P_l = H_{L-1} ... H_l; entries: row = to, column = from"
     heading = "\n".join(x for x in (title, note, key) if x)
     # Laid out by hand, in inches: a grid of small matrices with a run's name above its two rows (constrained layout
     # collapsed such grids). Every matrix is `cell` inches square.
-    cell, gap, left, right, label_h = 0.5, 0.08, 0.45, 0.8, 0.3
+    cell, gap, left, right, label_h = 0.5, 0.08, 0.6, 1.5, 0.3
     top = 0.25 + 0.16 * heading.count("\n")
     run_h = label_h + 2 * cell + gap + 0.15  # name, H_l row (with l= titles), P_l row, space
-    longest = max([len(label) for label, _, _ in blocks] + [len(x) for x in heading.splitlines()])
+    longest = max([len(label) for label, *_ in blocks] + [len(x) for x in heading.splitlines()])
     width = max(left + n_cols * (cell + gap), 0.058 * longest) + right  # ~0.058 inch a character at 8-9 pt
-    height = top + 0.2 + len(blocks) * run_h
+    height = top + 0.2 + len(blocks) * run_h + 0.45  # room below for the two colour bars' labels
     with plt.style.context("default"):
         fig = plt.figure(figsize=(width, height))
         W, H = fig.get_size_inches()
@@ -134,11 +164,10 @@ def h_res_heatmaps(series: Sequence[tuple[str, Sequence]], title: str = "", note
         def box(x, y, w, h):  # inches from the top left -> figure fraction
             return [x / W, 1 - (y + h) / H, w / W, h / H]
 
-        for i, (label, h, p) in enumerate(blocks):
+        for i, (label, dev, _, p) in enumerate(blocks):
             y0 = top + 0.2 + i * run_h
-            if label:
-                fig.text(left / W, 1 - (y0 + 0.05) / H, label, fontsize=8, va="top")
-            for r, (name, mats) in enumerate((("H_l", h), ("P_l", p))):
+            fig.text(left / W, 1 - (y0 + 0.05) / H, label, fontsize=8, va="top")
+            for r, (name, mats, norm) in enumerate((("H_l − I", dev, dev_norm), ("P_l", p, p_norm))):
                 y = y0 + label_h + r * (cell + gap)
                 for l, m in enumerate(mats):
                     ax = fig.add_axes(box(left + l * (cell + gap), y, cell, cell))
@@ -149,8 +178,12 @@ def h_res_heatmaps(series: Sequence[tuple[str, Sequence]], title: str = "", note
                         ax.set_title(f"l={l}", fontsize=6, pad=2)
                     if l == 0:
                         ax.set_ylabel(name, fontsize=8, rotation=0, ha="right", va="center")
-        cax = fig.add_axes(box(W - right + 0.2, top + 0.2, 0.15, height - top - 0.4))
-        fig.colorbar(ScalarMappable(norm, "RdBu_r"), cax=cax)
+        bar_h = height - top - 0.65
+        for j, (norm, what) in enumerate(((dev_norm, "H_l − I"), (p_norm, "P_l"))):
+            cax = fig.add_axes(box(W - right + 0.15 + j * 0.7, top + 0.2, 0.13, bar_h))
+            bar = fig.colorbar(ScalarMappable(norm, "RdBu_r"), cax=cax)
+            bar.ax.tick_params(labelsize=6)
+            cax.set_xlabel(what, fontsize=7)
         fig.suptitle(heading, fontsize=9, y=1 - 0.08 / H, va="top")
     return fig
 

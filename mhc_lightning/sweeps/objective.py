@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import math
+import os
 import shlex
 import tempfile
 import time
@@ -94,16 +95,27 @@ class TrialRunner:
         }
 
     def __call__(self, trial: optuna.Trial):
+        from ..callbacks.progress_lines import TRIAL_ENV
+
         self.current, self.duplicate = trial, False
+        os.environ[TRIAL_ENV] = str(trial.number)  # the fit's progress lines name the trial (a child inherits it)
         try:
             return self._run(trial)
-        except optuna.TrialPruned:
+        except optuna.TrialPruned as err:
+            self._say(trial, str(err))
             raise
         except BaseException as err:
             # budget.max_failed counts FAIL trials that carry an error (counts()); one that raised before recording
             # it (in sampling, or creating its MLflow run) would look like a killed worker's and never count.
             self._record_error(trial, err)
+            self._say(trial, f"failed: {type(err).__name__}: {err}"[:300])
             raise
+        finally:
+            os.environ.pop(TRIAL_ENV, None)
+
+    def _say(self, trial: optuna.Trial, what: str) -> None:
+        """One line about a trial, naming its worker and number (the fit's own lines name the number too)."""
+        print(f"[worker {self.worker['machine']}.{self.worker['index']}, trial {trial.number}] {what}", flush=True)
 
     @staticmethod
     def _record_error(trial: optuna.Trial, err: BaseException) -> None:
@@ -143,6 +155,7 @@ class TrialRunner:
                 trial.set_user_attr("error", f"same parameters as trial {twin}: not trained")
                 raise DuplicateTrial(f"trial {trial.number} has the parameters of trial {twin}")
         run_id = self.tracker.start_trial(trial, values, self.worker, retry_of=retry_of)
+        self._say(trial, f"started: {trial.params}, MLflow run {run_id}")
         args = trial_args(spec, values, self.logger_config(trial, run_id))
         self.tracker.client.log_text(run_id, mask(fit_command(args)) + "\n", "trial_command.txt")
         metrics = list(dict.fromkeys(o.metric for o in spec.objectives))
@@ -176,6 +189,8 @@ class TrialRunner:
             trial.set_user_attr("error", msg)
             raise ValueError(msg)
         self.tracker.end_trial(run_id, "COMPLETE", result, extra_tags=extra)
+        done = ", ".join(f"{k} {v:.4f}" for k, v in result.items())
+        self._say(trial, f"complete: {done} ({extra['optuna.duration_s']} s)")
         out = tuple(result.values())
         return out if spec.multi_objective else out[0]
 
