@@ -26,6 +26,7 @@ PARENT_TAG, TRIAL_TAG, STUDY_TAG, ROLE_TAG, STATE_TAG = (
     "optuna.state",
 )
 PARENT_WAIT_S = 30.0  # how long a process that did not create the study waits for its creator's parent run
+FLUSH_TIMEOUT_S = 30.0  # how long the summary's writes are retried at the end, as a fit's (then they wait in the spool)
 
 
 def _safe_key(key: str) -> str:
@@ -257,7 +258,7 @@ class SweepTracker:
         self.client.set_tag(pid, "sweep.status", "complete" if complete else "incomplete")
         if complete:
             self.client.set_terminated(pid, "FINISHED")
-        self.client.flush(force=True)
+        self.client.drain(FLUSH_TIMEOUT_S)  # what is left is named at the end of the command (supervisor.py)
         return summary
 
     def _log_plots(self, study, spec, tmp: Path) -> dict[str, str]:

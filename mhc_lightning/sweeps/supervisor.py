@@ -108,6 +108,7 @@ def launch(sweep: Sweep, args) -> int:
         summary = {"counts": c}
     stopped = study.user_attrs.get(STOP_ATTR)
     _print_summary(sweep, tracker, summary, complete, c, stopped)
+    _print_waiting(sweep, tracker.client.reason)
     if complete and code != 130:
         return 0
     if stopped:
@@ -232,6 +233,17 @@ def _print_summary(sweep: Sweep, tracker, summary: dict, complete: bool, c: dict
         print(f"[mhc sweep] view:  {ui_hint(sweep.tracking_uri)}")
     if not is_journal(sweep.storage_url):
         print(dashboard_hint(sweep.storage_label))
+
+
+def _print_waiting(sweep: Sweep, reason: str) -> None:
+    """The last line when MLflow writes of this launch (its summary, its workers' and trials' runs) wait in the spool:
+    the parent run, or a trial's, shows RUNNING in MLflow until they are sent."""
+    from ..loggers.spool import waiting_note, waiting_writes
+
+    waiting = waiting_writes(sweep.spool_dir)
+    if waiting:
+        note = waiting_note(sum(waiting.values()), len(waiting), sweep.spool_dir, sweep.tracking_uri, reason)
+        print(f"[mhc sweep] {note}", flush=True)
 
 
 def dashboard_hint(storage_label: str) -> str:
