@@ -34,7 +34,17 @@ PACKAGE = Path(__file__).resolve().parent
 GROUPS = {"model": "LitLM", "data": "ByteTextDataModule", "utilization": "Utilization"}
 SOURCES = ("module.py", "model/config.py", "data/datamodule.py", "callbacks/utilization.py")
 # Options LightningCLI and cli.py add besides the Trainer method's own arguments and the groups
-TOP_LEVEL = ("help", "config", "print_config", "seed_everything", "trainer", "extend", "no_extend")
+TOP_LEVEL = (
+    "help",
+    "config",
+    "print_config",
+    "seed_everything",
+    "trainer",
+    "extend",
+    "no_extend",
+    "data_changed",
+    "no_data_changed",
+)
 # The Trainer method's arguments LightningCLI fills itself (the model, the data)
 FILLED = ("model", "datamodule", "dataloaders", "train_dataloaders", "val_dataloaders")
 # Keys of a class given by path (jsonargparse): what follows is the parser's to check
