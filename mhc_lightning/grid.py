@@ -19,6 +19,7 @@ import json
 import shlex
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 from typing import Optional
 
@@ -28,6 +29,7 @@ from .errors import UserError
 from .grid_check import GridError
 from .names import file_name, path_name_problem
 
+DEFAULT_ROOT_KEY = "trainer.default_root_dir"
 AXIS_SHORT = {"model.arch.n_layers": "L", "seed_everything": "s", "trainer.deterministic": "det"}
 
 
@@ -171,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--skip-finished",
         action="store_true",
-        help="skip runs whose name already has a FINISHED run in the experiment (continue a grid in parts)",
+        help="skip runs whose name already has a FINISHED (or diverged) run in the experiment, and resume a KILLED or "
+        "FAILED one from its last checkpoint (continue a grid in parts, or after an interruption)",
     )
     c = p.add_argument_group(
         "cluster (--launcher slurm: one SLURM job per run, a job array through submitit; "
@@ -227,7 +230,43 @@ def job_parameters(args, spec: dict) -> dict:
     return params
 
 
-def submit_jobs(args, spec: dict, runs: list, uri: str, exp_id: str, on_done) -> None:
+def still_to_run(client, exp_id: str, runs: list, jobs_root: Optional[Path]) -> tuple[list, set[str]]:
+    """--skip-finished: the runs without a FINISHED (or diverged: it would diverge again) MLflow run of their name,
+    and the names among them whose KILLED or FAILED run left a last checkpoint, which resume it (`--ckpt_path last`)
+    instead of starting again from step 0. jobs_root: the cluster launchers' --runs-dir (each run's own
+    default_root_dir), None for the local one (the run's trainer.default_root_dir)."""
+    from .grid_check import argv_value
+    from .loggers.tags import STAGE_TAG
+
+    done, diverged, interrupted = set(), set(), defaultdict(list)
+    for r in client.search_runs([exp_id], max_results=50_000):
+        name = r.info.run_name
+        if r.data.tags.get(STAGE_TAG, "fit") != "fit":
+            continue
+        if r.data.tags.get("mhc.diverged") == "true":
+            diverged.add(name)
+        elif r.info.status == "FINISHED":
+            done.add(name)
+        elif r.info.status in ("KILLED", "FAILED"):
+            interrupted[name].append(r.info)
+    done |= diverged
+    todo, resumed = [], set()
+    for name, tags, argv in runs:
+        if name in done:
+            continue
+        root = jobs_root / file_name(name) if jobs_root else Path(str(argv_value(argv, DEFAULT_ROOT_KEY) or "."))
+        if any(any((root / i.experiment_id / i.run_id / "checkpoints").glob("last*.ckpt")) for i in interrupted[name]):
+            resumed.add(name)
+        todo.append((name, tags, argv))
+    print(
+        f"{len(done)} runs already finished ({len(diverged & done)} of them diverged); {len(todo)} to go, "
+        f"{len(resumed)} of them resuming an interrupted run from its last checkpoint",
+        flush=True,
+    )
+    return todo, resumed
+
+
+def submit_jobs(args, spec: dict, runs: list, uri: str, exp_id: str, on_done, resumed: set[str]) -> None:
     """--launcher slurm / submitit-local: one job per run (grid_jobs.py)."""
     from .grid_jobs import GridPoint, executor_for, submit
 
@@ -241,6 +280,7 @@ def submit_jobs(args, spec: dict, runs: list, uri: str, exp_id: str, on_done) ->
             str(log_path(args.logs.resolve(), name)),
             uri,
             exp_id,
+            resume=name in resumed,
         )
         for name, tags, argv in runs
     ]
@@ -278,10 +318,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     uri = absolute_store_uri(default_tracking_uri())
     client, exp_id = prepare_store(uri, spec["experiment"])
+    resumed: set[str] = set()
     if args.skip_finished:
-        done = {r.info.run_name for r in client.search_runs([exp_id], filter_string="attributes.status = 'FINISHED'")}
-        runs = [r for r in runs if r[0] not in done]
-        print(f"{len(done)} runs already finished; {len(runs)} to go")
+        jobs_root = None if args.launcher == "local" else args.runs_dir.resolve()
+        runs, resumed = still_to_run(client, exp_id, runs, jobs_root)
+        if args.launcher == "local":
+            runs = [(name, t, [*a, "--ckpt_path", "last"] if name in resumed else a) for name, t, a in runs]
     tags = {name: t for name, t, _ in runs}
     failed: list[str] = []
     t0 = time.time()
@@ -298,7 +340,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     jobs = [(name, mhc_command() + a, log_path(args.logs, name)) for name, _, a in runs]
     try:
         if args.launcher != "local":
-            submit_jobs(args, spec, runs, uri, exp_id, on_done)
+            submit_jobs(args, spec, runs, uri, exp_id, on_done, resumed)
             if args.no_wait:
                 return 0
         else:

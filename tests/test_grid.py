@@ -274,3 +274,37 @@ def test_dry_run_prints_pasteable_commands_and_a_grid_names_its_report(tmp_path,
     assert report_command(spec) == [
         "report", "--experiment", "tiny-grid", "--group-by", "variant,model.arch.n_layers", "--baseline", "mhc"
     ]  # fmt: skip
+
+
+def test_skip_finished_resumes_interrupted_runs_from_their_checkpoint(tmp_path, monkeypatch, mlflow_uri, capsys):
+    """Four points in the store: one FINISHED, one diverged (FAILED, tagged): both skipped; one KILLED with a last
+    checkpoint: resumed with `--ckpt_path last`; one FAILED before any checkpoint: run again from step 0."""
+    from mlflow import MlflowClient
+
+    import mhc_lightning.child_processes as child_processes
+    from mhc_lightning.grid import main
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
+    grid = tmp_path / "g.yaml"
+    grid.write_text(json.dumps({**TINY_GRID, "axes": {"seed_everything": [1, 2]}}))
+    client = MlflowClient(mlflow_uri)
+    exp = client.create_experiment("tiny-grid")
+    for name, status, tags in (
+        ("mhc-s1", "FINISHED", {}),
+        ("hc-s1", "KILLED", {}),
+        ("mhc-s2", "FAILED", {"mhc.diverged": "true"}),
+        ("hc-s2", "FAILED", {}),
+    ):
+        run = client.create_run(exp, run_name=name, tags=tags).info
+        client.set_terminated(run.run_id, status)
+        if name == "hc-s1":
+            (tmp_path / "runs" / exp / run.run_id / "checkpoints").mkdir(parents=True)
+            (tmp_path / "runs" / exp / run.run_id / "checkpoints" / "last.ckpt").write_bytes(b"")
+    started = {}
+    monkeypatch.setattr(
+        child_processes, "run_parallel", lambda jobs, *a, **k: started.update({n: argv for n, argv, _ in jobs})
+    )
+    main([str(grid), "--skip-finished", "--set", f"trainer.default_root_dir={tmp_path / 'runs'}"])
+    assert "2 runs already finished (1 of them diverged); 2 to go, 1 of them resuming" in capsys.readouterr().out
+    assert sorted(started) == ["hc-s1", "hc-s2"]
+    assert started["hc-s1"][-2:] == ["--ckpt_path", "last"] and "--ckpt_path" not in started["hc-s2"]
