@@ -302,8 +302,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         spec = load_grid(args.grid)
         check_sets(args.set, spec, args.grid)
-        root = Path(__file__).resolve().parents[1]
-        base = root if all((root / c).exists() for c in spec["configs"]) else Path.cwd()
+        # the checkout, else the current folder, else the configs an installed package carries (conf/ inside it)
+        roots = (Path(__file__).resolve().parents[1], Path.cwd(), Path(__file__).resolve().parent)
+        base = next((r for r in roots if all((r / c).exists() for c in spec["configs"])), Path.cwd())
         runs = expand(spec, base, [f"--{s}" for s in args.set])
         check_runs(args.grid, runs)
     except GridError as err:
