@@ -195,7 +195,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--timeout-min", type=int, default=24 * 60, help="jobs: time limit of each job, minutes")
     c.add_argument("--partition", help="jobs: SLURM partition")
-    c.add_argument("--gpus-per-node", type=int, help="jobs: GPUs per job")
+    c.add_argument(
+        "--gpus-per-node",
+        type=int,
+        help="jobs: GPUs per job; with N > 1 each run's fit uses all N (trainer.devices=N, one SLURM task whose fit "
+        "starts its own DDP processes)",
+    )
     c.add_argument("--cpus-per-task", type=int, help="jobs: CPUs per job")
     c.add_argument(
         "--slurm",
@@ -215,6 +220,8 @@ def job_parameters(args, spec: dict) -> dict:
         "timeout_min": args.timeout_min,
         "slurm_array_parallelism": args.parallel,
     }
+    if args.gpus_per_node is not None:
+        params["tasks_per_node"] = 1  # the fit starts a process per GPU itself (grid_jobs.py)
     for key, value in (
         ("slurm_partition", args.partition),
         ("gpus_per_node", args.gpus_per_node),
@@ -281,6 +288,7 @@ def submit_jobs(args, spec: dict, runs: list, uri: str, exp_id: str, on_done, re
             uri,
             exp_id,
             resume=name in resumed,
+            gpus=args.gpus_per_node,
         )
         for name, tags, argv in runs
     ]
