@@ -297,7 +297,7 @@ def submit_jobs(args, spec: dict, runs: list, uri: str, exp_id: str, on_done, re
 
 def main(argv: Optional[list[str]] = None) -> int:
     from .child_processes import describe_exit, mhc_command, run_parallel
-    from .grid_check import check_runs, check_sets, sinkhorn_no_ops
+    from .grid_check import check_names, check_runs, check_sets, sinkhorn_no_ops
     from .grid_jobs import tag_runs
     from .loggers.credentials import clean_tracking_env
     from .loggers.store import absolute_store_uri, default_tracking_uri
@@ -314,6 +314,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         roots = (Path(__file__).resolve().parents[1], Path.cwd(), Path(__file__).resolve().parent)
         base = next((r for r in roots if all((r / c).exists() for c in spec["configs"])), Path.cwd())
         runs = expand(spec, base, [f"--{s}" for s in args.set])
+        check_names(args.grid, runs)
         check_runs(args.grid, runs)
     except GridError as err:
         print(f"mhc grid: error: {err}", file=sys.stderr)

@@ -89,6 +89,19 @@ def sinkhorn_no_ops(runs: list[tuple[str, dict, list[str]]]) -> Optional[str]:
     )
 
 
+def check_names(grid: Path, runs: list[tuple[str, dict, list[str]]]) -> None:
+    """Every run name must fit an MLflow run name and, as <name>.log, a file name (variants and axis values make it)."""
+    from .names import file_name, path_name_problem, run_name_problem
+
+    for name, _, _ in runs:
+        problem = run_name_problem(name) or path_name_problem(file_name(name), ".log")
+        if problem:
+            raise GridError(
+                f"{grid}: run name {problem} (the variant's name and the axis values make it); shorten the variant "
+                "names or the axis values"
+            )
+
+
 def check_runs(grid: Path, runs: list[tuple[str, dict, list[str]]]) -> None:
     """Raise GridError naming the first rejected run, how many more there are, and the parser's reason."""
     from .fit_args_check import fit_args_problems

@@ -308,3 +308,21 @@ def test_skip_finished_resumes_interrupted_runs_from_their_checkpoint(tmp_path, 
     assert "2 runs already finished (1 of them diverged); 2 to go, 1 of them resuming" in capsys.readouterr().out
     assert sorted(started) == ["hc-s1", "hc-s2"]
     assert started["hc-s1"][-2:] == ["--ckpt_path", "last"] and "--ckpt_path" not in started["hc-s2"]
+
+
+def test_a_run_name_too_long_for_a_file_or_a_run_is_refused_with_dry_run_too(tmp_path, monkeypatch, capsys):
+    from mhc_lightning.grid import main
+
+    monkeypatch.chdir(tmp_path)
+    grid = tmp_path / "g.yaml"
+    for variant, says in (
+        ("v" * 300, "variants: 'vvv"),
+        ("v" * 300, "is too long for a file name: 300 bytes, at most 255"),
+        ("v" * 248, "run name 'vvv"),
+        ("v" * 248, "is too long for an MLflow run name: 251 characters, at most 250"),
+    ):
+        grid.write_text(json.dumps({**TINY_GRID, "variants": {variant: {}}}))
+        assert main([str(grid), "--dry-run"]) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith(f"mhc grid: error: {grid}: ") and says in line, line
+    assert not list(tmp_path.glob("*.db"))
