@@ -7,6 +7,7 @@ max_failed continued, and sweep-file mistakes that must stop the sweep before (o
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -448,6 +449,29 @@ def test_duplicate_proposals_are_not_trained_and_do_not_count(corpus, tmp_path, 
     runs = client.search_runs([client.get_experiment_by_name(name).experiment_id], "tags.`optuna.role` = 'trial'")
     assert len(runs) == 2
     print(f"[figures] exhausted space: 2 trials trained, {len(dups)} duplicate proposals not trained")
+
+
+def test_optuna_says_nothing_of_a_duplicate_proposal_and_still_names_a_failure(caplog):
+    """The worker's filter on Optuna's log: a duplicate proposal's two warnings (one with a traceback) are dropped, a
+    real failure's are kept."""
+    from mhc_lightning.sweeps.objective import DuplicateTrial
+    from mhc_lightning.sweeps.worker import _QUIET_DUPLICATES
+
+    def objective(trial):
+        trial.suggest_categorical("x", ["only"])
+        raise DuplicateTrial("same parameters") if trial.number < 3 else ValueError("a real failure")
+
+    optimize_log = logging.getLogger("optuna.study._optimize")
+    optimize_log.addFilter(_QUIET_DUPLICATES)
+    try:
+        optuna.create_study().optimize(objective, n_trials=4, catch=(Exception,))
+    finally:
+        optimize_log.removeFilter(_QUIET_DUPLICATES)
+    said = [r.getMessage() for r in caplog.records if r.name == "optuna.study._optimize"]
+    assert said == [
+        "Trial 3 failed with parameters: {'x': 'only'} because of the following error: ValueError('a real failure').",
+        "Trial 3 failed with value None.",
+    ]
 
 
 # ---- a sweep whose every trial fails must end ------------------------------------------------------------------------
