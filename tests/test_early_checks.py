@@ -35,6 +35,11 @@ BAD_INPUTS = {  # mhc arguments: what the one line says
         "checkpoint runs/1/last.ckpt does not exist",
     ),
     "no_checkpoint": (["validate", "-c", "{quickstart}"], "validate evaluates a checkpoint: pass --ckpt_path"),
+    "best": (["fit", "-c", "{quickstart}", "--ckpt_path", "best"], "--ckpt_path best: Lightning's best checkpoint"),
+    "hpc": (
+        ["validate", "-c", "{quickstart}", "--ckpt_path=hpc"],
+        "--ckpt_path hpc: no hpc_ckpt_<n>.ckpt (Lightning's SLURM requeue checkpoint) in trainer.default_root_dir runs",
+    ),
 }
 
 CHILD = """

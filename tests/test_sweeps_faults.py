@@ -349,6 +349,7 @@ def test_unknown_fit_keys_are_refused_before_any_trial(change, named, corpus, tm
     assert len(lines) == 1 and named in lines[0] and "rejects the sweep's arguments" in lines[0], err
     assert time.monotonic() - t0 < 60
     assert optuna.get_all_study_names(storage) == []  # not one trial, not even a study
+    assert not (tmp_path / "m.db").exists()  # nor an MLflow store
     print(f"[figures] unknown key {named}: refused after {time.monotonic() - t0:.1f} s, 0 trials")
 
 

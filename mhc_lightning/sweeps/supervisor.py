@@ -21,18 +21,18 @@ POLL_S = 2.0
 
 
 def prepare(sweep: Sweep):
-    """Launcher-side checks and setup, once per launch, before any worker starts: tracking store reachable, callback
-    parameters resolved, every `mhc fit` key of the sweep accepted by the parser, sampler options valid; then the
-    study (with its enqueued points) and its MLflow parent run."""
+    """Launcher-side checks and setup, once per launch, before any worker starts: callback parameters resolved, every
+    `mhc fit` key of the sweep accepted by the parser, sampler options valid (before any store is created), tracking
+    store reachable; then the study (with its enqueued points) and its MLflow parent run."""
     from ..loggers.store import check_tracking
     from .trial_args import check_callbacks
     from .trial_args_check import check_trial_args
 
-    check_tracking(sweep.tracking_uri, option="--tracking-uri")
     for w in check_callbacks(sweep.spec):
         print(f"[mhc sweep] {w}", file=sys.stderr)
     check_trial_args(sweep.spec)
     make_sampler(sweep.spec, 0)
+    check_tracking(sweep.tracking_uri, option="--tracking-uri")  # creates a new SQLite store
     study = sweep.study()
     # the budget this study was last asked to reach (--n-trials extends it), for `mhc sweep status`
     study.set_user_attr(BUDGET_ATTR, max(study.user_attrs.get(BUDGET_ATTR, 0), sweep.spec.n_trials))
