@@ -229,12 +229,15 @@ def find_checkpoint(
 
 def newest_last(folder: Path) -> Optional[Path]:
     """The folder's last.ckpt, or a versioned last-vN.ckpt beside it where that holds a later step: Lightning wrote one
-    when a resumed checkpoint named no last file, leaving last.ckpt at the resumed step."""
+    when a resumed checkpoint named no last file, leaving last.ckpt at the resumed step. Without either (its write
+    failed: a full disk, a read-only folder), the newest good checkpoint there."""
+    from .checkpoint_io import checkpoint_step, last_good
+
     local = folder / LOCAL_LAST
     versioned = [p for p in folder.glob(f"{Path(LOCAL_LAST).stem}-v*.ckpt") if p.is_file()]
     if not versioned:
-        return local if local.is_file() else None
-    from .checkpoint_io import checkpoint_step
+        good = None if local.is_file() else last_good(folder)
+        return local if local.is_file() else good[0] if good else None
 
     found = [(checkpoint_step(p) or -1, p.stat().st_mtime_ns, p) for p in [local, *versioned] if p.is_file()]
     return max(found)[2]
