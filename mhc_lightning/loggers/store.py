@@ -82,6 +82,15 @@ def outage_reason(err: BaseException) -> str:
     return found.group(1).strip() if found else type(err).__name__
 
 
+def store_error(err: BaseException) -> str:
+    """A failed store call in one line: the database's reason, else the first line of the error (URIs masked)."""
+    found = _DB_ERROR.search(str(err))
+    if found:
+        return found.group(1).strip()
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return f"{type(err).__name__}: {mask(first)}" if first else type(err).__name__
+
+
 class _OneLine(logging.Filter):
     """MLflow's store errors as the platform shows them: the session's traceback dropped (the spool keeps the write
     and says so once), the system-metrics thread's warning reduced to its first line and the database's reason."""

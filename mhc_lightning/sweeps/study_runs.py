@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from ..loggers.filters import equals
 from ..loggers.spool import GuardedClient
-from ..loggers.store import ensure_experiment, is_outage, redact, use_fast_http_failures
+from ..loggers.store import ensure_experiment, is_outage, quiet_store_errors, redact, use_fast_http_failures
 
 PARENT_TAG, TRIAL_TAG, STUDY_TAG, ROLE_TAG, STATE_TAG = (
     "mlflow.parentRunId",
@@ -43,6 +43,7 @@ class SweepTracker:
         from mlflow import MlflowClient
 
         use_fast_http_failures()
+        quiet_store_errors()
         self.uri, self.experiment_name = tracking_uri, experiment
         self.study_name, self.storage_label = study_name, storage_label
         self.raw = MlflowClient(tracking_uri)

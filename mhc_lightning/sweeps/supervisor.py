@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..loggers.credentials import mask
+from ..loggers.store import store_error
 from .factories import is_journal, make_sampler
 from .settings import BUDGET_ATTR, STOP_ATTR, TRACKING_ENV, Sweep, counts
 
@@ -102,7 +103,7 @@ def launch(sweep: Sweep, args) -> int:
         summary = tracker.finalize(study, sweep.spec, complete)
     except Exception as err:
         print(
-            f"[mhc sweep] could not write the summary to MLflow ({err}); re-run the same command to retry",
+            f"[mhc sweep] could not write the summary to MLflow ({store_error(err)}); re-run the same command to retry",
             file=sys.stderr,
         )
         summary = {"counts": c}

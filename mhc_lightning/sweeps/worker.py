@@ -15,6 +15,7 @@ import warnings
 import zlib
 from typing import Optional
 
+from ..loggers.store import store_error
 from .factories import is_journal, make_sampler
 from .settings import STOP_ATTR, Sweep, counts
 
@@ -46,6 +47,13 @@ class _QuietDuplicates(logging.Filter):
 
 
 _QUIET_DUPLICATES = _QuietDuplicates()
+
+
+def quiet_duplicates() -> None:
+    """Idempotent: _QuietDuplicates on the handlers of Optuna's log (optuna.logging's own, on its root logger)."""
+    for handler in logging.getLogger("optuna").handlers:
+        if _QUIET_DUPLICATES not in handler.filters:
+            handler.addFilter(_QUIET_DUPLICATES)
 
 
 def worker_seed(base: Optional[int], wid: str, launch: float) -> Optional[int]:
@@ -87,9 +95,7 @@ def run_worker(
         signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM between trials: same clean path as Ctrl-C
     deadline = time.monotonic() + spec.timeout_s if spec.timeout_s else None
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    optimize_log = logging.getLogger("optuna.study._optimize")
-    if _QUIET_DUPLICATES not in optimize_log.filters:
-        optimize_log.addFilter(_QUIET_DUPLICATES)
+    quiet_duplicates()
     me = f"[worker {machine}.{index}]"
     print(f"{me} {wid} seed={seed} study={spec.name} storage={sweep.storage_label}", flush=True)
     code, duplicates = 0, 0
@@ -148,7 +154,7 @@ def run_worker(
         try:
             tracker.reconcile(study)
         except Exception as err:  # the tracking server may be the reason we stop
-            print(f"{me} MLflow reconcile skipped: {err}", file=sys.stderr)
+            print(f"{me} MLflow reconcile skipped: {store_error(err)}", file=sys.stderr)
     return code
 
 
