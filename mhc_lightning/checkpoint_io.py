@@ -132,12 +132,15 @@ def verify(path: Path, run_id: Optional[str] = None) -> bool:
     return _verified[key]
 
 
-def good_beside(path: Path, run_id: Optional[str] = None) -> str:
+def good_beside(path: Path, run_id: Optional[str] = None, otherwise: Optional[str] = None) -> str:
     """What to do instead of a checkpoint that cannot be used: the newest good one in its folder and the flags that
-    resume from it (in run `run_id`), or that there is none."""
+    resume from it (in run `run_id`), else `otherwise` (default: that there is none)."""
     good = last_good(path.parent, exclude=path)
     if good is None:
-        return f"no other good checkpoint in {path.parent}: run the command without --ckpt_path to start again"
+        return (
+            otherwise
+            or f"no other good checkpoint in {path.parent}: run the command without --ckpt_path to start again"
+        )
     again = f"--ckpt_path {shlex.quote(str(good[0]))}"
     if run_id:
         again += f" --trainer.logger.init_args.run_id={run_id}"

@@ -135,19 +135,17 @@ def check_checkpoint(path: Path, arch: dict) -> CheckpointInfo:
 def _load(path: Path) -> dict:
     """The checkpoint's contents; a file that is not a whole torch.save archive (cut short, or not a checkpoint) is a
     UserError naming the newest good checkpoint beside it."""
+    instead = good_beside(path, _run_id_from_layout(path), otherwise="pass a .ckpt file written by mhc fit.")
     if not zipfile.is_zipfile(path):  # torch.save has written zip archives since torch 1.6
         raise UserError(
-            f"checkpoint {path} is not a whole torch.save archive (cut short, or not a checkpoint); "
-            f"{good_beside(path, _run_id_from_layout(path))}"
+            f"checkpoint {path} is not a whole torch.save archive (cut short, or not a checkpoint); {instead}"
         )
     # mmap: the hyperparameters are needed, not the weights; weights_only as Lightning itself loads it.
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:  # torch raises many types for a file that is not a checkpoint
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UserError(
-            f"checkpoint {path} cannot be read ({first}); {good_beside(path, _run_id_from_layout(path))}"
-        ) from err
+        raise UserError(f"checkpoint {path} cannot be read ({first}); {instead}") from err
 
 
 def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
