@@ -295,6 +295,19 @@ def submit_jobs(args, spec: dict, runs: list, uri: str, exp_id: str, on_done, re
     submit(points, executor, wait=not args.no_wait, on_done=on_done)
 
 
+def _print_waiting(runs: list, uri: str) -> None:
+    """A line when the runs' MLflow writes wait in their spool (the store did not take them): those runs show RUNNING
+    in MLflow until `mhc sweep replay` sends them."""
+    from .grid_check import argv_value
+    from .loggers.spool import waiting_note, waiting_writes
+
+    spools = {str(argv_value(argv, "trainer.logger.init_args.spool_dir") or "mlflow_spool") for _, _, argv in runs}
+    for spool in sorted(spools):
+        waiting = waiting_writes(spool)
+        if waiting:
+            print(waiting_note(sum(waiting.values()), len(waiting), spool, uri), flush=True)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     from .child_processes import describe_exit, mhc_command, run_parallel
     from .grid_check import check_names, check_runs, check_sets, sinkhorn_no_ops
@@ -364,6 +377,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"{len(runs) - len(failed)}/{len(runs)} runs finished; failed: {failed or 'none'}")
     if len(failed) < len(runs):
         print(f"next: {shlex.join(mhc_command() + report_command(spec))}")
+    _print_waiting(runs, uri)
     return 1 if failed else 0
 
 

@@ -114,10 +114,14 @@ def _continued_run(cfg) -> Optional[tuple[str, dict]]:
         return None
     from mlflow import MlflowClient
 
-    from .loggers.store import default_tracking_uri
+    from .loggers.store import default_tracking_uri, sqlite_path
 
+    uri = _get(init, "tracking_uri") or default_tracking_uri()
+    db = sqlite_path(uri)
+    if db is not None and not db.is_file():  # opening it would create the store
+        return None
     try:
-        return run_id, MlflowClient(_get(init, "tracking_uri") or default_tracking_uri()).get_run(run_id).data.tags
+        return run_id, MlflowClient(uri).get_run(run_id).data.tags
     except Exception:
         return None
 

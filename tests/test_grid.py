@@ -304,8 +304,12 @@ def test_skip_finished_resumes_interrupted_runs_from_their_checkpoint(tmp_path, 
     monkeypatch.setattr(
         child_processes, "run_parallel", lambda jobs, *a, **k: started.update({n: argv for n, argv, _ in jobs})
     )
+    (tmp_path / "mlflow_spool" / "r1").mkdir(parents=True)  # writes a run's store did not take (loggers/spool.py)
+    (tmp_path / "mlflow_spool" / "r1" / "host-1-ab.jsonl").write_text('{"op": "set_tag"}\n{"op": "set_terminated"}\n')
     main([str(grid), "--skip-finished", "--set", f"trainer.default_root_dir={tmp_path / 'runs'}"])
-    assert "2 runs already finished (1 of them diverged); 2 to go, 1 of them resuming" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "2 runs already finished (1 of them diverged); 2 to go, 1 of them resuming" in out
+    assert out.strip().splitlines()[-1].startswith("2 MLflow writes not in the store yet, kept in mlflow_spool ")
     assert sorted(started) == ["hc-s1", "hc-s2"]
     assert started["hc-s1"][-2:] == ["--ckpt_path", "last"] and "--ckpt_path" not in started["hc-s2"]
 
