@@ -134,3 +134,32 @@ def test_a_sweep_ending_against_a_store_that_takes_no_writes_says_so_last(
     exp = client.get_experiment_by_name("ends-read-only")
     (parent,) = client.search_runs([exp.experiment_id], "tags.`optuna.role` = 'study'")
     assert parent.info.status == "FINISHED" and parent.data.tags["sweep.status"] == "complete"
+
+
+def test_an_interrupted_fit_whose_store_refuses_its_end_says_where_it_waits(tmp_path, capsys):
+    """Ctrl-C / SIGTERM marks the run KILLED through the spool; a store that refuses it leaves the write there, and the
+    interrupt's last line says so (instead of only 'marked KILLED')."""
+    import signal
+
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import TEMPORARILY_UNAVAILABLE  # what MLflow raises a SQLite OperationalError as
+
+    from mhc_lightning.interrupts import STOP, finish
+    from mhc_lightning.loggers.spool import GuardedClient
+
+    class ReadOnlyStore:
+        tracking_uri = "sqlite:///store.db"
+
+        def set_terminated(self, run_id, status):
+            raise MlflowException(
+                "(sqlite3.OperationalError) attempt to write a readonly database", error_code=TEMPORARILY_UNAVAILABLE
+            )
+
+    guard = GuardedClient(ReadOnlyStore(), tmp_path / "spool")
+    STOP.signum, STOP.step, STOP.runs = signal.SIGTERM, 3, [(guard, "a" * 32)]
+    with pytest.warns(RuntimeWarning, match="attempt to write a readonly database"):
+        assert finish(["fit", "-c", "x.yaml"]) == 128 + signal.SIGTERM
+    *_, stopped, last = capsys.readouterr().err.strip().splitlines()
+    assert "stopped by SIGTERM at step 3" in stopped and "marked KILLED" in stopped
+    assert last.startswith("mhc fit: 1 MLflow writes not in the store yet (attempt to write a readonly database)")
+    assert f"kept in {tmp_path / 'spool' / ('a' * 32)}" in last and "--tracking-uri sqlite:///store.db" in last
