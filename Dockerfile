@@ -14,12 +14,13 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY mhc_lightning ./mhc_lightning
 COPY kernels ./kernels
+# the package carries a copy of conf/ (its defaults); /app/conf, read first from /app, stays editable data
+COPY conf ./conf
 RUN pip install ".[postgres,dashboard]"
 ARG GIT_COMMIT=unknown
 RUN echo "${GIT_COMMIT}" > /app/BUILD_COMMIT
 ENV MHC_BUILD_COMMIT_FILE=/app/BUILD_COMMIT
-# configs and sweep files stay editable data, outside site-packages
-COPY conf ./conf
+# sweep files stay editable data, outside site-packages
 COPY sweeps ./sweeps
 
 ENTRYPOINT ["mhc"]

@@ -7,8 +7,10 @@
   comment that torch.load ignores; the comment is `mhc-sha256:<hex>` over every byte before the comment's length
   field. One file, so the digest travels with it (copies, MLflow artifacts).
 - `verify` checks a file before a fit resumes from it or an evaluation reads it: a mismatch is a `CorruptCheckpoint`
-  naming the file and the newest good checkpoint beside it. A file without the comment (written by another tool) is
-  accepted, unverified.
+  naming the file and the newest good checkpoint beside it (`good_beside`, also named for a file cut short). A file
+  without the comment (written by another tool) is accepted, unverified.
+- The temporary file is named by its writer's host and pid: one that a killed writer left (SIGKILL mid-write) is
+  removed when a fit or an evaluation next reads a checkpoint of that folder (`remove_stale_temporaries`).
 
 `VerifiedCheckpointIO` is the Trainer's checkpoint plugin that does both; the CLI installs it in every Trainer whose
 strategy uses Lightning's default TorchCheckpointIO (`use_verified_checkpoints`).
@@ -20,7 +22,9 @@ import errno
 import hashlib
 import io
 import os
+import re
 import shlex
+import socket
 import uuid
 from pathlib import Path
 from typing import Any, Optional
@@ -120,20 +124,56 @@ def verify(path: Path, run_id: Optional[str] = None) -> bool:
         return _verified[key]
     stored, actual = read_digest(path)
     if stored is not None and stored != actual:
-        good = last_good(path.parent, exclude=path)
-        if good is None:
-            then = f"no other good checkpoint in {path.parent}: run the command without --ckpt_path to start again"
-        else:
-            again = f"--ckpt_path {shlex.quote(str(good[0]))}"
-            if run_id:
-                again += f" --trainer.logger.init_args.run_id={run_id}"
-            then = f"the last good checkpoint is {good[0]} (step {good[1]}): resume from it with {again}"
         raise CorruptCheckpoint(
             f"checkpoint {path} is corrupted: its bytes do not match the sha256 written with it "
-            f"({stored[:12]}..., now {actual[:12]}...), nothing was started; {then}"
+            f"({stored[:12]}..., now {actual[:12]}...), nothing was started; {good_beside(path, run_id)}"
         )
     _verified[key] = stored is not None
     return _verified[key]
+
+
+def good_beside(path: Path, run_id: Optional[str] = None, otherwise: Optional[str] = None) -> str:
+    """What to do instead of a checkpoint that cannot be used: the newest good one in its folder and the flags that
+    resume from it (in run `run_id`), else `otherwise` (default: that there is none)."""
+    good = last_good(path.parent, exclude=path)
+    if good is None:
+        return (
+            otherwise
+            or f"no other good checkpoint in {path.parent}: run the command without --ckpt_path to start again"
+        )
+    again = f"--ckpt_path {shlex.quote(str(good[0]))}"
+    if run_id:
+        again += f" --trainer.logger.init_args.run_id={run_id}"
+    return f"the last good checkpoint is {good[0]} (step {good[1]}): resume from it with {again}"
+
+
+def _temporary(path: Path) -> Path:
+    """The temporary file a write of `path` goes through, named by its writer (host, pid) so that one a killed writer
+    left can be told from one being written (remove_stale_temporaries)."""
+    return path.parent / f".{path.name}.{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"
+
+
+def remove_stale_temporaries(folder: Path) -> list[Path]:
+    """Remove the temporary files in `folder` whose writer, a process of this host, is gone (a SIGKILL mid-write);
+    returns them."""
+    mine, removed = re.compile(rf"\.{re.escape(socket.gethostname())}-(\d+)-[0-9a-f]{{8}}\.tmp$"), []
+    for tmp in folder.glob(".*.tmp") if folder.is_dir() else []:
+        writer = mine.search(tmp.name)
+        if writer is None or _alive(int(writer.group(1))):
+            continue
+        tmp.unlink(missing_ok=True)
+        removed.append(tmp)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def write_whole(path: Path, parts: list) -> None:
@@ -141,7 +181,7 @@ def write_whole(path: Path, parts: list) -> None:
     only once every byte is on disk. Whatever fails, no temporary file is left behind."""
     folder = path.parent
     folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp"
+    tmp = _temporary(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         try:

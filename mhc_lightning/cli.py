@@ -80,6 +80,13 @@ class MHCLightningCLI(LightningCLI):
             help="fit --ckpt_path: continue the run to another trainer.max_steps, the cosine going on "
             "from the lr reached to its minimum at the new last step (refused without it)",
         )
+        parser.add_argument(
+            "--data_changed",
+            action=ActionYesNo,
+            default=False,
+            help="fit continuing a run (--ckpt_path last): the data changed on purpose since the run read it "
+            "(refused without it); the run's data tags keep both digests",
+        )
 
     def parse_arguments(self, parser, args) -> None:
         super().parse_arguments(parser, args)

@@ -3,7 +3,7 @@
 conf/base.yaml holds what every run shares (trainer, logger, checkpointing, data, model size); `mhc fit/validate/test`
 read it as the parser's default config file, so every other config (quickstart.yaml, experiments/*, presets, machines)
 holds only what it changes, and `mhc fit -c conf/quickstart.yaml` means base + quickstart. Passing `-c conf/base.yaml`
-explicitly, as older commands do, changes nothing.
+explicitly, as older commands do, changes nothing. An installed (non-editable) package carries a copy of conf/.
 """
 
 from __future__ import annotations
@@ -12,10 +12,13 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Optional
 
+PACKAGE_DIR = Path(__file__).resolve().parent
+
 
 def conf_dir() -> Optional[Path]:
-    """conf/ of the source tree this package runs from (editable install), else ./conf (e.g. the Docker image)."""
-    for root in (Path(__file__).resolve().parents[1], Path.cwd()):
+    """conf/ of the source tree this package runs from (editable install), else ./conf (e.g. the Docker image), else the
+    copy an installed package carries (package data: pyproject.toml)."""
+    for root in (PACKAGE_DIR.parent, Path.cwd(), PACKAGE_DIR):
         if (root / "conf" / "base.yaml").is_file():
             return root / "conf"
     return None

@@ -34,7 +34,17 @@ PACKAGE = Path(__file__).resolve().parent
 GROUPS = {"model": "LitLM", "data": "ByteTextDataModule", "utilization": "Utilization"}
 SOURCES = ("module.py", "model/config.py", "data/datamodule.py", "callbacks/utilization.py")
 # Options LightningCLI and cli.py add besides the Trainer method's own arguments and the groups
-TOP_LEVEL = ("help", "config", "print_config", "seed_everything", "trainer", "extend", "no_extend")
+TOP_LEVEL = (
+    "help",
+    "config",
+    "print_config",
+    "seed_everything",
+    "trainer",
+    "extend",
+    "no_extend",
+    "data_changed",
+    "no_data_changed",
+)
 # The Trainer method's arguments LightningCLI fills itself (the model, the data)
 FILLED = ("model", "datamodule", "dataloaders", "train_dataloaders", "val_dataloaders")
 # Keys of a class given by path (jsonargparse): what follows is the parser's to check
@@ -202,6 +212,23 @@ def is_checkpoint_file(ckpt: Any) -> bool:
     return ckpt is not None and text not in CKPT_KEYWORDS and not text.startswith("registry") and "://" not in text
 
 
+def check_checkpoint_keyword(ckpt: Any, root: Any) -> None:
+    """Lightning's `best` names the best checkpoint of a fit that ran in the same process (never the case in `mhc`), and
+    `hpc` its SLURM requeue checkpoint in default_root_dir: refuse them where there is none (not its traceback)."""
+    if ckpt == "best":
+        raise UserError(
+            "--ckpt_path best: Lightning's best checkpoint of a fit run in the same process, which `mhc` never has; "
+            "pass a checkpoint file (runs/<experiment id>/<run id>/checkpoints/...), or --ckpt_path last to continue "
+            "the run the same command started"
+        )
+    folder = Path(str(root or "."))
+    if ckpt == "hpc" and not any(folder.glob("hpc_ckpt_*.ckpt")):
+        raise UserError(
+            f"--ckpt_path hpc: no hpc_ckpt_<n>.ckpt (Lightning's SLURM requeue checkpoint) in trainer.default_root_dir "
+            f"{folder}; pass a checkpoint file, or --ckpt_path last to continue the run the same command started"
+        )
+
+
 def check_checkpoint_exists(path: Path) -> None:
     if not path.exists():
         raise UserError(
@@ -258,5 +285,6 @@ def check_arguments(subcommand: str, args: list[str]) -> None:
             corpus_files(Path(corpus).expanduser(), bool(_resolved(given, "data.allow_binary")))
     ckpt = _resolved(given, "ckpt_path")
     check_checkpoint_given(subcommand, ckpt)
+    check_checkpoint_keyword(ckpt, _resolved(given, "trainer.default_root_dir"))
     if is_checkpoint_file(ckpt):
         check_checkpoint_exists(Path(str(ckpt)))

@@ -19,6 +19,7 @@ import json
 import shlex
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 from typing import Optional
 
@@ -28,6 +29,7 @@ from .errors import UserError
 from .grid_check import GridError
 from .names import file_name, path_name_problem
 
+DEFAULT_ROOT_KEY = "trainer.default_root_dir"
 AXIS_SHORT = {"model.arch.n_layers": "L", "seed_everything": "s", "trainer.deterministic": "det"}
 
 
@@ -171,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--skip-finished",
         action="store_true",
-        help="skip runs whose name already has a FINISHED run in the experiment (continue a grid in parts)",
+        help="skip runs whose name already has a FINISHED (or diverged) run in the experiment, and resume a KILLED or "
+        "FAILED one from its last checkpoint (continue a grid in parts, or after an interruption)",
     )
     c = p.add_argument_group(
         "cluster (--launcher slurm: one SLURM job per run, a job array through submitit; "
@@ -192,7 +195,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--timeout-min", type=int, default=24 * 60, help="jobs: time limit of each job, minutes")
     c.add_argument("--partition", help="jobs: SLURM partition")
-    c.add_argument("--gpus-per-node", type=int, help="jobs: GPUs per job")
+    c.add_argument(
+        "--gpus-per-node",
+        type=int,
+        help="jobs: GPUs per job; with N > 1 each run's fit uses all N (trainer.devices=N, one SLURM task whose fit "
+        "starts its own DDP processes)",
+    )
     c.add_argument("--cpus-per-task", type=int, help="jobs: CPUs per job")
     c.add_argument(
         "--slurm",
@@ -212,6 +220,8 @@ def job_parameters(args, spec: dict) -> dict:
         "timeout_min": args.timeout_min,
         "slurm_array_parallelism": args.parallel,
     }
+    if args.gpus_per_node is not None:
+        params["tasks_per_node"] = 1  # the fit starts a process per GPU itself (grid_jobs.py)
     for key, value in (
         ("slurm_partition", args.partition),
         ("gpus_per_node", args.gpus_per_node),
@@ -227,7 +237,43 @@ def job_parameters(args, spec: dict) -> dict:
     return params
 
 
-def submit_jobs(args, spec: dict, runs: list, uri: str, exp_id: str, on_done) -> None:
+def still_to_run(client, exp_id: str, runs: list, jobs_root: Optional[Path]) -> tuple[list, set[str]]:
+    """--skip-finished: the runs without a FINISHED (or diverged: it would diverge again) MLflow run of their name,
+    and the names among them whose KILLED or FAILED run left a last checkpoint, which resume it (`--ckpt_path last`)
+    instead of starting again from step 0. jobs_root: the cluster launchers' --runs-dir (each run's own
+    default_root_dir), None for the local one (the run's trainer.default_root_dir)."""
+    from .grid_check import argv_value
+    from .loggers.tags import STAGE_TAG
+
+    done, diverged, interrupted = set(), set(), defaultdict(list)
+    for r in client.search_runs([exp_id], max_results=50_000):
+        name = r.info.run_name
+        if r.data.tags.get(STAGE_TAG, "fit") != "fit":
+            continue
+        if r.data.tags.get("mhc.diverged") == "true":
+            diverged.add(name)
+        elif r.info.status == "FINISHED":
+            done.add(name)
+        elif r.info.status in ("KILLED", "FAILED"):
+            interrupted[name].append(r.info)
+    done |= diverged
+    todo, resumed = [], set()
+    for name, tags, argv in runs:
+        if name in done:
+            continue
+        root = jobs_root / file_name(name) if jobs_root else Path(str(argv_value(argv, DEFAULT_ROOT_KEY) or "."))
+        if any(any((root / i.experiment_id / i.run_id / "checkpoints").glob("last*.ckpt")) for i in interrupted[name]):
+            resumed.add(name)
+        todo.append((name, tags, argv))
+    print(
+        f"{len(done)} runs already finished ({len(diverged & done)} of them diverged); {len(todo)} to go, "
+        f"{len(resumed)} of them resuming an interrupted run from its last checkpoint",
+        flush=True,
+    )
+    return todo, resumed
+
+
+def submit_jobs(args, spec: dict, runs: list, uri: str, exp_id: str, on_done, resumed: set[str]) -> None:
     """--launcher slurm / submitit-local: one job per run (grid_jobs.py)."""
     from .grid_jobs import GridPoint, executor_for, submit
 
@@ -241,15 +287,30 @@ def submit_jobs(args, spec: dict, runs: list, uri: str, exp_id: str, on_done) ->
             str(log_path(args.logs.resolve(), name)),
             uri,
             exp_id,
+            resume=name in resumed,
+            gpus=args.gpus_per_node,
         )
         for name, tags, argv in runs
     ]
     submit(points, executor, wait=not args.no_wait, on_done=on_done)
 
 
+def _print_waiting(runs: list, uri: str) -> None:
+    """A line when the runs' MLflow writes wait in their spool (the store did not take them): those runs show RUNNING
+    in MLflow until `mhc sweep replay` sends them."""
+    from .grid_check import argv_value
+    from .loggers.spool import waiting_note, waiting_writes
+
+    spools = {str(argv_value(argv, "trainer.logger.init_args.spool_dir") or "mlflow_spool") for _, _, argv in runs}
+    for spool in sorted(spools):
+        waiting = waiting_writes(spool)
+        if waiting:
+            print(waiting_note(sum(waiting.values()), len(waiting), spool, uri), flush=True)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     from .child_processes import describe_exit, mhc_command, run_parallel
-    from .grid_check import check_runs, check_sets, sinkhorn_no_ops
+    from .grid_check import check_names, check_runs, check_sets, sinkhorn_no_ops
     from .grid_jobs import tag_runs
     from .loggers.credentials import clean_tracking_env
     from .loggers.store import absolute_store_uri, default_tracking_uri
@@ -262,9 +323,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         spec = load_grid(args.grid)
         check_sets(args.set, spec, args.grid)
-        root = Path(__file__).resolve().parents[1]
-        base = root if all((root / c).exists() for c in spec["configs"]) else Path.cwd()
+        # the checkout, else the current folder, else the configs an installed package carries (conf/ inside it)
+        roots = (Path(__file__).resolve().parents[1], Path.cwd(), Path(__file__).resolve().parent)
+        base = next((r for r in roots if all((r / c).exists() for c in spec["configs"])), Path.cwd())
         runs = expand(spec, base, [f"--{s}" for s in args.set])
+        check_names(args.grid, runs)
         check_runs(args.grid, runs)
     except GridError as err:
         print(f"mhc grid: error: {err}", file=sys.stderr)
@@ -278,10 +341,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     uri = absolute_store_uri(default_tracking_uri())
     client, exp_id = prepare_store(uri, spec["experiment"])
+    resumed: set[str] = set()
     if args.skip_finished:
-        done = {r.info.run_name for r in client.search_runs([exp_id], filter_string="attributes.status = 'FINISHED'")}
-        runs = [r for r in runs if r[0] not in done]
-        print(f"{len(done)} runs already finished; {len(runs)} to go")
+        jobs_root = None if args.launcher == "local" else args.runs_dir.resolve()
+        runs, resumed = still_to_run(client, exp_id, runs, jobs_root)
+        if args.launcher == "local":
+            runs = [(name, t, [*a, "--ckpt_path", "last"] if name in resumed else a) for name, t, a in runs]
     tags = {name: t for name, t, _ in runs}
     failed: list[str] = []
     t0 = time.time()
@@ -298,7 +363,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     jobs = [(name, mhc_command() + a, log_path(args.logs, name)) for name, _, a in runs]
     try:
         if args.launcher != "local":
-            submit_jobs(args, spec, runs, uri, exp_id, on_done)
+            submit_jobs(args, spec, runs, uri, exp_id, on_done, resumed)
             if args.no_wait:
                 return 0
         else:
@@ -312,6 +377,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"{len(runs) - len(failed)}/{len(runs)} runs finished; failed: {failed or 'none'}")
     if len(failed) < len(runs):
         print(f"next: {shlex.join(mhc_command() + report_command(spec))}")
+    _print_waiting(runs, uri)
     return 1 if failed else 0
 
 

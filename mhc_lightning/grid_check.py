@@ -43,24 +43,34 @@ def check_sets(sets: list[str], spec: dict, grid: Path) -> None:
             )
 
 
-def _config_mode(files: list[str]) -> Optional[str]:
-    """model.arch.hyper.residual_mode as the last of these config files that sets it says (None: none does)."""
-    mode = None
+def config_value(files: list[str], key: str) -> Optional[object]:
+    """`key` as the last of these config files that sets it says (None: none does)."""
+    value = None
     for path in files:
         try:
             cfg = yaml.safe_load(Path(path).read_text()) or {}
         except (OSError, yaml.YAMLError):
             continue  # the fit parser's check names it
-        for part in MODE_KEY.split("."):
+        for part in key.split("."):
             cfg = cfg.get(part) if isinstance(cfg, dict) else None
-        mode = cfg if isinstance(cfg, str) else mode
-    return mode
+        value = cfg if cfg is not None else value
+    return value
+
+
+def argv_value(argv: list[str], key: str) -> Optional[object]:
+    """`key` as a run's `mhc fit` arguments set it: its last --key=value flag, else its config files (base.yaml
+    first)."""
+    from .configs import default_config_files
+
+    flags = [a.partition("=")[2] for a in argv if a.startswith(f"--{key}=")]
+    if flags:
+        return flags[-1]
+    return config_value(default_config_files() + [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "-c"], key)
 
 
 def sinkhorn_no_ops(runs: list[tuple[str, dict, list[str]]]) -> Optional[str]:
     """A warning when the grid (its variants, axes or --set) sets sinkhorn_* keys for runs of a mode without Sinkhorn
     (mhc_lite, kromhc), which ignores them: those runs differ only in their names."""
-    from .configs import default_config_files
     from .model.modes import warning_modes
 
     no_sinkhorn = warning_modes(SINKHORN_PREFIX.rpartition(".")[2])
@@ -69,10 +79,7 @@ def sinkhorn_no_ops(runs: list[tuple[str, dict, list[str]]]) -> Optional[str]:
         keys = {a[2:].partition("=")[0] for a in argv if a.startswith(f"--{SINKHORN_PREFIX}")}
         if not keys:
             continue
-        flags = [a.partition("=")[2] for a in argv if a.startswith(f"--{MODE_KEY}=")]
-        files = default_config_files() + [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "-c"]
-        mode = flags[-1] if flags else _config_mode(files)
-        if mode in no_sinkhorn:
+        if argv_value(argv, MODE_KEY) in no_sinkhorn:
             hit.setdefault(tags.get("variant", "?"), set()).update(keys)
     if not hit:
         return None
@@ -81,6 +88,19 @@ def sinkhorn_no_ops(runs: list[tuple[str, dict, list[str]]]) -> Optional[str]:
         f"warning: {', '.join(keys)} is a no-op for {' / '.join(no_sinkhorn)} (no Sinkhorn): the runs of variant(s) "
         f"{sorted(hit)} differ only in their names"
     )
+
+
+def check_names(grid: Path, runs: list[tuple[str, dict, list[str]]]) -> None:
+    """Every run name must fit an MLflow run name and, as <name>.log, a file name (variants and axis values make it)."""
+    from .names import file_name, path_name_problem, run_name_problem
+
+    for name, _, _ in runs:
+        problem = run_name_problem(name) or path_name_problem(file_name(name), ".log")
+        if problem:
+            raise GridError(
+                f"{grid}: run name {problem} (the variant's name and the axis values make it); shorten the variant "
+                "names or the axis values"
+            )
 
 
 def check_runs(grid: Path, runs: list[tuple[str, dict, list[str]]]) -> None:

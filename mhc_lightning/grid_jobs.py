@@ -11,6 +11,10 @@ Requeue (time limit or preemption) resumes the same MLflow run from the point's 
   without submitit's checkpoint, and the requeued fit would open a new MLflow run. The fit ignores USR1 and USR2
   (the job acts on them), and is stopped by the job once submitit has requeued it.
 
+Several GPUs per job (`--gpus-per-node N`): the job is one SLURM task, and its fit runs on the job's N GPUs
+(`trainer.devices=N`) with Lightning starting the other N - 1 processes itself (LightningEnvironment): under SLURM's
+own environment Lightning would expect one task per GPU, and SLURM gave the job one.
+
 `--launcher submitit-local` runs the same jobs on this machine through submitit's LocalExecutor (a cluster grid tried
 on one machine; the tests). Cheap to import: submitit, MLflow and Lightning are imported where they are used.
 """
@@ -32,6 +36,8 @@ SLURM_PLUGIN = (
     '--trainer.plugins={"class_path": "lightning.pytorch.plugins.environments.SLURMEnvironment", '
     '"init_args": {"auto_requeue": false}}'
 )
+# A job with several GPUs: one task, whose fit starts its own DDP processes (see above)
+SPAWNING_PLUGIN = '--trainer.plugins={"class_path": "lightning.pytorch.plugins.environments.LightningEnvironment"}'
 CLUSTERS = {"slurm": "slurm", "submitit-local": "local"}  # --launcher -> submitit's executor
 
 
@@ -66,14 +72,17 @@ class GridPoint:
         tracking_uri: str,
         experiment_id: str,
         resume: bool = False,
+        gpus: Optional[int] = None,
     ):
         self.name, self.argv, self.tags, self.root, self.log = name, list(argv), dict(tags), root, log
-        self.tracking_uri, self.experiment_id, self.resume = tracking_uri, experiment_id, resume
+        self.tracking_uri, self.experiment_id, self.resume, self.gpus = tracking_uri, experiment_id, resume, gpus
         self._child: Optional[Child] = None
 
     def command(self) -> list[str]:
         argv = [*self.argv, f"--trainer.default_root_dir={self.root}"]
-        if os.environ.get("SLURM_JOB_ID"):
+        if self.gpus and self.gpus > 1:
+            argv += [f"--trainer.devices={self.gpus}", SPAWNING_PLUGIN]  # every GPU of the job, one task
+        elif os.environ.get("SLURM_JOB_ID"):
             argv.append(SLURM_PLUGIN)
         if self.resume and has_checkpoint(Path(self.root)):
             argv += ["--ckpt_path", "last"]  # the same MLflow run, from its last checkpoint
@@ -101,7 +110,15 @@ class GridPoint:
 
         return DelayedSubmission(
             GridPoint(
-                self.name, self.argv, self.tags, self.root, self.log, self.tracking_uri, self.experiment_id, resume=True
+                self.name,
+                self.argv,
+                self.tags,
+                self.root,
+                self.log,
+                self.tracking_uri,
+                self.experiment_id,
+                resume=True,
+                gpus=self.gpus,
             )
         )
 

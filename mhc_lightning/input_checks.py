@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any, Optional
 
 import torch
 
-from .checkpoint_io import verify
+from .checkpoint_io import good_beside, remove_stale_temporaries, verify
 from .data import ByteTextDataModule
 from .early_checks import check_checkpoint_exists, check_checkpoint_given, is_checkpoint_file
 from .errors import UserError
@@ -107,6 +108,8 @@ def schedule_warnings(max_steps: int, warmup_steps: int, diagnostics_every: int,
 def check_checkpoint(path: Path, arch: dict) -> CheckpointInfo:
     """Refuse a missing or unreadable checkpoint, or one trained with another architecture than ``arch``."""
     check_checkpoint_exists(path)
+    for tmp in remove_stale_temporaries(path.parent):
+        print(f"mhc: removed {tmp.name}, left in {tmp.parent} by a checkpoint write that was killed", file=sys.stderr)
     verify(path, _run_id_from_layout(path))  # CorruptCheckpoint names the newest good checkpoint beside it
     ckpt = _load(path)
     trained = (ckpt.get("hyper_parameters") or {}).get("arch")
@@ -131,14 +134,19 @@ def check_checkpoint(path: Path, arch: dict) -> CheckpointInfo:
 
 
 def _load(path: Path) -> dict:
+    """The checkpoint's contents; a file that is not a whole torch.save archive (cut short, or not a checkpoint) is a
+    UserError naming the newest good checkpoint beside it."""
+    instead = good_beside(path, _run_id_from_layout(path), otherwise="pass a .ckpt file written by mhc fit.")
     if not zipfile.is_zipfile(path):  # torch.save has written zip archives since torch 1.6
-        raise UserError(f"{path} is not a checkpoint (not a torch.save archive); pass a .ckpt file written by mhc fit.")
+        raise UserError(
+            f"checkpoint {path} is not a whole torch.save archive (cut short, or not a checkpoint); {instead}"
+        )
     # mmap: the hyperparameters are needed, not the weights; weights_only as Lightning itself loads it.
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:  # torch raises many types for a file that is not a checkpoint
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UserError(f"checkpoint {path} cannot be read ({first}); pass a .ckpt file written by mhc fit.") from err
+        raise UserError(f"checkpoint {path} cannot be read ({first}); {instead}") from err
 
 
 def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:

@@ -178,6 +178,9 @@ def finish(args: list[str]) -> Optional[int]:
     where = f" at step {STOP.step}" if STOP.step is not None else ""
     then = f"Resume with: {resume_command(args)}" if good else "Run the same command to start again."
     _say(f"stopped by {name}{where}; {saved}{marked}. {then}")
+    for note in dict.fromkeys(getattr(client, "pending_note", str)() for client, _ in STOP.runs):
+        if note:  # the store did not take the end of the run (loggers/spool.py): say where it waits
+            _say(note)
     status = 128 + STOP.signum
     STOP.reset()
     return status

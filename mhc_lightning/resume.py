@@ -20,7 +20,7 @@ from typing import Any, Optional
 from .child_processes import mhc_command
 from .errors import UserError
 from .loggers.mlflow_runs import mlflow_logger_configs
-from .loggers.tags import STAGE_TAG
+from .loggers.tags import DATA_TAGS, STAGE_TAG
 
 LAST = "last"
 LOCAL_LAST = "last.ckpt"
@@ -98,9 +98,76 @@ def check_resume(cfg, checkpoint, run: Optional[str]) -> None:
                 f"--extend: trainer.max_steps={max_steps} is not beyond the checkpoint's step {step}; "
                 "pass a larger trainer.max_steps"
             )
+    check_same_data(cfg)
     where = f"{run} from {checkpoint.path}" if run else str(checkpoint.path)
     total = f" of {max_steps}" if max_steps > 0 else ""
     print(f"resuming {where}: it restarts at step {step}{total}", file=sys.stderr, flush=True)
+
+
+def _continued_run(cfg) -> Optional[tuple[str, dict]]:
+    """(run id, tags) of the MLflow run this fit continues (`--ckpt_path last`, or a run_id given); None for a new run
+    or a store that cannot tell (the logger then says what is wrong with it)."""
+    loggers = mlflow_logger_configs(_get(cfg.trainer, "logger"))
+    init = loggers[0].init_args if loggers else {}
+    run_id = _get(init, "run_id")
+    if not run_id:
+        return None
+    from mlflow import MlflowClient
+
+    from .loggers.store import default_tracking_uri, sqlite_path
+
+    uri = _get(init, "tracking_uri") or default_tracking_uri()
+    db = sqlite_path(uri)
+    if db is not None and not db.is_file():  # opening it would create the store
+        return None
+    try:
+        return run_id, MlflowClient(uri).get_run(run_id).data.tags
+    except Exception:
+        return None
+
+
+def data_digests(data_cfg) -> dict[str, str]:
+    """{split: sha256} of the data `data_cfg` reads, as the run's tags record them (ByteTextDataModule.setup)."""
+    from .data import ByteTextDataModule
+    from .data.shards import data_digest
+    from .input_checks import as_dict
+
+    data = ByteTextDataModule(**as_dict(data_cfg))
+    if data.meta:  # prepared shards: from their metadata, without reading them
+        return {split: data_digest(data.meta, split) for split in DATA_TAGS}
+    data.setup("fit")
+    return {"train": data.train_sha256, "val": data.val_sha256}
+
+
+def check_same_data(cfg) -> None:
+    """A fit that continues an MLflow run must read the data the run trained on: refuse other data (one line, both
+    digests) unless `--data_changed` says so; then say it, and the run's tags keep both (run_provenance.py)."""
+    continued = _continued_run(cfg)
+    if continued is None:
+        return
+    run_id, tags = continued
+    recorded = {split: tags[tag].split(",")[-1] for split, tag in DATA_TAGS.items() if tags.get(tag)}
+    if not recorded:
+        return
+    now = data_digests(cfg.data)
+    changed = [split for split in recorded if recorded[split] != now[split]]
+    if not changed:
+        return
+    said = "; ".join(
+        f"its {split} split has sha256 {now[split]}, run {run_id} trained on {recorded[split]} (tag {DATA_TAGS[split]})"
+        for split in changed
+    )
+    corpus = _get(cfg.data, "corpus")
+    if not _get(cfg, "data_changed"):
+        raise UserError(
+            f"data.corpus {corpus} changed since the run this fit continues read it: {said}. Restore that data, or add "
+            "--data_changed to continue the run on this data on purpose (its tags then keep both digests)"
+        )
+    print(
+        f"mhc fit: data.corpus {corpus} changed on purpose (--data_changed): {said}; the run's tags keep both",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def find_checkpoint(
@@ -166,12 +233,15 @@ def find_checkpoint(
 
 def newest_last(folder: Path) -> Optional[Path]:
     """The folder's last.ckpt, or a versioned last-vN.ckpt beside it where that holds a later step: Lightning wrote one
-    when a resumed checkpoint named no last file, leaving last.ckpt at the resumed step."""
+    when a resumed checkpoint named no last file, leaving last.ckpt at the resumed step. Without either (its write
+    failed: a full disk, a read-only folder), the newest good checkpoint there."""
+    from .checkpoint_io import checkpoint_step, last_good
+
     local = folder / LOCAL_LAST
     versioned = [p for p in folder.glob(f"{Path(LOCAL_LAST).stem}-v*.ckpt") if p.is_file()]
     if not versioned:
-        return local if local.is_file() else None
-    from .checkpoint_io import checkpoint_step
+        good = None if local.is_file() else last_good(folder)
+        return local if local.is_file() else good[0] if good else None
 
     found = [(checkpoint_step(p) or -1, p.stat().st_mtime_ns, p) for p in [local, *versioned] if p.is_file()]
     return max(found)[2]

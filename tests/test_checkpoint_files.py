@@ -7,6 +7,7 @@ import ctypes
 import errno
 import os
 import shlex
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -103,6 +104,18 @@ def test_corrupted_last_checkpoint_is_refused_naming_the_last_good_one(tiny_corp
     assert "Traceback" not in err
     assert _files(tmp_path) == before_files and _runs(mlflow_uri) == before_runs  # nothing written
     print(f"[figures] corrupted last.ckpt: exit 2, stderr {err.splitlines()}")
+
+    # cut short instead, beside the temporary file of a write that was killed (its writer, pid 2**22 + 1, is gone)
+    last.write_bytes(last.read_bytes()[: size // 2])
+    stale = folder / f".last.ckpt.{socket.gethostname()}-{2**22 + 1}-0123abcd.tmp"
+    stale.write_bytes(b"partial")
+    with pytest.raises(SystemExit):
+        main([*args, "--ckpt_path", "last"])
+    err = capsys.readouterr().err
+    (line,) = _error_lines(err)
+    assert f"checkpoint {last} is not a whole torch.save archive (cut short, or not a checkpoint)" in line
+    assert f"the last good checkpoint is {good} (step {checkpoint_step(good)})" in line
+    assert not stale.exists() and f"removed {stale.name}, left in {folder} by a checkpoint write" in err
 
     main([*args, "--ckpt_path", str(good), f"--trainer.logger.init_args.run_id={run_id}"])
     assert _runs(mlflow_uri) == [(run_id, "FINISHED")]

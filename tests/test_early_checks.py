@@ -4,6 +4,7 @@ a fraction of a second, not the seconds to a minute their imports take."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import warnings
@@ -30,11 +31,17 @@ BAD_INPUTS = {  # mhc arguments: what the one line says
     ),
     "corpus": (["fit", "--data.corpus", "nowhere/"], "corpus path nowhere does not exist"),
     "binary": (["fit", "--data.corpus=noise.txt"], "corpus file noise.txt does not look like text"),
+    "fifo": (["fit", "--data.corpus=pipe"], "corpus path pipe is neither a file nor a folder (a pipe, socket or"),
     "checkpoint": (
         ["fit", "-c", "{quickstart}", "--ckpt_path", "runs/1/last.ckpt"],
         "checkpoint runs/1/last.ckpt does not exist",
     ),
     "no_checkpoint": (["validate", "-c", "{quickstart}"], "validate evaluates a checkpoint: pass --ckpt_path"),
+    "best": (["fit", "-c", "{quickstart}", "--ckpt_path", "best"], "--ckpt_path best: Lightning's best checkpoint"),
+    "hpc": (
+        ["validate", "-c", "{quickstart}", "--ckpt_path=hpc"],
+        "--ckpt_path hpc: no hpc_ckpt_<n>.ckpt (Lightning's SLURM requeue checkpoint) in trainer.default_root_dir runs",
+    ),
 }
 
 CHILD = """
@@ -56,6 +63,7 @@ def test_cheap_inputs_are_answered_before_torch_and_lightning_are_imported(tmp_p
     (tmp_path / "broken.yaml").write_text("trainer:\n  max_steps: [3\n")
     (tmp_path / "typo.yaml").write_text("model:\n  arch:\n    hyper:\n      n_stream: 2\n")
     (tmp_path / "noise.txt").write_bytes(bytes(range(256)) * 64)
+    os.mkfifo(tmp_path / "pipe")
     fill = {"quickstart": str(CONF / "quickstart.yaml"), "conf": str(CONF)}
     cases = {name: [a.format(**fill) for a in args] for name, (args, _) in BAD_INPUTS.items()}
     before = sorted(p.name for p in tmp_path.iterdir())

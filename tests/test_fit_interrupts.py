@@ -21,6 +21,7 @@ from helpers import CONF, REPO, handshake_arg, one_thread, wait_for
 from lightning.pytorch.callbacks import ModelCheckpoint
 from mlflow import MlflowClient
 
+from mhc_lightning.checkpoint_io import VerifiedCheckpointIO
 from mhc_lightning.cli import main
 from mhc_lightning.interrupts import keep_last_name
 from mhc_lightning.resume import newest_last
@@ -210,6 +211,10 @@ def test_a_fit_resumed_from_a_versioned_last_checkpoint_writes_last_ckpt_again(t
         torch.save({"global_step": step}, folder / name)
     assert newest_last(folder) == folder / "last-v1.ckpt"
     assert newest_last(tmp_path) is None
+    unwritten = tmp_path / "unwritten"  # its last.ckpt could not be written: the newest good checkpoint resumes
+    for name, step in (("epoch=0-step=2.ckpt", 2), ("epoch=0-step=4.ckpt", 4)):
+        VerifiedCheckpointIO().save_checkpoint({"global_step": step}, unwritten / name)
+    assert newest_last(unwritten) == unwritten / "epoch=0-step=4.ckpt"
     cb = ModelCheckpoint(dirpath=folder, save_last=True)
     cb.last_model_path = str(folder / "last-v1.ckpt")
     keep_last_name(SimpleNamespace(checkpoint_callbacks=[cb], ckpt_path=str(folder / "last-v1.ckpt")))

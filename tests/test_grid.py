@@ -247,3 +247,59 @@ def test_dry_run_prints_pasteable_commands_and_a_grid_names_its_report(tmp_path,
     assert report_command(spec) == [
         "report", "--experiment", "tiny-grid", "--group-by", "variant,model.arch.n_layers", "--baseline", "mhc"
     ]  # fmt: skip
+
+
+def test_skip_finished_resumes_interrupted_runs_from_their_checkpoint(tmp_path, monkeypatch, mlflow_uri, capsys):
+    """Four points in the store: one FINISHED, one diverged (FAILED, tagged): both skipped; one KILLED with a last
+    checkpoint: resumed with `--ckpt_path last`; one FAILED before any checkpoint: run again from step 0."""
+    from mlflow import MlflowClient
+
+    import mhc_lightning.child_processes as child_processes
+    from mhc_lightning.grid import main
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
+    grid = tmp_path / "g.yaml"
+    grid.write_text(json.dumps({**TINY_GRID, "axes": {"seed_everything": [1, 2]}}))
+    client = MlflowClient(mlflow_uri)
+    exp = client.create_experiment("tiny-grid")
+    for name, status, tags in (
+        ("mhc-s1", "FINISHED", {}),
+        ("hc-s1", "KILLED", {}),
+        ("mhc-s2", "FAILED", {"mhc.diverged": "true"}),
+        ("hc-s2", "FAILED", {}),
+    ):
+        run = client.create_run(exp, run_name=name, tags=tags).info
+        client.set_terminated(run.run_id, status)
+        if name == "hc-s1":
+            (tmp_path / "runs" / exp / run.run_id / "checkpoints").mkdir(parents=True)
+            (tmp_path / "runs" / exp / run.run_id / "checkpoints" / "last.ckpt").write_bytes(b"")
+    started = {}
+    monkeypatch.setattr(
+        child_processes, "run_parallel", lambda jobs, *a, **k: started.update({n: argv for n, argv, _ in jobs})
+    )
+    (tmp_path / "mlflow_spool" / "r1").mkdir(parents=True)  # writes a run's store did not take (loggers/spool.py)
+    (tmp_path / "mlflow_spool" / "r1" / "host-1-ab.jsonl").write_text('{"op": "set_tag"}\n{"op": "set_terminated"}\n')
+    main([str(grid), "--skip-finished", "--set", f"trainer.default_root_dir={tmp_path / 'runs'}"])
+    out = capsys.readouterr().out
+    assert "2 runs already finished (1 of them diverged); 2 to go, 1 of them resuming" in out
+    assert out.strip().splitlines()[-1].startswith("2 MLflow writes not in the store yet, kept in mlflow_spool ")
+    assert sorted(started) == ["hc-s1", "hc-s2"]
+    assert started["hc-s1"][-2:] == ["--ckpt_path", "last"] and "--ckpt_path" not in started["hc-s2"]
+
+
+def test_a_run_name_too_long_for_a_file_or_a_run_is_refused_with_dry_run_too(tmp_path, monkeypatch, capsys):
+    from mhc_lightning.grid import main
+
+    monkeypatch.chdir(tmp_path)
+    grid = tmp_path / "g.yaml"
+    for variant, says in (
+        ("v" * 300, "variants: 'vvv"),
+        ("v" * 300, "is too long for a file name: 300 bytes, at most 255"),
+        ("v" * 248, "run name 'vvv"),
+        ("v" * 248, "is too long for an MLflow run name: 251 characters, at most 250"),
+    ):
+        grid.write_text(json.dumps({**TINY_GRID, "variants": {variant: {}}}))
+        assert main([str(grid), "--dry-run"]) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith(f"mhc grid: error: {grid}: ") and says in line, line
+    assert not list(tmp_path.glob("*.db"))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import lightning as L
 import pytest
-from helpers import REPO, SLURM_LIKE, tiny_grid_sets, wait_for
+from helpers import REPO, SLURM_LIKE, tiny_fit_args, tiny_grid_sets, wait_for
 
 
 class PauseAt(L.Callback):
@@ -74,6 +74,7 @@ def test_slurm_parameters_and_bad_ones(tmp_path):
         "name": "mhc-grid-x",
         "timeout_min": 1440,
         "slurm_array_parallelism": 4,
+        "tasks_per_node": 1,
         "gpus_per_node": 1,
         "slurm_account": "proj",
         "slurm_mem_gb": 64,
@@ -81,6 +82,31 @@ def test_slurm_parameters_and_bad_ones(tmp_path):
     args = build_parser().parse_args(["g.yaml", "--slurm", "account"])
     with pytest.raises(GridError, match="--slurm 'account': expected KEY=VALUE"):
         job_parameters(args, {"experiment": "x"})
+
+
+def test_a_job_with_two_gpus_runs_one_fit_on_both_under_slurm(tiny_corpus, mlflow_uri, tmp_path, monkeypatch):
+    """`--gpus-per-node 2`: SLURM gives the job one task and two GPUs. The point's fit uses both (trainer.devices=2)
+    and starts its second process itself; under SLURM's environment Lightning refuses devices=2 with one task per
+    node. (Two CPU processes stand for the GPUs; the Trainer is built, not run.)"""
+    from lightning.pytorch.plugins.environments import LightningEnvironment
+
+    from mhc_lightning.child_processes import mhc_command
+    from mhc_lightning.cli import build_cli
+    from mhc_lightning.grid_jobs import SLURM_PLUGIN, GridPoint
+
+    for key, value in {**SLURM_LIKE, "SLURM_NTASKS_PER_NODE": "1", "SLURM_NNODES": "1"}.items():
+        monkeypatch.setenv(key, value)
+    argv = [*tiny_fit_args(tiny_corpus, mlflow_uri, tmp_path / "runs"), "--trainer.accelerator=cpu"]
+    point = GridPoint("mhc-s1", argv, {}, str(tmp_path / "runs"), str(tmp_path / "log"), mlflow_uri, "0", gpus=2)
+    command = point.command()[len(mhc_command()) + 1 :]  # without `mhc fit`
+    assert SLURM_PLUGIN not in command
+    trainer = build_cli(command, run=False).trainer
+    env = trainer.strategy.cluster_environment  # what the launcher checks, then starts the other process from
+    assert trainer.num_devices == 2 and isinstance(env, LightningEnvironment) and not env.creates_processes_externally
+    env.validate_settings(num_devices=2, num_nodes=1)
+    slurm = build_cli([a for a in command if "LightningEnvironment" not in a], run=False).trainer
+    with pytest.raises(ValueError, match="--ntasks-per-node=1"):
+        slurm.strategy.cluster_environment.validate_settings(num_devices=2, num_nodes=1)
 
 
 @pytest.mark.slow

@@ -81,3 +81,34 @@ def test_extend_continues_the_cosine_from_the_factor_reached():
     early = WarmupCosine(warmup=10, total=30, min_ratio=0.1)
     early.extend(5, 50)
     assert [early(s) for s in range(60)] == pytest.approx([WarmupCosine(10, 50, 0.1)(s) for s in range(60)])
+
+
+@pytest.mark.slow
+def test_a_corpus_edited_before_the_resume_is_refused_unless_data_changed(tiny_corpus, mlflow_uri, tmp_path, capsys):
+    """The corpus is edited after a 2-step run: `--ckpt_path last` stops with one line naming the split's digest now
+    and the one the run trained on, exit 2, nothing written; with --data_changed the run goes on and its data tags
+    keep both digests, in order."""
+    root = tmp_path / "runs"
+    main(_args(tiny_corpus, mlflow_uri, root, 2))
+    client = MlflowClient(mlflow_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
+    first = run.data.tags["mhc.data.train_sha256"]
+    tiny_corpus.write_text(tiny_corpus.read_text().replace("the", "a"))
+    files = {p: p.stat().st_mtime_ns for p in root.rglob("*")}
+    capsys.readouterr()
+
+    with pytest.raises(SystemExit) as stopped:
+        main(_args(tiny_corpus, mlflow_uri, root, 2, "--ckpt_path", "last"))
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and "Traceback" not in err
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("mhc fit: error:")]
+    assert f"run {run.info.run_id} trained on {first} (tag mhc.data.train_sha256)" in line
+    assert "its train split has sha256 " in line and "add --data_changed" in line
+    assert {p: p.stat().st_mtime_ns for p in root.rglob("*")} == files
+    assert client.get_run(run.info.run_id).info.status == "FINISHED"
+
+    main(_args(tiny_corpus, mlflow_uri, root, 2, "--ckpt_path", "last", "--data_changed"))
+    assert "changed on purpose (--data_changed)" in capsys.readouterr().err
+    tags = client.get_run(run.info.run_id).data.tags
+    history = tags["mhc.data.train_sha256"].split(",")
+    assert len(history) == 2 and history[0] == first and history[1] in line

@@ -7,6 +7,8 @@ max_failed continued, and sweep-file mistakes that must stop the sweep before (o
 
 from __future__ import annotations
 
+import io
+import logging
 import os
 import shutil
 import signal
@@ -348,6 +350,7 @@ def test_unknown_fit_keys_are_refused_before_any_trial(change, named, corpus, tm
     assert len(lines) == 1 and named in lines[0] and "rejects the sweep's arguments" in lines[0], err
     assert time.monotonic() - t0 < 60
     assert optuna.get_all_study_names(storage) == []  # not one trial, not even a study
+    assert not (tmp_path / "m.db").exists()  # nor an MLflow store
     print(f"[figures] unknown key {named}: refused after {time.monotonic() - t0:.1f} s, 0 trials")
 
 
@@ -448,6 +451,31 @@ def test_duplicate_proposals_are_not_trained_and_do_not_count(corpus, tmp_path, 
     runs = client.search_runs([client.get_experiment_by_name(name).experiment_id], "tags.`optuna.role` = 'trial'")
     assert len(runs) == 2
     print(f"[figures] exhausted space: 2 trials trained, {len(dups)} duplicate proposals not trained")
+
+
+def test_optuna_says_nothing_of_a_duplicate_proposal_and_still_names_a_failure():
+    """The worker's filter on Optuna's log: a duplicate proposal's two warnings (one with a traceback) are dropped, a
+    real failure's are kept."""
+    from mhc_lightning.sweeps.objective import DuplicateTrial
+    from mhc_lightning.sweeps.worker import quiet_duplicates
+
+    def objective(trial):
+        trial.suggest_categorical("x", ["only"])
+        raise DuplicateTrial("same parameters") if trial.number < 3 else ValueError("a real failure")
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    # optuna.logging's own handler, to stderr (pytest may add its capturing one)
+    handler = next(h for h in logging.getLogger("optuna").handlers if type(h) is logging.StreamHandler)
+    said = io.StringIO()
+    stream = handler.setStream(said)
+    try:
+        quiet_duplicates()
+        optuna.create_study().optimize(objective, n_trials=4, catch=(Exception,))
+    finally:
+        handler.setStream(stream)
+    lines = said.getvalue().splitlines()
+    assert not [line for line in lines if line.startswith("[W") and "Trial 3 " not in line], lines
+    assert "Trial 3 failed with parameters" in lines[0] and "ValueError: a real failure" in said.getvalue()
 
 
 # ---- a sweep whose every trial fails must end ------------------------------------------------------------------------

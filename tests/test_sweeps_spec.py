@@ -99,6 +99,10 @@ def test_shipped_sweeps_cover_the_issue_space():
         ({"name": "two words"}, ["name", "without spaces"]),
         ({"base": ["conf/nope.yaml"]}, ["base[0]", "nope.yaml", "not found"]),
         ({"budget": {"n_trials": 0}}, ["budget.n_trials", ">= 1"]),
+        ({"budget": {"max_failed": -1}}, ["budget.max_failed", "must be an integer >= 0", "got -1"]),
+        ({"budget": {"timeout_s": -5}}, ["budget.timeout_s", "> 0 per worker, or null, got -5"]),
+        ({"name": "s" * 300}, ["name", "too long for a file name: 300 bytes, at most 255"]),
+        ({"name": "s" * 246}, ["name", "too long for an MLflow run name (its trials' runs", "252 characters"]),
         ({"enqueue": [{"model.optim.momentum": 0.9}]}, ["enqueue[0].model.optim.momentum", "not a key of space"]),
     ],
 )

@@ -4,8 +4,8 @@
   overwritten with the real one), `mhc.code.sha256` (a digest of the package's and the kernels' sources that run),
   `mhc.code` (the label `mhc compare` groups by: the commit, or `src:<digest>` where no checkout tells the code, which
   the run says in one line at its start; `mhc.code.unknown_because` says why; `mhc.build.commit` in the Docker image),
-  `mhc.env.*` (Python, library, CUDA and GPU versions), `mhc.data.train_sha256` / `mhc.data.val_sha256` /
-  `mhc.data.seed_source`;
+  `mhc.env.*` (Python, library, CUDA and GPU versions), `mhc.data.train_sha256` / `mhc.data.val_sha256` (every
+  digest a resumed run read, comma-separated: `mhc fit --data_changed`) / `mhc.data.seed_source`;
 - params `seed_everything`, `data.seed` and the trainer settings that change results (`trainer.*`);
 - artifacts `provenance/environment.json` and, for a dirty checkout that holds all the code, the
   `provenance/uncommitted-<digest>.diff`;
@@ -30,6 +30,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, Timer
 from lightning.pytorch.loggers import MLFlowLogger
 
+from ..loggers.tags import DATA_TAGS
 from ..provenance import build_commit, environment, run_code
 
 CODE_TAG = "mhc.code"
@@ -115,8 +116,8 @@ class RunProvenance(Callback):
             params["data.seed"] = str(dm.hparams.seed)
             tags.update(
                 {
-                    "mhc.data.train_sha256": dm.train_sha256,
-                    "mhc.data.val_sha256": dm.val_sha256,
+                    DATA_TAGS["train"]: dm.train_sha256,
+                    DATA_TAGS["val"]: dm.val_sha256,
                     "mhc.data.seed_source": str(dm.seed_source),
                     # what a token is: val/bpb = val/loss / ln 2 / bytes_per_token; nats per token compare only
                     # between runs of one tokenizer (mhc compare / report say so)
@@ -157,6 +158,10 @@ class RunProvenance(Callback):
                     if key != DIRTY_TAG
                     else ("true" if "true" in (before_tags[key], tags[key]) else tags[key])
                 )
+        for key in DATA_TAGS.values():  # every data it read, in order, the last one now (`mhc fit --data_changed`)
+            seen = before_tags.get(key)
+            if seen and key in tags:
+                tags[key] = seen if seen.split(",")[-1] == tags[key] else f"{seen},{tags[key]}"
         for key, value in params.items():
             if key in before_params and before_params[key] != value:
                 tags[CHANGED_PREFIX + key] = f"{before_params[key]} -> {value}"

@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
 from ..loggers.mlflow_runs import mlflow_loggers
+from ..loggers.store import outage_reason
 
 
 class SystemMetrics(Callback):
@@ -57,5 +58,5 @@ class SystemMetrics(Callback):
                     monitor.publish_metrics(last)
                     monitor.mlflow_logger.flush()
             except Exception as err:  # best effort, as MLflow's own monitor: a server away must not fail the fit
-                rank_zero_warn(f"last system metrics not sent to MLflow: {type(err).__name__}: {err}")
+                rank_zero_warn(f"last system metrics not sent to MLflow ({outage_reason(err)})")
         self._monitors = []

@@ -200,6 +200,11 @@ def corpus_files(path: Path, allow_binary: bool = False) -> list[Path]:
         files = [path]
         if path.stat().st_size == 0:
             raise CorpusError(f"corpus file {path} is empty; pass a file with text in it.")
+    elif not path.is_dir():  # a FIFO, a socket, a device: nothing to read twice (the split reads sizes, then bytes)
+        raise CorpusError(
+            f"corpus path {path} is neither a file nor a folder (a pipe, socket or device); pass a text file, a folder "
+            "of *.txt files, or 'shakespeare'."
+        )
     else:
         files = sorted(p for p in path.rglob("*.txt") if p.is_file())
         if not files:

@@ -80,3 +80,5 @@ def announce_run(trainer, stage: str) -> None:
             print(f"view it:  {mask(uri).rstrip('/')}/{page}")
         else:
             print(f"view it:  {mask(ui_hint(uri))}   (then open http://127.0.0.1:5000/{page})")
+        if getattr(lg, "pending_note", ""):  # the command's last line: the store does not hold the whole run yet
+            print(f"not sent yet: {lg.pending_note}")

@@ -4,9 +4,11 @@ server and resume"). Every shipped config uses it.
 - Start: an unreachable tracking store stops `mhc fit` within seconds with one line naming the URI (a UserError),
   before any run, folder or checkpoint exists. A run that starts with the server away would only fill a spool that
   nobody is told about; a typo in the URI is the usual cause.
-- During the run: a write that fails because the server went away is kept in a spool on local disk (spool.py) and
-  sent when it returns, so an outage never stops or stalls training; what is left at the end waits for
-  `mhc sweep replay`.
+- During the run: a write that fails because the server went away, or the SQLite store is locked, full or read-only,
+  is kept in a spool on local disk (spool.py) and sent when the store takes writes again, so an outage never stops or
+  stalls training (one line says it began; MLflow's traceback per failed write is not shown); what is left at the end
+  waits for `mhc sweep replay`, and the end of the command says so in one line (`pending_note`): the run shows RUNNING
+  in the store until then.
 - Resume (`mhc fit ... --ckpt_path last`, see resume.py): the same MLflow run continues; metric steps it already
   holds are not logged a second time (steps between the checkpoint and the kill keep the first attempt's values,
   which an exact resume reproduces anyway).
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional
@@ -37,7 +40,9 @@ from .store import (
     check_tracking,
     ensure_experiment,
     is_outage,
+    outage_reason,
     probe_database,
+    quiet_store_errors,
     redact,
     store_lock,
     unopenable,
@@ -66,6 +71,7 @@ class ResilientMLFlowLogger(MLFlowLogger):
         **kwargs: Any,
     ):
         use_fast_http_failures()
+        quiet_store_errors()
         given = inspect.signature(MLFlowLogger).bind_partial(*args, **kwargs).arguments
         uri = given.get("tracking_uri", os.getenv("MLFLOW_TRACKING_URI"))
         probe_database(uri)  # in seconds, not after MLflow's retries
@@ -78,6 +84,7 @@ class ResilientMLFlowLogger(MLFlowLogger):
         self._started = False
         self._logged_up_to: dict[str, int] = {}  # resumed run: last step already logged, per metric
         self._checkpoint_callbacks: list = []
+        self.pending_note = ""  # set at the end when writes are left in the spool (the CLI prints it last)
         # Lightning's logger has no way to hand it a client: route its own client through the guard, so that every
         # write Lightning makes (metrics, params, artifacts, the final status) is kept when the server is down.
         self._guard = GuardedClient(self._mlflow_client, spool_dir, retry_every, f" at {redact(self._tracking_uri)}")
@@ -102,7 +109,7 @@ class ResilientMLFlowLogger(MLFlowLogger):
             if is_outage(err):
                 raise TrackingUnreachable(
                     f"MLflow tracking store {redact(self._tracking_uri)} stopped answering "
-                    f"while the run was created ({type(err).__name__}); start the run again "
+                    f"while the run was created ({outage_reason(err)}); start the run again "
                     "once it is back"
                 ) from None
             raise
@@ -141,7 +148,10 @@ class ResilientMLFlowLogger(MLFlowLogger):
             if not is_outage(err):
                 raise
             self._guard.set_terminated(self.run_id, _STATUS.get(status, status))  # kept in the spool
-        sent = self._guard.drain(self._flush_timeout, self._tracking_uri)
+        sent = self._guard.drain(self._flush_timeout)
+        self.pending_note = self._guard.pending_note(self._tracking_uri)
+        if self.pending_note and status != "success":  # no closing announcement follows (mlflow_runs.announce_run)
+            print(f"mhc: {self.pending_note}", file=sys.stderr, flush=True)
         if self._log_model and status == "success" and sent:
             self._remove_uploaded_checkpoints()
 

@@ -21,7 +21,7 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-from .store import check_tracking, is_outage, redact
+from .store import check_tracking, is_outage, outage_reason, redact
 
 
 # ---- spool: failed writes kept on disk, replayed in order ------------------------------------------
@@ -53,6 +53,7 @@ class GuardedClient:
         self._last_try = 0.0
         self._delay = retry_every  # doubles while retries keep failing (a black-holed server costs a timeout each)
         self.dropped = 0
+        self.reason = ""  # why the store did not take the first spooled write, in a few words
 
     @property
     def pending(self) -> int:
@@ -72,9 +73,9 @@ class GuardedClient:
             if not is_outage(err):
                 raise
             self._last_try = time.monotonic()
+            self.reason = outage_reason(err)
             warnings.warn(
-                f"MLflow unreachable{self.label}: {type(err).__name__}; keeping writes in {self.spool_root} "
-                "and training on",
+                f"MLflow unreachable{self.label} ({self.reason}): keeping writes in {self.spool_root} and going on",
                 RuntimeWarning,
                 stacklevel=3,
             )
@@ -97,21 +98,25 @@ class GuardedClient:
             self._delay = self.retry_every
         return left == 0
 
-    def drain(self, timeout: float, uri: str = "") -> bool:
-        """Retry until the spool is empty or timeout seconds have passed (end of fit)."""
+    def drain(self, timeout: float) -> bool:
+        """Retry until the spool is empty or timeout seconds have passed (end of fit); False: writes are left
+        (`pending_note` says where)."""
         deadline = time.monotonic() + timeout
         while not self.flush(force=True):
             if time.monotonic() >= deadline:
-                warnings.warn(
-                    f"MLflow server {redact(uri)} still unreachable: {self._pending} writes kept in "
-                    f"{self._file.parent}. "
-                    f"Send them later with:  mhc sweep replay {self.spool_root} --tracking-uri {redact(uri)}",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
                 return False
             time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
         return True
+
+    def pending_note(self, uri: Optional[str] = None) -> str:
+        """One line for the end of a command: how many writes wait, where, and the command that sends them ('' when
+        none wait). uri: the store's, as the user gave it (default: the client's)."""
+        uri = uri or str(getattr(self._client, "tracking_uri", ""))
+        lost = f"{self.dropped} MLflow writes could not be kept and are lost" if self.dropped else ""
+        if not self._pending:
+            return f"{lost} ({self.reason})" if lost and self.reason else lost
+        note = waiting_note(self._pending, 1, self.spool_root, uri, self.reason, where=self._file.parent)
+        return f"{note}; {lost}" if lost else note
 
     # Each record is self-contained JSON; artifacts are copied into the spool so that rotated
     # checkpoints or temporary directories can still be uploaded later.
@@ -120,18 +125,28 @@ class GuardedClient:
         if self._file is None:
             file_name = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}.jsonl"
             self._file = self.spool_root / str(run_id) / file_name
-        self._file.parent.mkdir(parents=True, exist_ok=True)
         try:
+            self._file.parent.mkdir(parents=True, exist_ok=True)
             record = _to_record(name, args, kwargs, self._file.parent / "files" / uuid.uuid4().hex[:12])
+            record["t"] = time.time()
+            with open(self._file, "a") as f:
+                f.write(json.dumps(record) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as err:  # the spool's own disk is full or read-only: say so once, the run goes on
+            self.dropped += 1
+            if self.dropped == 1:
+                warnings.warn(
+                    f"cannot keep MLflow writes in {self.spool_root} either ({err.strerror or err}): they are lost "
+                    "until the store takes writes again",
+                    RuntimeWarning,
+                    stacklevel=1,
+                )
+            return
         except Exception as err:  # an object we cannot serialise: say so rather than fail the run
             self.dropped += 1
             warnings.warn(f"could not keep MLflow call {name} for later ({err}); dropped", RuntimeWarning, stacklevel=1)
             return
-        record["t"] = time.time()
-        with open(self._file, "a") as f:
-            f.write(json.dumps(record) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
         self._pending += 1
 
 
@@ -236,6 +251,31 @@ def replay_file(path: Optional[Path], client) -> int:
         if path.parent.exists() and not any(p.suffix == ".jsonl" for p in path.parent.iterdir()):
             shutil.rmtree(path.parent, ignore_errors=True)
     return len(left)
+
+
+def waiting_writes(spool_root) -> dict[str, int]:
+    """{run id: spooled writes} under spool_root, whoever wrote them (a fit, a sweep's workers and trials)."""
+    root = Path(spool_root)
+    counts = {}
+    for f in root.glob("*/*.jsonl") if root.is_dir() else []:
+        try:
+            n = sum(1 for line in f.read_text().splitlines() if line.strip())
+        except OSError:
+            continue
+        if n:
+            counts[f.parent.name] = counts.get(f.parent.name, 0) + n
+    return counts
+
+
+def waiting_note(writes: int, runs: int, spool_root, uri: str, reason: str = "", where=None) -> str:
+    """The one line that ends a command whose MLflow writes are not all in the store; where: their folder, if not
+    spool_root."""
+    why = f" ({reason})" if reason else ""
+    of = f" of {runs} runs" if runs > 1 else ""
+    return (
+        f"{writes} MLflow writes{of} not in the store yet{why}, kept in {where or spool_root} (a run shows RUNNING "
+        f"there until they are sent); send them with:  mhc sweep replay {spool_root} --tracking-uri {redact(uri)}"
+    )
 
 
 def replay_spool(spool_root, tracking_uri: str) -> dict[str, int]:

@@ -2,8 +2,9 @@
 
 - `check_tracking`: an unreachable store is a `TrackingUnreachable` (a UserError: one line naming the URI), found
   in seconds rather than after MLflow's default retries (minutes).
-- `is_outage`: tells "the server is not there right now" (keep the write for later) from "the request is wrong"
-  (a bug: raise).
+- `is_outage`: tells "the store cannot take it right now" (a server away, a SQLite database locked, full or
+  read-only: keep the write for later) from "the request is wrong" (a bug: raise); `outage_reason` says which, in a
+  few words, and `quiet_store_errors` keeps MLflow from printing a traceback per write the spool keeps.
 - `prepare_store`, `store_lock`: a fresh SQLite store is migrated by the first client that opens it (an MlflowClient
   opens its store when it is created); two processes doing that at once corrupt it (alembic's temporary tables), so
   every first open in a process is serialised with an inter-process lock.
@@ -15,6 +16,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import shlex
@@ -49,7 +51,9 @@ redact = mask  # the name launchers and messages use: user:***@host, password-li
 
 
 def is_outage(err: BaseException) -> bool:
-    """True for errors that mean 'the server is not there right now', as opposed to a bad request."""
+    """True for errors that mean 'the store cannot take this right now', as opposed to a bad request: a server that
+    does not answer or answers 5xx, a database that is locked, full, read-only or gone (MLflow raises every
+    SQLAlchemy OperationalError as TEMPORARILY_UNAVAILABLE)."""
     import requests
     from mlflow.exceptions import MlflowException, RestException
 
@@ -58,12 +62,60 @@ def is_outage(err: BaseException) -> bool:
     if isinstance(err, (requests.RequestException, ConnectionError, TimeoutError)):
         return True
     if isinstance(err, MlflowException):
+        if err.error_code == "TEMPORARILY_UNAVAILABLE":
+            return True
         msg = str(err)
         code = re.search(r"error code (\d{3})", msg)  # a non-JSON HTTP answer, e.g. the Host-header check's 403
         if code:
             return int(code.group(1)) >= 500
         return any(s in msg for s in ("API request to", "Max retries exceeded", "Connection", "database is locked"))
     return False
+
+
+_DB_ERROR = re.compile(r"\((?:sqlite3|psycopg2?|pymysql|MySQLdb)[\w.]*\.\w*Error\) ([^\n\[]+)")
+
+
+def outage_reason(err: BaseException) -> str:
+    """An outage in a few words: the database's own reason ("database or disk is full") where there is one, else the
+    error's type (MLflow's message for a failed request quotes the SQL, the parameters and the URL)."""
+    found = _DB_ERROR.search(str(err))
+    return found.group(1).strip() if found else type(err).__name__
+
+
+def store_error(err: BaseException) -> str:
+    """A failed store call in one line: the database's reason, else the first line of the error (URIs masked)."""
+    found = _DB_ERROR.search(str(err))
+    if found:
+        return found.group(1).strip()
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return f"{type(err).__name__}: {mask(first)}" if first else type(err).__name__
+
+
+class _OneLine(logging.Filter):
+    """MLflow's store errors as the platform shows them: the session's traceback dropped (the spool keeps the write
+    and says so once), the system-metrics thread's warning reduced to its first line and the database's reason."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == "mlflow.store.db.utils":
+            return not str(record.msg).startswith("SQLAlchemy database error")
+        text = record.getMessage()
+        if "\n" in text:
+            found, first = _DB_ERROR.search(text), text.splitlines()[0].rstrip(" .")
+            record.msg = first + (f" ({found.group(1).strip()})" if found and found.group(1) not in first else "")
+            record.args = ()
+        return True
+
+
+_ONE_LINE = _OneLine()
+_NOISY = ("mlflow.store.db.utils", "mlflow.system_metrics.system_metrics_monitor")
+
+
+def quiet_store_errors() -> None:
+    """Idempotent: install _OneLine on the MLflow loggers that print a failed store write."""
+    for name in _NOISY:
+        logger = logging.getLogger(name)
+        if _ONE_LINE not in logger.filters:
+            logger.addFilter(_ONE_LINE)
 
 
 def use_fast_http_failures() -> None:

@@ -16,7 +16,7 @@ from typing import Any, Optional
 import yaml
 
 from ..errors import UserError
-from ..names import path_name_problem
+from ..names import path_name_problem, run_name_problem
 from .key_checks import CALLBACK_PREFIX, cli_key_problem, model_field_problem, sinkhorn_key_problem
 
 # sampler / pruner names of a sweep file -> the Optuna class each builds (factories.py)
@@ -230,8 +230,12 @@ def parse_spec(data: Any, path: Optional[Path] = None, overrides: Optional[dict[
     timeout_s = budget.get("timeout_s")
     if timeout_s is not None:
         _expect(at("budget.timeout_s"), timeout_s, (int, float), "a number of seconds per worker, or null")
+        if timeout_s <= 0:
+            raise _err(at("budget.timeout_s"), f"must be a number of seconds > 0 per worker, or null, got {timeout_s}")
     max_failed = budget.get("max_failed", max(3, n_trials // 2))
     _expect(at("budget.max_failed"), max_failed, int, "an integer >= 0")
+    if max_failed < 0:
+        raise _err(at("budget.max_failed"), f"must be an integer >= 0 (failed trials per launch), got {max_failed}")
 
     storage = _mapping(at("storage"), data.get("storage"), ("url", "heartbeat_interval", "grace_period", "max_retry"))
     storage = {"url": None, "heartbeat_interval": 30, "grace_period": 90, "max_retry": 2, **storage}
@@ -283,6 +287,9 @@ def check_study_name(where: str, name) -> None:
     problem = path_name_problem(name)
     if problem:
         raise _err(where, f"{problem}: it names the folder of the workers' logs")
+    problem = run_name_problem(f"{name}-t0000", " (its trials' runs are named <study>-tNNNN)")
+    if problem:
+        raise _err(where, problem)
 
 
 def _parse_trial(where: str, raw, spec_path: Optional[Path]) -> dict[str, Any]:

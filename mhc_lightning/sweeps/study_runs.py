@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from ..loggers.filters import equals
 from ..loggers.spool import GuardedClient
-from ..loggers.store import ensure_experiment, is_outage, redact, use_fast_http_failures
+from ..loggers.store import ensure_experiment, is_outage, quiet_store_errors, redact, use_fast_http_failures
 
 PARENT_TAG, TRIAL_TAG, STUDY_TAG, ROLE_TAG, STATE_TAG = (
     "mlflow.parentRunId",
@@ -26,6 +26,7 @@ PARENT_TAG, TRIAL_TAG, STUDY_TAG, ROLE_TAG, STATE_TAG = (
     "optuna.state",
 )
 PARENT_WAIT_S = 30.0  # how long a process that did not create the study waits for its creator's parent run
+FLUSH_TIMEOUT_S = 30.0  # how long the summary's writes are retried at the end, as a fit's (then they wait in the spool)
 
 
 def _safe_key(key: str) -> str:
@@ -42,6 +43,7 @@ class SweepTracker:
         from mlflow import MlflowClient
 
         use_fast_http_failures()
+        quiet_store_errors()
         self.uri, self.experiment_name = tracking_uri, experiment
         self.study_name, self.storage_label = study_name, storage_label
         self.raw = MlflowClient(tracking_uri)
@@ -257,7 +259,7 @@ class SweepTracker:
         self.client.set_tag(pid, "sweep.status", "complete" if complete else "incomplete")
         if complete:
             self.client.set_terminated(pid, "FINISHED")
-        self.client.flush(force=True)
+        self.client.drain(FLUSH_TIMEOUT_S)  # what is left is named at the end of the command (supervisor.py)
         return summary
 
     def _log_plots(self, study, spec, tmp: Path) -> dict[str, str]:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..loggers.credentials import mask
+from ..loggers.store import store_error
 from .factories import is_journal, make_sampler
 from .settings import BUDGET_ATTR, STOP_ATTR, TRACKING_ENV, Sweep, counts
 
@@ -21,18 +22,18 @@ POLL_S = 2.0
 
 
 def prepare(sweep: Sweep):
-    """Launcher-side checks and setup, once per launch, before any worker starts: tracking store reachable, callback
-    parameters resolved, every `mhc fit` key of the sweep accepted by the parser, sampler options valid; then the
-    study (with its enqueued points) and its MLflow parent run."""
+    """Launcher-side checks and setup, once per launch, before any worker starts: callback parameters resolved, every
+    `mhc fit` key of the sweep accepted by the parser, sampler options valid (before any store is created), tracking
+    store reachable; then the study (with its enqueued points) and its MLflow parent run."""
     from ..loggers.store import check_tracking
     from .trial_args import check_callbacks
     from .trial_args_check import check_trial_args
 
-    check_tracking(sweep.tracking_uri, option="--tracking-uri")
     for w in check_callbacks(sweep.spec):
         print(f"[mhc sweep] {w}", file=sys.stderr)
     check_trial_args(sweep.spec)
     make_sampler(sweep.spec, 0)
+    check_tracking(sweep.tracking_uri, option="--tracking-uri")  # creates a new SQLite store
     study = sweep.study()
     # the budget this study was last asked to reach (--n-trials extends it), for `mhc sweep status`
     study.set_user_attr(BUDGET_ATTR, max(study.user_attrs.get(BUDGET_ATTR, 0), sweep.spec.n_trials))
@@ -102,12 +103,13 @@ def launch(sweep: Sweep, args) -> int:
         summary = tracker.finalize(study, sweep.spec, complete)
     except Exception as err:
         print(
-            f"[mhc sweep] could not write the summary to MLflow ({err}); re-run the same command to retry",
+            f"[mhc sweep] could not write the summary to MLflow ({store_error(err)}); re-run the same command to retry",
             file=sys.stderr,
         )
         summary = {"counts": c}
     stopped = study.user_attrs.get(STOP_ATTR)
     _print_summary(sweep, tracker, summary, complete, c, stopped)
+    _print_waiting(sweep, tracker.client.reason)
     if complete and code != 130:
         return 0
     if stopped:
@@ -232,6 +234,17 @@ def _print_summary(sweep: Sweep, tracker, summary: dict, complete: bool, c: dict
         print(f"[mhc sweep] view:  {ui_hint(sweep.tracking_uri)}")
     if not is_journal(sweep.storage_url):
         print(dashboard_hint(sweep.storage_label))
+
+
+def _print_waiting(sweep: Sweep, reason: str) -> None:
+    """The last line when MLflow writes of this launch (its summary, its workers' and trials' runs) wait in the spool:
+    the parent run, or a trial's, shows RUNNING in MLflow until they are sent."""
+    from ..loggers.spool import waiting_note, waiting_writes
+
+    waiting = waiting_writes(sweep.spool_dir)
+    if waiting:
+        note = waiting_note(sum(waiting.values()), len(waiting), sweep.spool_dir, sweep.tracking_uri, reason)
+        print(f"[mhc sweep] {note}", flush=True)
 
 
 def dashboard_hint(storage_label: str) -> str:

@@ -5,6 +5,8 @@ Run in the launcher's process (`--workers 1`) or as `python -m mhc_lightning.swe
 
 from __future__ import annotations
 
+import logging
+import re
 import signal
 import sys
 import threading
@@ -13,11 +15,45 @@ import warnings
 import zlib
 from typing import Optional
 
+from ..loggers.store import store_error
 from .factories import is_journal, make_sampler
 from .settings import STOP_ATTR, Sweep, counts
 
 POLL_S = 2.0
 MAX_DUPLICATES = 10  # proposals in a row that the study already has: the sampler has run out of new points
+
+
+class _QuietDuplicates(logging.Filter):
+    """Optuna logs a failed trial as two warnings, the first with its traceback; a duplicate proposal (a FAIL trial
+    that trained nothing, objective.py) is not a failure to show: the worker says once when the space runs out."""
+
+    def __init__(self):
+        super().__init__()
+        self._numbers: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from .objective import DuplicateTrial
+
+        number = re.match(r"Trial (\d+) failed", str(record.msg))
+        if number is None:
+            return True
+        if record.exc_info and isinstance(record.exc_info[1], DuplicateTrial):
+            self._numbers.add(number.group(1))
+            return False
+        if number.group(1) in self._numbers:  # its second line, "failed with value None"
+            self._numbers.discard(number.group(1))
+            return False
+        return True
+
+
+_QUIET_DUPLICATES = _QuietDuplicates()
+
+
+def quiet_duplicates() -> None:
+    """Idempotent: _QuietDuplicates on the handlers of Optuna's log (optuna.logging's own, on its root logger)."""
+    for handler in logging.getLogger("optuna").handlers:
+        if _QUIET_DUPLICATES not in handler.filters:
+            handler.addFilter(_QUIET_DUPLICATES)
 
 
 def worker_seed(base: Optional[int], wid: str, launch: float) -> Optional[int]:
@@ -59,6 +95,7 @@ def run_worker(
         signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM between trials: same clean path as Ctrl-C
     deadline = time.monotonic() + spec.timeout_s if spec.timeout_s else None
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    quiet_duplicates()
     me = f"[worker {machine}.{index}]"
     print(f"{me} {wid} seed={seed} study={spec.name} storage={sweep.storage_label}", flush=True)
     code, duplicates = 0, 0
@@ -117,7 +154,7 @@ def run_worker(
         try:
             tracker.reconcile(study)
         except Exception as err:  # the tracking server may be the reason we stop
-            print(f"{me} MLflow reconcile skipped: {err}", file=sys.stderr)
+            print(f"{me} MLflow reconcile skipped: {store_error(err)}", file=sys.stderr)
     return code
 
 
