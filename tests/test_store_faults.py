@@ -9,11 +9,10 @@ import logging
 
 import lightning as L
 import pytest
-from helpers import derived_spec, mlflow_logger_arg, tiny_fit_args
+from helpers import derived_spec, mlflow_logger_arg, one_thread, tiny_fit_args
 from mlflow import MlflowClient
 from sqlalchemy import event
 from sqlalchemy.pool import Pool
-from test_callbacks_common import one_thread
 
 from mhc_lightning.cli import main
 from mhc_lightning.loggers.store import quiet_store_errors
