@@ -294,12 +294,28 @@ def test_host_model_lists_mhcs_extra_host_functions(tmp_path):
 def test_host_model_compiled_runs_the_fused_ops_as_custom_ops(tmp_path):
     argv = ["--model", "--compile", "--sublayers", "2", "--steps", "1", "--top", "80"]
     rows = {r["mode"]: r for r in _run(host.main, argv, tmp_path / "model.json")["rows"]}
-    assert all(r["compiled"] and r["first_call_s"] > 0 for r in rows.values())
-    assert any(f["function"].startswith("custom_ops.py:") for f in rows["mhc"]["extra_functions"])  # torch.library's
+    assert set(rows) == {"residual", "mhc", host.LIBRARY_PATH}
+    assert all(r["compiled"] and r["forward_cpu_ms"] > 0 and r["first_call_s"] > 0 for r in rows.values())
+    # the compiled graph's op calls reach the bodies through the fused ops' own autograd kernel
+    assert any(f["function"] == "custom_ops.py:autograd_kernel" for f in rows["mhc"]["extra_functions"])
 
 
-def test_host_refuses_compile_without_model(capsys):
-    assert "add --model" in _refused(host.main, ["--compile"], capsys)
+def test_host_times_each_fused_op_against_its_body(tmp_path):
+    rows = {
+        r["op"]: r
+        for r in _run(host.main, ["--ops", "--sublayers", "2", "--steps", "1"], tmp_path / "ops.json")["rows"]
+    }
+    # what the compiled chain, the compiled sublayer and HC call, forward and backward
+    assert {"mhc_enter", "mhc_boundary", "mhc_boundary_bwd", "stream_post_res", "hc_enter_routed"} <= set(rows)
+    assert all(r["dispatched_us"] > 0 and r["custom_op_us"] > 0 and r["body_us"] > 0 for r in rows.values())
+
+
+@pytest.mark.parametrize(
+    "argv,line",
+    [(["--compile"], "add --model"), (["--ops", "--model"], "leave out --model"), (["--threads", "0"], "at least 1")],
+)
+def test_host_refuses_bad_input_with_one_line(capsys, argv, line):
+    assert line in _refused(host.main, argv, capsys)
 
 
 # ---- resources -------------------------------------------------------------------------------------------------

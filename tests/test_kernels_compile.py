@@ -6,6 +6,7 @@ with CUDA, inductor.
 """
 
 import importlib
+import traceback
 
 import pytest
 import torch
@@ -183,6 +184,38 @@ def test_eager_path_skips_the_dispatcher_and_compile_sees_the_custom_ops():
     for op in ("mhc_enter", "mhc_boundary", "stream_post_res"):
         assert f"mhc_lightning.{op}" in graphs[0]
     assert "eager" not in graphs[0]
+
+
+def test_compiled_graphs_call_the_op_bodies_past_torch_librarys_wrappers(monkeypatch):
+    """At run time a compiled graph's op call goes from the dispatcher straight to the op's body (no torch.library
+    autograd or backend wrapper, no dynamo frame); a call that records a gradient, and the trace, take the custom
+    op's own path, with the same values."""
+    torch.manual_seed(13)
+    N, n, C = 5, 4, 16
+    x, f = leaf(torch.randn(N, n, C, device=DEV)), leaf(torch.randn(N, C, device=DEV))
+    h_post, h_res = torch.rand(N, n, device=DEV), torch.rand(N, n, n, device=DEV)
+    calls, real = [], write_back.post_forward
+
+    def spy(*a):
+        calls.append({frame.name for frame in traceback.extract_stack()})
+        return real(*a)
+
+    monkeypatch.setattr(write_back, "post_forward", spy)
+    op = torch.ops.mhc_lightning.stream_post_res.default
+    with torch.no_grad():
+        direct = op(x, f, h_post, h_res)
+    recorded = op(x, f, h_post, h_res)
+    assert "backend_impl" not in calls[0] and "backend_impl" in calls[1] and recorded.grad_fn is not None
+    torch.testing.assert_close(direct, recorded.detach(), atol=0, rtol=0)
+    compiled = torch.compile(
+        lambda x, f: fused.stream_post_res(x, f * 2, h_post, h_res), fullgraph=True, backend="aot_eager"
+    )
+    for _ in range(2):  # the first run still checks the graph under a dispatch mode
+        del calls[:]
+        out = compiled(x, f)
+    assert len(calls) == 1 and not calls[0] & {"backend_impl", "wrapped_fn", "forward_no_grad"}
+    out.sum().backward()
+    torch.testing.assert_close(f.grad, 2 * (h_post.unsqueeze(-1) * torch.ones_like(x)).sum(1))
 
 
 @pytest.mark.slow

@@ -4,20 +4,59 @@ Each op body is registered as a `torch.library` custom op: what a compiled graph
 shapes are symbolic in the token count. Called eagerly, a custom op costs tens of microseconds of host time per call
 (dispatcher, argument defaults, a dynamo-disable frame, the autograd wrapper), and an eager step calls a few per
 sublayer; so outside torch.compile the same body runs under one plain `autograd.Function` with the same setup and
-backward functions (`eager_op`). `Routed` is the x an enter op hands its write-back under torch.compile.
+backward functions (`eager_op`). A compiled graph at run time reaches each body through the dispatcher and the op's
+own autograd kernel, past torch.library's wrappers (`run_body_directly`). `Routed` is the x an enter op hands its
+write-back under torch.compile.
 """
 from typing import NamedTuple
 
 import torch
 
 Tensor = torch.Tensor
+OPS: dict = {}  # every fused custom op by name (python -m bench host --ops times each against its body)
+# False: every call takes torch.library's own path (`run_body_directly`); python -m bench host times both
+DIRECT = True
 
 
 def custom_op(name: str, body):
     """body registered as the custom op mhc_lightning::name; `op.plain` keeps the body for the eager path."""
     op = torch.library.custom_op(f"mhc_lightning::{name}", body, mutates_args=())
     op.plain = body
+    run_body_directly(op, body)
+    OPS[name] = op
     return op
+
+
+def _any_requires_grad(*args) -> bool:
+    return any(isinstance(a, Tensor) and a.requires_grad for a in args)
+
+
+def run_body_directly(op, body) -> None:
+    """A compiled graph calls each op through the dispatcher: the custom op's autograd kernel, its redispatch, the
+    backend wrapper (aliasing checks, a dynamo-disable frame), then the body: tens of microseconds of host time per
+    call over the body's own (`python -m bench host --ops`). Where none of it can act (no gradient to record, no
+    tensor subclass, dispatch mode or functionalization on the call: the compiled graph at run time), the op's
+    autograd kernel for CPU and CUDA runs the body itself; every other call (tracing, fake tensors, calls that record
+    a gradient) takes the custom op's own autograd kernel, as before. Torch versions without that kernel's factory
+    keep the custom op's path throughout."""
+    make = getattr(getattr(torch._library, "autograd", None), "make_autograd_impl", None)
+    if make is None:  # pragma: no cover - torch without torch._library.autograd.make_autograd_impl
+        return
+    own = make(op._opoverload, op)  # reads the op's autograd registration at call time
+    grad_enabled, requires_grad = torch.is_grad_enabled, getattr(torch._C, "_any_requires_grad", _any_requires_grad)
+    # keys on which a call cannot go straight to the body: tensor subclasses and dispatch modes (fake tensors,
+    # tracing), functionalization
+    keys = torch._C.DispatchKey
+    python, snapshot, functionalize = keys.Python, keys.PythonTLSSnapshot, keys.Functionalize
+
+    def autograd_kernel(keyset, *args, **kwargs):
+        if (not DIRECT or keyset.has(python) or keyset.has(snapshot) or keyset.has(functionalize)
+                or (grad_enabled() and requires_grad(*args))):
+            return own(keyset, *args, **kwargs)
+        return body(*args, **kwargs)
+
+    for key in ("AutogradCPU", "AutogradCUDA"):  # more specific than the custom op's kernel for all of Autograd
+        op._lib.impl(op._name, autograd_kernel, key, with_keyset=True)
 
 
 def body_of(ctx, op):
