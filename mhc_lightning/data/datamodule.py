@@ -240,18 +240,7 @@ class ByteTextDataModule(L.LightningDataModule):
     def _streaming_loader(self, dataset, drop_last: bool) -> DataLoader:
         from litdata import StreamingDataLoader
 
-        if dataset is None:
-            raise RuntimeError("call setup() before asking ByteTextDataModule for a dataloader")
-        nw = self.hparams.num_workers
-        return StreamingDataLoader(
-            dataset,
-            batch_size=self.hparams.batch_size,
-            num_workers=nw,
-            persistent_workers=nw > 0,
-            pin_memory=self.pins_memory(),
-            collate_fn=collate_windows,
-            drop_last=drop_last,
-        )
+        return self._loader(dataset, StreamingDataLoader, collate_fn=collate_windows, drop_last=drop_last)
 
     def pins_memory(self) -> bool:
         """data.pin_memory, null resolved by the attached trainer's device (no trainer: no pinning)."""
