@@ -97,15 +97,13 @@ class Child:
 
     def stop(self, linger: float = 0.0) -> None:
         """Give the group `linger` seconds to end by itself, then SIGTERM it, then SIGKILL what is left."""
-        for sig, wait in ((None, linger), (signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-            if sig is not None:
-                try:
-                    os.killpg(self.proc.pid, sig)
-                except ProcessLookupError:
-                    break
-            if self._wait_group_gone(wait):
-                break
-        self.proc.poll()
+        stop_all([self], linger)
+
+    def signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
 
     def _group_gone(self) -> bool:
         """No live process left in the child's group. Zombies do not count: a rank orphaned when rank 0 exits is
@@ -121,13 +119,30 @@ class Child:
                 continue
         return True
 
-    def _wait_group_gone(self, seconds: float) -> bool:
-        deadline = time.monotonic() + seconds
-        while not self._group_gone():
-            if time.monotonic() >= deadline:
-                return False
+
+# A fit stopped by SIGTERM ends its step, writes a checkpoint and marks its run KILLED; one that has just trained its
+# last step is still ending its run. Both can take longer than a few seconds when many fits share a disk and a store.
+TERM_GRACE_S = 30.0
+
+
+def stop_all(children: Sequence[Child], linger: float = 0.0, grace: float = TERM_GRACE_S) -> None:
+    """Stop every child's group together: `linger` seconds to end by themselves, then SIGTERM to all at once and
+    `grace` seconds shared by all (signalled one by one, the last of many would be reached minutes later), then
+    SIGKILL what is left."""
+    left = list(children)
+    for sig, wait in ((None, linger), (signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        for child in left if sig is not None else ():
+            child.signal_group(sig)
+        deadline = time.monotonic() + wait
+        while True:
+            left = [c for c in left if not c._group_gone()]
+            if not left or time.monotonic() >= deadline:
+                break
             time.sleep(0.1)
-        return True
+        if not left:
+            break
+    for child in children:
+        child.proc.poll()
 
 
 class ChildFailed(RuntimeError):
@@ -217,7 +232,6 @@ def run_parallel(
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-        for child in active.values():
-            child.stop()
+        stop_all(list(active.values()))
     if stop["sig"] is not None:
         raise KeyboardInterrupt(f"signal {stop['sig']}: stopped {len(active)} running, {len(pending)} not started")

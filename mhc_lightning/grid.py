@@ -246,7 +246,9 @@ def still_to_run(client, exp_id: str, runs: list, jobs_root: Optional[Path]) -> 
     from .loggers.tags import STAGE_TAG
 
     done, diverged, interrupted = set(), set(), defaultdict(list)
-    for r in client.search_runs([exp_id], max_results=50_000):
+    found = client.search_runs([exp_id], max_results=50_000)
+    tag_untagged(client, found, {name: tags for name, tags, _ in runs})
+    for r in found:
         name = r.info.run_name
         if r.data.tags.get(STAGE_TAG, "fit") != "fit":
             continue
@@ -271,6 +273,16 @@ def still_to_run(client, exp_id: str, runs: list, jobs_root: Optional[Path]) -> 
         flush=True,
     )
     return todo, resumed
+
+
+def tag_untagged(client, found: list, tags: dict[str, dict]) -> None:
+    """Give the grid's tags to its runs in `found` that lack them: a local run is tagged by the grid when it ends, so
+    one that ended as the grid was stopped, or whose grid was killed, would be left out of every grouped report."""
+    for r in found:
+        want = tags.get(r.info.run_name)
+        if want and any(r.data.tags.get(k) != str(v) for k, v in want.items()):
+            for k, v in want.items():
+                client.set_tag(r.info.run_id, k, str(v))
 
 
 def submit_jobs(args, spec: dict, runs: list, uri: str, exp_id: str, on_done, resumed: set[str]) -> None:
@@ -369,6 +381,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         else:
             run_parallel(jobs, args.parallel, on_done, spread_gpus=True)  # several GPUs: round robin
     except KeyboardInterrupt as err:
+        if args.launcher == "local":  # the runs stopped, and any that ended as the grid was stopped
+            tag_untagged(client, client.search_runs([exp_id], max_results=50_000), tags)
         print(f"mhc grid: interrupted ({err}); `--skip-finished` continues the grid", file=sys.stderr)
         return 130
     except UserError as err:

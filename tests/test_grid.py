@@ -79,6 +79,40 @@ def test_killed_grid_takes_its_runs_along(tiny_corpus, tmp_path):
     assert not alive, [p.cmdline()[:3] for p in alive]
 
 
+def test_a_stopped_grid_gives_all_its_runs_the_same_time_to_end(tmp_path):
+    """SIGTERM on the grid: every running child is signalled at once and gets the whole grace period to write its
+    checkpoint and end its run; signalled one after another, the last of 14 fits was reached after the first 13 had
+    used theirs, and SIGKILL left its run RUNNING."""
+    import signal
+    import sys
+    import threading
+
+    from mhc_lightning.child_processes import run_parallel
+
+    slow_end = (
+        "import signal, sys, time\n"
+        "def end(*_):\n    time.sleep(2); print('ended its run', flush=True); sys.exit(143)\n"
+        "signal.signal(signal.SIGTERM, end)\nprint('started', flush=True)\ntime.sleep(120)\n"
+    )
+    jobs = [(f"run{i}", [sys.executable, "-c", slow_end], tmp_path / f"run{i}.log") for i in range(4)]
+    logs = [log for *_, log in jobs]
+
+    signalled = []
+
+    def stop_when_started():
+        deadline = time.monotonic() + 60
+        while not all(p.is_file() and "started" in p.read_text() for p in logs) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        signalled.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop_when_started, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt, match="stopped 4 running"):
+        run_parallel(jobs, parallel=4, on_done=lambda *a: None, poll_s=0.1)
+    assert time.monotonic() - signalled[0] < 6  # together: about 2 s, where one after another took 8
+    assert [p.read_text().split() for p in logs] == [["started", "ended", "its", "run"]] * 4
+
+
 def test_repeats_run_each_point_again_under_its_own_name(tmp_path):
     grid = tmp_path / "g.yaml"
     grid.write_text(json.dumps({**TINY_GRID, "repeats": 2}))
@@ -285,6 +319,21 @@ def test_skip_finished_resumes_interrupted_runs_from_their_checkpoint(tmp_path, 
     assert out.strip().splitlines()[-1].startswith("2 MLflow writes not in the store yet, kept in mlflow_spool ")
     assert sorted(started) == ["hc-s1", "hc-s2"]
     assert started["hc-s1"][-2:] == ["--ckpt_path", "last"] and "--ckpt_path" not in started["hc-s2"]
+    # a run that ended untagged (its grid was stopped as it ended) gets the grid's tags, so reports can group it
+    finished = client.search_runs([exp], "attributes.run_name = 'mhc-s1'")[0]
+    assert {k: finished.data.tags.get(k) for k in ("grid", "variant", "seed_everything")} == {
+        "grid": "tiny-grid", "variant": "mhc", "seed_everything": "1"
+    }  # fmt: skip
+
+    def ends_as_the_grid_is_stopped(jobs, *a, **k):
+        run = client.create_run(exp, run_name="hc-s2").info
+        client.set_terminated(run.run_id, "FINISHED")
+        raise KeyboardInterrupt("signal 15: stopped 1 running, 0 not started")
+
+    monkeypatch.setattr(child_processes, "run_parallel", ends_as_the_grid_is_stopped)
+    assert main([str(grid), "--skip-finished", "--set", f"trainer.default_root_dir={tmp_path / 'runs'}"]) == 130
+    tagged = client.search_runs([exp], "attributes.run_name = 'hc-s2' and attributes.status = 'FINISHED'")
+    assert tagged[0].data.tags.get("variant") == "hc"
 
 
 def test_a_run_name_too_long_for_a_file_or_a_run_is_refused_with_dry_run_too(tmp_path, monkeypatch, capsys):

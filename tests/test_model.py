@@ -276,11 +276,12 @@ def test_compiled_model_traces_once_more_when_the_sinkhorn_count_changes():
         context=16,
         hyper=HyperConfig(residual_mode="mhc", kernel_backend="triton", sinkhorn_iters=4, phi_init="normal"),
     )
-    m = GPT(cfg)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU tensors on a CUDA machine take the reference ops
+    m = GPT(cfg).to(device)
     counter = CompileCounterWithBackend("aot_eager")  # graph capture + autograd; no C++ build on CPU
     torch._dynamo.reset()
     forward = compile_model(m, backend=counter)
-    idx = text_batch(B=2, T=16)[:, :-1]
+    idx = text_batch(B=2, T=16)[:, :-1].to(device)
     for iters in (4, 5, 2):  # a first count, a second (traced once more, symbolic), a third (no trace)
         for layer in m.sublayers:
             layer.sinkhorn_iters = iters
