@@ -4,12 +4,15 @@ is tagged with its stage, and each checkpoint records the run that wrote it (CHE
 
 The stock SaveConfigCallback asserts on trainer.log_dir, which is None for sqlite:/http: tracking
 URIs (Lightning issues #19441, #16310, #20273); MLflowSaveConfig writes the config into the run instead.
-With any other logger (CSVLogger, TensorBoardLogger, WandbLogger, ...) Lightning's own behaviour applies: config.yaml
-in the trainer's log_dir (a CSV or TensorBoard logger's version folder; a W&B logger's save_dir).
+With any other logger (CSVLogger, TensorBoardLogger, WandbLogger, ...) config.yaml goes into the run's own folder,
+<save_dir>/<name>/<version>, where its checkpoints go: a CSV or TensorBoard logger's version folder, a W&B run's
+folder. Lightning's stock callback writes it to trainer.log_dir, which for W&B is the save_dir every run shares, so a
+second fit there stopped with a traceback after its W&B run was created.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Optional
 
 from lightning.pytorch.cli import SaveConfigCallback
@@ -22,19 +25,18 @@ from .tags import CHECKPOINT_RUN_KEY, STAGE_TAG
 
 class MLflowSaveConfig(SaveConfigCallback):
     def __init__(self, *args, save_to_log_dir: Optional[bool] = None, **kwargs):
-        """save_to_log_dir None: Lightning's config.yaml in the log_dir when the first logger is not an MLflow one
-        (an MLflow logger's log_dir is None for sqlite: and http: stores), besides the MLflow artifact."""
-        super().__init__(*args, save_to_log_dir=bool(save_to_log_dir), **kwargs)
-        self._log_dir_auto = save_to_log_dir is None
-
-    def setup(self, trainer, pl_module, stage: str) -> None:
-        if self._log_dir_auto:
-            self.save_to_log_dir = bool(trainer.loggers) and not isinstance(trainer.loggers[0], MLFlowLogger)
-        super().setup(trainer, pl_module, stage)
+        """save_to_log_dir None: config.yaml in the run's folder when the first logger is not an MLflow one (an MLflow
+        logger's log_dir is None for sqlite: and http: stores), besides the MLflow artifact; False: never."""
+        super().__init__(*args, save_to_log_dir=False, **kwargs)  # the run folder is written by save_config
+        self._to_run_folder = save_to_log_dir is not False
 
     def save_config(self, trainer, pl_module, stage: str) -> None:
         # keep null values: the config as it ran; a password in a URL (a database store) masked (credentials.py)
         text = mask(self.parser.dump(self.config, skip_unset=False))
+        if self._to_run_folder and trainer.loggers and not isinstance(trainer.loggers[0], MLFlowLogger):
+            folder = run_folder(trainer)
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / self.config_filename).write_text(text)
         for lg in mlflow_loggers(trainer):
             lg.experiment.log_text(lg.run_id, text, "config.yaml")
             lg.experiment.set_tag(lg.run_id, STAGE_TAG, getattr(stage, "value", stage))
@@ -44,3 +46,10 @@ class MLflowSaveConfig(SaveConfigCallback):
         # was moved to. Plain strings: Lightning reads checkpoints with weights_only=True.
         for lg in mlflow_loggers(trainer)[:1]:
             checkpoint[CHECKPOINT_RUN_KEY] = {"run_id": str(lg.run_id), "experiment_id": str(lg.experiment_id)}
+
+
+def run_folder(trainer) -> Path:
+    """The first logger's run folder, as ModelCheckpoint resolves it (its checkpoints/ lies inside)."""
+    lg = trainer.loggers[0]
+    version = lg.version if isinstance(lg.version, str) else f"version_{lg.version}"
+    return Path(lg.save_dir or trainer.default_root_dir, str(lg.name), version)
