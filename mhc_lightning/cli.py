@@ -35,7 +35,7 @@ from .loggers.save_config import MLflowSaveConfig
 from .model import GPTConfig, HyperConfig
 from .module import LitLM, OptimConfig, check_compile, check_fused
 from .quiet import silence_known_noise
-from .resume import check_resume, resolve_last, resume_command
+from .resume import check_resume, resolve_last, resolve_requeued, resume_command
 
 
 def _plain(ns) -> dict:
@@ -108,7 +108,7 @@ class MHCLightningCLI(LightningCLI):
         # becomes the earlier run's own checkpoint (resume.py), so that it is checked like any other.
         for logger in mlflow_logger_configs(cfg.trainer.get("logger")) if sub else []:
             logger.init_args.tracking_uri = take_credentials(logger.init_args.get("tracking_uri"))
-        resumed = resolve_last(self.config, sub)
+        resumed = resolve_last(self.config, sub) or resolve_requeued(self.config, sub)
         self.checkpoint_info = check_inputs(sub, cfg) if sub else None
         if sub == "fit" and self.checkpoint_info is not None:
             check_resume(cfg, self.checkpoint_info, resumed)  # the same budget, or --extend; says the step
@@ -138,7 +138,12 @@ class MHCLightningCLI(LightningCLI):
         environment = trainer._accelerator_connector.cluster_environment  # what Lightning's signal handling reads
         if isinstance(environment, SLURMEnvironment):
             # Its requeue saves hpc_ckpt_<n>.ckpt in default_root_dir, often shared by jobs, and any later fit there
-            # restores it in a new run: a fit resumes only its own run's checkpoints (--ckpt_path last)
+            # restores it in a new run. The fit requeues itself instead (GracefulStop), and the requeued job resumes
+            # only the run tagged with its job id (resume.resolve_requeued).
+            if environment.auto_requeue:
+                for cb in trainer.callbacks:
+                    if isinstance(cb, GracefulStop):
+                        cb.requeue_signal = environment.requeue_signal
             environment.auto_requeue = False
         return trainer
 

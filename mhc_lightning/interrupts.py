@@ -15,6 +15,7 @@ gives a process ended by those signals, so that a script or a scheduler sees tha
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -40,6 +41,7 @@ class _Stop:
     checkpoint: Optional[Path] = None
     folder: Optional[Path] = None
     runs: list[tuple[Any, str]] = field(default_factory=list)  # (MLflow client, run id)
+    requeue: bool = False  # stopped by the SLURM requeue signal: the job is to be requeued (rank 0 asks)
 
     def reset(self) -> None:
         self.__init__()
@@ -77,6 +79,7 @@ class GracefulStop(Callback):
     """Installed by the CLI in every Trainer: see the module docstring."""
 
     def __init__(self):
+        self.requeue_signal: Optional[int] = None  # set by the CLI under SLURM (resume.requeue_wanted)
         self._previous: dict[int, Any] = {}
         self._trainer = None
         self._after_validation = False  # a signal came during a validation: stop once it is complete
@@ -91,7 +94,7 @@ class GracefulStop(Callback):
         self._trainer, self._after_validation = trainer, False
         keep_last_name(trainer)
         if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGINT, signal.SIGTERM):
+            for signum in (signal.SIGINT, signal.SIGTERM, *([self.requeue_signal] if self.requeue_signal else [])):
                 self._previous[signum] = signal.signal(signum, self._on_signal)
 
     def on_train_end(self, trainer, pl_module) -> None:
@@ -106,9 +109,10 @@ class GracefulStop(Callback):
     def _on_signal(self, signum: int, frame) -> None:
         if STOP.signum is not None:  # asked again: stop now, without a checkpoint
             raise KeyboardInterrupt
-        STOP.signum = signum
+        STOP.signum, STOP.requeue = signum, signum == self.requeue_signal
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        _say(f"{name}: stopping after this step with a checkpoint ({name} again to stop at once)")
+        then = "; then the SLURM job is requeued and continues this run" if STOP.requeue else ""
+        _say(f"{name}: stopping after this step with a checkpoint{then} ({name} again to stop at once)")
         if self._trainer is not None and self._trainer.validating:
             self._after_validation = True  # Lightning would stop mid-validation, whose metrics are not checkpointed
         else:
@@ -157,6 +161,22 @@ class GracefulStop(Callback):
             STOP.checkpoint = Path(cb.last_model_path)
 
 
+def requeue_job(runs: str) -> Optional[str]:
+    """`scontrol requeue` this SLURM job; what to say, or None when it could not be requeued (said why)."""
+    import subprocess
+
+    job = os.environ.get("SLURM_JOB_ID", "")
+    try:
+        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        _say(f"could not requeue SLURM job {job} ({type(err).__name__}: {err})")
+        return None
+    if done.returncode != 0:
+        _say(f"could not requeue SLURM job {job}: {(done.stderr or done.stdout).strip()[-300:]}")
+        return None
+    return f"SLURM job {job} requeued: started again, it continues MLflow run {runs} from its last checkpoint."
+
+
 def finish(args: list[str]) -> Optional[int]:
     """After a fit that ended by an exception: if a signal stopped it, mark its MLflow runs KILLED, say what was saved
     and how to resume, and return the exit status (128 + signal number); None if no signal was involved."""
@@ -177,6 +197,8 @@ def finish(args: list[str]) -> Optional[int]:
         saved = f"the last checkpoint is {good[0]} (step {good[1]})" if good else "no checkpoint was written yet"
     where = f" at step {STOP.step}" if STOP.step is not None else ""
     then = f"Resume with: {resume_command(args)}" if good else "Run the same command to start again."
+    if STOP.requeue and STOP.runs:  # rank 0, last: SLURM ends the job as it requeues it
+        then = requeue_job(runs) or then
     _say(f"stopped by {name}{where}; {saved}{marked}. {then}")
     for note in dict.fromkeys(getattr(client, "pending_note", str)() for client, _ in STOP.runs):
         if note:  # the store did not take the end of the run (loggers/spool.py): say where it waits

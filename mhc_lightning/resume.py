@@ -12,6 +12,7 @@ without logging a metric step twice (loggers/resilient.py); the train loader con
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import Any, Optional
 from .child_processes import mhc_command
 from .errors import UserError
 from .loggers.mlflow_runs import mlflow_logger_configs
-from .loggers.tags import DATA_TAGS, STAGE_TAG
+from .loggers.tags import DATA_TAGS, SLURM_JOB_TAG, STAGE_TAG
 
 LAST = "last"
 LOCAL_LAST = "last.ckpt"
@@ -68,6 +69,65 @@ def resolve_last(config, subcommand: Optional[str]) -> Optional[str]:
     init.run_id = run_id
     cfg.ckpt_path = str(ckpt)
     return f"MLflow run {run_id} ({name or 'unnamed'}, experiment {experiment!r})"
+
+
+def requeue_wanted(trainer_cfg) -> bool:
+    """Whether this fit requeues its SLURM job on the requeue signal and, requeued, continues its run: under SLURM,
+    unless a plugin says otherwise (Lightning's SLURMEnvironment with auto_requeue false, as `mhc grid --launcher
+    slurm` jobs pass: submitit requeues those; or another cluster environment)."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    if not SLURMEnvironment.detect():
+        return False
+    plugins = _get(trainer_cfg, "plugins") or []
+    for plugin in plugins if isinstance(plugins, list) else [plugins]:
+        path = str(_get(plugin, "class_path", ""))
+        if path.endswith("SLURMEnvironment"):
+            return _get(_get(plugin, "init_args", {}) or {}, "auto_requeue", True) is not False
+        if path.endswith("Environment"):
+            return False
+    return True
+
+
+def resolve_requeued(config, subcommand: Optional[str]) -> Optional[str]:
+    """A SLURM job that was requeued (SLURM_RESTART_COUNT >= 1) and given no checkpoint continues the MLflow run its
+    first start tagged with its job id (SLURM_JOB_TAG), from that run's last checkpoint; returns the run, in words, or
+    None (a new run: no such run, or it left no checkpoint). Only ever its own run: another job, even one sharing the
+    default_root_dir and run name, has another id."""
+    cfg = config[subcommand] if subcommand else config
+    job, restarts = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_RESTART_COUNT", "0")
+    loggers = mlflow_logger_configs(_get(cfg.trainer, "logger"))
+    if subcommand != "fit" or _get(cfg, "ckpt_path") is not None or not job or not restarts.isdigit():
+        return None
+    if int(restarts) < 1 or not loggers or _get(loggers[0].init_args, "run_id") or not requeue_wanted(cfg.trainer):
+        return None
+    from mlflow import MlflowClient
+
+    from .loggers.filters import equals
+    from .loggers.store import default_tracking_uri, sqlite_path
+
+    init = loggers[0].init_args
+    uri = init.tracking_uri or default_tracking_uri()
+    db = sqlite_path(uri)
+    if db is not None and not db.is_file():  # no store yet: nothing to continue (opening it would create it)
+        return None
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name(init.experiment_name)
+    runs = [] if exp is None else client.search_runs(
+        [exp.experiment_id], equals(f"tags.`{SLURM_JOB_TAG}`", job), order_by=["attributes.start_time DESC"]
+    )  # fmt: skip
+    runs = [r for r in runs if r.info.status != "FINISHED" and r.data.tags.get(STAGE_TAG, "fit") == "fit"]
+    if not runs:
+        return None
+    try:
+        run_id, ckpt = find_checkpoint(
+            uri, init.experiment_name, None, runs[0].info.run_id, Path(cfg.trainer.default_root_dir or "."),
+            _checkpoint_dirpath(cfg.trainer),
+        )  # fmt: skip
+    except NoCheckpointToResume:
+        return None
+    init.run_id, cfg.ckpt_path = run_id, str(ckpt)
+    return f"SLURM job {job} (requeued {restarts}x): MLflow run {run_id} ({_get(init, 'run_name') or 'unnamed'})"
 
 
 def check_resume(cfg, checkpoint, run: Optional[str]) -> None:

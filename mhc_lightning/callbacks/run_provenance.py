@@ -30,7 +30,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, Timer
 from lightning.pytorch.loggers import MLFlowLogger
 
-from ..loggers.tags import DATA_TAGS
+from ..loggers.tags import DATA_TAGS, SLURM_JOB_TAG
 from ..provenance import build_commit, environment, run_code
 
 CODE_TAG = "mhc.code"
@@ -111,6 +111,8 @@ class RunProvenance(Callback):
             )
         if build_commit():
             tags["mhc.build.commit"] = build_commit()
+        if os.environ.get("SLURM_JOB_ID"):
+            tags[SLURM_JOB_TAG] = os.environ["SLURM_JOB_ID"]
         dm = trainer.datamodule
         if dm is not None and getattr(dm, "train_sha256", None):
             params["data.seed"] = str(dm.hparams.seed)

@@ -8,3 +8,5 @@ CHECKPOINT_RUN_KEY = "mlflow_run"  # in a checkpoint: {"run_id", "experiment_id"
 # the digests of the data a fit trained and validated on; a run resumed on other data (`--data_changed`) keeps each
 # digest it ran on, comma-separated in order (callbacks/run_provenance.py), the last one the data of its last part
 DATA_TAGS = {"train": "mhc.data.train_sha256", "val": "mhc.data.val_sha256"}
+# on a fit run as a SLURM job: its job id; the job, requeued, continues the run that carries its id (resume.py)
+SLURM_JOB_TAG = "mhc.slurm.job_id"
