@@ -116,7 +116,14 @@ def resolve_requeued(config, subcommand: Optional[str]) -> Optional[str]:
     runs = [] if exp is None else client.search_runs(
         [exp.experiment_id], equals(f"tags.`{SLURM_JOB_TAG}`", job), order_by=["attributes.start_time DESC"]
     )  # fmt: skip
-    runs = [r for r in runs if r.info.status != "FINISHED" and r.data.tags.get(STAGE_TAG, "fit") == "fit"]
+    name = _get(init, "run_name")  # a batch script may run several fits: this one's
+    runs = [
+        r
+        for r in runs
+        if r.info.status != "FINISHED"
+        and r.data.tags.get(STAGE_TAG, "fit") == "fit"
+        and (not name or r.info.run_name == name)
+    ]
     if not runs:
         return None
     try:
@@ -127,7 +134,7 @@ def resolve_requeued(config, subcommand: Optional[str]) -> Optional[str]:
     except NoCheckpointToResume:
         return None
     init.run_id, cfg.ckpt_path = run_id, str(ckpt)
-    return f"SLURM job {job} (requeued {restarts}x): MLflow run {run_id} ({_get(init, 'run_name') or 'unnamed'})"
+    return f"SLURM job {job} (requeued {restarts}x): MLflow run {run_id} ({name or 'unnamed'})"
 
 
 def check_resume(cfg, checkpoint, run: Optional[str]) -> None:
