@@ -119,12 +119,12 @@ def test_training_does_not_import_reporting_or_tools():
     upper = (
         "mhc_lightning.reports",
         "mhc_lightning.sweeps",
-        "mhc_lightning.grid",
-        "mhc_lightning.cli",
+        "mhc_lightning.grids.cli",
+        "mhc_lightning.fit.cli",
         "mhc_lightning.callbacks",
         "mhc_lightning.loggers",
     )
-    assert sorted(m for m in reachable(import_graph(), "mhc_lightning.module") if within(m, *upper)) == []
+    assert sorted(m for m in reachable(import_graph(), "mhc_lightning.training.module") if within(m, *upper)) == []
 
 
 def external_imports(path: Path) -> set[str]:
@@ -223,10 +223,10 @@ OWNED_TEXT = [
     "mhc_lightning/callbacks/snapshot_state.py",
     "mhc_lightning/callbacks/snapshot_files.py",
     "mhc_lightning/callbacks/rank_consistency.py",
-    "mhc_lightning/child_processes.py",
-    "mhc_lightning/grid.py",
-    "mhc_lightning/resume.py",
-    "mhc_lightning/distributed.py",
+    "mhc_lightning/fit/child_processes.py",
+    "mhc_lightning/grids/cli.py",
+    "mhc_lightning/fit/resume.py",
+    "mhc_lightning/training/distributed.py",
     "conf",
     "sweeps",
     "docs/sweeps.md",

@@ -12,7 +12,7 @@ from helpers import fast_first, tiny_fit_args
 
 
 def fit_with_logger(corpus, tmp_path, class_path: str) -> None:
-    from mhc_lightning.cli import main
+    from mhc_lightning.fit.cli import main
 
     args = tiny_fit_args(corpus, "unused", tmp_path / "root", steps=3)
     args = [a for a in args if not a.startswith("--trainer.logger")]

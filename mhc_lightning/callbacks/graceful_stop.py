@@ -1,6 +1,5 @@
-"""Ctrl-C and SIGTERM during `mhc fit`: stop at the end of the current step with a checkpoint to resume from, mark the
-MLflow run KILLED, print the command that resumes it, and exit 130 (SIGINT) or 143 (SIGTERM), the statuses a shell
-gives a process ended by those signals, so that a script or a scheduler sees that the fit did not finish.
+"""GracefulStop: Ctrl-C and SIGTERM during `mhc fit` stop at the end of the current step with a checkpoint to resume
+from (docs/stability.md, "Stopping"). What it saw and saved is kept in STOP for `fit/interrupts.py`'s `finish`.
 
 - SIGTERM (a scheduler's preemption, `kill`): Lightning's own handler flags it and its loops raise SIGTERMException
   at the end of the step under way (after its logging and any validation due, the point where a checkpoint resumes
@@ -9,8 +8,6 @@ gives a process ended by those signals, so that a script or a scheduler sees tha
 - SIGINT (Ctrl-C): the first one becomes the same stop (through Lightning's SIGTERM handler, which also tells DDP's
   other processes); a second signal of either kind stops at once (KeyboardInterrupt), keeping the last periodic
   checkpoint.
-- `finish` (called by the CLI when the fit ends by an exception) marks the runs KILLED, after Lightning marked them
-  FAILED, prints where the checkpoint is and the resume command, and returns the exit status.
 """
 
 from __future__ import annotations
@@ -25,10 +22,9 @@ from typing import Any, Optional
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from .checkpoint_io import CheckpointWriteError, last_good
-from .loggers.credentials import mask
-from .loggers.mlflow_runs import mlflow_loggers
-from .resume import resume_command
+from ..loggers.credentials import mask
+from ..loggers.mlflow_runs import mlflow_loggers
+from ..training.checkpoint_io import CheckpointWriteError
 
 
 @dataclass
@@ -48,7 +44,7 @@ class _Stop:
 STOP = _Stop()
 
 
-def _say(text: str) -> None:
+def say(text: str) -> None:
     print(f"mhc fit: {mask(text)}", file=sys.stderr, flush=True)  # the resume command repeats the URIs given
 
 
@@ -108,7 +104,7 @@ class GracefulStop(Callback):
             raise KeyboardInterrupt
         STOP.signum = signum
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        _say(f"{name}: stopping after this step with a checkpoint ({name} again to stop at once)")
+        say(f"{name}: stopping after this step with a checkpoint ({name} again to stop at once)")
         if self._trainer is not None and self._trainer.validating:
             self._after_validation = True  # Lightning would stop mid-validation, whose metrics are not checkpointed
         else:
@@ -152,35 +148,6 @@ class GracefulStop(Callback):
                 trainer.save_checkpoint(cb.last_model_path)  # the loops stopped at a step boundary: resumes exactly
             except CheckpointWriteError as err:  # the run must still end, and say what is safe
                 cb.last_model_path = previous
-                _say(str(err))
+                say(str(err))
                 return
             STOP.checkpoint = Path(cb.last_model_path)
-
-
-def finish(args: list[str]) -> Optional[int]:
-    """After a fit that ended by an exception: if a signal stopped it, mark its MLflow runs KILLED, say what was saved
-    and how to resume, and return the exit status (128 + signal number); None if no signal was involved."""
-    if STOP.signum is None:
-        return None
-    for client, run_id in STOP.runs:
-        try:
-            client.set_terminated(run_id, "KILLED")  # a guarded client keeps it for later if the server is away
-        except Exception as err:  # the status is cosmetic next to the exit status and the checkpoint
-            _say(f"could not mark MLflow run {run_id} KILLED ({type(err).__name__})")
-    name = "Ctrl-C (SIGINT)" if STOP.signum == signal.SIGINT else signal.Signals(STOP.signum).name
-    runs = ", ".join(run_id for _, run_id in STOP.runs)
-    marked = f"; MLflow run {runs} marked KILLED" if runs else ""
-    good = (STOP.checkpoint, STOP.step) if STOP.checkpoint else last_good(STOP.folder) if STOP.folder else None
-    if STOP.checkpoint is not None:
-        saved = f"checkpoint of step {STOP.step} saved as {STOP.checkpoint}"
-    else:
-        saved = f"the last checkpoint is {good[0]} (step {good[1]})" if good else "no checkpoint was written yet"
-    where = f" at step {STOP.step}" if STOP.step is not None else ""
-    then = f"Resume with: {resume_command(args)}" if good else "Run the same command to start again."
-    _say(f"stopped by {name}{where}; {saved}{marked}. {then}")
-    for note in dict.fromkeys(getattr(client, "pending_note", str)() for client, _ in STOP.runs):
-        if note:  # the store did not take the end of the run (loggers/spool.py): say where it waits
-            _say(note)
-    status = 128 + STOP.signum
-    STOP.reset()
-    return status

@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from .child_processes import Child, mhc_command
-from .errors import UserError
+from ..errors import UserError
+from ..fit.child_processes import Child, mhc_command
 
 # Lightning's SLURM environment without its auto-requeue: submitit requeues (see above)
 SLURM_PLUGIN = (
@@ -44,7 +44,7 @@ CLUSTERS = {"slurm": "slurm", "submitit-local": "local"}  # --launcher -> submit
 def tag_runs(client, experiment_id: str, name: str, tags: dict) -> None:
     """Tag a finished run by name. Tags go on afterwards: passed through the CLI, jsonargparse turns
     numeric strings into ints, which the MLflow REST client rejects."""
-    from .loggers.filters import equals
+    from ..loggers.filters import equals
 
     for run in client.search_runs([experiment_id], filter_string=equals("attributes.run_name", name)):
         if run.info.run_name != name:  # LIKE for a name with both quotes: keep the exact match
