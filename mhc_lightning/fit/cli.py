@@ -1,5 +1,5 @@
-"""`mhc fit|validate|test`: the LightningCLI. The `mhc` command itself (help, the tools) is commands.py, which
-imports this module only for these three commands: Lightning costs seconds to import.
+"""`mhc fit|validate|test`: the LightningCLI. The `mhc` command itself (help, the tools) is mhc_lightning/commands.py,
+which imports this module only for these three commands: Lightning costs seconds to import.
 
 A problem the user can fix (a UserError, a parser error, a broken YAML file) is printed as one line,
 `mhc <command>: error: ...`, with exit status 2 and no traceback.

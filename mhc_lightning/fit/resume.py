@@ -72,8 +72,8 @@ def resolve_last(config, subcommand: Optional[str]) -> Optional[str]:
 
 def check_resume(cfg, checkpoint, run: Optional[str]) -> None:
     """`mhc fit` from a checkpoint, before anything is written: refuse a step budget other than the one the checkpoint's
-    schedule was planned for unless `--extend` says to continue it (schedule.py), then say where training restarts.
-    `checkpoint`: input_checks.CheckpointInfo; `run`: what resolve_last resumes."""
+    schedule was planned for unless `--extend` says to continue it (training/schedule.py), then say where training
+    restarts. `checkpoint`: input_checks.CheckpointInfo; `run`: what resolve_last resumes."""
     lambdas = (checkpoint.scheduler or {}).get("lr_lambdas") or [None]
     planned = lambdas[0].get("total") if isinstance(lambdas[0], dict) else None  # None: not a WarmupCosine
     step, max_steps = checkpoint.global_step, int(_get(cfg.trainer, "max_steps") or -1)

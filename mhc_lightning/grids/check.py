@@ -1,6 +1,6 @@
 """`mhc grid`'s checks before it starts anything, `--dry-run` included: every `--set` is KEY=VALUE on a key that no axis
 or variant sets (the runs would train the --set value under tags and names that say the grid's), and every run's `mhc
-fit` arguments pass `mhc fit`'s parser and the model's cross-field rules (fit_args_check.py, the mechanism `mhc sweep`
+fit` arguments pass `mhc fit`'s parser and the model's cross-field rules (fit/args_check.py, the mechanism `mhc sweep`
 checks its trials with). Without them a misspelt `--set` started every process, each one exiting 2 with the reason
 only in grid_logs/. A `sinkhorn_*` key that the grid sets for a mode without Sinkhorn gets a warning: those runs
 repeat each other.

@@ -221,7 +221,7 @@ def job_parameters(args, spec: dict) -> dict:
         "slurm_array_parallelism": args.parallel,
     }
     if args.gpus_per_node is not None:
-        params["tasks_per_node"] = 1  # the fit starts a process per GPU itself (grid_jobs.py)
+        params["tasks_per_node"] = 1  # the fit starts a process per GPU itself (jobs.py)
     for key, value in (
         ("slurm_partition", args.partition),
         ("gpus_per_node", args.gpus_per_node),
@@ -274,7 +274,7 @@ def still_to_run(client, exp_id: str, runs: list, jobs_root: Optional[Path]) -> 
 
 
 def submit_jobs(args, spec: dict, runs: list, uri: str, exp_id: str, on_done, resumed: set[str]) -> None:
-    """--launcher slurm / submitit-local: one job per run (grid_jobs.py)."""
+    """--launcher slurm / submitit-local: one job per run (jobs.py)."""
     from .jobs import GridPoint, executor_for, submit
 
     executor = executor_for(args.launcher, args.logs.resolve() / "submitit", job_parameters(args, spec))

@@ -6,7 +6,7 @@ Requeue (time limit or preemption) resumes the same MLflow run from the point's 
   job's checkpoints, Lightning's `hpc_ckpt_*.ckpt` included;
 - submitit owns the requeue: its signal (USR2, `signal_delay_s` before the time limit, or at preemption) reaches the
   job, GridPoint.checkpoint hands submitit the same point with `resume=True`, and the requeued job runs
-  `mhc fit ... --ckpt_path last`: the same MLflow run from its last checkpoint (resume.py);
+  `mhc fit ... --ckpt_path last`: the same MLflow run from its last checkpoint (fit/resume.py);
 - Lightning's own SLURM requeue is off in the fit (`SLURMEnvironment(auto_requeue=False)`): it would requeue the job
   without submitit's checkpoint, and the requeued fit would open a new MLflow run. The fit ignores USR1 and USR2
   (the job acts on them), and is stopped by the job once submitit has requeued it.
