@@ -38,7 +38,7 @@ from mhc_lightning.callbacks import GradientSnapshots, InstabilityDetector, Sink
 from mhc_lightning.data import ByteTextDataModule
 from mhc_lightning.data.synthetic import english_like_text
 from mhc_lightning.model import GPTConfig, HyperConfig
-from mhc_lightning.module import LitLM, OptimConfig
+from mhc_lightning.training.module import LitLM, OptimConfig
 
 CONFIGS = ("stability", "detector", "snapshots", "scheduler", "sinkhorn")
 _ALWAYS = ("setup", "teardown", "on_train_start", "on_train_end", "on_exception")  # forwarded in every block

@@ -23,7 +23,7 @@ from bench import harness
 from mhc_lightning.data import ByteTextDataModule
 from mhc_lightning.data.synthetic import english_like_text
 from mhc_lightning.model import GPTConfig, HyperConfig
-from mhc_lightning.module import LitLM
+from mhc_lightning.training.module import LitLM
 
 COLUMNS = [
     ("diagnostics", "diagnostics", ""),

@@ -229,7 +229,7 @@ def own_ms(model, forward, steps: int) -> dict:
 def model_rows(args, device: str) -> list[dict]:
     from mhc_lightning.kernels.fused import custom_ops
     from mhc_lightning.model import GPT, GPTConfig, HyperConfig
-    from mhc_lightning.model.compiled import compile_model
+    from mhc_lightning.model.gpt import compile_model
 
     real = device == "cuda"
     c, blocks, heads, batch, seq = (1024, 12, 16, 8, 2048) if real else (args.c, max(1, args.sublayers // 2), 2, 1, 16)

@@ -4,11 +4,12 @@
     python -m bench trainer --gpus 2                # DDP: scaling efficiency = tok/s(2) / (2 x tok/s(1))
     python -m bench trainer --smoke                 # CPU, tiny shapes: checks the benchmark, not speed
 
-Every run is `python -m mhc_lightning.cli fit` composed from the repo's presets (conf/base.yaml, conf/model/MODE.yaml,
-conf/machine/gpu.yaml for one GPU, ddp.yaml for several), bf16-mixed, C = 1024, 12 blocks, B = 8 per GPU, T = 2048,
-generated text (no downloads), diagnostics off. Step times come from CUDA events at every step end after the warm-up,
-with no synchronisation inside the timed window; each row also has the host's and the device's time per phase of the
-step (forward, backward, optimizer, between steps), peak memory, and Python's garbage collections in the timed steps.
+Every run is `python -m mhc_lightning.fit.cli fit` composed from the repo's presets (conf/base.yaml,
+conf/model/MODE.yaml, conf/machine/gpu.yaml for one GPU, ddp.yaml for several), bf16-mixed, C = 1024, 12 blocks, B = 8
+per GPU, T = 2048, generated text (no downloads), diagnostics off. Step times come from CUDA events at every step end
+after the warm-up, with no synchronisation inside the timed window; each row also has the host's and the device's time
+per phase of the step (forward, backward, optimizer, between steps), peak memory, and Python's garbage collections in
+the timed steps.
 x_residual and x_residual_median: the step's mean and median against the residual's on as many devices.
 A/Bs inside one call: --kernel-config NAME=JSON runs MODE@NAME with MHC_KERNEL_CONFIG=JSON (launch-config overrides,
 docs/kernels.md), --variant-args NAME=ARGS with more `mhc fit` arguments, --repeat N alternates the variants N times
@@ -69,7 +70,7 @@ def run_fit(
 ) -> tuple[int, float]:
     log = work / f"{name}.log"
     t0 = time.time()
-    cmd = [sys.executable, "-m", "mhc_lightning.cli", "fit", *args]
+    cmd = [sys.executable, "-m", "mhc_lightning.fit.cli", "fit", *args]
     try:
         with log.open("w") as f:
             f.write(" ".join(cmd) + "\n\n")

@@ -23,11 +23,11 @@ _EXPORTS = {
     "HyperConfig": "mhc_lightning.model",
     "HyperConnection": "mhc_lightning.model",
     # trained weights outside the platform (`mhc export`)
-    "load_pretrained": "mhc_lightning.pretrained",
-    "save_pretrained": "mhc_lightning.pretrained",
+    "load_pretrained": "mhc_lightning.fit.pretrained",
+    "save_pretrained": "mhc_lightning.fit.pretrained",
     # training
-    "LitLM": "mhc_lightning.module",
-    "OptimConfig": "mhc_lightning.module",
+    "LitLM": "mhc_lightning.training.module",
+    "OptimConfig": "mhc_lightning.training.module",
     "ByteTextDataModule": "mhc_lightning.data",
     # callbacks `mhc fit` installs
     "FinalValidation": "mhc_lightning.callbacks.final_validation",
@@ -46,7 +46,7 @@ _EXPORTS = {
     "compare": "mhc_lightning.reports.compare",
     "report": "mhc_lightning.reports.grouped",
     # the `mhc fit|validate|test` CLI, for building runs from config files in Python
-    "build_cli": "mhc_lightning.cli",
+    "build_cli": "mhc_lightning.fit.cli",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,8 +1,8 @@
 """`mhc`: the command dispatcher (the console script). Cheap to import: no torch, no Lightning, no MLflow.
 
 `mhc --help` and an unknown command answer from here at once; a tool (`sweep`, `compare`, `report`, `grid`) imports
-only its own module; `fit`, `validate` and `test` import Lightning through cli.py, and only when they run, after the
-checks that need no Lightning (early_checks.py: flags, config files, corpus, checkpoint).
+only its own module; `fit`, `validate` and `test` import Lightning through fit/cli.py, and only when they run, after the
+checks that need no Lightning (fit/early_checks.py: flags, config files, corpus, checkpoint).
 
 Whatever the command, a problem the user can fix (a UserError, a parser error, a broken YAML file) is printed as one
 line, `mhc <command>: error: ...`, with exit status 2 and no traceback.
@@ -14,9 +14,9 @@ import importlib
 import sys
 from typing import NamedTuple, Optional
 
-from .child_processes import die_with_parent
-from .early_checks import check_arguments
 from .errors import EXIT_USER_ERROR, UserError, one_line
+from .fit.child_processes import die_with_parent
+from .fit.early_checks import check_arguments
 from .loggers.credentials import clean_tracking_env, mask
 
 # The Trainer entry points `mhc` offers. `predict` is left out: the byte LM has no prediction data or
@@ -28,7 +28,7 @@ TRAINER_COMMANDS = {
 }
 
 
-TRAINER_TARGET = "mhc_lightning.cli:run_trainer_command"  # (command, args, argv) of fit / validate / test
+TRAINER_TARGET = "mhc_lightning.fit.cli:run_trainer_command"  # (command, args, argv) of fit / validate / test
 
 
 class Tool(NamedTuple):
@@ -46,8 +46,8 @@ TOOLS = {  # subcommands with their own argparse front ends; everything else is 
     "prepare": Tool(
         "mhc_lightning.data.prepare:main", "tokenize text / JSON Lines / parquet into token shards for `mhc fit`"
     ),
-    "grid": Tool("mhc_lightning.grid:main", "a grid of `mhc fit` runs: parallel processes here, or SLURM jobs"),
-    "export": Tool("mhc_lightning.pretrained:main", "a checkpoint's model as model.safetensors + config.json"),
+    "grid": Tool("mhc_lightning.grids.cli:main", "a grid of `mhc fit` runs: parallel processes here, or SLURM jobs"),
+    "export": Tool("mhc_lightning.fit.pretrained:main", "a checkpoint's model as model.safetensors + config.json"),
 }
 
 
@@ -99,7 +99,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         check_arguments(command, args[1:])
     except UserError as err:
         fail(command, str(err))
-    # by name, as the tools: cli.py imports this module (for TOOLS and main), never the other way round
+    # by name, as the tools: fit/cli.py imports this module (for TOOLS and main), never the other way round
     module, _, func = TRAINER_TARGET.partition(":")
     # argv=None lets LightningCLI read sys.argv itself
     getattr(importlib.import_module(module), func)(command, args, None if argv is None else args)

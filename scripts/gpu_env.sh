@@ -22,5 +22,5 @@ export PATH=/tmp/site/bin:$PATH
 # and on PATH; the repo is not pip-installed there, so it runs the CLI module
 MHC_BIN=$(python3 -c 'import os, sys; print(os.path.dirname(sys.executable))')
 mkdir -p /tmp/site/bin
-printf '#!/bin/sh\nexec %s/python3 -m mhc_lightning.cli "$@"\n' "$MHC_BIN" > /tmp/site/bin/mhc && chmod +x /tmp/site/bin/mhc
+printf '#!/bin/sh\nexec %s/python3 -m mhc_lightning.fit.cli "$@"\n' "$MHC_BIN" > /tmp/site/bin/mhc && chmod +x /tmp/site/bin/mhc
 [ -e "$MHC_BIN/mhc" ] || cp /tmp/site/bin/mhc "$MHC_BIN/mhc" 2>/dev/null || echo "gpu_env: no mhc beside $MHC_BIN/python3"

@@ -14,7 +14,7 @@ export OMP_NUM_THREADS=1
 # SEED_DB: the store of an earlier part; with --skip-finished the grid continues where that part stopped
 source scripts/gpu_tracking.sh
 [ -n "${SKIP_DIAG_BENCH:-}" ] || timeout 120 python3 -m bench diagnostics --accelerator gpu --out $OUT/bench_diagnostics_gpu.json 2>&1 | tail -8
-timeout $LIMIT python3 -m mhc_lightning.grid $GRID --parallel $PARALLEL \
+timeout $LIMIT python3 -m mhc_lightning.grids.cli $GRID --parallel $PARALLEL \
   --logs $store/logs "$@" 2>&1 | tee $OUT/grid.log
 sleep 2
 gzip -c $store/mlflow.db > $OUT/mlflow.db.gz   # a plain store can pass the 16 MiB limit on returned files

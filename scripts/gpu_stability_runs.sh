@@ -12,7 +12,7 @@ source scripts/gpu_env.sh || exit 1
 export OMP_NUM_THREADS=1
 source scripts/gpu_tracking.sh
 long_grid() {
-  timeout $LIMIT python3 -m mhc_lightning.grid conf/experiments/stability_long_grid.yaml --parallel 5 \
+  timeout $LIMIT python3 -m mhc_lightning.grids.cli conf/experiments/stability_long_grid.yaml --parallel 5 \
     --logs $store/logs_long --set trainer.max_time=$LONG_TIME
 }
 pack() {  # the store and the logs of what ran, under $OUT
@@ -29,7 +29,7 @@ fi
 long_grid > $OUT/grid_long.log 2>&1 &
 long=$!
 sleep 5   # the long grid creates its experiment and starts first
-timeout $LIMIT nice -n 10 python3 -m mhc_lightning.grid conf/experiments/stability_grid.yaml --parallel 27 \
+timeout $LIMIT nice -n 10 python3 -m mhc_lightning.grids.cli conf/experiments/stability_grid.yaml --parallel 27 \
   --logs $store/logs 2>&1 | tee $OUT/grid.log
 wait $long; cat $OUT/grid_long.log
 pack logs logs_long

@@ -261,7 +261,7 @@ def tiny_module(
     **hyper,
 ):
     from mhc_lightning.model import GPTConfig, HyperConfig
-    from mhc_lightning.module import LitLM, OptimConfig
+    from mhc_lightning.training.module import LitLM, OptimConfig
 
     L.seed_everything(seed, verbose=False)
     arch = GPTConfig(

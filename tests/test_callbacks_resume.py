@@ -14,7 +14,7 @@ import torch
 from helpers import CONF, mlflow_logger_arg, one_thread, tiny_fit_args
 
 from mhc_lightning.callbacks import GradientSnapshots, InstabilityDetector, SinkhornScheduler
-from mhc_lightning.cli import build_cli
+from mhc_lightning.fit.cli import build_cli
 
 TESTS = Path(__file__).resolve().parent
 STABILITY = str(CONF / "presets" / "stability.yaml")
@@ -102,7 +102,7 @@ def test_killed_quickstart_resumes_the_same_run_with_ckpt_path_last(
     import mlflow
     from helpers import handshake_arg, wait_for
 
-    from mhc_lightning.cli import main
+    from mhc_lightning.fit.cli import main
 
     env = dict(
         os.environ,
@@ -190,7 +190,7 @@ def test_log_model_keeps_the_one_copy_in_mlflow_and_resume_downloads_it(tiny_cor
     are removed once uploaded); `--ckpt_path last` then fetches last.ckpt from the run and continues the same run."""
     import mlflow
 
-    from mhc_lightning.cli import main
+    from mhc_lightning.fit.cli import main
 
     root = tmp_path / "root"
     args = tiny_fit_args(tiny_corpus, mlflow_uri, root, steps=4, run_name="one-copy")

@@ -17,8 +17,8 @@ import torch
 from helpers import REPO, handshake_arg, tiny_fit_args, wait_for
 from mlflow import MlflowClient
 
-from mhc_lightning.child_processes import mhc_command
-from mhc_lightning.cli import main
+from mhc_lightning.fit.child_processes import mhc_command
+from mhc_lightning.fit.cli import main
 
 TESTS = REPO / "tests"
 MHC = shlex.join(mhc_command())  # the entry point the printed commands name
@@ -51,7 +51,7 @@ def _error_lines(text: str) -> list[str]:
 def test_digest_travels_in_the_file_and_catches_one_changed_byte(tmp_path):
     """The Trainer's plugin writes a checkpoint that torch.load reads as before and that verifies; one byte changed in
     the middle (same size) is refused, also through the plugin's own load; a file without a digest is unverified."""
-    from mhc_lightning.checkpoint_io import CorruptCheckpoint, VerifiedCheckpointIO, read_digest, verify
+    from mhc_lightning.training.checkpoint_io import CorruptCheckpoint, VerifiedCheckpointIO, read_digest, verify
 
     io = VerifiedCheckpointIO()
     path = tmp_path / "a.ckpt"
@@ -94,7 +94,7 @@ def test_corrupted_last_checkpoint_is_refused_naming_the_last_good_one(tiny_corp
     err = capsys.readouterr().err
     assert stopped.value.code == 2
     (line,) = _error_lines(err)
-    from mhc_lightning.checkpoint_io import checkpoint_step
+    from mhc_lightning.training.checkpoint_io import checkpoint_step
 
     run_id = before_runs[0][0]
     good = next(p for p in folder.glob("*.ckpt") if p.name != "last.ckpt")
@@ -127,7 +127,7 @@ def test_full_disk_stops_with_one_line_and_leaves_no_partial_file(
     """The disk fills up halfway through the checkpoint of step 4 (writes after the step-2 checkpoints fail with
     ENOSPC): one line naming the folder and the last good checkpoint, exit 2; the folder holds only whole, verified
     files (before: a truncated best checkpoint and an 83-102-line traceback)."""
-    from mhc_lightning import checkpoint_io
+    from mhc_lightning.training import checkpoint_io
 
     real_write, written = os.write, []
 

@@ -16,8 +16,8 @@ import pytest
 import yaml
 from helpers import CONF, fast_first, tiny_fit_args
 
-from mhc_lightning.cli import TOOLS, TRAINER_COMMANDS, build_cli, main
 from mhc_lightning.errors import UserError
+from mhc_lightning.fit.cli import TOOLS, TRAINER_COMMANDS, build_cli, main
 from mhc_lightning.loggers.tags import CHECKPOINT_TAG, SOURCE_RUN_TAG
 from mhc_lightning.model.modes import RESIDUAL_MODES
 

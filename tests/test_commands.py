@@ -21,7 +21,8 @@ def test_help_and_the_tools_import_neither_torch_nor_lightning():
     code = (
         "import sys, contextlib, io\nfrom mhc_lightning.commands import main\n"
         "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n    main(['--help'])\n"
-        "import mhc_lightning.grid, mhc_lightning.reports.cli, mhc_lightning.sweeps.cli, mhc_lightning.reports.runs\n"
+        "import mhc_lightning.grids.cli, mhc_lightning.reports.cli, mhc_lightning.sweeps.cli\n"
+        "import mhc_lightning.reports.runs\n"
         "print(sorted(m for m in ('torch', 'lightning', 'mlflow', 'optuna', 'pandas') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
@@ -62,8 +63,8 @@ def test_the_cli_keeps_the_decay_groups_and_the_schedule(tmp_path, monkeypatch):
     matrices decayed, and the warmup-cosine LambdaLR stepped per optimizer step."""
     import torch
 
-    from mhc_lightning.cli import build_cli
-    from mhc_lightning.module import LitLM
+    from mhc_lightning.fit.cli import build_cli
+    from mhc_lightning.training.module import LitLM
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ArgumentError, match="optimizer"):

@@ -65,7 +65,7 @@ def test_a_shard_changed_after_prepare_is_refused_naming_both_digests(shards, tm
 
 def _module(seed: int = 0):
     from mhc_lightning.model import GPTConfig, HyperConfig
-    from mhc_lightning.module import LitLM, OptimConfig
+    from mhc_lightning.training.module import LitLM, OptimConfig
 
     L.seed_everything(seed, verbose=False)
     arch = GPTConfig(vocab_size=257, n_layers=1, d_model=32, n_heads=2, context=32, hyper=HyperConfig())

@@ -1,8 +1,9 @@
-"""The logged diagnostics (mhc_lightning/diagnostics.py) say what their names say: worst token vs token mean."""
+"""The logged diagnostics (mhc_lightning/training/diagnostics.py) say what their names say: worst token vs token
+mean."""
 
 import torch
 
-from mhc_lightning.diagnostics import grad_norm_summary, summarize
+from mhc_lightning.training.diagnostics import grad_norm_summary, summarize
 
 
 def _recorded(h_res: torch.Tensor) -> dict[str, torch.Tensor]:

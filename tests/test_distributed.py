@@ -33,7 +33,7 @@ class StepProbe(L.Callback):
         self.steps: list[dict] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        from mhc_lightning.distributed import mean_across_ranks
+        from mhc_lightning.training.distributed import mean_across_ranks
 
         loss = outputs["loss"].detach() if isinstance(outputs, dict) and outputs.get("loss") is not None else None
         local = float("nan") if loss is None else float(loss)
@@ -49,7 +49,7 @@ class StepProbe(L.Callback):
         )
 
     def on_train_end(self, trainer, pl_module) -> None:
-        from mhc_lightning.distributed import state_digests
+        from mhc_lightning.training.distributed import state_digests
 
         self.dirpath.mkdir(parents=True, exist_ok=True)
         r = trainer.global_rank
@@ -158,7 +158,7 @@ def _run(client, experiment: str):
 def test_ddp_matches_single_process_and_writes_one_mlflow_run(tiny_corpus, mlflow_uri, tmp_path):
     """Same global batch (1 x 8 vs 2 x 4, corpus order): same losses step by step, same validation loss,
     one MLflow run for the DDP fit, identical weights and diagnostics on both ranks."""
-    from mhc_lightning.cli import main
+    from mhc_lightning.fit.cli import main
 
     steps = 4
     runs = {}
@@ -300,7 +300,7 @@ def test_rollback_under_ddp_fault_on_one_rank_keeps_ranks_equal_and_skips_the_sa
 def test_multinode_preset_reads_the_node_count(env, nodes, monkeypatch, capsys):
     import yaml
 
-    from mhc_lightning.cli import main
+    from mhc_lightning.fit.cli import main
 
     for k in ("SLURM_NNODES", "MHC_NUM_NODES"):
         monkeypatch.delenv(k, raising=False)

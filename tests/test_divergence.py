@@ -13,7 +13,7 @@ from mlflow import MlflowClient
 
 from mhc_lightning.callbacks import InstabilityDetector
 from mhc_lightning.callbacks.divergence import EXIT_DIVERGED, DivergenceGuard, TrainingDiverged
-from mhc_lightning.cli import main
+from mhc_lightning.fit.cli import main
 
 
 class NaNLossAt(L.Callback):

@@ -12,7 +12,7 @@ import warnings
 import pytest
 from helpers import CONF, fast_first
 
-from mhc_lightning.early_checks import parser_keys
+from mhc_lightning.fit.early_checks import parser_keys
 
 BAD_INPUTS = {  # mhc arguments: what the one line says
     "flag": (
@@ -81,7 +81,7 @@ def test_cheap_inputs_are_answered_before_torch_and_lightning_are_imported(tmp_p
 
 def _real_options(subcommand: str) -> set[str]:
     """The option keys of the parser `mhc <subcommand>` builds (Lightning's and ours), links aside."""
-    from mhc_lightning.cli import MHCLightningCLI, build_cli
+    from mhc_lightning.fit.cli import MHCLightningCLI, build_cli
 
     found = {}
 

@@ -7,10 +7,10 @@ import torch
 from helpers import CONF, fast_first, tiny_fit, tiny_module
 
 from mhc_lightning.callbacks import SinkhornScheduler
-from mhc_lightning.diagnostics import summarize
 from mhc_lightning.kernels import reference as R
 from mhc_lightning.model import GPT, GPTConfig, HyperConfig
 from mhc_lightning.sweeps.spec import SpecError, parse_spec
+from mhc_lightning.training.diagnostics import summarize
 
 EXACT = ["mhc_lite", "kromhc"]
 L, T, N = 48, 64, 4

@@ -214,7 +214,7 @@ def test_compiled_model_matches_eager_in_one_graph(mode):
     one graph without breaks, the same loss and gradients as eager."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    from mhc_lightning.model.compiled import compile_model
+    from mhc_lightning.model.gpt import compile_model
 
     torch.manual_seed(0)
     m = GPT(

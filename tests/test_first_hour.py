@@ -79,7 +79,7 @@ def test_an_unreachable_server_hint_names_what_the_command_accepts(tmp_path, cap
 def test_ckpt_path_last_with_no_earlier_run_writes_nothing(tiny_corpus, tmp_path, monkeypatch, capsys):
     """It left an empty mlflow.db (checking the store created it); the docs promise nothing written. In this process:
     the refusal comes before anything starts, so a process of its own adds only its start-up."""
-    from mhc_lightning.cli import main
+    from mhc_lightning.fit.cli import main
 
     work = tmp_path / "work"
     work.mkdir()

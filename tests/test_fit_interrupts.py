@@ -21,10 +21,10 @@ from helpers import CONF, REPO, handshake_arg, one_thread, wait_for
 from lightning.pytorch.callbacks import ModelCheckpoint
 from mlflow import MlflowClient
 
-from mhc_lightning.checkpoint_io import VerifiedCheckpointIO
-from mhc_lightning.cli import main
-from mhc_lightning.interrupts import keep_last_name
-from mhc_lightning.resume import newest_last
+from mhc_lightning.callbacks.graceful_stop import keep_last_name
+from mhc_lightning.fit.cli import main
+from mhc_lightning.fit.resume import newest_last
+from mhc_lightning.training.checkpoint_io import VerifiedCheckpointIO
 
 MHC = str(Path(sys.executable).with_name("mhc"))
 

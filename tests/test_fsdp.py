@@ -34,7 +34,7 @@ def old_rule(name: str, p: torch.Tensor) -> bool:
 )
 def test_decay_by_name_is_the_shape_rule_on_whole_parameters(hyper, tied):
     from mhc_lightning.model import GPT, GPTConfig, HyperConfig
-    from mhc_lightning.sharding import decays
+    from mhc_lightning.training.sharding import decays
 
     model = GPT(GPTConfig(n_layers=2, d_model=32, n_heads=2, context=16, tied_head=tied, hyper=HyperConfig(**hyper)))
     named = list(model.named_parameters())
@@ -55,7 +55,7 @@ def _fsdp1_rank(rank: int, pg_file: str, out: str) -> None:
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     from mhc_lightning.model.layers import Attention, SwiGLU
-    from mhc_lightning.sharding import clean_name
+    from mhc_lightning.training.sharding import clean_name
 
     dist.init_process_group("gloo", init_method=f"file://{pg_file}", rank=rank, world_size=2)
     try:
@@ -130,7 +130,7 @@ class ShardProbe(L.Callback):
         self.steps.append({"loss": float(pl_module.last_loss), "norm": float(pl_module.grad_norms()[0])})
 
     def on_train_end(self, trainer, pl_module) -> None:
-        from mhc_lightning.sharding import local_tensor
+        from mhc_lightning.training.sharding import local_tensor
 
         names = {id(p): n for n, p in pl_module.model.named_parameters()}
         groups = [
@@ -156,7 +156,7 @@ def test_fsdp2_matches_one_process_with_clipping(tiny_corpus, mlflow_uri, tmp_pa
             "init_args": {"data_parallel_size": 2, "tensor_parallel_size": 1, "save_distributed_checkpoint": False},
         }
     )
-    from mhc_lightning.cli import main
+    from mhc_lightning.fit.cli import main
 
     for name, per_rank, extra in (
         ("fsdp2", 4, ["-c", str(CONF / "machine" / "ddp-cpu.yaml"), f"--trainer.strategy={strategy}"]),
@@ -217,7 +217,7 @@ def test_fsdp2_matches_one_process_with_clipping(tiny_corpus, mlflow_uri, tmp_pa
 
 def test_tensor_parallel_mesh_is_refused_in_one_line():
     from mhc_lightning.errors import ConfigError
-    from mhc_lightning.sharding import fully_shard_model
+    from mhc_lightning.training.sharding import fully_shard_model
 
     class Mesh:
         def __getitem__(self, name):

@@ -10,8 +10,8 @@ import time
 import pytest
 from helpers import CONF, REPO, TINY_GRID, fast_first, tiny_grid_command
 
-from mhc_lightning.cli import build_cli
-from mhc_lightning.grid import GridError, expand, load_grid
+from mhc_lightning.fit.cli import build_cli
+from mhc_lightning.grids.cli import GridError, expand, load_grid
 
 
 def test_stability_grid_expands_to_54_distinct_runs():
@@ -87,7 +87,7 @@ def test_a_stopped_grid_gives_all_its_runs_the_same_time_to_end(tmp_path):
     import sys
     import threading
 
-    from mhc_lightning.child_processes import run_parallel
+    from mhc_lightning.fit.child_processes import run_parallel
 
     slow_end = (
         "import signal, sys, time\n"
@@ -170,7 +170,7 @@ def test_a_misspelt_set_is_refused_before_any_run_starts(tiny_corpus, tmp_path, 
     ],
 )
 def test_every_run_is_checked_by_the_fit_parser_with_dry_run_too(change, says, tmp_path, monkeypatch, capsys):
-    from mhc_lightning.grid import main
+    from mhc_lightning.grids.cli import main
 
     monkeypatch.chdir(tmp_path)
     grid = tmp_path / "g.yaml"
@@ -206,7 +206,7 @@ def test_grid_file_mistakes_name_the_key(grid, says, tmp_path):
 
 
 def test_set_without_a_value_and_help_text(tmp_path, capsys):
-    from mhc_lightning.grid import build_parser, main
+    from mhc_lightning.grids.cli import build_parser, main
 
     grid = tmp_path / "g.yaml"
     grid.write_text(json.dumps(TINY_GRID))
@@ -220,7 +220,7 @@ def test_set_without_a_value_and_help_text(tmp_path, capsys):
 def test_a_set_on_an_axis_or_variant_key_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
     """`--set model.arch.n_layers=2` over an n_layers axis trained 2 blocks under names and tags that said the axis
     value, so reports paired the wrong runs: refused before anything is written."""
-    from mhc_lightning.grid import main
+    from mhc_lightning.grids.cli import main
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
@@ -239,8 +239,8 @@ def test_a_set_on_an_axis_or_variant_key_is_refused_in_one_line(tmp_path, monkey
 def test_sinkhorn_keys_for_modes_without_sinkhorn_are_named(tmp_path, capsys):
     """A sinkhorn_iters axis over mhc_lite / kromhc runs identical duplicates: `mhc grid` warns, `mhc fit` says it
     ignores the key (one line, before its inputs are checked)."""
-    from mhc_lightning.cli import main as fit_main
-    from mhc_lightning.grid_check import sinkhorn_no_ops
+    from mhc_lightning.fit.cli import main as fit_main
+    from mhc_lightning.grids.check import sinkhorn_no_ops
 
     spec = {
         **TINY_GRID,
@@ -265,8 +265,8 @@ def test_sinkhorn_keys_for_modes_without_sinkhorn_are_named(tmp_path, capsys):
 
 
 def test_dry_run_prints_pasteable_commands_and_a_grid_names_its_report(tmp_path, monkeypatch, capsys):
-    from mhc_lightning.child_processes import mhc_command
-    from mhc_lightning.grid import main, report_command
+    from mhc_lightning.fit.child_processes import mhc_command
+    from mhc_lightning.grids.cli import main, report_command
 
     monkeypatch.chdir(tmp_path)
     grid = tmp_path / "g.yaml"
@@ -288,8 +288,8 @@ def test_skip_finished_resumes_interrupted_runs_from_their_checkpoint(tmp_path, 
     checkpoint: resumed with `--ckpt_path last`; one FAILED before any checkpoint: run again from step 0."""
     from mlflow import MlflowClient
 
-    import mhc_lightning.child_processes as child_processes
-    from mhc_lightning.grid import main
+    import mhc_lightning.fit.child_processes as child_processes
+    from mhc_lightning.grids.cli import main
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
     grid = tmp_path / "g.yaml"
@@ -337,7 +337,7 @@ def test_skip_finished_resumes_interrupted_runs_from_their_checkpoint(tmp_path, 
 
 
 def test_a_run_name_too_long_for_a_file_or_a_run_is_refused_with_dry_run_too(tmp_path, monkeypatch, capsys):
-    from mhc_lightning.grid import main
+    from mhc_lightning.grids.cli import main
 
     monkeypatch.chdir(tmp_path)
     grid = tmp_path / "g.yaml"

@@ -26,7 +26,7 @@ class PauseAt(L.Callback):
         self.dirpath, self.step = Path(dirpath), step
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        from mhc_lightning.interrupts import STOP
+        from mhc_lightning.callbacks.graceful_stop import STOP
 
         if trainer.global_step == self.step:
             self.dirpath.mkdir(parents=True, exist_ok=True)
@@ -46,14 +46,14 @@ GRID = {
 
 
 def test_grid_help_offers_the_cluster_launcher():
-    from mhc_lightning.grid import build_parser
+    from mhc_lightning.grids.cli import build_parser
 
     text = build_parser().format_help()
     assert "--launcher {local,slurm,submitit-local}" in text and "--slurm KEY=VALUE" in text
 
 
 def test_slurm_parameters_and_bad_ones(tmp_path):
-    from mhc_lightning.grid import GridError, build_parser, job_parameters
+    from mhc_lightning.grids.cli import GridError, build_parser, job_parameters
 
     args = build_parser().parse_args(
         [
@@ -90,9 +90,9 @@ def test_a_job_with_two_gpus_runs_one_fit_on_both_under_slurm(tiny_corpus, mlflo
     node. (Two CPU processes stand for the GPUs; the Trainer is built, not run.)"""
     from lightning.pytorch.plugins.environments import LightningEnvironment
 
-    from mhc_lightning.child_processes import mhc_command
-    from mhc_lightning.cli import build_cli
-    from mhc_lightning.grid_jobs import SLURM_PLUGIN, GridPoint
+    from mhc_lightning.fit.child_processes import mhc_command
+    from mhc_lightning.fit.cli import build_cli
+    from mhc_lightning.grids.jobs import SLURM_PLUGIN, GridPoint
 
     for key, value in {**SLURM_LIKE, "SLURM_NTASKS_PER_NODE": "1", "SLURM_NNODES": "1"}.items():
         monkeypatch.setenv(key, value)

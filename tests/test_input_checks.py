@@ -16,8 +16,8 @@ import torch
 from helpers import CONF, fast_first, make_text, tiny_fit_args
 from mlflow.entities import ViewType
 
-from mhc_lightning.cli import main
-from mhc_lightning.input_checks import arch_mismatches, schedule_warnings
+from mhc_lightning.fit.cli import main
+from mhc_lightning.fit.input_checks import arch_mismatches, schedule_warnings
 
 
 def random_bytes(n: int) -> bytes:
@@ -256,7 +256,7 @@ def test_under_slurm_a_fit_never_restores_another_jobs_requeue_checkpoint(
     from helpers import SLURM_LIKE
     from lightning.pytorch.plugins.environments import SLURMEnvironment
 
-    from mhc_lightning.cli import build_cli
+    from mhc_lightning.fit.cli import build_cli
 
     for key, value in {**SLURM_LIKE, "SLURM_JOB_ID": "5151"}.items():
         monkeypatch.setenv(key, value)

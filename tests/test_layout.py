@@ -8,11 +8,12 @@ import ast
 import re
 import subprocess
 import sys
+import zipfile
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from helpers import REPO, fast_first
+from helpers import REPO, fast_first, tiny_fit
 
 # source folder -> the package name it is imported as (kernels/ is installed as mhc_lightning.kernels)
 ROOTS = {REPO / "mhc_lightning": "mhc_lightning", REPO / "kernels": "mhc_lightning.kernels"}
@@ -113,18 +114,94 @@ def within(name: str, *packages: str) -> bool:
     return any(name == p or name.startswith(p + ".") for p in packages)
 
 
-def test_training_does_not_import_reporting_or_tools():
-    """The LightningModule and all it imports stay below reports, sweeps, grid and the CLI: per-layer figures are
-    drawn by a callback (callbacks/per_layer_artifacts.py), never by the module."""
-    upper = (
-        "mhc_lightning.reports",
-        "mhc_lightning.sweeps",
-        "mhc_lightning.grid",
-        "mhc_lightning.cli",
+# package -> the packages above it, which it must not import (docs/design.md §14); each package may import what is
+# below it and the shared basics at the top level (errors, files, names, provenance)
+ABOVE = {
+    # the training core: LitLM and all it imports. What a run logs beyond metrics (per-layer artifacts, stability
+    # events) is a callback's job, never the module's.
+    "mhc_lightning.training": (
         "mhc_lightning.callbacks",
         "mhc_lightning.loggers",
-    )
-    assert sorted(m for m in reachable(import_graph(), "mhc_lightning.module") if within(m, *upper)) == []
+        "mhc_lightning.reports",
+        "mhc_lightning.data",
+        "mhc_lightning.fit",
+        "mhc_lightning.grids",
+        "mhc_lightning.sweeps",
+        "mhc_lightning.commands",
+    ),
+    "mhc_lightning.callbacks": (
+        "mhc_lightning.fit",
+        "mhc_lightning.grids",
+        "mhc_lightning.sweeps",
+        "mhc_lightning.commands",
+    ),
+    # `mhc fit` itself: the tools that start fits (grids, sweeps) and the reports sit above it
+    "mhc_lightning.fit": ("mhc_lightning.grids", "mhc_lightning.sweeps", "mhc_lightning.reports"),
+    "mhc_lightning.grids": ("mhc_lightning.sweeps", "mhc_lightning.reports"),
+    "mhc_lightning.sweeps": ("mhc_lightning.grids",),
+}
+# the reports' figures, drawn for a callback too (callbacks/per_layer_artifacts.py): below the callbacks
+SHARED = {"mhc_lightning.reports.plots"}
+
+
+def test_packages_import_nothing_above_them():
+    """Every module of a package and all it imports, directly or through others (one test, so that every rule
+    runs in the fast tier)."""
+    graph = import_graph()
+    assert set(ABOVE) <= set(graph)
+    upward = {
+        f"{name} imports {dep}"
+        for package, above in ABOVE.items()
+        for name in graph
+        if within(name, package)
+        for dep in reachable(graph, name)
+        if within(dep, *above) and dep not in SHARED
+    }
+    assert sorted(upward) == []
+
+
+def test_the_training_core_stays_below_the_cli():
+    """LitLM in particular: the rule above names it, and the CLI does import it."""
+    graph = import_graph()
+    assert "mhc_lightning.training.module" in reachable(graph, "mhc_lightning.fit.cli")
+    assert not any(within(m, "mhc_lightning.fit") for m in reachable(graph, "mhc_lightning.training.module"))
+
+
+# What the package's top level holds: the `mhc` dispatcher (the console script), the shared basics every layer may
+# use, and the packages, each named for what it does (docs/design.md §14). Anything else belongs in a package.
+TOP_LEVEL_MODULES = {"__init__", "commands", "errors", "files", "names", "provenance"}
+PACKAGES = {"callbacks", "data", "fit", "grids", "loggers", "model", "reports", "sweeps", "training"}
+
+
+def test_the_top_level_holds_only_the_entry_point_and_shared_basics():
+    root = REPO / "mhc_lightning"
+    assert {p.stem for p in root.glob("*.py")} == TOP_LEVEL_MODULES
+    packages = {p.parent.name for p in root.glob("*/__init__.py")}
+    assert packages == PACKAGES
+    stray = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name not in PACKAGES | {"__pycache__"})
+    assert stray == []
+    for name in PACKAGES:  # each says what it is for in its docstring
+        doc = ast.get_docstring(ast.parse((root / name / "__init__.py").read_text()))
+        assert doc, name
+
+
+def test_a_checkpoint_names_no_module_of_the_package(tiny_corpus, tmp_path):
+    """A checkpoint holds tensors and plain values (LitLM's hyperparameters as dicts, each callback's state under its
+    class name, the MLflow run's ids as strings): it loads with weights_only=True, as Lightning loads it, and no
+    module path of the package is in it, so a module that moves to another package leaves every checkpoint loadable."""
+    from torch.serialization import get_unsafe_globals_in_checkpoint
+
+    from mhc_lightning.callbacks import GradientSnapshots, InstabilityDetector, SinkhornScheduler
+    from mhc_lightning.callbacks.graceful_stop import GracefulStop
+
+    callbacks = [InstabilityDetector(), GradientSnapshots(every_n_steps=1), SinkhornScheduler(every=1), GracefulStop()]
+    trainer, _ = tiny_fit(tiny_corpus, callbacks, steps=2)
+    ckpt = tmp_path / "last.ckpt"
+    trainer.save_checkpoint(ckpt)
+    assert get_unsafe_globals_in_checkpoint(ckpt) == []
+    with zipfile.ZipFile(ckpt) as archive:
+        (pickle,) = [name for name in archive.namelist() if name.endswith("/data.pkl")]
+        assert b"mhc_lightning" not in archive.read(pickle)
 
 
 def external_imports(path: Path) -> set[str]:
@@ -223,10 +300,10 @@ OWNED_TEXT = [
     "mhc_lightning/callbacks/snapshot_state.py",
     "mhc_lightning/callbacks/snapshot_files.py",
     "mhc_lightning/callbacks/rank_consistency.py",
-    "mhc_lightning/child_processes.py",
-    "mhc_lightning/grid.py",
-    "mhc_lightning/resume.py",
-    "mhc_lightning/distributed.py",
+    "mhc_lightning/fit/child_processes.py",
+    "mhc_lightning/grids/cli.py",
+    "mhc_lightning/fit/resume.py",
+    "mhc_lightning/training/distributed.py",
     "conf",
     "sweeps",
     "docs/sweeps.md",

@@ -266,7 +266,7 @@ def test_compiled_model_traces_once_more_when_the_sinkhorn_count_changes():
     kernels take it at run time) instead of tracing the model again for every new count."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    from mhc_lightning.model.compiled import compile_model
+    from mhc_lightning.model.gpt import compile_model
 
     torch.manual_seed(0)
     cfg = GPTConfig(

@@ -1,4 +1,4 @@
-"""LitLM's training step (mhc_lightning/module.py): what it leaves on the device."""
+"""LitLM's training step (mhc_lightning/training/module.py): what it leaves on the device."""
 
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def test_progress_bar_reads_the_loss_back_every_log_interval(tiny_corpus, monkey
     (Lightning would read it back after every step)."""
     from helpers import tiny_module
 
-    import mhc_lightning.module as module_file
+    import mhc_lightning.training.module as module_file
 
     reads: list[int] = []
     scalar = module_file.host_scalar
@@ -115,8 +115,8 @@ def test_progress_bar_reads_the_loss_back_every_log_interval(tiny_corpus, monkey
 def test_compile_mode_reaches_torch_compile_and_graphed_modes_mark_each_call(monkeypatch, mode, graphed):
     """model.compile_mode goes to torch.compile; with CUDA graphs each model call first starts a new graph step (the
     previous replay's outputs may then be overwritten), without them nothing is marked."""
-    from mhc_lightning import module as module_mod
     from mhc_lightning.model.config import GPTConfig
+    from mhc_lightning.training import module as module_mod
 
     seen, marks = {}, []
     monkeypatch.setattr(module_mod, "compile_model", lambda model, **kw: seen.update(kw) or (lambda idx: model(idx)))
@@ -187,7 +187,7 @@ def test_optimizer_implementation_follows_model_optim_fused(tiny_corpus, fused, 
     from helpers import ACCELERATOR
 
     from mhc_lightning.model import GPTConfig
-    from mhc_lightning.module import LitLM, OptimConfig
+    from mhc_lightning.training.module import LitLM, OptimConfig
 
     L.seed_everything(0, verbose=False)
     module = LitLM(

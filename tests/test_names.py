@@ -14,7 +14,7 @@ import pytest
 from helpers import REPO, derived_spec, fast_first, mlflow_logger_arg, tiny_fit_args
 from mlflow import MlflowClient
 
-from mhc_lightning.grid import GridError, expand, load_grid, log_path
+from mhc_lightning.grids.cli import GridError, expand, load_grid, log_path
 from mhc_lightning.loggers.filters import equals
 from mhc_lightning.names import ALLOWED, file_name, path_name_problem
 
@@ -130,7 +130,7 @@ def test_run_names_with_quotes_are_found_by_search_filters(mlflow_uri):
 def test_ckpt_path_last_resumes_a_run_whose_name_has_quotes(tiny_corpus, tmp_path, mlflow_uri, capsys):
     """The run lookup quoted the name in single quotes: a name with ' broke `--ckpt_path last` with a traceback.
     Both fits in this process (`mhc`'s own `main`): the lookup is the same, without two processes' start-up."""
-    from mhc_lightning.cli import main
+    from mhc_lightning.fit.cli import main
 
     uri = mlflow_uri
     args = tiny_fit_args(tiny_corpus, uri, tmp_path / "runs", steps=4, experiment="quotes")
@@ -147,7 +147,7 @@ def test_ckpt_path_last_resumes_a_run_whose_name_has_quotes(tiny_corpus, tmp_pat
 
 
 def test_grid_tags_runs_whose_names_have_quotes(mlflow_uri):
-    from mhc_lightning.grid_jobs import tag_runs
+    from mhc_lightning.grids.jobs import tag_runs
 
     client = MlflowClient(mlflow_uri)
     exp = client.create_experiment("grid-quotes")

@@ -15,7 +15,7 @@ from helpers import fast_first, tiny_fit_args
 
 
 def fit_with_logger(corpus, tmp_path, class_path: str, **init_args) -> None:
-    from mhc_lightning.cli import main
+    from mhc_lightning.fit.cli import main
 
     args = tiny_fit_args(corpus, "unused", tmp_path / "root", steps=3)
     args = [a for a in args if not a.startswith("--trainer.logger")]
@@ -61,7 +61,7 @@ def test_two_wandb_fits_in_one_save_dir_each_keep_their_config(tiny_corpus, tmp_
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     for _ in range(2):  # one process per fit, as `mhc fit` runs (a W&B run lasts as long as its process)
         done = subprocess.run(
-            [sys.executable, "-m", "mhc_lightning.cli", *args, "--trainer.logger=" + json.dumps(logger)],
+            [sys.executable, "-m", "mhc_lightning.fit.cli", *args, "--trainer.logger=" + json.dumps(logger)],
             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
         )  # fmt: skip
         assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]

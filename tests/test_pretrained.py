@@ -1,4 +1,4 @@
-"""A trained model outside the Trainer (mhc_lightning/pretrained.py, GPT.generate): LitLM.load_from_checkpoint,
+"""A trained model outside the Trainer (mhc_lightning/fit/pretrained.py, GPT.generate): LitLM.load_from_checkpoint,
 generation from a prompt, `mhc export` to safetensors + config.json and load_pretrained, with the same logits."""
 
 from __future__ import annotations

@@ -266,7 +266,7 @@ def test_chain_sublayers_auto_chains_where_the_boundary_op_is_fused_and_eager(mo
     assert entered == list(fused.sublayers)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # as while torch.compile traces the model
     assert not recompute._chains(list(fused.sublayers), x)
-    from mhc_lightning.module import check_compile
+    from mhc_lightning.training.module import check_compile
 
     check_compile(GPTConfig(hyper=HyperConfig(residual_mode="mhc")), True)  # auto compiles (one sublayer at a time)
     with pytest.raises(ValueError, match="refused"):
@@ -292,7 +292,7 @@ def test_config_values_and_cli(tmp_path, monkeypatch):
         GPTConfig(recompute_block=-1)
     with pytest.raises(ValueError, match="recompute_block"):
         GPTConfig(recompute_block="always")
-    from mhc_lightning.cli import build_cli
+    from mhc_lightning.fit.cli import build_cli
 
     monkeypatch.chdir(tmp_path)
     base = ["-c", str(CONF / "base.yaml"), "-c", str(CONF / "model" / "mhc.yaml"), "--trainer.logger=false"]
@@ -455,7 +455,7 @@ def test_external_checkpoint_under_fsdp_mixed_precision(wrapper, tmp_path):
 
 
 def test_rebuilt_branch_input_refused_with_recompute_or_compile():
-    from mhc_lightning.module import check_compile
+    from mhc_lightning.training.module import check_compile
 
     with pytest.raises(ValueError, match="recompute_block=2 with hyper.rebuild_branch_input=true is refused"):
         model(block=2, rebuild_branch_input=True)

@@ -9,7 +9,7 @@ import pytest
 from helpers import md_table
 from mlflow.entities import Metric, Param
 
-from mhc_lightning.cli import main
+from mhc_lightning.fit.cli import main
 
 
 def make_runs(uri: str):

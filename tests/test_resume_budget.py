@@ -7,7 +7,7 @@ import pytest
 from helpers import tiny_fit_args
 from mlflow import MlflowClient
 
-from mhc_lightning.cli import main
+from mhc_lightning.fit.cli import main
 
 
 def _args(corpus, uri, root, steps: int, *extra: str) -> list[str]:
@@ -70,7 +70,7 @@ def test_extending_a_finished_run_is_refused_without_extend_and_continues_the_lr
 def test_extend_continues_the_cosine_from_the_factor_reached():
     """The policy, in numbers: extended mid-decay the factor goes on from where it was, down to the minimum at the new
     last step; extended during warmup it is the plan for the new total; unextended it is the plain warmup + cosine."""
-    from mhc_lightning.schedule import WarmupCosine
+    from mhc_lightning.training.schedule import WarmupCosine
 
     plan = WarmupCosine(warmup=10, total=30, min_ratio=0.1)
     assert plan(9) == pytest.approx(1.0) and plan(30) == pytest.approx(0.1) and plan(20) == pytest.approx(0.55)

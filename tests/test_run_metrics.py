@@ -65,7 +65,7 @@ def test_fit_logs_system_metrics_mfu_and_h_res_heatmaps_and_compare_draws_them(
     """One tiny `mhc fit`: MLflow's system metrics (sampled every second here) in the run, train/mfu with a given
     peak, the per-layer H_res heatmaps as artifacts; then `mhc compare` on it draws the training-loss curve and the
     heatmaps of the run's last diagnostics."""
-    from mhc_lightning.cli import main
+    from mhc_lightning.fit.cli import main
     from mhc_lightning.reports.compare import compare
 
     monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "1")

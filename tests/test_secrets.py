@@ -30,7 +30,7 @@ from helpers import derived_spec, make_text, one_thread, tiny_fit_args, tiny_gri
 from mlflow import MlflowClient
 from tracking_servers import MlflowServer, free_port, fresh_databases
 
-from mhc_lightning.cli import MHCLightningCLI, build_cli, main
+from mhc_lightning.fit.cli import MHCLightningCLI, build_cli, main
 from mhc_lightning.loggers.credentials import PASSWORD_ENV, USER_ENV, mask, split_credentials, take_credentials
 
 USER, SECRET = "mhc", f"s3cr3t-{uuid.uuid4().hex[:8]}"

@@ -14,7 +14,7 @@ from mlflow import MlflowClient
 from sqlalchemy import event
 from sqlalchemy.pool import Pool
 
-from mhc_lightning.cli import main
+from mhc_lightning.fit.cli import main
 from mhc_lightning.loggers.store import quiet_store_errors
 
 READ_ONLY = {"on": False}
@@ -143,7 +143,8 @@ def test_an_interrupted_fit_whose_store_refuses_its_end_says_where_it_waits(tmp_
     from mlflow.exceptions import MlflowException
     from mlflow.protos.databricks_pb2 import TEMPORARILY_UNAVAILABLE  # what MLflow raises a SQLite OperationalError as
 
-    from mhc_lightning.interrupts import STOP, finish
+    from mhc_lightning.callbacks.graceful_stop import STOP
+    from mhc_lightning.fit.interrupts import finish
     from mhc_lightning.loggers.spool import GuardedClient
 
     class ReadOnlyStore:

@@ -6,9 +6,9 @@ import torch
 from helpers import fast_first, quick_model, recorded, text_batches, tiny_fit, tiny_module, train
 
 from mhc_lightning.callbacks import InstabilityDetector, channel_of
-from mhc_lightning.diagnostics import h_res_distances, summarize
 from mhc_lightning.model import HyperConfig
-from mhc_lightning.model.stream_spread import stream_spread
+from mhc_lightning.model.branch_input import stream_spread
+from mhc_lightning.training.diagnostics import h_res_distances, summarize
 
 
 @pytest.mark.slow
@@ -60,7 +60,7 @@ def test_identical_stream_configs_are_refused_naming_the_keys(mode, scheme):
 def test_cli_refuses_identical_streams_naming_the_keys(capsys):
     from helpers import CONF
 
-    from mhc_lightning.cli import main
+    from mhc_lightning.fit.cli import main
 
     with pytest.raises(SystemExit) as exc:
         main(["fit", "-c", str(CONF / "base.yaml"), "--model.arch.hyper.bias_init=zeros"])

@@ -21,7 +21,7 @@ import yaml
 from helpers import CONF, REPO
 from mlflow import MlflowClient
 
-from mhc_lightning import child_processes
+from mhc_lightning.fit import child_processes
 from mhc_lightning.sweeps.cli import main as sweep_main
 from mhc_lightning.sweeps.spec import SpecError, parse_spec
 from mhc_lightning.sweeps.trial_args import trial_args
@@ -223,7 +223,7 @@ def _survivors(pids: list[int], wait: float = 0.0) -> list[int]:
 # Stand-in for a rank: records its pid, calls die_with_parent (as `mhc` does first thing in every rank), starts the next
 # process of the chain (as rank 0 starts rank 1) and sleeps. argv ends with: directory, processes left.
 STAND_IN = """import os, subprocess, sys, time
-from mhc_lightning.child_processes import die_with_parent
+from mhc_lightning.fit.child_processes import die_with_parent
 die_with_parent()
 d, n = sys.argv[-2], int(sys.argv[-1])
 if n > 1:

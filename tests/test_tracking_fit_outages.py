@@ -59,7 +59,7 @@ def test_fit_with_an_unreachable_server_stops_at_once_with_one_line(corpus, tmp_
     assert "Traceback" not in out
     if took >= 30:  # a loaded machine: allow for what Python needs to import `mhc` on it (a process more)
         t0 = time.monotonic()
-        subprocess.run([sys.executable, "-c", "import mhc_lightning.cli"], env=clean_env(), check=True, timeout=300)
+        subprocess.run([sys.executable, "-c", "import mhc_lightning.fit.cli"], env=clean_env(), check=True, timeout=300)
         startup = time.monotonic() - t0
         assert took - startup < 15, (took, startup)  # no waiting on HTTP retries (minutes, before)
     assert list(cwd.iterdir()) == []

@@ -261,7 +261,7 @@ def test_server_down_during_run_training_continues_then_replay(server, corpus, t
     sends it, and the run ends up complete with every step's metrics."""
     from lightning.pytorch.callbacks import Callback
 
-    from mhc_lightning.cli import build_cli
+    from mhc_lightning.fit.cli import build_cli
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # fail fast; the guard retries on its own schedule

@@ -10,7 +10,7 @@ import zipfile
 
 from helpers import REPO
 
-import mhc_lightning.configs as configs
+import mhc_lightning.fit.configs as configs
 
 
 def test_the_wheel_carries_the_shipped_configs(tmp_path):

@@ -8,9 +8,10 @@
 
 They share one record (events.py) and work alone or together: conf/presets/stability.yaml, docs/stability.md.
 
-`mhc fit|validate|test` install more by default (cli.build_cli), among them FinalValidation (final_validation.py: every
-fit ends with a validation), PerLayerArtifacts (per_layer_artifacts.py: the per-layer diagnostics as MLflow artifacts)
-and DivergenceGuard (divergence.py: a non-finite training loss ends the fit, FAILED, exit status 3).
+`mhc fit|validate|test` install more by default (fit/cli.py's build_cli), among them FinalValidation
+(final_validation.py: every fit ends with a validation), PerLayerArtifacts (per_layer_artifacts.py: the per-layer
+diagnostics as MLflow artifacts), DivergenceGuard (divergence.py: a non-finite training loss ends the fit, FAILED, exit
+status 3) and GracefulStop (graceful_stop.py: Ctrl-C or SIGTERM stops at the end of a step with a checkpoint).
 """
 
 from .events import StabilityChannel, StabilityEvent, channel_of

@@ -1,4 +1,4 @@
-"""DivergenceGuard: end a fit whose training loss is no longer finite, whatever the config (cli.build_cli installs it).
+"""DivergenceGuard: end a fit whose training loss is no longer finite, whatever the config (fit/cli.py installs it).
 
 When it looks: the loss is read back at the steps where Lightning's loggers read the logged values anyway (every
 `trainer.log_every_n_steps`-th optimizer step) and at each validation, where the host waits for the device in any

@@ -169,7 +169,7 @@ class InstabilityDetector(Callback):
             if not hasattr(pl_module, hook):
                 raise TypeError(
                     f"{type(self).__name__} needs the LitLM hooks (missing {hook!r} on "
-                    f"{type(pl_module).__name__}); see mhc_lightning/module.py"
+                    f"{type(pl_module).__name__}); see mhc_lightning/training/module.py"
                 )
         channel_of(pl_module, trainer)
         self._params = list(pl_module.parameters())

@@ -5,7 +5,7 @@ step of the validation: `diagnostics/per_layer_step<step>.json` (what `mhc compa
 figure `diagnostics/amax_per_layer_step<step>.png` and the heatmaps of every sublayer's n x n H_res − I (token mean,
 on a colour scale fitted to its range) and of the composite products, `diagnostics/h_res_step<step>.png`. The
 module only keeps the values (LitLM.last_per_layer); this callback writes and draws them, so that training imports no
-plotting. `mhc fit|validate|test` install it by default (cli.build_cli), as FinalValidation.
+plotting. `mhc fit|validate|test` install it by default (fit/cli.py's build_cli), as FinalValidation.
 """
 
 from lightning.pytorch.callbacks import Callback

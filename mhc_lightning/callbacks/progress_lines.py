@@ -6,7 +6,7 @@ between its start and its end; this prints one line at each validation instead, 
 Inside a sweep trial the line names its trial (`[mhc fit, trial 3]`), which the sweep passes in TRIAL_ENV. With the
 bar on it prints nothing (the bar shows the same), and gives a resumed fit's bar its total and ETA: Lightning skips
 `on_train_epoch_start` when it resumes mid-epoch, and that hook is where its bar learns the number of batches.
-`mhc` installs it by default (cli.build_cli).
+`mhc` installs it by default (fit/cli.py's build_cli).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from typing import Literal, Optional, get_args
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
-from ..distributed import ranks_in_sync, sharded
+from ..training.distributed import ranks_in_sync, sharded
 
 OnMismatch = Literal["raise", "warn"]
 

@@ -19,7 +19,7 @@ restored with the optimizer, i.e. it restarts from the snapshot's position.
 
 Checkpoints: the callback's state (rollback history, cool-down, on-disk snapshot list, RNG) is saved in every
 Lightning checkpoint. The train loader's position is not the callback's business: the datamodule's loader is
-stateful, so Lightning saves and restores it (resume.py).
+stateful, so Lightning saves and restores it (fit/resume.py).
 
 What a snapshot holds and how it is copied: snapshot_state.py; the files on disk: snapshot_files.py.
 """

@@ -9,7 +9,7 @@ server and resume"). Every shipped config uses it.
   stalls training (one line says it began; MLflow's traceback per failed write is not shown); what is left at the end
   waits for `mhc sweep replay`, and the end of the command says so in one line (`pending_note`): the run shows RUNNING
   in the store until then.
-- Resume (`mhc fit ... --ckpt_path last`, see resume.py): the same MLflow run continues; metric steps it already
+- Resume (`mhc fit ... --ckpt_path last`, see fit/resume.py): the same MLflow run continues; metric steps it already
   holds are not logged a second time (steps between the checkpoint and the kill keep the first attempt's values,
   which an exact resume reproduces anyway).
 - Checkpoints, one copy: with `log_model: false` (every shipped config) they stay in the run's local folder

@@ -1,5 +1,6 @@
-"""The branch's input u, dropped after the forward and rebuilt from the stream in the backward
-(HyperConfig.rebuild_branch_input, docs/design.md §9).
+"""What a multi-stream sublayer reads of its inputs besides the coefficients: the streams' spread (recorded for the
+diagnostics), the dtype its branch computes in (the branch's input u is handed over in it), and u dropped after the
+forward and rebuilt from the stream in the backward (HyperConfig.rebuild_branch_input, docs/design.md §9).
 
 A multi-stream sublayer hands its branch u = sum_j h_pre_j x_j. The branch's pre-norm saves u for its backward (C per
 token in the branch's dtype: fp32 under bf16-mixed), while the op that made u keeps the stream x_l and h_pre for its
@@ -9,12 +10,49 @@ request (`request_u`: it ran first and read x_l anyway), or u made again by the 
 way the backward sees the same bits.
 """
 
+import sys
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Optional
 
 import torch
+
+
+def stream_spread(x: torch.Tensor) -> torch.Tensor:
+    """Relative spread of the streams, max_i ||x_i - mean_j x_j|| / ||mean_j x_j||: [..., n, C] -> [...]; recorded by
+    each mHC / HC sublayer for the diagnostics (training/diagnostics.py) and the detector's degenerate-streams check.
+
+    Exactly 0 while the streams are bitwise identical (the symmetric trap of docs/design.md §6).
+    """
+    x = x.double()
+    mean = x.mean(dim=-2, keepdim=True)
+    return (x - mean).norm(dim=-1).amax(dim=-1) / mean.squeeze(-2).norm(dim=-1).clamp_min(1e-30)
+
+
+def param_compute_dtype(module: torch.nn.Module) -> Optional[torch.dtype]:
+    """The dtype `module` computes in: where FSDP wraps it with a mixed-precision `param_dtype` (Lightning's
+    FSDPStrategy sets it to bf16 under bf16-mixed), that dtype; else its parameters' (None without floating ones).
+    The mHC sublayer hands its branch the input in that dtype (model/hyper_connection.py).
+
+    Its parameters hold the computing dtype only while FSDP has them gathered for its forward or backward. Read from
+    outside (the mHC sublayer asks before running its branch) they show the stored dtype, or, during the backward, no
+    parameters or the gathered ones: an activation checkpoint's recomputation then saw another dtype than the
+    forward, and torch's checkpoint stopped on the mismatch (docs/distributed.md). FSDP is looked up in sys.modules,
+    never imported: a process that has not imported it cannot have wrapped anything with it."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is not None:
+        if isinstance(module, fsdp.FullyShardedDataParallel):
+            if module.mixed_precision.param_dtype is not None:
+                return module.mixed_precision.param_dtype
+            if module.params:  # without mixed precision the flat parameters keep the original dtype in every state
+                return module.params[0].dtype
+        elif isinstance(module, getattr(fsdp, "FSDPModule", ())):  # fully_shard: the policy sits on its state
+            policy = getattr(module._get_fsdp_state(), "_mp_policy", None)
+            if getattr(policy, "param_dtype", None) is not None:
+                return policy.param_dtype
+    p = next(module.parameters(), None)
+    return p.dtype if p is not None and p.is_floating_point() else None
 
 
 class _Rebuilt:

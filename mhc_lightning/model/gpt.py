@@ -6,7 +6,7 @@ once before the final norm (docs/design.md §4): expanding per block would make 
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Optional, Union
 
 import torch
@@ -167,3 +167,24 @@ class GPT(nn.Module):
             L, T, n = out["h_pre"].shape
             out["h_res"] = torch.eye(n, dtype=out["h_pre"].dtype, device=out["h_pre"].device).expand(L, T, n, n)
         return out
+
+
+def compile_model(model: nn.Module, **compile_kwargs) -> Callable:
+    """torch.compile for the model without a new trace per Sinkhorn iteration count.
+
+    The SinkhornScheduler changes each HyperConnection's `sinkhorn_iters`, a plain int attribute. Dynamo specialises
+    ints on modules by default, so every new count would trace the model again (and past its cache limit, run it
+    eagerly). With `allow_unspec_int_on_nn_module` an int that changes becomes symbolic on the next trace, and the fused
+    kernels take the count as a runtime argument: one extra trace in all. The reference ops unroll Sinkhorn in Python,
+    so with `kernel_backend: torch` each count is still its own graph.
+    """
+    compiled = torch.compile(model, **compile_kwargs)
+    if not hasattr(torch._dynamo.config, "allow_unspec_int_on_nn_module"):
+        return compiled
+
+    def forward(*args, **kwargs):
+        # read by dynamo when it traces (first call, recompiles): scoped to this model's calls
+        with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
+            return compiled(*args, **kwargs)
+
+    return forward

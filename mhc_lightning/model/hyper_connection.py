@@ -19,11 +19,9 @@ import torch.nn as nn
 
 from ..kernels import MHCOptions, get_ops, reference
 from ..kernels.reference import compute_dtype, in_dtype
-from .branch_input import others_keep_saved_tensors, rebuilt_in_backward
+from .branch_input import others_keep_saved_tensors, param_compute_dtype, rebuilt_in_backward, stream_spread
 from .config import BIAS_INITS, HyperConfig
 from .exact_init import exact_res_bias
-from .fsdp_dtype import param_compute_dtype
-from .stream_spread import stream_spread
 
 # Between two chained sublayers: (stream x, the sublayer's input u, its h_pre, h_post, h_res | None). After `enter`
 # under torch.compile, x is the fused ops' Routed pair (x and its gradient's route to the enter op; read only by the

@@ -23,7 +23,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Optional
 
-from ..diagnostics import GRAD_SPIKE_FACTOR as SPIKE_FACTOR
+from ..training.diagnostics import GRAD_SPIKE_FACTOR as SPIKE_FACTOR
 from . import outcomes, plots, sensitivity
 from .outcomes import COUNTED, counts, only, outcome
 from .runs import SEED_KEY, CompareError, RunData, code_label, load, search, seed_of, tokenizer_of

@@ -9,5 +9,5 @@
 - objective.py: one trial (in this process, or a child `mhc fit`); recorder.py, pruning.py, link.py: its callbacks;
 - study_runs.py: the study's MLflow parent and child runs; cli.py: `mhc sweep` (the only argparse).
 
-Processes are started by mhc_lightning/child_processes.py; MLflow outages are handled by mhc_lightning/loggers/.
+Processes are started by mhc_lightning/fit/child_processes.py; MLflow outages are handled by mhc_lightning/loggers/.
 """

@@ -126,7 +126,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.command == "status":
             return status(sweep)
         if args.command == "worker":
-            from ..child_processes import die_with_parent
+            from ..fit.child_processes import die_with_parent
 
             die_with_parent()
             return run_worker(sweep, args.index, args.machine_rank, args.threads, args.since)

@@ -45,7 +45,7 @@ class ObjectiveMetricMissing(SpecError):
 
 def build_trial_cli(args: list[str], callbacks: list):
     """The project's LightningCLI with run=False; parser errors become TrialConfigError, not SystemExit."""
-    from ..cli import build_cli
+    from ..fit.cli import build_cli
 
     err = io.StringIO()
     try:
@@ -230,7 +230,7 @@ class TrialRunner:
         the recorded metrics in a result file. Its output is logged to the trial's run as trial.log."""
         import os
 
-        from ..child_processes import ChildFailed, mhc_command, run
+        from ..fit.child_processes import ChildFailed, mhc_command, run
 
         spec = self.spec
         with tempfile.TemporaryDirectory(prefix=f"mhc-trial-{trial.number}-") as tmp:

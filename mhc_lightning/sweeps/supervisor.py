@@ -121,7 +121,7 @@ def launch(sweep: Sweep, args) -> int:
 def _run_workers(sweep: Sweep, study, args, machine: int, since: float) -> int:
     from optuna.trial import TrialState
 
-    from ..child_processes import Child, describe_exit
+    from ..fit.child_processes import Child, describe_exit
     from .liveness import fail_dead_local_trials, worker_id
 
     n = args.workers

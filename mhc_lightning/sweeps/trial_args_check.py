@@ -1,7 +1,7 @@
 """Checks of a sweep that need the `mhc fit` parser, run by the launcher before any trial: a key the parser does not
 know (`trainer.max_stepz`, a misspelt `fixed` key) or a value of the wrong type would otherwise be found by each trial
 in turn, each one failing until budget.max_failed stops the sweep. The parsing is shared with `mhc grid`
-(fit_args_check.py)."""
+(fit/args_check.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def probe_values(spec: SweepSpec) -> dict:
 def check_trial_args(spec: SweepSpec) -> None:
     """Parse a trial's `mhc fit` arguments without building anything; raise SpecError with the parser's message. The
     model's cross-field rules are left out: they depend on the sampled combination, a trial's business."""
-    from ..fit_args_check import fit_args_problems
+    from ..fit.args_check import fit_args_problems
 
     (problem,) = fit_args_problems([trial_args(spec, probe_values(spec))])
     if problem:

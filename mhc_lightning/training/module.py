@@ -15,10 +15,10 @@ from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics import MeanMetric
 from torchmetrics.text import Perplexity
 
+from ..model import GPT, GPTConfig
+from ..model.gpt import compile_model
 from .diagnostics import grad_norm_summary, summarize
 from .distributed import reduce_diagnostics
-from .model import GPT, GPTConfig
-from .model.compiled import compile_model
 from .schedule import WarmupCosine
 from .sharding import clean_name, decays, fully_shard_model, local_tensor, shard_group
 

@@ -19,8 +19,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .errors import ConfigError
-from .model.layers import Attention, SwiGLU
+from ..errors import ConfigError
+from ..model.layers import Attention, SwiGLU
 
 # names wrappers put into parameter names: FSDP1 (use_orig_params), activation checkpointing, torch.compile
 WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")

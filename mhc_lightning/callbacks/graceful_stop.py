@@ -1,6 +1,5 @@
-"""Ctrl-C and SIGTERM during `mhc fit`: stop at the end of the current step with a checkpoint to resume from, mark the
-MLflow run KILLED, print the command that resumes it, and exit 130 (SIGINT) or 143 (SIGTERM), the statuses a shell
-gives a process ended by those signals, so that a script or a scheduler sees that the fit did not finish.
+"""GracefulStop: Ctrl-C and SIGTERM during `mhc fit` stop at the end of the current step with a checkpoint to resume
+from (docs/stability.md, "Stopping"). What it saw and saved is kept in STOP for `fit/interrupts.py`'s `finish`.
 
 - SIGTERM (a scheduler's preemption, `kill`): Lightning's own handler flags it and its loops raise SIGTERMException
   at the end of the step under way (after its logging and any validation due, the point where a checkpoint resumes
@@ -9,13 +8,12 @@ gives a process ended by those signals, so that a script or a scheduler sees tha
 - SIGINT (Ctrl-C): the first one becomes the same stop (through Lightning's SIGTERM handler, which also tells DDP's
   other processes); a second signal of either kind stops at once (KeyboardInterrupt), keeping the last periodic
   checkpoint.
-- `finish` (called by the CLI when the fit ends by an exception) marks the runs KILLED, after Lightning marked them
-  FAILED, prints where the checkpoint is and the resume command, and returns the exit status.
+- SLURM's requeue signal (`requeue_signal`, set by the CLI under SLURM: SIGUSR1): the same stop, and `finish` then
+  requeues the job (docs/distributed.md).
 """
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import threading
@@ -26,10 +24,9 @@ from typing import Any, Optional
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from .checkpoint_io import CheckpointWriteError, last_good
-from .loggers.credentials import mask
-from .loggers.mlflow_runs import mlflow_loggers
-from .resume import resume_command
+from ..loggers.credentials import mask
+from ..loggers.mlflow_runs import mlflow_loggers
+from ..training.checkpoint_io import CheckpointWriteError
 
 
 @dataclass
@@ -50,7 +47,7 @@ class _Stop:
 STOP = _Stop()
 
 
-def _say(text: str) -> None:
+def say(text: str) -> None:
     print(f"mhc fit: {mask(text)}", file=sys.stderr, flush=True)  # the resume command repeats the URIs given
 
 
@@ -112,7 +109,7 @@ class GracefulStop(Callback):
         STOP.signum, STOP.requeue = signum, signum == self.requeue_signal
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         then = "; then the SLURM job is requeued and continues this run" if STOP.requeue else ""
-        _say(f"{name}: stopping after this step with a checkpoint{then} ({name} again to stop at once)")
+        say(f"{name}: stopping after this step with a checkpoint{then} ({name} again to stop at once)")
         if self._trainer is not None and self._trainer.validating:
             self._after_validation = True  # Lightning would stop mid-validation, whose metrics are not checkpointed
         else:
@@ -156,53 +153,6 @@ class GracefulStop(Callback):
                 trainer.save_checkpoint(cb.last_model_path)  # the loops stopped at a step boundary: resumes exactly
             except CheckpointWriteError as err:  # the run must still end, and say what is safe
                 cb.last_model_path = previous
-                _say(str(err))
+                say(str(err))
                 return
             STOP.checkpoint = Path(cb.last_model_path)
-
-
-def requeue_job(runs: str) -> Optional[str]:
-    """`scontrol requeue` this SLURM job; what to say, or None when it could not be requeued (said why)."""
-    import subprocess
-
-    job = os.environ.get("SLURM_JOB_ID", "")
-    try:
-        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as err:
-        _say(f"could not requeue SLURM job {job} ({type(err).__name__}: {err})")
-        return None
-    if done.returncode != 0:
-        _say(f"could not requeue SLURM job {job}: {(done.stderr or done.stdout).strip()[-300:]}")
-        return None
-    return f"SLURM job {job} requeued: started again, it continues MLflow run {runs} from its last checkpoint."
-
-
-def finish(args: list[str]) -> Optional[int]:
-    """After a fit that ended by an exception: if a signal stopped it, mark its MLflow runs KILLED, say what was saved
-    and how to resume, and return the exit status (128 + signal number); None if no signal was involved."""
-    if STOP.signum is None:
-        return None
-    for client, run_id in STOP.runs:
-        try:
-            client.set_terminated(run_id, "KILLED")  # a guarded client keeps it for later if the server is away
-        except Exception as err:  # the status is cosmetic next to the exit status and the checkpoint
-            _say(f"could not mark MLflow run {run_id} KILLED ({type(err).__name__})")
-    name = "Ctrl-C (SIGINT)" if STOP.signum == signal.SIGINT else signal.Signals(STOP.signum).name
-    runs = ", ".join(run_id for _, run_id in STOP.runs)
-    marked = f"; MLflow run {runs} marked KILLED" if runs else ""
-    good = (STOP.checkpoint, STOP.step) if STOP.checkpoint else last_good(STOP.folder) if STOP.folder else None
-    if STOP.checkpoint is not None:
-        saved = f"checkpoint of step {STOP.step} saved as {STOP.checkpoint}"
-    else:
-        saved = f"the last checkpoint is {good[0]} (step {good[1]})" if good else "no checkpoint was written yet"
-    where = f" at step {STOP.step}" if STOP.step is not None else ""
-    then = f"Resume with: {resume_command(args)}" if good else "Run the same command to start again."
-    if STOP.requeue and STOP.runs:  # rank 0, last: SLURM ends the job as it requeues it
-        then = requeue_job(runs) or then
-    _say(f"stopped by {name}{where}; {saved}{marked}. {then}")
-    for note in dict.fromkeys(getattr(client, "pending_note", str)() for client, _ in STOP.runs):
-        if note:  # the store did not take the end of the run (loggers/spool.py): say where it waits
-            _say(note)
-    status = 128 + STOP.signum
-    STOP.reset()
-    return status

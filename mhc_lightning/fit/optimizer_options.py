@@ -12,7 +12,7 @@ from typing import Optional
 
 import yaml
 
-from .errors import UserError
+from ..errors import UserError
 
 REFUSED = ("optimizer", "lr_scheduler")
 INSTEAD = (

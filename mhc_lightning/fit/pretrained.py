@@ -17,7 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from .errors import UserError
+from ..errors import UserError
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
 FORMAT = "mhc_lightning.GPT/1"  # config.json's "format": what wrote the folder, and the version of its layout
@@ -40,7 +40,7 @@ def load_pretrained(path: Union[str, Path], device: str = "cpu"):
     """The GPT of an exported folder (`mhc export`), on `device`, in eval mode."""
     from safetensors.torch import load_model
 
-    from .model import GPT, GPTConfig
+    from ..model import GPT, GPTConfig
 
     folder = Path(path)
     for name in (CONFIG, WEIGHTS):
@@ -58,9 +58,9 @@ def export_checkpoint(ckpt: Union[str, Path], out_dir: Union[str, Path], force: 
     """`mhc export`: the GPT of a `mhc fit` checkpoint (verified against the digest written with it) as
     save_pretrained writes it. Refuses, before writing anything, a missing or corrupted checkpoint, one that `mhc fit`
     did not write, and files already in OUT_DIR unless `force`."""
-    from .checkpoint_io import verify
-    from .loggers.tags import CHECKPOINT_RUN_KEY
-    from .module import LitLM
+    from ..loggers.tags import CHECKPOINT_RUN_KEY
+    from ..training.checkpoint_io import verify
+    from ..training.module import LitLM
 
     ckpt, out = Path(ckpt), Path(out_dir)
     if not ckpt.is_file():

@@ -25,9 +25,9 @@ from typing import Optional
 
 import yaml
 
-from .errors import UserError
-from .grid_check import GridError
-from .names import file_name, path_name_problem
+from ..errors import UserError
+from ..names import file_name, path_name_problem
+from .check import GridError
 
 DEFAULT_ROOT_KEY = "trainer.default_root_dir"
 AXIS_SHORT = {"model.arch.n_layers": "L", "seed_everything": "s", "trainer.deterministic": "det"}
@@ -122,7 +122,7 @@ def prepare_store(uri: str, experiment: str):
     """Create the tracking store and the experiment once, before the runs: parallel first runs would race on both."""
     from mlflow import MlflowClient
 
-    from .loggers.store import check_tracking, ensure_experiment
+    from ..loggers.store import check_tracking, ensure_experiment
 
     check_tracking(uri, option=None)  # the runs take MLFLOW_TRACKING_URI
     client = MlflowClient(uri)
@@ -221,7 +221,7 @@ def job_parameters(args, spec: dict) -> dict:
         "slurm_array_parallelism": args.parallel,
     }
     if args.gpus_per_node is not None:
-        params["tasks_per_node"] = 1  # the fit starts a process per GPU itself (grid_jobs.py)
+        params["tasks_per_node"] = 1  # the fit starts a process per GPU itself (jobs.py)
     for key, value in (
         ("slurm_partition", args.partition),
         ("gpus_per_node", args.gpus_per_node),
@@ -242,8 +242,8 @@ def still_to_run(client, exp_id: str, runs: list, jobs_root: Optional[Path]) -> 
     and the names among them whose KILLED or FAILED run left a last checkpoint, which resume it (`--ckpt_path last`)
     instead of starting again from step 0. jobs_root: the cluster launchers' --runs-dir (each run's own
     default_root_dir), None for the local one (the run's trainer.default_root_dir)."""
-    from .grid_check import argv_value
-    from .loggers.tags import STAGE_TAG
+    from ..loggers.tags import STAGE_TAG
+    from .check import argv_value
 
     done, diverged, interrupted = set(), set(), defaultdict(list)
     found = client.search_runs([exp_id], max_results=50_000)
@@ -286,8 +286,8 @@ def tag_untagged(client, found: list, tags: dict[str, dict]) -> None:
 
 
 def submit_jobs(args, spec: dict, runs: list, uri: str, exp_id: str, on_done, resumed: set[str]) -> None:
-    """--launcher slurm / submitit-local: one job per run (grid_jobs.py)."""
-    from .grid_jobs import GridPoint, executor_for, submit
+    """--launcher slurm / submitit-local: one job per run (jobs.py)."""
+    from .jobs import GridPoint, executor_for, submit
 
     executor = executor_for(args.launcher, args.logs.resolve() / "submitit", job_parameters(args, spec))
     points = [
@@ -310,8 +310,8 @@ def submit_jobs(args, spec: dict, runs: list, uri: str, exp_id: str, on_done, re
 def _print_waiting(runs: list, uri: str) -> None:
     """A line when the runs' MLflow writes wait in their spool (the store did not take them): those runs show RUNNING
     in MLflow until `mhc sweep replay` sends them."""
-    from .grid_check import argv_value
-    from .loggers.spool import waiting_note, waiting_writes
+    from ..loggers.spool import waiting_note, waiting_writes
+    from .check import argv_value
 
     spools = {str(argv_value(argv, "trainer.logger.init_args.spool_dir") or "mlflow_spool") for _, _, argv in runs}
     for spool in sorted(spools):
@@ -321,11 +321,11 @@ def _print_waiting(runs: list, uri: str) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from .child_processes import describe_exit, mhc_command, run_parallel
-    from .grid_check import check_names, check_runs, check_sets, sinkhorn_no_ops
-    from .grid_jobs import tag_runs
-    from .loggers.credentials import clean_tracking_env
-    from .loggers.store import absolute_store_uri, default_tracking_uri
+    from ..fit.child_processes import describe_exit, mhc_command, run_parallel
+    from ..loggers.credentials import clean_tracking_env
+    from ..loggers.store import absolute_store_uri, default_tracking_uri
+    from .check import check_names, check_runs, check_sets, sinkhorn_no_ops
+    from .jobs import tag_runs
 
     clean_tracking_env()  # the runs inherit it: a password goes to MLflow's credential variables, not into configs
     p = build_parser()
@@ -336,7 +336,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         spec = load_grid(args.grid)
         check_sets(args.set, spec, args.grid)
         # the checkout, else the current folder, else the configs an installed package carries (conf/ inside it)
-        roots = (Path(__file__).resolve().parents[1], Path.cwd(), Path(__file__).resolve().parent)
+        roots = (Path(__file__).resolve().parents[2], Path.cwd(), Path(__file__).resolve().parents[1])
         base = next((r for r in roots if all((r / c).exists() for c in spec["configs"])), Path.cwd())
         runs = expand(spec, base, [f"--{s}" for s in args.set])
         check_names(args.grid, runs)

@@ -26,8 +26,8 @@ def fit_args_problems(argvs: Sequence[Sequence[str]], cross_field: bool = False)
     arguments but not for a sweep's probe values."""
     from lightning.pytorch.cli import LightningCLI
 
+    from ..training.module import check_fused
     from .cli import MHCLightningCLI, build_cli, parser_message, validate_model_config
-    from .module import check_fused
 
     problems: list[Optional[str]] = []
 

@@ -16,12 +16,12 @@ from typing import Any, Optional
 
 import torch
 
-from .checkpoint_io import good_beside, remove_stale_temporaries, verify
-from .data import ByteTextDataModule
+from ..data import ByteTextDataModule
+from ..errors import UserError
+from ..loggers.tags import CHECKPOINT_RUN_KEY
+from ..model.modes import spec
+from ..training.checkpoint_io import good_beside, remove_stale_temporaries, verify
 from .early_checks import check_checkpoint_exists, check_checkpoint_given, is_checkpoint_file
-from .errors import UserError
-from .loggers.tags import CHECKPOINT_RUN_KEY
-from .model.modes import spec
 
 # How the same weights are computed, not which weights: may differ between training and evaluation
 # (e.g. Triton kernels when training on a GPU, the torch reference when evaluating on a CPU).

@@ -1,6 +1,6 @@
 """`mhc grid`'s checks before it starts anything, `--dry-run` included: every `--set` is KEY=VALUE on a key that no axis
 or variant sets (the runs would train the --set value under tags and names that say the grid's), and every run's `mhc
-fit` arguments pass `mhc fit`'s parser and the model's cross-field rules (fit_args_check.py, the mechanism `mhc sweep`
+fit` arguments pass `mhc fit`'s parser and the model's cross-field rules (fit/args_check.py, the mechanism `mhc sweep`
 checks its trials with). Without them a misspelt `--set` started every process, each one exiting 2 with the reason
 only in grid_logs/. A `sinkhorn_*` key that the grid sets for a mode without Sinkhorn gets a warning: those runs
 repeat each other.
@@ -13,7 +13,7 @@ from typing import Optional
 
 import yaml
 
-from .errors import UserError
+from ..errors import UserError
 
 RUN_NAME_FLAG = "--trainer.logger.init_args.run_name="
 MODE_KEY = "model.arch.hyper.residual_mode"
@@ -60,7 +60,7 @@ def config_value(files: list[str], key: str) -> Optional[object]:
 def argv_value(argv: list[str], key: str) -> Optional[object]:
     """`key` as a run's `mhc fit` arguments set it: its last --key=value flag, else its config files (base.yaml
     first)."""
-    from .configs import default_config_files
+    from ..fit.configs import default_config_files
 
     flags = [a.partition("=")[2] for a in argv if a.startswith(f"--{key}=")]
     if flags:
@@ -71,7 +71,7 @@ def argv_value(argv: list[str], key: str) -> Optional[object]:
 def sinkhorn_no_ops(runs: list[tuple[str, dict, list[str]]]) -> Optional[str]:
     """A warning when the grid (its variants, axes or --set) sets sinkhorn_* keys for runs of a mode without Sinkhorn
     (mhc_lite, kromhc), which ignores them: those runs differ only in their names."""
-    from .model.modes import warning_modes
+    from ..model.modes import warning_modes
 
     no_sinkhorn = warning_modes(SINKHORN_PREFIX.rpartition(".")[2])
     hit: dict[str, set[str]] = {}
@@ -92,7 +92,7 @@ def sinkhorn_no_ops(runs: list[tuple[str, dict, list[str]]]) -> Optional[str]:
 
 def check_names(grid: Path, runs: list[tuple[str, dict, list[str]]]) -> None:
     """Every run name must fit an MLflow run name and, as <name>.log, a file name (variants and axis values make it)."""
-    from .names import file_name, path_name_problem, run_name_problem
+    from ..names import file_name, path_name_problem, run_name_problem
 
     for name, _, _ in runs:
         problem = run_name_problem(name) or path_name_problem(file_name(name), ".log")
@@ -105,7 +105,7 @@ def check_names(grid: Path, runs: list[tuple[str, dict, list[str]]]) -> None:
 
 def check_runs(grid: Path, runs: list[tuple[str, dict, list[str]]]) -> None:
     """Raise GridError naming the first rejected run, how many more there are, and the parser's reason."""
-    from .fit_args_check import fit_args_problems
+    from ..fit.args_check import fit_args_problems
 
     distinct: dict[tuple[str, ...], list[str]] = {}  # repeats differ by their run name only: parse once
     for name, _, argv in runs:

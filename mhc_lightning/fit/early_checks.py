@@ -21,18 +21,18 @@ from typing import Any, Optional
 
 import yaml
 
+from ..errors import UserError, one_line
 from .configs import default_config_files
-from .errors import UserError, one_line
 from .optimizer_options import refuse_optimizer_options
 
 EVAL_COMMANDS = ("validate", "test")
 # ckpt_path values that Lightning resolves itself at run time rather than paths to a file
 CKPT_KEYWORDS = ("last", "best", "hpc")
 CONFIG_FLAGS = ("-c", "--config")
-PACKAGE = Path(__file__).resolve().parent
+PACKAGE = Path(__file__).resolve().parents[1]  # mhc_lightning/
 # The parser's groups: the class each is built from, and that class's source under this package
 GROUPS = {"model": "LitLM", "data": "ByteTextDataModule", "utilization": "Utilization"}
-SOURCES = ("module.py", "model/config.py", "data/datamodule.py", "callbacks/utilization.py")
+SOURCES = ("training/module.py", "model/config.py", "data/datamodule.py", "callbacks/utilization.py")
 # Options LightningCLI and cli.py add besides the Trainer method's own arguments and the groups
 TOP_LEVEL = (
     "help",
@@ -278,8 +278,8 @@ def check_arguments(subcommand: str, args: list[str]) -> None:
             _set(given, key, value)
     corpus = _resolved(given, "data.corpus")
     if isinstance(corpus, str):
-        from .data.corpus import SHAKESPEARE, corpus_files
-        from .data.shards import is_prepared
+        from ..data.corpus import SHAKESPEARE, corpus_files
+        from ..data.shards import is_prepared
 
         if corpus != SHAKESPEARE["name"] and not is_prepared(corpus):  # shards: checked with their metadata later
             corpus_files(Path(corpus).expanduser(), bool(_resolved(given, "data.allow_binary")))

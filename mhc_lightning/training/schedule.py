@@ -2,9 +2,9 @@
 
 A callable object, not a closure, so that LambdaLR saves its numbers in every checkpoint and restores them on resume: a
 resumed run keeps the schedule it was planned with. A new step budget is explicit (`mhc fit ... --ckpt_path last
---extend`, resume.py) and `extend` applies the one policy: the cosine continues from the factor reached at the resume
-step down to min_ratio at the new last step, so the learning rate never jumps (a run that had finished its decay stays
-at the minimum).
+--extend`, fit/resume.py) and `extend` applies the one policy: the cosine continues from the factor reached at the
+resume step down to min_ratio at the new last step, so the learning rate never jumps (a run that had finished its decay
+stays at the minimum).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ TAIL_CHARS = 900  # of a failed child's log, quoted in its error; the log file h
 def mhc_command() -> list[str]:
     """The `mhc` entry point of this environment (what the user runs), else the same through `-m`."""
     script = Path(sys.executable).with_name("mhc")
-    return [str(script)] if script.is_file() else [sys.executable, "-m", "mhc_lightning.cli"]
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "mhc_lightning.fit.cli"]
 
 
 def log_tail(log: Path, chars: int = TAIL_CHARS) -> str:

@@ -6,7 +6,7 @@ Requeue (time limit or preemption) resumes the same MLflow run from the point's 
   job's checkpoints, Lightning's `hpc_ckpt_*.ckpt` included;
 - submitit owns the requeue: its signal (USR2, `signal_delay_s` before the time limit, or at preemption) reaches the
   job, GridPoint.checkpoint hands submitit the same point with `resume=True`, and the requeued job runs
-  `mhc fit ... --ckpt_path last`: the same MLflow run from its last checkpoint (resume.py);
+  `mhc fit ... --ckpt_path last`: the same MLflow run from its last checkpoint (fit/resume.py);
 - Lightning's own SLURM requeue is off in the fit (`SLURMEnvironment(auto_requeue=False)`): it would requeue the job
   without submitit's checkpoint, and the requeued fit would open a new MLflow run. The fit ignores USR1 and USR2
   (the job acts on them), and is stopped by the job once submitit has requeued it.
@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from .child_processes import Child, mhc_command
-from .errors import UserError
+from ..errors import UserError
+from ..fit.child_processes import Child, mhc_command
 
 # Lightning's SLURM environment without its auto-requeue: submitit requeues (see above)
 SLURM_PLUGIN = (
@@ -44,7 +44,7 @@ CLUSTERS = {"slurm": "slurm", "submitit-local": "local"}  # --launcher -> submit
 def tag_runs(client, experiment_id: str, name: str, tags: dict) -> None:
     """Tag a finished run by name. Tags go on afterwards: passed through the CLI, jsonargparse turns
     numeric strings into ints, which the MLflow REST client rejects."""
-    from .loggers.filters import equals
+    from ..loggers.filters import equals
 
     for run in client.search_runs([experiment_id], filter_string=equals("attributes.run_name", name)):
         if run.info.run_name != name:  # LIKE for a name with both quotes: keep the exact match

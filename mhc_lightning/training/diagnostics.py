@@ -6,7 +6,7 @@ Computed in float64 on one sequence every k steps (docs/design.md §7), never on
 
 import torch
 
-from .kernels.reference import gain_report, sinkhorn_residuals
+from ..kernels.reference import gain_report, sinkhorn_residuals
 
 # A grad norm (after warmup) above this many times the run's median counts as a spike (module.py logs the count over
 # every step; reports count it on the logged curve of runs from before that).

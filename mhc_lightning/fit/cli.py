@@ -1,5 +1,5 @@
-"""`mhc fit|validate|test`: the LightningCLI. The `mhc` command itself (help, the tools) is commands.py, which
-imports this module only for these three commands: Lightning costs seconds to import.
+"""`mhc fit|validate|test`: the LightningCLI. The `mhc` command itself (help, the tools) is mhc_lightning/commands.py,
+which imports this module only for these three commands: Lightning costs seconds to import.
 
 A problem the user can fix (a UserError, a parser error, a broken YAML file) is printed as one line,
 `mhc <command>: error: ...`, with exit status 2 and no traceback.
@@ -15,25 +15,26 @@ from jsonargparse import ActionYesNo, set_parsing_settings
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 
-from .callbacks.divergence import EXIT_DIVERGED, DivergenceGuard, TrainingDiverged
-from .callbacks.final_validation import FinalValidation
-from .callbacks.per_layer_artifacts import PerLayerArtifacts
-from .callbacks.progress_lines import ProgressLines
-from .callbacks.run_provenance import RunProvenance
-from .callbacks.system_metrics import SystemMetrics
-from .callbacks.utilization import Utilization
-from .checkpoint_io import CheckpointWriteError, use_verified_checkpoints
-from .commands import TOOLS, TRAINER_COMMANDS, Tool, fail, main, overview  # noqa: F401 (`mhc`, as before)
+from ..callbacks.divergence import EXIT_DIVERGED, DivergenceGuard, TrainingDiverged
+from ..callbacks.final_validation import FinalValidation
+from ..callbacks.graceful_stop import GracefulStop
+from ..callbacks.per_layer_artifacts import PerLayerArtifacts
+from ..callbacks.progress_lines import ProgressLines
+from ..callbacks.run_provenance import RunProvenance
+from ..callbacks.system_metrics import SystemMetrics
+from ..callbacks.utilization import Utilization
+from ..commands import TOOLS, TRAINER_COMMANDS, Tool, fail, main, overview  # noqa: F401 (`mhc`, as before)
+from ..data import ByteTextDataModule
+from ..errors import UserError, one_line
+from ..loggers.credentials import take_credentials
+from ..loggers.mlflow_runs import announce_run, label_runs, mlflow_logger_configs
+from ..loggers.save_config import MLflowSaveConfig
+from ..model import GPTConfig, HyperConfig
+from ..training.checkpoint_io import CheckpointWriteError, use_verified_checkpoints
+from ..training.module import LitLM, OptimConfig, check_compile, check_fused
 from .configs import parser_kwargs
-from .data import ByteTextDataModule
-from .errors import UserError, one_line
 from .input_checks import check_inputs, schedule_warnings
-from .interrupts import GracefulStop, finish
-from .loggers.credentials import take_credentials
-from .loggers.mlflow_runs import announce_run, label_runs, mlflow_logger_configs
-from .loggers.save_config import MLflowSaveConfig
-from .model import GPTConfig, HyperConfig
-from .module import LitLM, OptimConfig, check_compile, check_fused
+from .interrupts import finish
 from .quiet import silence_known_noise
 from .resume import check_resume, resolve_last, resolve_requeued, resume_command
 

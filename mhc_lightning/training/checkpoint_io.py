@@ -33,7 +33,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_warn
 
-from .errors import UserError
+from ..errors import UserError
 
 MARK = b"mhc-sha256:"
 COMMENT_LEN = len(MARK) + 64

@@ -18,10 +18,10 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from ..errors import UserError
+from ..loggers.mlflow_runs import mlflow_logger_configs
+from ..loggers.tags import DATA_TAGS, SLURM_JOB_TAG, STAGE_TAG
 from .child_processes import mhc_command
-from .errors import UserError
-from .loggers.mlflow_runs import mlflow_logger_configs
-from .loggers.tags import DATA_TAGS, SLURM_JOB_TAG, STAGE_TAG
 
 LAST = "last"
 LOCAL_LAST = "last.ckpt"
@@ -139,8 +139,8 @@ def resolve_requeued(config, subcommand: Optional[str]) -> Optional[str]:
 
 def check_resume(cfg, checkpoint, run: Optional[str]) -> None:
     """`mhc fit` from a checkpoint, before anything is written: refuse a step budget other than the one the checkpoint's
-    schedule was planned for unless `--extend` says to continue it (schedule.py), then say where training restarts.
-    `checkpoint`: input_checks.CheckpointInfo; `run`: what resolve_last resumes."""
+    schedule was planned for unless `--extend` says to continue it (training/schedule.py), then say where training
+    restarts. `checkpoint`: input_checks.CheckpointInfo; `run`: what resolve_last resumes."""
     lambdas = (checkpoint.scheduler or {}).get("lr_lambdas") or [None]
     planned = lambdas[0].get("total") if isinstance(lambdas[0], dict) else None  # None: not a WarmupCosine
     step, max_steps = checkpoint.global_step, int(_get(cfg.trainer, "max_steps") or -1)
@@ -181,7 +181,7 @@ def _continued_run(cfg) -> Optional[tuple[str, dict]]:
         return None
     from mlflow import MlflowClient
 
-    from .loggers.store import default_tracking_uri, sqlite_path
+    from ..loggers.store import default_tracking_uri, sqlite_path
 
     uri = _get(init, "tracking_uri") or default_tracking_uri()
     db = sqlite_path(uri)
@@ -195,8 +195,8 @@ def _continued_run(cfg) -> Optional[tuple[str, dict]]:
 
 def data_digests(data_cfg) -> dict[str, str]:
     """{split: sha256} of the data `data_cfg` reads, as the run's tags record them (ByteTextDataModule.setup)."""
-    from .data import ByteTextDataModule
-    from .data.shards import data_digest
+    from ..data import ByteTextDataModule
+    from ..data.shards import data_digest
     from .input_checks import as_dict
 
     data = ByteTextDataModule(**as_dict(data_cfg))
@@ -247,8 +247,8 @@ def find_checkpoint(
 ) -> tuple[str, Path]:
     from mlflow import MlflowClient
 
-    from .loggers.filters import equals
-    from .loggers.store import check_tracking, default_tracking_uri, sqlite_path
+    from ..loggers.filters import equals
+    from ..loggers.store import check_tracking, default_tracking_uri, sqlite_path
 
     uri = uri or default_tracking_uri()
     db = sqlite_path(uri)
@@ -302,7 +302,7 @@ def newest_last(folder: Path) -> Optional[Path]:
     """The folder's last.ckpt, or a versioned last-vN.ckpt beside it where that holds a later step: Lightning wrote one
     when a resumed checkpoint named no last file, leaving last.ckpt at the resumed step. Without either (its write
     failed: a full disk, a read-only folder), the newest good checkpoint there."""
-    from .checkpoint_io import checkpoint_step, last_good
+    from ..training.checkpoint_io import checkpoint_step, last_good
 
     local = folder / LOCAL_LAST
     versioned = [p for p in folder.glob(f"{Path(LOCAL_LAST).stem}-v*.ckpt") if p.is_file()]

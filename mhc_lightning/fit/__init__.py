@@ -1,0 +1,1 @@
+"""`mhc fit|validate|test` from the command line: the LightningCLI, its checks, resume, interrupts, `mhc export`."""
