@@ -103,8 +103,8 @@ def resolve_requeued(config, subcommand: Optional[str]) -> Optional[str]:
         return None
     from mlflow import MlflowClient
 
-    from .loggers.filters import equals
-    from .loggers.store import default_tracking_uri, sqlite_path
+    from ..loggers.filters import equals
+    from ..loggers.store import default_tracking_uri, sqlite_path
 
     init = loggers[0].init_args
     uri = init.tracking_uri or default_tracking_uri()
