@@ -32,4 +32,5 @@ if [ "${KERNEL_TESTS:-0}" = 1 ]; then
   grep -E "passed|failed|error" "$OUT/tests.log" | tail -4
   export LIMIT=$(( ${LIMIT:-480} - (SECONDS - t0) ))
 fi
-SKIP_DIAG_BENCH=1 GRID=$GRID bash scripts/gpu_stability_grid.sh --skip-finished
+# a run starts only if runs of its variant end before the limit: across sessions a half-done run is lost work
+SKIP_DIAG_BENCH=1 GRID=$GRID bash scripts/gpu_stability_grid.sh --skip-finished --finish-within $(( ${LIMIT:-480} - 40 ))

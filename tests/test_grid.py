@@ -352,3 +352,48 @@ def test_a_run_name_too_long_for_a_file_or_a_run_is_refused_with_dry_run_too(tmp
         (line,) = capsys.readouterr().err.strip().splitlines()
         assert line.startswith(f"mhc grid: error: {grid}: ") and says in line, line
     assert not list(tmp_path.glob("*.db"))
+
+
+def test_finish_within_starts_only_runs_that_end_in_time(tmp_path, monkeypatch, mlflow_uri, capsys):
+    """A grid run in parts under a time limit: a run starts only while runs of its variant (their typical time in the
+    store, a resumed run's longer span left out) would still end in time; the others wait for the next part."""
+    import sys
+
+    from mlflow import MlflowClient
+
+    import mhc_lightning.fit.child_processes as child_processes
+    from mhc_lightning.grids.cli import main, typical_durations
+
+    client = MlflowClient(mlflow_uri)
+    exp = client.create_experiment("tiny-grid")
+    for variant, took in (("mhc", 100), ("mhc", 110), ("mhc", 4000), ("hc", 50)):  # 4000: stopped, resumed later
+        run = client.create_run(exp, start_time=1_000_000, tags={"variant": variant}).info
+        client.set_terminated(run.run_id, "FINISHED", end_time=1_000_000 + 1000 * took)
+    assert typical_durations(client, exp) == {"mhc": 105.0, "hc": 50.0}
+
+    slow = "import time; time.sleep(0.3)"
+    jobs = [(n, [sys.executable, "-c", slow], tmp_path / f"{n}.log") for n in ("a", "b", "c")]
+    ended = []
+    left = child_processes.run_parallel(
+        jobs, 2, lambda n, code: ended.append((n, code)), 0.05, may_start="ac".__contains__
+    )
+    assert left == ["b"] and sorted(ended) == [("a", 0), ("c", 0)]
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
+    grid = tmp_path / "g.yaml"
+    grid.write_text(json.dumps({**TINY_GRID, "axes": {"seed_everything": [1, 2]}}))
+    asked = {}
+
+    def records_what_may_start(jobs, *a, may_start=None, **k):
+        asked.update({name: may_start(name) for name, _, _ in jobs})
+        return [name for name, ok in asked.items() if not ok]
+
+    monkeypatch.setattr(child_processes, "run_parallel", records_what_may_start)
+    assert main([str(grid), "--finish-within", "100"]) == 0
+    assert asked == {"mhc-s1": False, "hc-s1": True, "mhc-s2": False, "hc-s2": True}  # 1.1 x 105 s > 100 s
+    out = capsys.readouterr().out
+    assert "2 runs not started: runs like them take longer than was left of --finish-within 100 s" in out
+    assert "2/2 runs finished" in out
+    with pytest.raises(SystemExit):
+        main([str(grid), "--finish-within", "100", "--launcher", "slurm"])
+    assert "--finish-within must be > 0 seconds, with --launcher local" in capsys.readouterr().err

@@ -23,7 +23,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Optional
 
@@ -201,10 +201,13 @@ def run_parallel(
     poll_s: float = 0.5,
     env: Optional[dict] = None,
     spread_gpus: bool = False,
-) -> None:
+    may_start: Optional[Callable[[str], bool]] = None,
+) -> list[str]:
     """Run (name, argv, log) jobs, at most `parallel` at a time, in order; call on_done(name, exit code) as each
-    ends. spread_gpus: with several visible GPUs, the k-th job started sees only GPU k mod count. Ctrl-C / SIGTERM
-    stops every running child (its whole group) before returning."""
+    ends. spread_gpus: with several visible GPUs, the k-th job started sees only GPU k mod count. may_start(name):
+    False keeps a job waiting (it is asked again as others end); when nothing runs and no waiting job may start, the
+    rest are left. Returns the names of the jobs never started. Ctrl-C / SIGTERM stops every running child (its whole
+    group) before returning."""
     pending, active = list(jobs), {}
     gpus, started = (visible_gpus() if spread_gpus else 0), 0
     stop = {"sig": None}
@@ -215,13 +218,19 @@ def run_parallel(
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         while (pending or active) and stop["sig"] is None:
-            while pending and len(active) < parallel:
-                name, argv, log = pending.pop(0)
+            while len(active) < parallel:
+                startable = [job for job in pending if may_start is None or may_start(job[0])]
+                if not startable:
+                    break
+                name, argv, log = startable[0]
+                pending.remove(startable[0])
                 child_env = env
                 if gpus > 1:
                     child_env = dict(os.environ if env is None else env, CUDA_VISIBLE_DEVICES=str(started % gpus))
                 started += 1
                 active[name] = Child(argv, log, child_env, name)
+            if not active:
+                break  # nothing left that may start
             time.sleep(poll_s)
             for name, child in list(active.items()):  # poll every child each round: nothing stays a zombie
                 code = child.poll()
@@ -235,3 +244,4 @@ def run_parallel(
         stop_all(list(active.values()))
     if stop["sig"] is not None:
         raise KeyboardInterrupt(f"signal {stop['sig']}: stopped {len(active)} running, {len(pending)} not started")
+    return [name for name, _, _ in pending]

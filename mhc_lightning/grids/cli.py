@@ -17,6 +17,7 @@ import argparse
 import itertools
 import json
 import shlex
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -166,6 +167,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--logs", type=Path, default=Path("grid_logs"), help="one log file per run")
     p.add_argument(
+        "--finish-within",
+        type=float,
+        metavar="SECONDS",
+        help="start a run only while runs of its variant (their median time in the store's finished runs) would end "
+        "within SECONDS of the grid's start, so that a grid run in parts under a time limit leaves no run half done",
+    )
+    p.add_argument(
         "--dry-run",
         action="store_true",
         help="check every run's arguments, print each run's name and `mhc fit` command, start nothing",
@@ -275,6 +283,31 @@ def still_to_run(client, exp_id: str, runs: list, jobs_root: Optional[Path]) -> 
     return todo, resumed
 
 
+def typical_durations(client, exp_id: str) -> dict[str, float]:
+    """Seconds a run of each variant takes, from the experiment's finished training runs: the median of those that
+    took at most twice the quickest (a run stopped and resumed later spans the time between its parts)."""
+    from ..loggers.tags import STAGE_TAG
+
+    took = defaultdict(list)
+    for r in client.search_runs([exp_id], "attributes.status = 'FINISHED'", max_results=50_000):
+        variant = r.data.tags.get("variant")
+        if variant and r.info.end_time and r.data.tags.get(STAGE_TAG, "fit") == "fit":
+            took[variant].append((r.info.end_time - r.info.start_time) / 1000)
+    return {v: statistics.median(t for t in ts if t <= 2 * min(ts)) for v, ts in took.items()}
+
+
+def fits_in(seconds: float, tags: dict[str, dict], durations: dict[str, float], margin: float = 1.1):
+    """may_start for run_parallel: a run starts only while a run of its variant would still end within `seconds` of
+    now (with `margin`); a variant that has no finished run yet always starts."""
+    deadline = time.monotonic() + seconds
+
+    def may_start(name: str) -> bool:
+        took = durations.get(tags[name].get("variant"))
+        return took is None or time.monotonic() + margin * took <= deadline
+
+    return may_start
+
+
 def tag_untagged(client, found: list, tags: dict[str, dict]) -> None:
     """Give the grid's tags to its runs in `found` that lack them: a local run is tagged by the grid when it ends, so
     one that ended as the grid was stopped, or whose grid was killed, would be left out of every grouped report."""
@@ -332,6 +365,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = p.parse_args(argv)
     if args.parallel < 1:
         p.error(f"--parallel must be >= 1, got {args.parallel}")
+    if args.finish_within is not None and (args.finish_within <= 0 or args.launcher != "local"):
+        p.error(f"--finish-within must be > 0 seconds, with --launcher local; got {args.finish_within:g} with "
+                f"--launcher {args.launcher}")  # fmt: skip
     try:
         spec = load_grid(args.grid)
         check_sets(args.set, spec, args.grid)
@@ -373,13 +409,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         )
 
     jobs = [(name, mhc_command() + a, log_path(args.logs, name)) for name, _, a in runs]
+    left: list[str] = []
     try:
         if args.launcher != "local":
             submit_jobs(args, spec, runs, uri, exp_id, on_done, resumed)
             if args.no_wait:
                 return 0
         else:
-            run_parallel(jobs, args.parallel, on_done, spread_gpus=True)  # several GPUs: round robin
+            may_start = None
+            if args.finish_within is not None:
+                may_start = fits_in(args.finish_within, tags, typical_durations(client, exp_id))
+            left = run_parallel(jobs, args.parallel, on_done, spread_gpus=True, may_start=may_start)
     except KeyboardInterrupt as err:
         if args.launcher == "local":  # the runs stopped, and any that ended as the grid was stopped
             tag_untagged(client, client.search_runs([exp_id], max_results=50_000), tags)
@@ -388,6 +428,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     except UserError as err:
         print(f"mhc grid: error: {err}", file=sys.stderr)
         return 2
+    if left:
+        print(
+            f"{len(left)} runs not started: runs like them take longer than was left of --finish-within "
+            f"{args.finish_within:g} s; `--skip-finished` continues the grid",
+            flush=True,
+        )
+        runs = [r for r in runs if r[0] not in left]
     print(f"{len(runs) - len(failed)}/{len(runs)} runs finished; failed: {failed or 'none'}")
     if len(failed) < len(runs):
         print(f"next: {shlex.join(mhc_command() + report_command(spec))}")
