@@ -8,7 +8,7 @@
 #
 # The plan, each step one device call (here: bash scripts/gpu_wheels.sh once, bash scripts/gpu_pin_commit.sh before
 # every call; carry [".gpuwheels", ".cache/corpus", ".gitpin"]):
-#   1. the scan at 48 sublayers, 7 variants x 5 lr x seeds 1, 2 (70 runs), as many calls as it takes:
+#   1. the scan at 48 sublayers, 7 variants x 6 lr x seeds 1, 2 (84 runs), as many calls as it takes:
 #        LIMIT=450 PARALLEL=14 bash scripts/gpu_lr_scan.sh
 #      then here: cp /work/.device/N/mlflow.db.gz docs/results/lr_scan_mlflow.db.gz
 #   2. once every variant has a best lr (here):

@@ -6,7 +6,8 @@ seeds the scan did not use, so that choosing the best lr does not bias the inter
     mhc report --experiment lr-confirm --group-by variant --baseline residual
 
 The best lr is the one with the lowest mean val bits/byte among those where no seed diverged (mhc report's rule,
-reports/sensitivity.py). Variants the scan has not finished at any lr are left out, and named on stderr.
+reports/sensitivity.py). Refused (exit 1, a line on stderr): a scan with a variant and lr short of its seeds' finished
+or diverged runs, and a best lr at an end of the scan's lr axis (the optimum may lie beyond: extend the axis).
 """
 
 from __future__ import annotations
@@ -25,20 +26,40 @@ SCAN = "conf/experiments/lr_scan_deep_grid.yaml"
 FRESH_SEEDS = list(range(3, 11))  # the scan used seeds 1 and 2
 
 
-def main(uri: str) -> int:
-    scan = yaml.safe_load(open(SCAN))
+def main(uri: str, scan_file: str = SCAN) -> int:
+    scan = yaml.safe_load(open(scan_file))
     data = load(uri, search(uri, experiment=scan["experiment"]), [])
     keys = ["variant", LR_KEY]
     groups = only(group(data, keys), COUNTED)
     value = lambda d: run_summary(d)["val_bpb"] if outcome(d) == "finished" else math.nan  # noqa: E731
+    seeds, lrs = len(scan["axes"]["seed_everything"]), [float(x) for x in scan["axes"][LR_KEY]]
+    counted = {(str(v), float(lr)): len(runs) for (v, lr), runs in groups.items()}
+    short = [
+        f"{v} at {lr:g}: {counted.get((v, lr), 0)} of {seeds}"
+        for v in scan["variants"]
+        for lr in lrs
+        if counted.get((v, lr), 0) < seeds
+    ]
+    if short:  # a best lr chosen among the lrs that happen to have run would not be the scan's
+        print(f"the scan is not complete (finished or diverged runs): {'; '.join(short)}", file=sys.stderr)
+        return 1
     best, _ = at_best_lr(groups, keys, value)
-    variants = {}
+    variants, scanned, at_edge = {}, [float(x) for x in scan["axes"][LR_KEY]], []
     for (variant,), runs in sorted(best.items()):
         lr = float(runs[0].resolved.get(LR_KEY) or runs[0].tags[LR_KEY])
         variants[variant] = {**(scan["variants"].get(variant) or {}), LR_KEY: lr}
+        if lr in (min(scanned), max(scanned)):
+            at_edge.append(f"{variant} at {lr:g}")
+    if at_edge:
+        print(
+            f"best lr at an end of the scan ({min(scanned):g} .. {max(scanned):g}): {', '.join(at_edge)}; the optimum "
+            f"may lie beyond it: extend {LR_KEY} in {scan_file} and scan on",
+            file=sys.stderr,
+        )
+        return 1
     missing = sorted(set(scan["variants"]) - set(variants))
     if missing:
-        print(f"no best lr yet for {', '.join(missing)}: left out", file=sys.stderr)
+        print(f"no lr where {', '.join(missing)} trained without diverging: left out", file=sys.stderr)
     grid = {
         "experiment": "lr-confirm",
         "configs": scan["configs"],

@@ -294,3 +294,54 @@ def test_seed_note_says_what_the_seed_spread_covers():
     assert "run-to-run spread" in seed_note(replicates, {("mhc",): replicates})
     assert "initialisation only" in seed_note([run("seed_everything"), run(None)])
     assert "data.seed" in seed_note([run("data.seed")])
+
+
+def test_the_confirmation_grid_needs_a_whole_scan_and_a_best_lr_inside_it(mlflow_uri, tmp_path, capsys):
+    """scripts/lr_confirm_grid.py: each variant at its best lr on fresh seeds, refused while a (variant, lr) of the scan
+    lacks a seed's run, or while a variant's best lr is an end of the scanned range."""
+    import importlib.util
+
+    import yaml
+    from helpers import REPO
+
+    spec = importlib.util.spec_from_file_location("lr_confirm_grid", REPO / "scripts" / "lr_confirm_grid.py")
+    confirm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(confirm)
+    scan = tmp_path / "scan.yaml"
+    scan.write_text(
+        yaml.safe_dump(
+            {
+                "experiment": "lrs",
+                "configs": ["conf/experiments/stability.yaml"],
+                "variants": {"residual": {"model.arch.hyper.residual_mode": "residual"}, "mhc": None},
+                "axes": {"model.optim.lr": [1e-3, 2e-3, 4e-3], "model.arch.n_layers": [24], "seed_everything": [1, 2]},
+            }
+        )
+    )
+    client = mlflow.MlflowClient(mlflow_uri)
+    exp = client.create_experiment("lrs")
+
+    def scanned(curve: dict) -> None:
+        for variant, by_lr in curve.items():
+            for lr, bpb in by_lr.items():
+                for seed in (1, 2):
+                    tags = {"variant": variant, "model.optim.lr": str(lr), "seed_everything": str(seed)}
+                    rid = client.create_run(exp, run_name=f"{variant}-lr{lr}-s{seed}", tags=tags).info.run_id
+                    client.log_metric(rid, "val/bpb", bpb + 0.01 * seed, step=5)
+                    client.set_terminated(rid, "FINISHED")
+
+    scanned({"residual": {1e-3: 2.1, 2e-3: 2.0, 4e-3: 2.05}, "mhc": {1e-3: 2.1, 2e-3: 2.0}})
+    assert confirm.main(mlflow_uri, str(scan)) == 1
+    assert "the scan is not complete (finished or diverged runs): mhc at 0.004: 0 of 2" in capsys.readouterr().err
+    scanned({"mhc": {4e-3: 1.9}})  # mHC's best is the largest lr scanned
+    assert confirm.main(mlflow_uri, str(scan)) == 1
+    assert "best lr at an end of the scan (0.001 .. 0.004): mhc at 0.004" in capsys.readouterr().err
+    scan.write_text(scan.read_text().replace("- 0.004", "- 0.004\n  - 0.008"))
+    scanned({"residual": {8e-3: 7.5}, "mhc": {8e-3: 2.2}})  # the residual diverges at 8e-3
+    assert confirm.main(mlflow_uri, str(scan)) == 0
+    grid = yaml.safe_load(capsys.readouterr().out)
+    assert grid["experiment"] == "lr-confirm" and grid["axes"]["seed_everything"] == list(range(3, 11))
+    assert grid["variants"] == {
+        "residual": {"model.arch.hyper.residual_mode": "residual", "model.optim.lr": 0.002},
+        "mhc": {"model.optim.lr": 0.004},
+    }
