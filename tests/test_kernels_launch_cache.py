@@ -13,23 +13,23 @@ from kernel_checks import CUDA, DEV, ITERS, coef_inputs, hc_inputs, needs_cuda
 
 from mhc_lightning.kernels import MHCOptions, fused
 from mhc_lightning.kernels import reference as R
-from mhc_lightning.kernels.fused import launch_cache, mhc, projection, write_back
+from mhc_lightning.kernels.fused import launch_cache, projection
 from mhc_lightning.kernels.fused.launch_cache import Launcher, call_key, launcher
+from mhc_lightning.kernels.fused.ops import mhc_coefficients, stream_post_res
 
 MODULES = [
     importlib.import_module(f"mhc_lightning.kernels.fused.{m}")
     for m in (
-        "boundary",
-        "hc",
         "hc_operands",
-        "mhc",
+        "ops.hc_coefficients",
+        "ops.mhc_coefficients",
+        "ops.rope_qkv",
+        "ops.stream_ends",
+        "ops.stream_post_res",
+        "ops.stream_pre",
         "partial_sums",
         "projection",
-        "read_out",
-        "rope",
         "sinkhorn",
-        "stream_ends",
-        "write_back",
     )
 ]
 KERNELS = {
@@ -179,20 +179,20 @@ def _both_paths(monkeypatch, fn, *args):
 @pytest.mark.gpu
 @needs_cuda
 def test_fast_launches_equal_tritons_and_keep_one_kernel_per_key(monkeypatch):
-    kept = launcher(write_back._post_fwd)
+    kept = launcher(stream_post_res._post_fwd)
     kept.kept.clear()
     misses = Launcher.misses
     compiled = lambda: len(kept.fn.device_caches[torch.cuda.current_device()][0])  # noqa: E731
     first = None
     for tokens in (1000, 1000, 1031, 4096):
-        ref, out = _both_paths(monkeypatch, write_back.post_forward, *_post_fwd_inputs(tokens))
+        ref, out = _both_paths(monkeypatch, stream_post_res.post_forward, *_post_fwd_inputs(tokens))
         assert torch.equal(ref, out)
         first = compiled() if first is None else first
     assert len(kept.kept) == 3  # one per token count: the repeated call hit
     assert Launcher.misses - misses == 3  # the three new keys, not the hit
     assert compiled() == first  # N is a runtime argument: Triton compiled nothing more
     # a stream at a 2-element offset (not 16-byte aligned) gets its own key, and Triton its own specialisation
-    ref, out = _both_paths(monkeypatch, write_back.post_forward, *_post_fwd_inputs(1000, offset=2))
+    ref, out = _both_paths(monkeypatch, stream_post_res.post_forward, *_post_fwd_inputs(1000, offset=2))
     assert torch.equal(ref, out) and len(kept.kept) == 4
 
 
@@ -203,9 +203,11 @@ def test_the_coefficient_op_through_the_launcher_equals_tritons_path(monkeypatch
     x = torch.randn(777, 4, 1024, device=DEV, dtype=torch.bfloat16)
     phi = torch.randn(4 * 1024, 24, device=DEV) * 0.02
     bias, alpha = torch.randn(24, device=DEV), torch.full((3,), 0.5, device=DEV)
-    ref, out = _both_paths(monkeypatch, mhc.forward, x, phi, bias, alpha, 20, 1e-6, False, False, 1e-6, 0.0, 2.0, True)
+    ref, out = _both_paths(
+        monkeypatch, mhc_coefficients.forward, x, phi, bias, alpha, 20, 1e-6, False, False, 1e-6, 0.0, 2.0, True
+    )
     assert all(torch.equal(a, b) for a, b in zip(ref, out))
-    assert len(launcher(mhc._coef_fwd).kept) >= 1
+    assert len(launcher(mhc_coefficients._coef_fwd).kept) >= 1
 
 
 @pytest.mark.gpu
@@ -217,14 +219,14 @@ def test_a_launch_hook_sends_every_launch_through_triton():
     seen = []
     hook = seen.append
     inputs = _post_fwd_inputs(64)
-    write_back.post_forward(*inputs)  # kept
+    stream_post_res.post_forward(*inputs)  # kept
     knobs.runtime.launch_enter_hook.add(hook)
     try:
-        write_back.post_forward(*inputs)
+        stream_post_res.post_forward(*inputs)
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
     assert len(seen) == 1
-    write_back.post_forward(*inputs)
+    stream_post_res.post_forward(*inputs)
     assert len(seen) == 1
 
 

@@ -1,4 +1,4 @@
-"""The stream's two ends (kernels/fused/stream_ends.py): `expand_streams` (the embedding cast and copied into n
+"""The stream's two ends (kernels/fused/ops/stream_ends.py): `expand_streams` (the embedding cast and copied into n
 streams) and `sum_streams` (the "sum" collapse), one kernel each way, against float64."""
 
 import pytest

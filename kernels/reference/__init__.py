@@ -6,7 +6,6 @@ The model runs these when no fused kernel is selected; no other copy of this mat
 
 from .amax import composite_products, gain_metrics, gain_report
 from .birkhoff import LITE_STREAMS, birkhoff_res, permutation_basis, permutation_count
-from .boundary import mhc_boundary
 from .coefficients import (
     columnwise_matmul,
     compute_dtype,
@@ -29,6 +28,7 @@ from .exact_coefficients import (
     exact_res_logits,
 )
 from .kronecker import KROM_STREAMS, factor_count, factor_masks, kronecker_res
+from .mhc_boundary import mhc_boundary
 from .pre import hc_enter, in_dtype, mhc_enter, mhc_pre, rebuild_u, request_u
 from .rope import apply_rope, rope_qkv, rope_tables
 from .sinkhorn import sinkhorn, sinkhorn_residuals

@@ -5,7 +5,7 @@ this module only owns the parameters, their initialisation and the wiring.
 
 mHC / identity-HC sublayers also run as a chain (`enter`, then `chain` per sublayer; model/recompute.py's
 `run_sublayers` drives it): at each sublayer boundary one op writes sublayer l's output stream and computes
-sublayer l+1's coefficients and input from it (kernels/reference/boundary.py): one op, and one autograd node, per
+sublayer l+1's coefficients and input from it (kernels/reference/mhc_boundary.py): one op, and one autograd node, per
 sublayer instead of two (host time; the kernels are the same, docs/kernels.md). `forward` is one sublayer on its own.
 mHC-lite / KromHC sublayers run one at a time on the reference ops (`exact_enter`): no fused kernels. What each
 mode learns and which ops it runs is its spec's (model/modes.py).

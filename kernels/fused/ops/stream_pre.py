@@ -12,10 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .custom_ops import body_of, custom_op, eager_op
-from .host import c_contig, cdiv, empty, fake_like, np2
-from .launch_cache import launcher
-from .launch_config import launch_options, tiles
+from ..custom_ops import body_of, custom_op, eager_op
+from ..host import c_contig, cdiv, empty, fake_like, np2
+from ..launch_cache import launcher
+from ..launch_config import launch_options, tiles
 
 Tensor = torch.Tensor
 

@@ -17,11 +17,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .custom_ops import body_of, custom_op, eager_op
-from .host import c_contig, cdiv, empty, fake_like, np2, num_sms
-from .launch_cache import launcher
-from .launch_config import CONFIG, launch_options, tiles
-from .partial_sums import sum_partials
+from ..custom_ops import body_of, custom_op, eager_op
+from ..host import c_contig, cdiv, empty, fake_like, np2, num_sms
+from ..launch_cache import launcher
+from ..launch_config import CONFIG, launch_options, tiles
+from ..partial_sums import sum_partials
 
 Tensor = torch.Tensor
 

@@ -1,6 +1,6 @@
-"""mHC's coefficients and the sublayer's entry (docs/design.md §2-3, §10; docs/kernels.md, the section of that name):
-`coef_fwd` (h_pre, h_post, H^res), `mhc_pre` (the same and u = sum_j h_pre_j x_j, one dx in its backward) and
-`mhc_enter` (mhc_pre, x handed on to the write-back, whose gradient of x joins that one dx).
+"""`mhc_coefficients` (docs/design.md §2-3, §10; docs/kernels.md, "mHC's coefficients and the sublayer's entry"):
+`coef_fwd` (h_pre, h_post, H^res), and the forward and backward that `mhc_pre` (mhc_pre.py), `mhc_enter`
+(mhc_enter.py) and `mhc_boundary` (mhc_boundary.py) run with u.
 
 Forward, one kernel (`_coef_fwd`): one read of x [N, n, C] yields the raw projection L = x phi [N, M]
 (M = n^2 + 2n) and sum(x^2) (`projection`); the per-token tail (norm after the product, gates, bias, sigmoid / 2
@@ -21,15 +21,15 @@ import torch
 import triton
 import triton.language as tl
 
-from . import projection
-from .custom_ops import body_of, custom_op, eager_op, register_routed, route_of
-from .host import c_contig, cdiv, empty, fake_like, grads_or_zeros, np2, or_, token_rows
-from .launch_cache import launcher
-from .launch_config import launch_options, tiles
-from .partial_sums import sum_partials
-from .projection import forward_dot, forward_tiles, project_rows, row_block
-from .read_out import write_u
-from .sinkhorn import _coef_tail, res_backward, res_tail
+from .. import projection
+from ..custom_ops import body_of, custom_op, eager_op, with_options
+from ..host import c_contig, cdiv, empty, fake_like, grads_or_zeros, np2, or_, token_rows
+from ..launch_cache import launcher
+from ..launch_config import launch_options, tiles
+from ..partial_sums import sum_partials
+from ..projection import forward_dot, forward_tiles, project_rows, row_block
+from ..sinkhorn import _coef_tail, res_backward, res_tail
+from .stream_pre import write_u
 
 Tensor = torch.Tensor
 
@@ -287,7 +287,7 @@ def _coef_setup(ctx, inputs, output):
     x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult = inputs
     _, _, _, lg, rinv = output
     ctx.save_for_backward(x, phi, bias, alpha, lg, rinv)
-    ctx.opts = (iters, eps, t_in, t_out, post_mult)
+    ctx.opts = dict(iters=iters, eps=eps, t_in=t_in, t_out=t_out, post_mult=post_mult)  # the backward ops' scalars
     ctx.mark_non_differentiable(lg, rinv)
 
 
@@ -301,99 +301,11 @@ def coefficient_grads(x: Tensor, phi: Tensor, d_pre, d_post, d_res) -> tuple[Opt
 def _coef_backward(ctx, d_pre, d_post, d_res, _dlg, _drinv):
     x, phi, bias, alpha, lg, rinv = ctx.saved_tensors
     dh = coefficient_grads(x, phi, d_pre, d_post, d_res)
-    dx, dphi, dbias, dalpha = body_of(ctx, coef_bwd)(x, phi, bias, alpha, lg, rinv, *dh, *ctx.opts)
+    dx, dphi, dbias, dalpha = body_of(ctx, coef_bwd)(x, phi, bias, alpha, lg, rinv, *dh, **ctx.opts)
     return dx, dphi, dbias, dalpha, None, None, None, None, None, None, None
 
 
 coef_fwd.register_autograd(_coef_backward, setup_context=_coef_setup)
 
-
-# mhc_pre: the coefficients and u = sum_j h_pre_j x_j in one op, one dx in its backward
-def _mhc_pre_fwd_body(
-    x: Tensor, phi: Tensor, bias: Tensor, alpha: Tensor, iters: int, eps: float, t_in: bool, t_out: bool,
-    rms_eps: float, pre_eps: float, post_mult: float, u_dtype: Optional[torch.dtype] = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """x [N, n, C] -> u [N, C] (u_dtype, None: x.dtype), h_pre, h_post, h_res, raw logits, 1/r (as coef_fwd)."""
-    return forward(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult, True, u_dtype)
-
-
-mhc_pre_fwd = custom_op("mhc_pre", _mhc_pre_fwd_body)
-
-
-@mhc_pre_fwd.register_fake
-def _(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult, u_dtype=None):
-    return (u_fake(x, u_dtype),) + coef_fake(x, phi)
-
-
-def _mhc_pre_bwd_body(
-    x: Tensor, phi: Tensor, bias: Tensor, alpha: Tensor, lg: Tensor, rinv: Tensor, h_pre: Tensor, du: Tensor,
-    d_pre: Optional[Tensor], d_post: Tensor, d_res: Tensor, iters: int, eps: float, t_in: bool, t_out: bool,
-    post_mult: float, dx_in: Optional[Tensor] = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """dx_in: the gradient x received from its other consumer (`mhc_enter`), added into dx by the same kernel."""
-    return backward(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult,
-                    h_pre=h_pre, du=du, dx_in=dx_in)
-
-
-mhc_pre_bwd = custom_op("mhc_pre_bwd", _mhc_pre_bwd_body)
-
-
-@mhc_pre_bwd.register_fake
-def _(x, phi, bias, alpha, lg, rinv, h_pre, du, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult, dx_in=None):
-    return fake_like(x), fake_like(phi), fake_like(bias), fake_like(alpha)
-
-
-def _mhc_pre_setup(ctx, inputs, output):
-    x, phi, bias, alpha, iters, eps, t_in, t_out, _rms_eps, _pre_eps, post_mult = inputs[:11]
-    _, h_pre, _, _, lg, rinv = output
-    ctx.save_for_backward(x, phi, bias, alpha, lg, rinv, h_pre)
-    ctx.opts = (iters, eps, t_in, t_out, post_mult)
-    ctx.mark_non_differentiable(lg, rinv)
-
-
-def _mhc_pre_backward(ctx, du, d_pre, d_post, d_res, _dlg, _drinv, dx_next=None):
-    """dx_next (`mhc_enter`): the gradient of the x handed on to the write-back, added in the x pass. du comes in u's
-    dtype (`token_backward` rounds a wider one)."""
-    x, phi, bias, alpha, lg, rinv, h_pre = ctx.saved_tensors
-    dh = coefficient_grads(x, phi, d_pre, d_post, d_res)
-    if du is None:
-        grads = body_of(ctx, coef_bwd)(x, phi, bias, alpha, lg, rinv, *dh, *ctx.opts)
-        if dx_next is not None:
-            grads = (grads[0] + dx_next, *grads[1:])
-    else:
-        grads = body_of(ctx, mhc_pre_bwd)(x, phi, bias, alpha, lg, rinv, h_pre, du, *dh, *ctx.opts, dx_in=dx_next)
-    return (*grads, None, None, None, None, None, None, None, None)
-
-
-mhc_pre_fwd.register_autograd(_mhc_pre_backward, setup_context=_mhc_pre_setup)
-
-
-def _mhc_enter_backward(ctx, dx_next, *grads):
-    """The eager `mhc_enter`: mhc_pre's outputs plus x handed on to the sublayer's write-back, whose gradient dx_next
-    joins this backward's dx in the x pass (no separate sum of two stream-sized gradients)."""
-    return _mhc_pre_backward(ctx, *grads, dx_next=dx_next)
-
-
-def _mhc_enter_fwd_body(
-    x: Tensor, phi: Tensor, bias: Tensor, alpha: Tensor, iters: int, eps: float, t_in: bool, t_out: bool,
-    rms_eps: float, pre_eps: float, post_mult: float, u_dtype: Optional[torch.dtype] = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """mhc_pre's outputs and x's route to the write-back (`Routed`): `mhc_enter` as torch.compile sees it."""
-    return (*_mhc_pre_fwd_body(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult, u_dtype),
-            route_of(x))
-
-
-mhc_enter_fwd = custom_op("mhc_enter", _mhc_enter_fwd_body)
-
-
-@mhc_enter_fwd.register_fake
-def _(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult, u_dtype=None):
-    return (u_fake(x, u_dtype),) + coef_fake(x, phi) + (route_of(x),)
-
-
-register_routed(mhc_enter_fwd, _mhc_pre_setup, _mhc_pre_backward)
-
-# the ops as the public wrappers call them (custom_ops.eager_op)
-coef_eager = eager_op(coef_fwd, _coef_setup, _coef_backward)
-mhc_pre_eager = eager_op(mhc_pre_fwd, _mhc_pre_setup, _mhc_pre_backward)
-mhc_enter_eager = eager_op(mhc_pre_fwd, _mhc_pre_setup, _mhc_enter_backward, routed=mhc_enter_fwd)
+# the op as the public wrappers call it (custom_ops.eager_op), MHCOptions whole as its fifth argument
+coef_eager = with_options(eager_op(coef_fwd, _coef_setup, _coef_backward), at=4)

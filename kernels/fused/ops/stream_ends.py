@@ -12,9 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .host import cdiv, empty, np2
-from .launch_cache import launcher
-from .launch_config import launch_options, tiles
+from ..host import cdiv, empty, np2
+from ..launch_cache import launcher
+from ..launch_config import launch_options, tiles
 
 Tensor = torch.Tensor
 
