@@ -89,8 +89,8 @@ def test_every_kernel_is_launched_through_its_launcher(monkeypatch):
     hx, *params = hc_inputs((9,), 16, 4, torch.bfloat16)
     hxt, hu, _, hh_post, hh_res = fused.hc_enter(hx, *params)
     hout = fused.stream_post_res(hxt, torch.tanh(hu), hh_post, hh_res)
-    cos, sin = R.rope_tables(9, 16, 10000.0)
-    q, k, v = fused.rope_qkv(torch.randn(1, 9, 3 * 2 * 16, requires_grad=True), cos, sin, 2)
+    cos, sin = (t.to(DEV) for t in R.rope_tables(9, 16, 10000.0))  # the kernel runs only with both on its device
+    q, k, v = fused.rope_qkv(torch.randn(1, 9, 3 * 2 * 16, device=DEV, requires_grad=True), cos, sin, 2)
     loss = fused.sum_streams(out, torch.float32).sum() + hout.float().sum() + (q * k).sum() + v.sum()
     loss = loss + fused.rms_proj(hx, params[3]).sum()
     loss.backward()
