@@ -20,12 +20,14 @@ from .coefficients import (
     rms_proj,
 )
 from .exact_coefficients import (
-    EXACT_FAMILIES,
+    KROM,
+    LITE,
+    ExactFamily,
     exact_coefficients,
     exact_enter,
-    exact_res,
-    exact_res_count,
     exact_res_logits,
+    krom_enter,
+    lite_enter,
 )
 from .kronecker import KROM_STREAMS, factor_count, factor_masks, kronecker_res
 from .mhc_boundary import mhc_boundary
@@ -35,15 +37,17 @@ from .sinkhorn import sinkhorn, sinkhorn_residuals
 from .streams import expand_streams, stream_post_res, stream_pre, sum_streams
 
 __all__ = [
-    "EXACT_FAMILIES",
+    "KROM",
     "KROM_STREAMS",
+    "LITE",
     "LITE_STREAMS",
+    "ExactFamily",
     "birkhoff_res",
     "exact_coefficients",
     "exact_enter",
-    "exact_res",
-    "exact_res_count",
     "exact_res_logits",
+    "krom_enter",
+    "lite_enter",
     "factor_count",
     "factor_masks",
     "gated_logits",
