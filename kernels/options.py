@@ -14,6 +14,8 @@ STARTS: tuple[str, ...] = get_args(SinkhornStart)
 RES_LAYOUTS: tuple[str, ...] = get_args(ResLayout)
 KERNEL_BACKENDS: tuple[str, ...] = get_args(KernelBackend)
 
+SINKHORN_ITERS = 20  # the Sinkhorn count t_max by default (mHC paper); written here only
+
 
 @dataclass(frozen=True)
 class MHCOptions:
@@ -23,7 +25,7 @@ class MHCOptions:
     as a runtime argument, and under torch.compile it is a symbolic int inside this object, not a new graph.
     """
 
-    sinkhorn_iters: int = 20
+    sinkhorn_iters: int = SINKHORN_ITERS
     sinkhorn_eps: float = 1e-6
     exact_axis: ExactAxis = "rows"
     start: SinkhornStart = "softmax_eps"
