@@ -89,8 +89,9 @@ def hc_operands(g: Tensor, w_beta: Tensor, w_m: Tensor, w_r: Tensor, s_alpha: Te
     statics = empty((pw,), torch.float32, dev)
     cfg = tiles("hc_operands")
     launcher(_hc_operands)[(max(1, cdiv(C, cfg["BR"])),)](
-        g, w_beta, w_m, w_r, s_alpha, s_beta, b_static, am_static, ar_static, w, statics, C, NH=n, M=M, MP=np2(M),
-        PW=pw, PWP=np2(pw), BR=cfg["BR"], **launch_options(cfg))
+        g_ptr=g, wb_ptr=w_beta, wm_ptr=w_m, wr_ptr=w_r, sa_ptr=s_alpha, sb_ptr=s_beta, b_ptr=b_static, am_ptr=am_static,
+        ar_ptr=ar_static, w_ptr=w, st_ptr=statics, C=C, NH=n, M=M, MP=np2(M), PW=pw, PWP=np2(pw), BR=cfg["BR"],
+        **launch_options(cfg))
     return w, statics
 
 
@@ -105,8 +106,9 @@ def hc_operand_grads(dw: Tensor, dstatics: Tensor, g: Tensor, w_beta: Tensor, w_
     pw = dstatics.shape[0]
     dg, dwb, dwm, dwr, dsa, dsb, db, dam, dar = grads
     launcher(_hc_operand_grads)[(max(1, cdiv(C, cfg["BR"])),)](
-        dw, dstatics, g, w_beta, w_m, w_r, dg, dwb, dwm, dwr, dsa, dsb, db, dam, dar, C, NH=n, M=n + 2, MP=np2(n + 2),
-        PW=pw, PWP=np2(pw), BR=cfg["BR"], **launch_options(cfg))
+        dw_ptr=dw, dst_ptr=dstatics, g_ptr=g, wb_ptr=w_beta, wm_ptr=w_m, wr_ptr=w_r, dg_ptr=dg, dwb_ptr=dwb,
+        dwm_ptr=dwm, dwr_ptr=dwr, dsa_ptr=dsa, dsb_ptr=dsb, db_ptr=db, dam_ptr=dam, dar_ptr=dar, C=C, NH=n, M=n + 2,
+        MP=np2(n + 2), PW=pw, PWP=np2(pw), BR=cfg["BR"], **launch_options(cfg))
     return grads
 
 

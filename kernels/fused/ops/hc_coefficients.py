@@ -150,9 +150,10 @@ def project(x: Tensor, w: Tensor, eps: float, lg: Tensor, rinv: Tensor, tail: Op
     cfg = tiles("rms_proj", BK=np2(C, 16))
     statics, h_pre, h_post, h_res, n, tanh = tail if tail is not None else (w, lg, lg, lg, 1, False)
     launcher(_hc_fwd)[(cdiv(R, cfg["BT"]),)](
-        x, w, statics, lg, rinv, h_pre, h_post, h_res, R, C, x.stride(0), w.stride(0), eps, M=w.shape[1],
-        MP=np2(w.shape[1], 16), DOT=dot_mode, BT=cfg["BT"], BK=cfg["BK"], PAIRS=pairs,
-        TAIL=0 if tail is None else 1 if tanh else 2, NH=n, **launch_options(cfg))
+        x_ptr=x, w_ptr=w, st_ptr=statics, lg_ptr=lg, rinv_ptr=rinv, hpre_ptr=h_pre, hpost_ptr=h_post, hres_ptr=h_res,
+        R=R, C=C, stride_x=x.stride(0), stride_w=w.stride(0), eps=eps, M=w.shape[1], MP=np2(w.shape[1], 16),
+        DOT=dot_mode, BT=cfg["BT"], BK=cfg["BK"], PAIRS=pairs, TAIL=0 if tail is None else 1 if tanh else 2, NH=n,
+        **launch_options(cfg))
 
 
 def hc_statics(s_alpha: Tensor, s_beta: Tensor, b_static: Tensor, am_static: Tensor, ar_static: Tensor) -> Tensor:
@@ -213,10 +214,10 @@ def backward(d_pre: Optional[Tensor], d_post: Tensor, d_res: Tensor, x: Tensor, 
     dl, dss = empty((R, M), torch.float32, x.device), empty((R,), torch.float32, x.device)
     part = empty((statics.shape[0], programs), torch.float32, x.device)
     launcher(_hc_tail_bwd)[(programs,)](
-        lg, rinv, statics, lg if d_pre is None else d_pre.contiguous(), d_post.contiguous(), d_res.contiguous(),
-        dl, dss,
-        part, x, du if with_u else x, or_(dun, x), R, programs, C, 1.0 / C, M=M, NH=n, TANH=tanh, BT=cfg["BT"],
-        HAS_U=with_u, BC=cfg["BC"], HAS_DPRE=d_pre is not None, DU_NARROW=narrow, **launch_options(cfg))
+        lg_ptr=lg, rinv_ptr=rinv, st_ptr=statics, dpre_ptr=lg if d_pre is None else d_pre.contiguous(),
+        dpost_ptr=d_post.contiguous(), dres_ptr=d_res.contiguous(), dl_ptr=dl, dss_ptr=dss, part_ptr=part, x_ptr=x,
+        du_ptr=du if with_u else x, dun_ptr=or_(dun, x), R=R, NP=programs, C=C, inv_c=1.0 / C, M=M, NH=n, TANH=tanh,
+        BT=cfg["BT"], HAS_U=with_u, BC=cfg["BC"], HAS_DPRE=d_pre is not None, DU_NARROW=narrow, **launch_options(cfg))
     du = or_(dun, du)
     dw = projection.x_pass(x.view(R, 1, C), c_contig(w), dl, dss, dx.view(R, 1, C), h_pre=h_pre if with_u else None,
                            du=du, dx_in=None if dx_in is None else c_contig(dx_in).view(R, 1, C), u_rows=n)

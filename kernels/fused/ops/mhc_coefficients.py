@@ -172,18 +172,18 @@ def forward(x: Tensor, phi: Tensor, bias: Tensor, alpha: Tensor, iters: int, eps
     own_launch = has_res and not pairs
     u_inside = with_u and C <= cfg["u_inside_max_c"]
     launcher(_coef_fwd)[(cdiv(N, cfg["BT"]),)](
-        x, phi, bias, alpha, lg, rinv, h_pre, h_post, h_res, u if u_inside else h_pre,
-        N, C, x.stride(0), phi.stride(0), iters, eps, rms_eps, pre_eps, post_mult,
-        NS=n, M=M, MP=np2(M, 16), HAS_RES=has_res, SINK=not own_launch, HAS_U=u_inside, T_IN=t_in, T_OUT=t_out,
-        DOT=dot_mode, BT=cfg["BT"], BK=cfg["BK"], BC=cfg["BC"], PAIRS=pairs, **launch_options(cfg),
-    )
+        x_ptr=x, phi_ptr=phi, bias_ptr=bias, alpha_ptr=alpha, lg_ptr=lg, rinv_ptr=rinv, hpre_ptr=h_pre,
+        hpost_ptr=h_post, hres_ptr=h_res, u_ptr=u if u_inside else h_pre, N=N, C=C, stride_x=x.stride(0),
+        stride_phi=phi.stride(0), iters=iters, eps=eps, rms_eps=rms_eps, pre_eps=pre_eps, post_mult=post_mult, NS=n,
+        M=M, MP=np2(M, 16), HAS_RES=has_res, SINK=not own_launch, HAS_U=u_inside, T_IN=t_in, T_OUT=t_out, DOT=dot_mode,
+        BT=cfg["BT"], BK=cfg["BK"], BC=cfg["BC"], PAIRS=pairs, **launch_options(cfg))
     if with_u and not u_inside:  # u by stream_pre's streaming kernel: x read again, at copy speed
         write_u(x, h_pre, u)
     if own_launch:
         ct = tiles("coef_tail")
         launcher(_coef_tail)[(cdiv(N, ct["BT"]),)](
-            lg, rinv, bias, alpha, h_res, N, iters, eps, NS=n, M=M, T_IN=t_in, T_OUT=t_out, BT=ct["BT"],
-            **launch_options(ct))
+            lg_ptr=lg, rinv_ptr=rinv, bias_ptr=bias, alpha_ptr=alpha, hres_ptr=h_res, N=N, iters=iters, eps=eps, NS=n,
+            M=M, T_IN=t_in, T_OUT=t_out, BT=ct["BT"], **launch_options(ct))
     return u, h_pre, h_post, h_res, lg, rinv
 
 
@@ -205,13 +205,13 @@ def token_backward(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, e
     narrow = with_u and du.dtype != x.dtype
     dun = empty(du.shape, x.dtype, dev) if narrow else None
     launcher(_coef_bwd_tok)[(n_prog,)](
-        lg, rinv, bias.contiguous(), alpha.contiguous(), lg if d_pre is None else d_pre.contiguous(),
-        d_post.contiguous(), d_res.contiguous(), dl, dss, part, sc, x, du.contiguous() if with_u else x, or_(dun, x),
-        N, n_prog, n * C, C,
-        x.stride(0), iters, eps, post_mult, NS=n, M=M, HAS_RES=has_res, T_IN=t_in, T_OUT=t_out, HAS_U=with_u,
-        HAS_DPRE=d_pre is not None, BT=ct["BT"], BC=ct["BC"], LOOP_STAGES=ct["loop_stages"], DU_NARROW=narrow,
-        **launch_options(ct),
-    )
+        lg_ptr=lg, rinv_ptr=rinv, bias_ptr=bias.contiguous(), alpha_ptr=alpha.contiguous(),
+        dpre_ptr=lg if d_pre is None else d_pre.contiguous(), dpost_ptr=d_post.contiguous(),
+        dres_ptr=d_res.contiguous(), dl_ptr=dl, dss_ptr=dss, part_ptr=part, sc_ptr=sc, x_ptr=x,
+        du_ptr=du.contiguous() if with_u else x, dun_ptr=or_(dun, x), N=N, NP=n_prog, K=n * C, C=C,
+        stride_x=x.stride(0), iters=iters, eps=eps, post_mult=post_mult, NS=n, M=M, HAS_RES=has_res, T_IN=t_in,
+        T_OUT=t_out, HAS_U=with_u, HAS_DPRE=d_pre is not None, BT=ct["BT"], BC=ct["BC"], LOOP_STAGES=ct["loop_stages"],
+        DU_NARROW=narrow, **launch_options(ct))
     return dl, dss, part, or_(dun, du)
 
 

@@ -28,19 +28,19 @@ def _tile(N, C, BT: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["N"])
-def _expand(h_ptr, out_ptr, N, C, NS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+def _expand(src_ptr, out_ptr, N, C, NS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     rows64, cc, m2 = _tile(N, C, BT, BC)
-    h = tl.load(h_ptr + rows64[:, None] * C + cc[None, :], mask=m2, other=0.0).to(out_ptr.dtype.element_ty)
+    h = tl.load(src_ptr + rows64[:, None] * C + cc[None, :], mask=m2, other=0.0).to(out_ptr.dtype.element_ty)
     for j in tl.static_range(NS):
         tl.store(out_ptr + rows64[:, None] * (NS * C) + j * C + cc[None, :], h, mask=m2)
 
 
 @triton.jit(do_not_specialize=["N"])
-def _sum_streams(x_ptr, out_ptr, N, C, NS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+def _sum_streams(src_ptr, out_ptr, N, C, NS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     rows64, cc, m2 = _tile(N, C, BT, BC)
     acc = tl.zeros([BT, BC], dtype=tl.float32)
     for j in tl.static_range(NS):
-        acc += tl.load(x_ptr + rows64[:, None] * (NS * C) + j * C + cc[None, :], mask=m2, other=0.0).to(tl.float32)
+        acc += tl.load(src_ptr + rows64[:, None] * (NS * C) + j * C + cc[None, :], mask=m2, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows64[:, None] * C + cc[None, :], acc.to(out_ptr.dtype.element_ty), mask=m2)
 
 
@@ -48,8 +48,8 @@ def _launch(kernel, src: Tensor, out: Tensor, N: int, C: int, n: int) -> Tensor:
     """One of the two kernels over an [N, C] grid of rows (src and out contiguous); returns out."""
     if N:
         cfg = tiles("stream_ends", BC=np2(C, 16))
-        launcher(kernel)[(cdiv(N, cfg["BT"]), cdiv(C, cfg["BC"]))](src, out, N, C, NS=n, BT=cfg["BT"], BC=cfg["BC"],
-                                                                   **launch_options(cfg))
+        launcher(kernel)[(cdiv(N, cfg["BT"]), cdiv(C, cfg["BC"]))](
+            src_ptr=src, out_ptr=out, N=N, C=C, NS=n, BT=cfg["BT"], BC=cfg["BC"], **launch_options(cfg))
     return out
 
 
