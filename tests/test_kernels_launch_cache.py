@@ -15,7 +15,7 @@ from mhc_lightning.kernels import MHCOptions, fused
 from mhc_lightning.kernels import reference as R
 from mhc_lightning.kernels.fused import launch_cache, projection
 from mhc_lightning.kernels.fused.launch_cache import Launcher, call_key, launcher
-from mhc_lightning.kernels.fused.ops import mhc_coefficients, stream_post_res
+from mhc_lightning.kernels.fused.ops import mhc_coefficients, stream_post_res, stream_pre
 
 MODULES = [
     importlib.import_module(f"mhc_lightning.kernels.fused.{m}")
@@ -99,6 +99,15 @@ def test_every_kernel_is_launched_through_its_launcher(monkeypatch):
     for name, kernel in kernels.items():
         assert launcher(kernel).fn is kernel and launcher(kernel) is launcher(kernel), name
         assert launcher(kernel).fast is CUDA  # the interpreter always takes Triton's path
+
+
+def test_keyword_launches_reach_the_kernel_in_its_order():
+    """The ops launch by name; the launcher hands Triton's path, the key and the fast path the runtime arguments in
+    the kernel's order, and keeps constexprs and launch options as keywords."""
+    x, h, u = (torch.empty(1) for _ in range(3))
+    passed = dict(NS=4, u_ptr=u, x_ptr=x, N=5, h_ptr=h, C=6, stride_xn=7, stride_xt=8, BT=16, BC=32, num_warps=4)
+    args, kwargs = launcher(stream_pre._pre_fwd).positional((), passed)
+    assert args == (x, h, u, 5, 6, 8, 7) and kwargs == dict(NS=4, BT=16, BC=32, num_warps=4)
 
 
 def test_call_key_tells_apart_what_triton_specialises_on():
