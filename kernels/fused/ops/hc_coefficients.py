@@ -182,7 +182,7 @@ def _hc_coef_fwd_body(x: Tensor, w: Tensor, statics: Tensor, n: int, eps: float,
     return coefficients(x, w, statics, n, eps, tanh)
 
 
-hc_coef_fwd = custom_op("hc_coef", _hc_coef_fwd_body)
+hc_coef_fwd = custom_op("hc_coefficients", _hc_coef_fwd_body)
 
 
 @hc_coef_fwd.register_fake
@@ -231,7 +231,7 @@ def _hc_coef_bwd_body(d_pre: Optional[Tensor], d_post: Tensor, d_res: Tensor, x:
     return backward(d_pre, d_post, d_res, x, w, statics, lg, rinv, n, tanh)
 
 
-hc_coef_bwd = custom_op("hc_coef_bwd", _hc_coef_bwd_body)
+hc_coef_bwd = custom_op("hc_coefficients_bwd", _hc_coef_bwd_body)
 
 
 @hc_coef_bwd.register_fake

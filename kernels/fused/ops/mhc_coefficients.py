@@ -245,7 +245,7 @@ def _coef_fwd_body(
     return forward(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult, False)[1:]
 
 
-coef_fwd = custom_op("coef_fwd", _coef_fwd_body)
+coef_fwd = custom_op("mhc_coefficients", _coef_fwd_body)
 
 
 def coef_fake(x: Tensor, phi: Tensor) -> tuple[Tensor, ...]:
@@ -275,7 +275,7 @@ def _coef_bwd_body(
     return backward(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult)
 
 
-coef_bwd = custom_op("coef_bwd", _coef_bwd_body)
+coef_bwd = custom_op("mhc_coefficients_bwd", _coef_bwd_body)
 
 
 @coef_bwd.register_fake
