@@ -28,8 +28,8 @@ def _bnd_fwd_body(
     """x [N, n, C], f [N, C], h_post [N, n], h_res [N, n, n] or [N, 0, 0] (H^res = I) of sublayer l -> x_next, then
     u (u_dtype, None: x.dtype), h_pre, h_post, h_res, raw logits, 1/r of sublayer l + 1 (as mhc_pre on x_next)."""
     x_next = post_forward(x, f, h_post, h_res)
-    return (x_next, *forward(x_next, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult, True,
-                             u_dtype))
+    return (x_next, *forward(x_next, phi, bias, alpha, iters=iters, eps=eps, t_in=t_in, t_out=t_out, rms_eps=rms_eps,
+                             pre_eps=pre_eps, post_mult=post_mult, with_u=True, u_dtype=u_dtype))
 
 
 bnd_fwd = custom_op("mhc_boundary", _bnd_fwd_body)
@@ -47,8 +47,8 @@ def _boundary_backward(x, f, h_post, h_res, phi, bias, alpha, x_next, lg, rinv, 
     if x.shape[0] == 0:
         dx, df, dhp, dhr = post_backward(g, x, f, h_post, h_res, hu=hu, u_out=u_out)
         return dx, df, dhp, dhr, torch.zeros_like(phi), torch.zeros_like(bias), torch.zeros_like(alpha)
-    G, dphi, dbias, dalpha = backward(x_next, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in,
-                                      t_out, post_mult, h_pre=h_pre2, du=du, dx_in=g)
+    G, dphi, dbias, dalpha = backward(x_next, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters=iters, eps=eps,
+                                      t_in=t_in, t_out=t_out, post_mult=post_mult, h_pre=h_pre2, du=du, dx_in=g)
     dx, df, dhp, dhr = post_backward(G, x, f, h_post, h_res, hu=hu, u_out=u_out)
     return dx, df, dhp.to(h_post.dtype), dhr.to(h_res.dtype), dphi, dbias, dalpha
 
@@ -59,7 +59,7 @@ def _bnd_bwd_body(
     d_res: Tensor, iters: int, eps: float, t_in: bool, t_out: bool, post_mult: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     return _boundary_backward(x, f, h_post, h_res, phi, bias, alpha, x_next, lg, rinv, h_pre2, g, du, d_pre, d_post,
-                              d_res, iters, eps, t_in, t_out, post_mult)
+                              d_res, iters=iters, eps=eps, t_in=t_in, t_out=t_out, post_mult=post_mult)
 
 
 bnd_bwd = custom_op("mhc_boundary_bwd", _bnd_bwd_body)

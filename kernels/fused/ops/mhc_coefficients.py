@@ -231,8 +231,8 @@ def backward(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_
     if N == 0:
         return dx, torch.zeros_like(phi), torch.zeros_like(bias), torch.zeros_like(alpha)
     x, dx_in, phi = token_rows(x), None if dx_in is None else token_rows(dx_in), c_contig(phi)
-    dl, dss, part, du = token_backward(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out,
-                                       post_mult, du=du)
+    dl, dss, part, du = token_backward(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters=iters, eps=eps,
+                                       t_in=t_in, t_out=t_out, post_mult=post_mult, du=du)
     dphi_part = projection.x_pass(x, phi, dl, dss, dx, h_pre=h_pre, du=du, dx_in=dx_in)
     return (dx, *param_grads(phi, bias, alpha, dphi_part, part))
 
@@ -242,7 +242,8 @@ def _coef_fwd_body(
     rms_eps: float, pre_eps: float, post_mult: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """x [N, n, C] -> h_pre [N, n], h_post [N, n], h_res [N, n, n] (or [N, 0, 0]), raw logits [N, M], 1/r [N]."""
-    return forward(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult, False)[1:]
+    return forward(x, phi, bias, alpha, iters=iters, eps=eps, t_in=t_in, t_out=t_out, rms_eps=rms_eps,
+                   pre_eps=pre_eps, post_mult=post_mult, with_u=False)[1:]
 
 
 coef_fwd = custom_op("mhc_coefficients", _coef_fwd_body)
@@ -272,7 +273,8 @@ def _coef_bwd_body(
     d_pre: Optional[Tensor], d_post: Tensor, d_res: Tensor, iters: int, eps: float, t_in: bool, t_out: bool,
     post_mult: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return backward(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult)
+    return backward(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters=iters, eps=eps, t_in=t_in, t_out=t_out,
+                    post_mult=post_mult)
 
 
 coef_bwd = custom_op("mhc_coefficients_bwd", _coef_bwd_body)

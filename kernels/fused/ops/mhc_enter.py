@@ -25,8 +25,8 @@ def _mhc_enter_fwd_body(
     rms_eps: float, pre_eps: float, post_mult: float, u_dtype: Optional[torch.dtype] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """mhc_pre's outputs and x's route to the write-back (`Routed`): `mhc_enter` as torch.compile sees it."""
-    return (*_mhc_pre_fwd_body(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult, u_dtype),
-            route_of(x))
+    return (*_mhc_pre_fwd_body(x, phi, bias, alpha, iters=iters, eps=eps, t_in=t_in, t_out=t_out, rms_eps=rms_eps,
+                               pre_eps=pre_eps, post_mult=post_mult, u_dtype=u_dtype), route_of(x))
 
 
 mhc_enter_fwd = custom_op("mhc_enter", _mhc_enter_fwd_body)

@@ -21,7 +21,8 @@ def _mhc_pre_fwd_body(
     rms_eps: float, pre_eps: float, post_mult: float, u_dtype: Optional[torch.dtype] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """x [N, n, C] -> u [N, C] (u_dtype, None: x.dtype), h_pre, h_post, h_res, raw logits, 1/r (as coef_fwd)."""
-    return forward(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult, True, u_dtype)
+    return forward(x, phi, bias, alpha, iters=iters, eps=eps, t_in=t_in, t_out=t_out, rms_eps=rms_eps,
+                   pre_eps=pre_eps, post_mult=post_mult, with_u=True, u_dtype=u_dtype)
 
 
 mhc_pre_fwd = custom_op("mhc_pre", _mhc_pre_fwd_body)
@@ -38,8 +39,8 @@ def _mhc_pre_bwd_body(
     post_mult: float, dx_in: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """dx_in: the gradient x received from its other consumer (`mhc_enter`), added into dx by the same kernel."""
-    return backward(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult,
-                    h_pre=h_pre, du=du, dx_in=dx_in)
+    return backward(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters=iters, eps=eps, t_in=t_in, t_out=t_out,
+                    post_mult=post_mult, h_pre=h_pre, du=du, dx_in=dx_in)
 
 
 mhc_pre_bwd = custom_op("mhc_pre_bwd", _mhc_pre_bwd_body)
