@@ -1,5 +1,6 @@
 """The option values of the mHC ops, declared once: the allowed names (model/config.py validates against these
-tuples) and `MHCOptions`, the Sinkhorn / gate options every coefficient op takes (docs/design.md §2-3)."""
+tuples), the Sinkhorn count's default, and `MHCOptions`, the Sinkhorn / gate options every coefficient op takes
+(docs/design.md §2-3)."""
 
 from dataclasses import dataclass
 from typing import Literal, get_args

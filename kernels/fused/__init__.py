@@ -6,8 +6,8 @@ TRITON_INTERPRET=1); Sinkhorn start "softmax_eps" with either exact axis and eit
 iteration count (a runtime argument). Everything else (float64, start "exp" / "log_domain", other n,
 broadcast coefficient shapes) goes to the reference ops, which define the semantics.
 
-Each op family lives in a module of its own, its Triton kernels beside their custom-op registration, fake impls and
-autograd glue (docs/kernels.md, "Where things are").
+Each op lives in kernels/fused/ops/<op>.py, named as the function here that calls it: its Triton kernels beside their
+custom-op registration, fake impls and autograd glue (docs/kernels.md, "Where things are").
 """
 from typing import Optional
 
