@@ -16,7 +16,7 @@ from .mhc_coefficients import backward, coef_bwd, coef_fake, coefficient_grads, 
 Tensor = torch.Tensor
 
 
-def _mhc_pre_fwd_body(
+def mhc_pre_fwd_body(
     x: Tensor, phi: Tensor, bias: Tensor, alpha: Tensor, iters: int, eps: float, t_in: bool, t_out: bool,
     rms_eps: float, pre_eps: float, post_mult: float, u_dtype: Optional[torch.dtype] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -25,7 +25,7 @@ def _mhc_pre_fwd_body(
                    pre_eps=pre_eps, post_mult=post_mult, with_u=True, u_dtype=u_dtype)
 
 
-mhc_pre_fwd = custom_op("mhc_pre", _mhc_pre_fwd_body)
+mhc_pre_fwd = custom_op("mhc_pre", mhc_pre_fwd_body)
 
 
 @mhc_pre_fwd.register_fake
@@ -51,7 +51,7 @@ def _(x, phi, bias, alpha, lg, rinv, h_pre, du, d_pre, d_post, d_res, iters, eps
     return fake_like(x), fake_like(phi), fake_like(bias), fake_like(alpha)
 
 
-def _mhc_pre_setup(ctx, inputs, output):
+def mhc_pre_setup(ctx, inputs, output):
     x, phi, bias, alpha, iters, eps, t_in, t_out, _rms_eps, _pre_eps, post_mult = inputs[:11]
     _, h_pre, _, _, lg, rinv = output
     ctx.save_for_backward(x, phi, bias, alpha, lg, rinv, h_pre)
@@ -59,7 +59,7 @@ def _mhc_pre_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(lg, rinv)
 
 
-def _mhc_pre_backward(ctx, du, d_pre, d_post, d_res, _dlg, _drinv, dx_next=None):
+def mhc_pre_backward(ctx, du, d_pre, d_post, d_res, _dlg, _drinv, dx_next=None):
     """dx_next (`mhc_enter`): the gradient of the x handed on to the write-back, added in the x pass. du comes in u's
     dtype (`token_backward` rounds a wider one)."""
     x, phi, bias, alpha, lg, rinv, h_pre = ctx.saved_tensors
@@ -73,7 +73,7 @@ def _mhc_pre_backward(ctx, du, d_pre, d_post, d_res, _dlg, _drinv, dx_next=None)
     return (*grads, None, None, None, None, None, None, None, None)
 
 
-mhc_pre_fwd.register_autograd(_mhc_pre_backward, setup_context=_mhc_pre_setup)
+mhc_pre_fwd.register_autograd(mhc_pre_backward, setup_context=mhc_pre_setup)
 
 # the op as the public wrappers call it (custom_ops.eager_op), MHCOptions whole as its fifth argument
-mhc_pre_eager = with_options(eager_op(mhc_pre_fwd, _mhc_pre_setup, _mhc_pre_backward), at=4)
+mhc_pre_eager = with_options(eager_op(mhc_pre_fwd, mhc_pre_setup, mhc_pre_backward), at=4)
