@@ -24,12 +24,12 @@ MODULES = [
         "ops.hc_coefficients",
         "ops.mhc_coefficients",
         "ops.rope_qkv",
-        "ops.stream_ends",
         "ops.stream_post_res",
         "ops.stream_pre",
         "partial_sums",
         "projection",
         "sinkhorn",
+        "stream_rows",
     )
 ]
 KERNELS = {

@@ -342,16 +342,16 @@ def _ends_fused(t: torch.Tensor, dtype: torch.dtype) -> bool:
 
 
 def expand_streams(h: torch.Tensor, n: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """As reference.expand_streams, in one kernel each way (kernels/fused/ops/stream_ends.py)."""
+    """As reference.expand_streams, in one kernel each way (kernels/fused/ops/expand_streams.py)."""
     dtype = dtype or h.dtype
     if h.dim() < 1 or not _ends_fused(h, dtype):
         return reference.expand_streams(h, n, dtype)
-    return ops.stream_ends.ExpandStreams.apply(h, n, dtype)
+    return ops.expand_streams.ExpandStreams.apply(h, n, dtype)
 
 
 def sum_streams(x: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """As reference.sum_streams, in one kernel each way (kernels/fused/ops/stream_ends.py)."""
+    """As reference.sum_streams, in one kernel each way (kernels/fused/ops/sum_streams.py)."""
     dtype = dtype or x.dtype
     if x.dim() < 2 or not _ends_fused(x, dtype):
         return reference.sum_streams(x, dtype)
-    return ops.stream_ends.SumStreams.apply(x, dtype)
+    return ops.sum_streams.SumStreams.apply(x, dtype)

@@ -3,6 +3,7 @@ registration, fake impl and autograd glue; the public wrappers are kernels/fused
 names."""
 
 from . import (  # noqa: F401  (the public wrappers reach each op as ops.<op>)
+    expand_streams,
     hc_coefficients,
     hc_enter,
     mhc_boundary,
@@ -11,7 +12,7 @@ from . import (  # noqa: F401  (the public wrappers reach each op as ops.<op>)
     mhc_pre,
     rms_proj,
     rope_qkv,
-    stream_ends,
     stream_post_res,
     stream_pre,
+    sum_streams,
 )

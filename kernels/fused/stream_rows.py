@@ -1,6 +1,5 @@
-"""The residual stream's two ends, one kernel each way (docs/design.md §4, docs/kernels.md "The stream's ends").
-Eager only: under torch.compile the reference's cast and copy (or sum) run, which inductor fuses with their
-neighbours.
+"""The kernels of the residual stream's two ends (docs/design.md §4, docs/kernels.md "The stream's ends"), which the
+ops `expand_streams` and `sum_streams` (ops/) launch, each the other's backward: `expand_rows` and `sum_rows`.
 
 `_expand`: x_0[t, j, :] = h[t, :] for every stream j, cast to the stream's dtype: the embedding's one read and the
 stream's one write (torch: a cast, then a broadcast copy that cannot vectorise its stride-0 reads). It is also
@@ -12,9 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..host import cdiv, empty, np2
-from ..launch_cache import launcher
-from ..launch_config import launch_options, tiles
+from .host import cdiv, empty, np2
+from .launch_cache import launcher
+from .launch_config import launch_options, tiles
 
 Tensor = torch.Tensor
 
@@ -65,29 +64,3 @@ def sum_rows(x: Tensor, dtype: torch.dtype) -> Tensor:
     n, C = x.shape[-2], x.shape[-1]
     out = empty((*x.shape[:-2], C), dtype, x.device)
     return _launch(_sum_streams, x.contiguous(), out, out.numel() // max(C, 1), C, n)
-
-
-class ExpandStreams(torch.autograd.Function):
-    """x_0 = 1_n h in the stream's dtype; backward: the n streams' gradients summed into h's dtype."""
-
-    @staticmethod
-    def forward(ctx, h: Tensor, n: int, dtype: torch.dtype):
-        ctx.h_dtype = h.dtype
-        return expand_rows(h, n, dtype)
-
-    @staticmethod
-    def backward(ctx, g):
-        return sum_rows(g, ctx.h_dtype), None, None
-
-
-class SumStreams(torch.autograd.Function):
-    """The streams summed into dtype; backward: the gradient copied to every stream in the stream's dtype."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, dtype: torch.dtype):
-        ctx.x_dtype, ctx.n = x.dtype, x.shape[-2]
-        return sum_rows(x, dtype)
-
-    @staticmethod
-    def backward(ctx, g):
-        return expand_rows(g, ctx.n, ctx.x_dtype), None
