@@ -6,6 +6,19 @@ phi (0.2-0.4 MB, re-read from L2) and the x pass's partial phi gradients (~2 % o
 
 from __future__ import annotations
 
+# each kernel's op, named as its module in kernels/fused/ops (the x pass, projection.py's, is the coefficient op's
+# backward; mhc_pre, mhc_enter and mhc_boundary run the coefficient op's kernels)
+OP_OF = {
+    "_post_fwd": "stream_post_res",
+    "_coef_fwd": "mhc_coefficients",
+    "_pre_fwd": "stream_pre",
+    "_post_bwd_2d": "stream_post_res",
+    "_coef_bwd_tok": "mhc_coefficients",
+    "_coef_bwd_x": "mhc_coefficients",
+    "_expand": "expand_streams",
+    "_sum_streams": "sum_streams",
+}
+
 
 def bytes_per_token(c: int, n: int, iters: int, stream_bytes: int = 2, u_bytes: int = 2) -> dict[str, int]:
     """Bytes per token of each kernel at C channels and n streams (`iters` Sinkhorn iterations: the per-token backward
@@ -47,6 +60,7 @@ def efficiency(
         us = r["us_per_step"] / calls
         rows.append(
             dict(
+                op=OP_OF[name],
                 kernel=name,
                 mb_per_call=nbytes / 1e6,
                 floor_us=floor_us,
@@ -63,4 +77,5 @@ def efficiency(
 def total(rows: list[dict]) -> dict:
     """The kernels together: ms per step measured and at the floor, and their ratio as % of copy."""
     floor, ms = sum(r["floor_ms_per_step"] for r in rows), sum(r["ms_per_step"] for r in rows)
-    return dict(kernel="all", floor_ms_per_step=floor, ms_per_step=ms, pct_copy=100 * floor / ms if ms else None)
+    pct = 100 * floor / ms if ms else None
+    return dict(op="all", kernel="all", floor_ms_per_step=floor, ms_per_step=ms, pct_copy=pct)

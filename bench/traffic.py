@@ -19,6 +19,7 @@ from bench import harness, kernel_bytes
 
 COLUMNS = [
     ("variant", "variant", ""),
+    ("op", "op", ""),
     ("kernel", "kernel", ""),
     ("mb_per_call", "MB/call", ".0f"),
     ("floor_us", "floor us", ".1f"),

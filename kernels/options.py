@@ -1,5 +1,6 @@
 """The option values of the mHC ops, declared once: the allowed names (model/config.py validates against these
-tuples) and `MHCOptions`, the Sinkhorn / gate options every coefficient op takes (docs/design.md §2-3)."""
+tuples), the Sinkhorn count's default, and `MHCOptions`, the Sinkhorn / gate options every coefficient op takes
+(docs/design.md §2-3)."""
 
 from dataclasses import dataclass
 from typing import Literal, get_args
@@ -14,6 +15,8 @@ STARTS: tuple[str, ...] = get_args(SinkhornStart)
 RES_LAYOUTS: tuple[str, ...] = get_args(ResLayout)
 KERNEL_BACKENDS: tuple[str, ...] = get_args(KernelBackend)
 
+SINKHORN_ITERS = 20  # the Sinkhorn count t_max by default (mHC paper); written here only
+
 
 @dataclass(frozen=True)
 class MHCOptions:
@@ -23,7 +26,7 @@ class MHCOptions:
     as a runtime argument, and under torch.compile it is a symbolic int inside this object, not a new graph.
     """
 
-    sinkhorn_iters: int = 20
+    sinkhorn_iters: int = SINKHORN_ITERS
     sinkhorn_eps: float = 1e-6
     exact_axis: ExactAxis = "rows"
     start: SinkhornStart = "softmax_eps"

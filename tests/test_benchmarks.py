@@ -235,6 +235,7 @@ def test_traffic_tabulates_a_committed_trainer_profile(tmp_path):
     post = rows["mhc", "_post_fwd"]  # x [4C] and f [C] read, x_next [4C] written (bf16), h_post and H^res (fp32)
     assert post["mb_per_call"] == 18512 * 16384 / 1e6 and post["floor_us"] == pytest.approx(18512 * 16384 / 4.17e6)
     assert post["calls_per_step"] == 24 and rows["mhc", "_pre_fwd"]["u_bytes"] == 4  # eager bf16-mixed: fp32 u
+    assert post["op"] == "stream_post_res" and rows["mhc", "_coef_fwd"]["op"] == "mhc_coefficients"
     assert rows["mhc", "all"]["pct_copy"] == pytest.approx(87, abs=1)
     assert rows["mhc", "all"]["ms_per_step"] == pytest.approx(
         sum(r["ms_per_step"] for (v, k), r in rows.items() if v == "mhc" and k != "all")

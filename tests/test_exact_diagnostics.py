@@ -13,6 +13,7 @@ from mhc_lightning.sweeps.spec import SpecError, parse_spec
 from mhc_lightning.training.diagnostics import summarize
 
 EXACT = ["mhc_lite", "kromhc"]
+FAMILY = {"mhc_lite": R.LITE, "kromhc": R.KROM}  # each mode's ExactFamily
 L, T, N = 48, 64, 4
 COMPOSITE = (
     "amax/composite_fwd_max",
@@ -29,7 +30,7 @@ def trained_like_logits(family: str, seed: int = 0) -> torch.Tensor:
     permutation per token (the identity on half the tokens) over N(0, 2^2) logits; KromHC: factor logits +-4 +
     N(0, 2^2), each factor near keep or near swap."""
     g = torch.Generator().manual_seed(seed)
-    r = R.exact_res_count(family, N)
+    r = FAMILY[family].res_count(N)
     z = 2.0 * torch.randn(L, T, r, generator=g, dtype=torch.float64)
     if family == "mhc_lite":
         lead = torch.randint(0, r, (L, T), generator=g)
@@ -50,12 +51,12 @@ def test_composite_gains_are_one_over_48_sublayers(family):
     """Every composite reading (forward, backward, smallest column sum; worst token and token mean) is 1 to 1e-6 with
     float64 coefficients, and to the accumulated fp32 rounding (48 layers x a few ulps < 1e-5) with the fp32 ones the
     model computes; the same layers are far from identity (this is not an H_res stuck at I)."""
-    h = R.exact_res(trained_like_logits(family), family, N)
+    h = FAMILY[family].res(trained_like_logits(family), N)
     scalars, per_layer = summary_of(h)
     for k in COMPOSITE:
         assert abs(scalars[k] - 1) < 1e-6, (k, scalars[k])
     assert scalars["hres/dist_identity"] > 0.3
-    fp32, _ = summary_of(R.exact_res(trained_like_logits(family).float(), family, N))
+    fp32, _ = summary_of(FAMILY[family].res(trained_like_logits(family).float(), N))
     for k in COMPOSITE:
         assert abs(fp32[k] - 1) < 1e-5, (k, fp32[k])
     assert len(per_layer["h_res_tokmean"]) == L and torch.tensor(per_layer["h_res_tokmean"]).shape == (L, N, N)

@@ -12,6 +12,7 @@ from helpers import fast_first
 from mhc_lightning.kernels import reference as R
 from mhc_lightning.kernels.options import MHCOptions
 
+FAMILY = {"mhc_lite": R.LITE, "kromhc": R.KROM}  # each mode's ExactFamily
 FAMILIES = [
     ("mhc_lite", 2),
     ("mhc_lite", 3),
@@ -50,8 +51,8 @@ def by_hand(z, family, n):
 @fast_first("family,n", FAMILIES)
 def test_h_res_matches_the_construction_by_hand(family, n):
     torch.manual_seed(n)
-    z = 2.0 * torch.randn(3, 5, R.exact_res_count(family, n), dtype=torch.float64)
-    h = R.exact_res(z, family, n)
+    z = 2.0 * torch.randn(3, 5, FAMILY[family].res_count(n), dtype=torch.float64)
+    h = FAMILY[family].res(z, n)
     assert h.shape == (3, 5, n, n) and h.dtype == torch.float64
     torch.testing.assert_close(h, by_hand(z, family, n), rtol=1e-12, atol=1e-14)
 
@@ -61,9 +62,9 @@ def test_h_res_matches_the_construction_by_hand(family, n):
 def test_rows_and_columns_are_exact_up_to_rounding(family, n, scale):
     """Both axes sum to 1: float64 to 1e-14, float32 to a few ulps, also with saturated (x10) logits."""
     torch.manual_seed(0)
-    z = scale * 3.0 * torch.randn(64, R.exact_res_count(family, n))
+    z = scale * 3.0 * torch.randn(64, FAMILY[family].res_count(n))
     for dtype, tol in ((torch.float64, 1e-14), (torch.float32, 1e-6)):
-        h = R.exact_res(z.to(dtype), family, n)
+        h = FAMILY[family].res(z.to(dtype), n)
         rows, cols = R.sinkhorn_residuals(h)
         assert rows.max().item() < tol and cols.max().item() < tol, (dtype, rows.max(), cols.max())
         assert h.min().item() >= 0 and torch.isfinite(h).all()
@@ -99,14 +100,14 @@ def test_kronecker_layout_first_factor_is_the_most_significant_bit():
 @fast_first("family,n", [("mhc_lite", 3), ("mhc_lite", 4), ("kromhc", 4), ("kromhc", 8)])
 def test_h_res_gradcheck_float64(family, n):
     torch.manual_seed(1)
-    z = torch.randn(2, R.exact_res_count(family, n), dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda t: R.exact_res(t, family, n), (z,))
+    z = torch.randn(2, FAMILY[family].res_count(n), dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: FAMILY[family].res(t, n), (z,))
 
 
 def random_params(family: str, n: int, C: int, dtype=torch.float64, seed: int = 0, T: int = 3):
     """Non-symmetric x, phi, bias and alpha (the gates well away from 0.01, so that phi matters)."""
     g = torch.Generator().manual_seed(seed)
-    cols = 2 * n + R.exact_res_count(family, n)
+    cols = 2 * n + FAMILY[family].res_count(n)
     x = torch.randn(T, n, C, generator=g, dtype=dtype)
     phi = 0.3 * torch.randn(n * C, cols, generator=g, dtype=dtype)
     bias = torch.randn(cols, generator=g, dtype=dtype)
@@ -119,13 +120,13 @@ def test_coefficients_match_the_equations(family, n):
     """h_pre = sigma(.) + pre_eps, h_post = post_mult sigma(.), H^res from alpha_res x phi_res / rms + b_res."""
     x, phi, bias, alpha = random_params(family, n, C=6)
     opts = MHCOptions(pre_eps=1e-3, post_mult=1.5)
-    h_pre, h_post, h_res = R.exact_coefficients(x, phi, bias, alpha, family, opts)
+    h_pre, h_post, h_res = R.exact_coefficients(x, phi, bias, alpha, FAMILY[family], opts)
     flat = x.flatten(-2)
     proj = flat @ phi / torch.sqrt(flat.square().mean(-1, keepdim=True) + opts.rms_eps)
     torch.testing.assert_close(h_pre, torch.sigmoid(alpha[0] * proj[:, :n] + bias[:n]) + 1e-3)
     torch.testing.assert_close(h_post, 1.5 * torch.sigmoid(alpha[1] * proj[:, n : 2 * n] + bias[n : 2 * n]))
     z = alpha[2] * proj[:, 2 * n :] + bias[2 * n :]
-    torch.testing.assert_close(R.exact_res_logits(x, phi, bias, alpha, family, opts), z)
+    torch.testing.assert_close(R.exact_res_logits(x, phi, bias, alpha, FAMILY[family], opts), z)
     torch.testing.assert_close(h_res, by_hand(z, family, n))
 
 
@@ -135,7 +136,7 @@ def test_coefficients_and_enter_gradcheck_float64(family, n):
     x, phi, bias, alpha = (t.requires_grad_() for t in random_params(family, n, C=2, T=2))
 
     def enter(*args):
-        return R.exact_enter(*args, family)[1:]
+        return R.exact_enter(*args, FAMILY[family])[1:]
 
     assert torch.autograd.gradcheck(enter, (x, phi, bias, alpha))
 
@@ -143,8 +144,8 @@ def test_coefficients_and_enter_gradcheck_float64(family, n):
 @fast_first("family", ["mhc_lite", "kromhc"])
 def test_float32_path_matches_float64_reference(family):
     x, phi, bias, alpha = random_params(family, 4, C=32, dtype=torch.float64, seed=3)
-    ref = R.exact_enter(x, phi, bias, alpha, family)[1:]
-    got = R.exact_enter(x.float(), phi.float(), bias.float(), alpha.float(), family)[1:]
+    ref = R.exact_enter(x, phi, bias, alpha, FAMILY[family])[1:]
+    got = R.exact_enter(x.float(), phi.float(), bias.float(), alpha.float(), FAMILY[family])[1:]
     for r, g in zip(ref, got):
         assert g.dtype == torch.float32
         torch.testing.assert_close(g.double(), r, rtol=1e-5, atol=1e-6)
@@ -153,17 +154,15 @@ def test_float32_path_matches_float64_reference(family):
 def test_coefficients_stay_fp32_under_autocast():
     x, phi, bias, alpha = random_params("kromhc", 4, C=8, dtype=torch.float32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        outs = R.exact_coefficients(x.bfloat16(), phi, bias, alpha, "kromhc")
+        outs = R.krom_enter(x.bfloat16(), phi, bias, alpha)[2:]
     assert all(o.dtype == torch.float32 for o in outs)
 
 
 def test_bad_sizes_name_the_field_and_allowed_values():
     with pytest.raises(ValueError, match=r"mHC-lite takes n_streams in \[2, 3, 4, 5\], got 6"):
-        R.exact_res_count("mhc_lite", 6)
+        FAMILY["mhc_lite"].res_count(6)
     with pytest.raises(ValueError, match=r"KromHC takes n_streams in \[2, 4, 8, 16\] \(powers of 2\), got 6"):
-        R.exact_res_count("kromhc", 6)
-    with pytest.raises(ValueError, match=r"family must be one of \['mhc_lite', 'kromhc'\]"):
-        R.exact_res_count("sinkhorn", 4)
+        FAMILY["kromhc"].res_count(6)
     x, phi, bias, alpha = random_params("kromhc", 4, C=2)
-    with pytest.raises(ValueError, match=r"mhc_lite at n=4 needs phi and bias with 32 columns"):
-        R.exact_coefficients(x, phi, bias, alpha, "mhc_lite")
+    with pytest.raises(ValueError, match=r"mHC-lite at n=4 needs phi and bias with 32 columns"):
+        R.lite_enter(x, phi, bias, alpha)

@@ -14,7 +14,16 @@ from helpers import fast_first
 from kernel_checks import CUDA, DEV, coef_inputs, enter_block, leaf, poisoned_outputs
 
 from mhc_lightning.kernels import MHCOptions, fused
-from mhc_lightning.kernels.fused import hc, mhc, projection, read_out, write_back
+from mhc_lightning.kernels.fused import projection
+from mhc_lightning.kernels.fused.ops import (
+    hc_coefficients,
+    hc_enter,
+    mhc_coefficients,
+    mhc_enter,
+    rms_proj,
+    stream_post_res,
+    stream_pre,
+)
 
 pytestmark = pytest.mark.usefixtures(poisoned_outputs.__name__)
 
@@ -121,33 +130,33 @@ def test_fake_impls_give_the_real_outputs_strides():
     h_res = torch.rand(N, n, n, device=DEV).transpose(1, 2)
     assert not h_res.is_contiguous() and not h_pre.is_contiguous()
     for op, args in (
-        (write_back.post_fwd, (x, f, h_post, h_res)),
-        (write_back.post_bwd, (g, x, f, h_post, h_res)),
-        (read_out.pre_fwd, (x, h_pre)),
-        (read_out.pre_bwd, (f, x, h_pre)),
-        (hc.rms_proj_fwd, (x.reshape(N * n, C), torch.randn(C, n + 2, device=DEV).t().contiguous().t(), 1e-6)),
+        (stream_post_res.post_fwd, (x, f, h_post, h_res)),
+        (stream_post_res.post_bwd, (g, x, f, h_post, h_res)),
+        (stream_pre.pre_fwd, (x, h_pre)),
+        (stream_pre.pre_bwd, (f, x, h_pre)),
+        (rms_proj.rms_proj_fwd, (x.reshape(N * n, C), torch.randn(C, n + 2, device=DEV).t().contiguous().t(), 1e-6)),
     ):
         torch.library.opcheck(op, args, test_utils=("test_faketensor",))
     # HC's one op, forward and backward (H^res transposed in, contiguous out)
     w, statics = torch.randn(C, n + 2, device=DEV), torch.randn(2 + 2 * n + n * n, device=DEV)
-    outs = hc.hc_coef_fwd(x.reshape(N * n, C), w, statics, n, 1e-6, True)
+    outs = hc_coefficients.hc_coef_fwd(x.reshape(N * n, C), w, statics, n, 1e-6, True)
     assert all(t.is_contiguous() for t in outs)
     torch.library.opcheck(
-        hc.hc_coef_fwd, (x.reshape(N * n, C), w, statics, n, 1e-6, True), test_utils=("test_faketensor",)
+        hc_coefficients.hc_coef_fwd, (x.reshape(N * n, C), w, statics, n, 1e-6, True), test_utils=("test_faketensor",)
     )
     grads = (torch.randn(N * n, device=DEV), torch.randn(N * n, device=DEV), h_res)
     torch.library.opcheck(
-        hc.hc_coef_bwd,
+        hc_coefficients.hc_coef_bwd,
         (*grads, x.reshape(N * n, C), w, statics, outs[3], outs[4], n, True),
         test_utils=("test_faketensor",),
     )
     # hc_enter: u beside the same outputs; its backward with and without the write-back's dx
-    outs = hc.hc_enter_fwd(x, w, statics, 1e-6, True)
+    outs = hc_enter.hc_enter_fwd(x, w, statics, 1e-6, True)
     assert all(t.is_contiguous() for t in outs)
-    torch.library.opcheck(hc.hc_enter_fwd, (x, w, statics, 1e-6, True), test_utils=("test_faketensor",))
+    torch.library.opcheck(hc_enter.hc_enter_fwd, (x, w, statics, 1e-6, True), test_utils=("test_faketensor",))
     for dx_in in (None, g):
         torch.library.opcheck(
-            hc.hc_enter_bwd,
+            hc_enter.hc_enter_bwd,
             (*grads, f, x, w, statics, outs[4], outs[5], outs[1], True),
             {"dx_in": dx_in},
             test_utils=("test_faketensor",),
@@ -155,10 +164,10 @@ def test_fake_impls_give_the_real_outputs_strides():
     # mHC's coefficient op and its backward
     phi, bias, alpha = torch.randn(n * C, 24, device=DEV) * 0.1, torch.randn(24, device=DEV), torch.rand(3, device=DEV)
     args = (x, phi, bias, alpha, 3, 1e-6, False, False, 1e-6, 1e-6, 2.0)
-    outs = mhc.coef_fwd(*args)
-    torch.library.opcheck(mhc.coef_fwd, args, test_utils=("test_faketensor",))
+    outs = mhc_coefficients.coef_fwd(*args)
+    torch.library.opcheck(mhc_coefficients.coef_fwd, args, test_utils=("test_faketensor",))
     torch.library.opcheck(
-        mhc.coef_bwd,
+        mhc_coefficients.coef_bwd,
         (x, phi, bias, alpha, outs[3], outs[4], None, outs[1], outs[2], 3, 1e-6, False, False, 2.0),
         test_utils=("test_faketensor",),
     )
@@ -194,13 +203,13 @@ def test_compiled_graphs_call_the_op_bodies_past_torch_librarys_wrappers(monkeyp
     N, n, C = 5, 4, 16
     x, f = leaf(torch.randn(N, n, C, device=DEV)), leaf(torch.randn(N, C, device=DEV))
     h_post, h_res = torch.rand(N, n, device=DEV), torch.rand(N, n, n, device=DEV)
-    calls, real = [], write_back.post_forward
+    calls, real = [], stream_post_res.post_forward
 
     def spy(*a):
         calls.append({frame.name for frame in traceback.extract_stack()})
         return real(*a)
 
-    monkeypatch.setattr(write_back, "post_forward", spy)
+    monkeypatch.setattr(stream_post_res, "post_forward", spy)
     op = torch.ops.mhc_lightning.stream_post_res.default
     with torch.no_grad():
         direct = op(x, f, h_post, h_res)
@@ -221,7 +230,7 @@ def test_compiled_graphs_call_the_op_bodies_past_torch_librarys_wrappers(monkeyp
 @pytest.mark.slow
 @fast_first(
     "block,module,x_pass",
-    [(_block_enter, projection, "x_pass"), (_block_hc_enter, hc, "backward")],
+    [(_block_enter, projection, "x_pass"), (_block_hc_enter, hc_enter, "backward")],
     ids=["mhc_enter", "hc_enter"],
 )
 def test_compiled_write_back_hands_its_gradient_of_x_to_the_enter_op(block, module, x_pass, monkeypatch):
@@ -230,7 +239,7 @@ def test_compiled_write_back_hands_its_gradient_of_x_to_the_enter_op(block, modu
     it writes, as eager's alias does, so the graph has no sum of the two gradients of x. Checked: the x pass got
     dx_in, the route has no storage of its own, and the gradients match eager's."""
     seen, routes = [], []
-    real_pass, real_route = getattr(module, x_pass), mhc.route_of
+    real_pass, real_route = getattr(module, x_pass), mhc_enter.route_of
 
     def route_of(t):
         routes.append(real_route(t))
@@ -240,8 +249,8 @@ def test_compiled_write_back_hands_its_gradient_of_x_to_the_enter_op(block, modu
         monkeypatch.setattr(
             module, x_pass, lambda *a, **k: seen.append(k.get("dx_in") is not None) or real_pass(*a, **k)
         )
-        monkeypatch.setattr(mhc, "route_of", route_of)
-        monkeypatch.setattr(hc, "route_of", route_of)
+        monkeypatch.setattr(mhc_enter, "route_of", route_of)
+        monkeypatch.setattr(hc_enter, "route_of", route_of)
 
     _compiled_matches_eager(block, 14, record)
     assert seen == [True]
@@ -276,7 +285,7 @@ def test_token_or_sinkhorn_count_change_does_not_rejit():
     otherwise specialise an int argument equal to 1 or divisible by 16 (a ~1 s stall when a count hits 16)."""
     mods = [
         importlib.import_module(f"mhc_lightning.kernels.fused.{m}")
-        for m in ("mhc", "projection", "read_out", "sinkhorn", "write_back")
+        for m in ("ops.mhc_coefficients", "projection", "ops.stream_pre", "sinkhorn", "ops.stream_post_res")
     ]
     kernels = {
         k: getattr(m, k)

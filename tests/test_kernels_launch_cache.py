@@ -13,23 +13,23 @@ from kernel_checks import CUDA, DEV, ITERS, coef_inputs, hc_inputs, needs_cuda
 
 from mhc_lightning.kernels import MHCOptions, fused
 from mhc_lightning.kernels import reference as R
-from mhc_lightning.kernels.fused import launch_cache, mhc, projection, write_back
+from mhc_lightning.kernels.fused import launch_cache, projection
 from mhc_lightning.kernels.fused.launch_cache import Launcher, call_key, launcher
+from mhc_lightning.kernels.fused.ops import mhc_coefficients, stream_post_res, stream_pre
 
 MODULES = [
     importlib.import_module(f"mhc_lightning.kernels.fused.{m}")
     for m in (
-        "boundary",
-        "hc",
         "hc_operands",
-        "mhc",
+        "ops.hc_coefficients",
+        "ops.mhc_coefficients",
+        "ops.rope_qkv",
+        "ops.stream_post_res",
+        "ops.stream_pre",
         "partial_sums",
         "projection",
-        "read_out",
-        "rope",
         "sinkhorn",
-        "stream_ends",
-        "write_back",
+        "stream_rows",
     )
 ]
 KERNELS = {
@@ -89,8 +89,8 @@ def test_every_kernel_is_launched_through_its_launcher(monkeypatch):
     hx, *params = hc_inputs((9,), 16, 4, torch.bfloat16)
     hxt, hu, _, hh_post, hh_res = fused.hc_enter(hx, *params)
     hout = fused.stream_post_res(hxt, torch.tanh(hu), hh_post, hh_res)
-    cos, sin = R.rope_tables(9, 16, 10000.0)
-    q, k, v = fused.rope_qkv(torch.randn(1, 9, 3 * 2 * 16, requires_grad=True), cos, sin, 2)
+    cos, sin = (t.to(DEV) for t in R.rope_tables(9, 16, 10000.0))  # the kernel runs only with both on its device
+    q, k, v = fused.rope_qkv(torch.randn(1, 9, 3 * 2 * 16, device=DEV, requires_grad=True), cos, sin, 2)
     loss = fused.sum_streams(out, torch.float32).sum() + hout.float().sum() + (q * k).sum() + v.sum()
     loss = loss + fused.rms_proj(hx, params[3]).sum()
     loss.backward()
@@ -99,6 +99,15 @@ def test_every_kernel_is_launched_through_its_launcher(monkeypatch):
     for name, kernel in kernels.items():
         assert launcher(kernel).fn is kernel and launcher(kernel) is launcher(kernel), name
         assert launcher(kernel).fast is CUDA  # the interpreter always takes Triton's path
+
+
+def test_keyword_launches_reach_the_kernel_in_its_order():
+    """The ops launch by name; the launcher hands Triton's path, the key and the fast path the runtime arguments in
+    the kernel's order, and keeps constexprs and launch options as keywords."""
+    x, h, u = (torch.empty(1) for _ in range(3))
+    passed = dict(NS=4, u_ptr=u, x_ptr=x, N=5, h_ptr=h, C=6, stride_xn=7, stride_xt=8, BT=16, BC=32, num_warps=4)
+    args, kwargs = launcher(stream_pre._pre_fwd).positional((), passed)
+    assert args == (x, h, u, 5, 6, 8, 7) and kwargs == dict(NS=4, BT=16, BC=32, num_warps=4)
 
 
 def test_call_key_tells_apart_what_triton_specialises_on():
@@ -179,20 +188,20 @@ def _both_paths(monkeypatch, fn, *args):
 @pytest.mark.gpu
 @needs_cuda
 def test_fast_launches_equal_tritons_and_keep_one_kernel_per_key(monkeypatch):
-    kept = launcher(write_back._post_fwd)
+    kept = launcher(stream_post_res._post_fwd)
     kept.kept.clear()
     misses = Launcher.misses
     compiled = lambda: len(kept.fn.device_caches[torch.cuda.current_device()][0])  # noqa: E731
     first = None
     for tokens in (1000, 1000, 1031, 4096):
-        ref, out = _both_paths(monkeypatch, write_back.post_forward, *_post_fwd_inputs(tokens))
+        ref, out = _both_paths(monkeypatch, stream_post_res.post_forward, *_post_fwd_inputs(tokens))
         assert torch.equal(ref, out)
         first = compiled() if first is None else first
     assert len(kept.kept) == 3  # one per token count: the repeated call hit
     assert Launcher.misses - misses == 3  # the three new keys, not the hit
     assert compiled() == first  # N is a runtime argument: Triton compiled nothing more
     # a stream at a 2-element offset (not 16-byte aligned) gets its own key, and Triton its own specialisation
-    ref, out = _both_paths(monkeypatch, write_back.post_forward, *_post_fwd_inputs(1000, offset=2))
+    ref, out = _both_paths(monkeypatch, stream_post_res.post_forward, *_post_fwd_inputs(1000, offset=2))
     assert torch.equal(ref, out) and len(kept.kept) == 4
 
 
@@ -203,9 +212,11 @@ def test_the_coefficient_op_through_the_launcher_equals_tritons_path(monkeypatch
     x = torch.randn(777, 4, 1024, device=DEV, dtype=torch.bfloat16)
     phi = torch.randn(4 * 1024, 24, device=DEV) * 0.02
     bias, alpha = torch.randn(24, device=DEV), torch.full((3,), 0.5, device=DEV)
-    ref, out = _both_paths(monkeypatch, mhc.forward, x, phi, bias, alpha, 20, 1e-6, False, False, 1e-6, 0.0, 2.0, True)
+    ref, out = _both_paths(
+        monkeypatch, mhc_coefficients.forward, x, phi, bias, alpha, 20, 1e-6, False, False, 1e-6, 0.0, 2.0, True
+    )
     assert all(torch.equal(a, b) for a, b in zip(ref, out))
-    assert len(launcher(mhc._coef_fwd).kept) >= 1
+    assert len(launcher(mhc_coefficients._coef_fwd).kept) >= 1
 
 
 @pytest.mark.gpu
@@ -217,14 +228,14 @@ def test_a_launch_hook_sends_every_launch_through_triton():
     seen = []
     hook = seen.append
     inputs = _post_fwd_inputs(64)
-    write_back.post_forward(*inputs)  # kept
+    stream_post_res.post_forward(*inputs)  # kept
     knobs.runtime.launch_enter_hook.add(hook)
     try:
-        write_back.post_forward(*inputs)
+        stream_post_res.post_forward(*inputs)
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
     assert len(seen) == 1
-    write_back.post_forward(*inputs)
+    stream_post_res.post_forward(*inputs)
     assert len(seen) == 1
 
 

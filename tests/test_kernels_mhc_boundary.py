@@ -1,5 +1,6 @@
-"""The sublayer boundary op (kernels/fused/boundary.py, `mhc_boundary`) against the float64 reference composition:
-sublayer l's write-back and sublayer l + 1's coefficients and input, every output and every input's gradient."""
+"""The sublayer boundary op (kernels/fused/ops/mhc_boundary.py, `mhc_boundary`) against the float64 reference
+composition: sublayer l's write-back and sublayer l + 1's coefficients and input, every output and every input's
+gradient."""
 
 import pytest
 import torch
@@ -8,7 +9,8 @@ from kernel_checks import ITERS, SHAPES, boundary_inputs, poisoned_outputs, run_
 
 from mhc_lightning.kernels import MHCOptions, fused
 from mhc_lightning.kernels import reference as R
-from mhc_lightning.kernels.fused import boundary, projection
+from mhc_lightning.kernels.fused import projection
+from mhc_lightning.kernels.fused.ops import mhc_boundary
 
 pytestmark = pytest.mark.usefixtures(poisoned_outputs.__name__)
 
@@ -59,12 +61,12 @@ def test_boundary_backward_by_the_x_pass(monkeypatch):
     Against float64 (the whole op's gradients)."""
     torch.manual_seed(99)
     seen = []
-    real_x, real_post = projection.x_pass, boundary.post_backward
+    real_x, real_post = projection.x_pass, mhc_boundary.post_backward
     monkeypatch.setattr(
         projection, "x_pass", lambda *a, **k: seen.append(("x pass", k.get("dx_in") is not None)) or real_x(*a, **k)
     )
     monkeypatch.setattr(
-        boundary, "post_backward", lambda *a, **k: seen.append(("write-back", True)) or real_post(*a, **k)
+        mhc_boundary, "post_backward", lambda *a, **k: seen.append(("write-back", True)) or real_post(*a, **k)
     )
     lead, c = SHAPES[1]
     run_boundary(boundary_inputs(lead, c, 4, torch.bfloat16), torch.bfloat16, sinkhorn_iters=ITERS)

@@ -7,7 +7,7 @@ from helpers import fast_first
 from kernel_checks import CUDA, DEV, ITERS, check, poisoned_outputs
 
 from mhc_lightning.kernels import fused
-from mhc_lightning.kernels.fused import write_back
+from mhc_lightning.kernels.fused.ops import stream_post_res
 
 pytestmark = pytest.mark.usefixtures(poisoned_outputs.__name__)
 
@@ -165,9 +165,9 @@ def test_model_rebuilds_the_branch_input_bitwise_and_keeps_less(mode, chain, via
         return loss, {k: p.grad for k, p in model.named_parameters()}, kept["bytes"]
 
     loss, grads, kept = step(True)
-    assert len(rebuilt) == (4 if via == "rebuild_u" else 0) and len(write_back._REQUESTS) == 0, (
+    assert len(rebuilt) == (4 if via == "rebuild_u" else 0) and len(stream_post_res._REQUESTS) == 0, (
         rebuilt,
-        dict(write_back._REQUESTS),
+        dict(stream_post_res._REQUESTS),
     )
     loss_kept, grads_kept, kept_u = step(False)
     assert torch.equal(loss, loss_kept)

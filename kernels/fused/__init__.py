@@ -6,8 +6,8 @@ TRITON_INTERPRET=1); Sinkhorn start "softmax_eps" with either exact axis and eit
 iteration count (a runtime argument). Everything else (float64, start "exp" / "log_domain", other n,
 broadcast coefficient shapes) goes to the reference ops, which define the semantics.
 
-Each op family lives in a module of its own, its Triton kernels beside their custom-op registration, fake impls and
-autograd glue (docs/kernels.md, "Where things are").
+Each op lives in kernels/fused/ops/<op>.py, named as the function here that calls it: its Triton kernels beside their
+custom-op registration, fake impls and autograd glue (docs/kernels.md, "Where things are").
 """
 from typing import Optional
 
@@ -17,7 +17,7 @@ from .. import reference
 from ..options import DEFAULT_OPTIONS, EXACT_AXES, RES_LAYOUTS, MHCOptions
 from ..reference import in_dtype
 from ..reference.coefficients import mhc_logit_count
-from . import boundary, hc, hc_operands, mhc, read_out, rope, stream_ends, write_back
+from . import hc_operands, ops
 from .custom_ops import Routed
 from .host import INTERPRET
 
@@ -36,12 +36,12 @@ def _fusable(x: torch.Tensor) -> bool:
     )
 
 
-def _coef_args(x, phi, bias, alpha, opts: MHCOptions) -> Optional[tuple]:
-    """The coefficient kernels' trailing arguments (iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult) when they
-    cover these inputs and options, else None."""
+def _coefs_fusable(x, phi, bias, alpha, opts: MHCOptions) -> bool:
+    """Whether the coefficient kernels cover these inputs and options (they take opts whole, flattened only at the
+    custom-op boundary: custom_ops.with_options)."""
     n, c = x.shape[-2], x.shape[-1]
     m = phi.shape[-1] if phi.dim() == 2 else -1
-    ok = (
+    return (
         _fusable(x)
         and opts.start == "softmax_eps"
         and opts.exact_axis in EXACT_AXES
@@ -54,13 +54,6 @@ def _coef_args(x, phi, bias, alpha, opts: MHCOptions) -> Optional[tuple]:
         and alpha.numel() == 3
         and phi.device == x.device
     )
-    if not ok:
-        return None
-    cols = opts.exact_axis == "cols"
-    # The kernel runs the rows-exact K(w) on w = R^T or R and transposes the result for "cols" (docs/design.md §3).
-    t_in, t_out = (opts.res_layout == "src_dst") != cols, cols
-    return (int(opts.sinkhorn_iters), float(opts.sinkhorn_eps), t_in, t_out, float(opts.rms_eps),
-            float(opts.pre_eps), float(opts.post_mult))
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -95,10 +88,9 @@ def _coefs_out(phi, lead, n, h_pre, h_post, h_res):
 def mhc_coefficients(
     x: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, alpha: torch.Tensor, opts: MHCOptions = DEFAULT_OPTIONS
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    args = _coef_args(x, phi, bias, alpha, opts)
-    if args is None:
+    if not _coefs_fusable(x, phi, bias, alpha, opts):
         return reference.mhc_coefficients(x, phi, bias, alpha, opts)
-    h_pre, h_post, h_res, _, _ = mhc.coef_eager(_flat(x), phi, bias, _vec3(alpha), *args)
+    h_pre, h_post, h_res, _, _ = ops.mhc_coefficients.coef_eager(_flat(x), phi, bias, _vec3(alpha), opts)
     return _coefs_out(phi, x.shape[:-2], x.shape[-2], h_pre, h_post, h_res)
 
 
@@ -107,13 +99,12 @@ def mhc_pre(
     u_dtype: Optional[torch.dtype] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """(u, h_pre, h_post, h_res | None) from one read of x; its backward returns a single dx."""
-    args = _coef_args(x, phi, bias, alpha, opts)
-    if args is None:  # same composition as the reference, each part fused where it can be
+    if not _coefs_fusable(x, phi, bias, alpha, opts):  # the reference's composition, each part fused where it can be
         h_pre, h_post, h_res = mhc_coefficients(x, phi, bias, alpha, opts)
         return in_dtype(stream_pre(x, h_pre), u_dtype), h_pre, h_post, h_res
     lead = x.shape[:-2]
-    u, h_pre, h_post, h_res, _, _ = mhc.mhc_pre_eager(_flat(x), phi, bias, _vec3(alpha), *args,
-                                                                   _u_written(x, u_dtype))
+    u, h_pre, h_post, h_res, _, _ = ops.mhc_pre.mhc_pre_eager(_flat(x), phi, bias, _vec3(alpha), opts,
+                                                              _u_written(x, u_dtype))
     return (in_dtype(u if len(lead) == 1 else u.reshape(*lead, x.shape[-1]), u_dtype),
             *_coefs_out(phi, lead, x.shape[-2], h_pre, h_post, h_res))
 
@@ -126,12 +117,11 @@ def mhc_enter(
     The gradient reaching x' enters this op's backward, whose x pass adds it into the one dx it writes: autograd then
     has no sum of the two stream-sized gradients of x to run (docs/kernels.md). Under torch.compile x' is
     `Routed` (x and the route its write-back gradient takes), which only `stream_post_res` / `mhc_boundary` read."""
-    args = _coef_args(x, phi, bias, alpha, opts)
-    if args is None:
+    if not _coefs_fusable(x, phi, bias, alpha, opts):
         return (x, *mhc_pre(x, phi, bias, alpha, opts, u_dtype))
     lead = x.shape[:-2]
-    xt, u, h_pre, h_post, h_res, _, _ = mhc.mhc_enter_eager(_flat(x), phi, bias, _vec3(alpha), *args,
-                                                                         _u_written(x, u_dtype))
+    xt, u, h_pre, h_post, h_res, _, _ = ops.mhc_enter.mhc_enter_eager(_flat(x), phi, bias, _vec3(alpha), opts,
+                                                                      _u_written(x, u_dtype))
     return (_handed_on(xt, x), in_dtype(u if len(lead) == 1 else u.reshape(*lead, x.shape[-1]), u_dtype),
             *_coefs_out(phi, lead, x.shape[-2], h_pre, h_post, h_res))
 
@@ -173,22 +163,21 @@ def mhc_boundary(
     u_dtype: Optional[torch.dtype] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """(x_next, u, h_pre, h_post, h_res | None): sublayer l's write-back and sublayer l+1's coefficients and input in
-    one op (kernels/reference/boundary.py); x_next is written once, and its backward writes dx once."""
+    one op (kernels/reference/mhc_boundary.py); x_next is written once, and its backward writes dx once."""
     x, _ = _unrouted(x)  # x's gradient then reaches the enter op through x itself (its route gets none)
-    args = _coef_args(x, phi, bias, alpha, opts)
-    if args is None or not _post_res_fusable(x, f, h_post, h_res):
+    if not (_coefs_fusable(x, phi, bias, alpha, opts) and _post_res_fusable(x, f, h_post, h_res)):
         x_next = stream_post_res(x, f, h_post, h_res)
         return (x_next, *mhc_pre(x_next, phi, bias, alpha, opts, u_dtype))
     n, c = x.shape[-2], x.shape[-1]
     lead = x.shape[:-2]
     written = _u_written(x, u_dtype)
     if x.dim() == 3:  # flat already (the model's chain): no reshapes
-        x_next, u, h_pre, h_post2, h_res2, _, _ = boundary.boundary_eager(
-            x, f, h_post, _res3(x, h_res), phi, bias, _vec3(alpha), *args, written)
+        x_next, u, h_pre, h_post2, h_res2, _, _ = ops.mhc_boundary.boundary_eager(
+            x, f, h_post, _res3(x, h_res), phi, bias, _vec3(alpha), opts, written)
         return (x_next, in_dtype(u, u_dtype), *_coefs_out(phi, lead, n, h_pre, h_post2, h_res2))
     x3 = x.reshape(-1, n, c)
-    x_next, u, h_pre, h_post2, h_res2, _, _ = boundary.boundary_eager(
-        x3, f.reshape(-1, c), h_post.reshape(-1, n), _res3(x3, h_res), phi, bias, _vec3(alpha), *args, written)
+    x_next, u, h_pre, h_post2, h_res2, _, _ = ops.mhc_boundary.boundary_eager(
+        x3, f.reshape(-1, c), h_post.reshape(-1, n), _res3(x3, h_res), phi, bias, _vec3(alpha), opts, written)
     return (x_next.reshape(x.shape), in_dtype(u.reshape(*lead, c), u_dtype),
             *_coefs_out(phi, lead, n, h_pre, h_post2, h_res2))
 
@@ -200,7 +189,7 @@ def rebuild_u(x: torch.Tensor, h_pre: torch.Tensor, u_dtype: Optional[torch.dtyp
     if not (_fusable(x) and h_pre.shape == x.shape[:-1] and h_pre.device == x.device):
         return reference.rebuild_u(x, h_pre, u_dtype)
     n, c = x.shape[-2], x.shape[-1]
-    u = read_out.pre_u(_flat(x), h_pre.reshape(-1, n), _u_written(x, u_dtype))
+    u = ops.stream_pre.pre_u(_flat(x), h_pre.reshape(-1, n), _u_written(x, u_dtype))
     return in_dtype(u if x.dim() == 3 else u.reshape(*x.shape[:-2], c), u_dtype)
 
 
@@ -211,14 +200,14 @@ def request_u(x: torch.Tensor, h_pre: torch.Tensor, u_dtype: Optional[torch.dtyp
     will read x."""
     if not (_fusable(x) and x.dim() == 3 and h_pre.shape == x.shape[:-1] and h_pre.device == x.device):
         return None
-    return write_back.request_u(x, h_pre, _u_written(x, u_dtype) or x.dtype)
+    return ops.stream_post_res.request_u(x, h_pre, _u_written(x, u_dtype) or x.dtype)
 
 
 def stream_pre(x: torch.Tensor, h_pre: torch.Tensor) -> torch.Tensor:
     if not (_fusable(x) and h_pre.shape == x.shape[:-1] and h_pre.device == x.device):
         return reference.stream_pre(x, h_pre)
     n, c = x.shape[-2], x.shape[-1]
-    u = read_out.stream_pre_eager(x.reshape(-1, n, c), h_pre.reshape(-1, n))
+    u = ops.stream_pre.stream_pre_eager(x.reshape(-1, n, c), h_pre.reshape(-1, n))
     return u.reshape(*x.shape[:-2], c)
 
 
@@ -231,10 +220,11 @@ def stream_post_res(
         return reference.stream_post_res(x, f, h_post, h_res)
     args = (() if route is None else (route,))
     if x.dim() == 3:  # flat already (the model's sublayers): no reshapes
-        return write_back.stream_post_res_eager(x, f, h_post, _res3(x, h_res), *args)
+        return ops.stream_post_res.stream_post_res_eager(x, f, h_post, _res3(x, h_res), *args)
     n, c = x.shape[-2], x.shape[-1]
     x3 = x.reshape(-1, n, c)
-    out = write_back.stream_post_res_eager(x3, f.reshape(-1, c), h_post.reshape(-1, n), _res3(x3, h_res), *args)
+    out = ops.stream_post_res.stream_post_res_eager(x3, f.reshape(-1, c), h_post.reshape(-1, n), _res3(x3, h_res),
+                                                    *args)
     return out.reshape(x.shape)
 
 
@@ -244,7 +234,7 @@ def rms_proj(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tenso
     if not (x.dtype in _DTYPES and (x.is_cuda or INTERPRET) and w.dim() == 2 and w.shape[0] == c
             and w.device == x.device and w.dtype in _DTYPES):
         return reference.rms_proj(x, w, eps)
-    y, _, _ = hc.rms_proj_eager(x.reshape(-1, c), w, float(eps))
+    y, _, _ = ops.rms_proj.rms_proj_eager(x.reshape(-1, c), w, float(eps))
     return y.reshape(*x.shape[:-1], w.shape[1])
 
 
@@ -260,7 +250,7 @@ def _hc_weights(x, norm_weight, w_beta, w_m, w_r, s_alpha, s_beta, b_static, am_
     built in fp32 as the reference does its coefficient maths (autograd carries their gradients to the leaves)."""
     with torch.autocast(x.device.type, enabled=False):
         return (reference.hc_projection_weights(norm_weight, w_beta, w_m, w_r),
-                hc.hc_statics(s_alpha, s_beta, b_static, am_static, ar_static))
+                ops.hc_coefficients.hc_statics(s_alpha, s_beta, b_static, am_static, ar_static))
 
 
 def _folds_hc_operands(x: torch.Tensor, params: tuple) -> bool:
@@ -279,16 +269,17 @@ def hc_coefficients(
     s_alpha: torch.Tensor, s_beta: torch.Tensor, b_static: torch.Tensor, am_static: torch.Tensor,
     ar_static: torch.Tensor, *, dynamic: bool = True, use_tanh: bool = True, norm_eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """reference.hc_coefficients in one op (`hc.hc_coef_fwd`): the projection RMSNorm(x) w reads x once and keeps no
-    fp32 copy of the streams for the backward, and the per-token tail runs in the same kernel (forward) and in one
-    kernel before the x pass (backward), instead of a dozen small torch ops each way. H^res comes back contiguous
-    (the reference returns a transposed view; the values are the same)."""
+    """reference.hc_coefficients in one op (`ops.hc_coefficients.hc_coef_fwd`): the projection RMSNorm(x) w reads x
+    once and keeps no fp32 copy of the streams for the backward, and the per-token tail runs in the same kernel
+    (forward) and in one kernel before the x pass (backward), instead of a dozen small torch ops each way. H^res comes
+    back contiguous (the reference returns a transposed view; the values are the same)."""
     n, c = x.shape[-2], x.shape[-1]
     params = (norm_weight, w_beta, w_m, w_r, s_alpha, s_beta, b_static, am_static, ar_static)
     if not _hc_fusable(x, norm_weight, w_beta, w_m, w_r, b_static, ar_static, dynamic):
         return reference.hc_coefficients(x, *params, dynamic=dynamic, use_tanh=use_tanh, norm_eps=norm_eps)
     w, statics = _hc_weights(x, *params)
-    h_pre, h_post, h_res, _, _ = hc.hc_coef_eager(x.reshape(-1, c), w, statics, n, float(norm_eps), bool(use_tanh))
+    h_pre, h_post, h_res, _, _ = ops.hc_coefficients.hc_coef_eager(x.reshape(-1, c), w, statics, n, float(norm_eps),
+                                                                   bool(use_tanh))
     lead = x.shape[:-2]
     return h_pre.reshape(*lead, n), h_post.reshape(*lead, n), h_res.reshape(*lead, n, n)
 
@@ -300,10 +291,10 @@ def hc_enter(
     u_dtype: Optional[torch.dtype] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x', u, h_pre, h_post, h_res): an HC sublayer's coefficients and input u (in u_dtype, as `mhc_enter`) in one op
-    (`hc.hc_enter_fwd`), and x' (an alias of x) for its write-back to read. Its backward writes one dx: <du, x_i> joins
-    dh_pre in the tail pass, h_pre_i du and the write-back's gradient of x join dx in the x pass, so autograd sums no
-    stream-sized gradients (three before: the coefficients', stream_pre's and the write-back's). Under
-    torch.compile x' is `Routed`, as in `mhc_enter`."""
+    (`ops.hc_enter.hc_enter_fwd`), and x' (an alias of x) for its write-back to read. Its backward writes one dx:
+    <du, x_i> joins dh_pre in the tail pass, h_pre_i du and the write-back's gradient of x join dx in the x pass, so
+    autograd sums no stream-sized gradients (the coefficients', stream_pre's and the write-back's). Under torch.compile
+    x' is `Routed`, as in `mhc_enter`."""
     n, c = x.shape[-2], x.shape[-1]
     params = (norm_weight, w_beta, w_m, w_r, s_alpha, s_beta, b_static, am_static, ar_static)
     if not _hc_fusable(x, norm_weight, w_beta, w_m, w_r, b_static, ar_static, dynamic):
@@ -315,8 +306,8 @@ def hc_enter(
                                                                             bool(use_tanh), written)
     else:
         w, statics = _hc_weights(x, *params)
-        xt, u, h_pre, h_post, h_res, _, _ = hc.hc_enter_eager(_flat(x), w, statics, float(norm_eps), bool(use_tanh),
-                                                               written)
+        xt, u, h_pre, h_post, h_res, _, _ = ops.hc_enter.hc_enter_eager(_flat(x), w, statics, float(norm_eps),
+                                                                        bool(use_tanh), written)
     lead = x.shape[:-2]
     h_pre, h_post = h_pre.view(*lead, n), h_post.view(*lead, n)  # the ops give them per (token, stream) row
     if len(lead) != 1:
@@ -325,8 +316,9 @@ def hc_enter(
 
 
 def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int):
-    """As reference.rope_qkv, in one kernel each way in eager mode (kernels/fused/rope.py). Under torch.compile the
-    reference's torch ops run instead: inductor fuses them with their neighbours, which an opaque op would prevent."""
+    """As reference.rope_qkv, in one kernel each way in eager mode (kernels/fused/ops/rope_qkv.py). Under torch.compile
+    the reference's torch ops run instead: inductor fuses them with their neighbours, which an opaque op would
+    prevent."""
     ok = (
         not torch.compiler.is_compiling()
         and qkv.dim() == 3
@@ -339,7 +331,7 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: i
     if not ok:
         return reference.rope_qkv(qkv, cos, sin, n_heads)
     t = qkv.shape[1]
-    return rope.RopeQKV.apply(qkv, cos[:t].contiguous(), sin[:t].contiguous(), n_heads)
+    return ops.rope_qkv.RopeQKV.apply(qkv, cos[:t].contiguous(), sin[:t].contiguous(), n_heads)
 
 
 def _ends_fused(t: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -350,16 +342,16 @@ def _ends_fused(t: torch.Tensor, dtype: torch.dtype) -> bool:
 
 
 def expand_streams(h: torch.Tensor, n: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """As reference.expand_streams, in one kernel each way (kernels/fused/stream_ends.py)."""
+    """As reference.expand_streams, in one kernel each way (kernels/fused/ops/expand_streams.py)."""
     dtype = dtype or h.dtype
     if h.dim() < 1 or not _ends_fused(h, dtype):
         return reference.expand_streams(h, n, dtype)
-    return stream_ends.ExpandStreams.apply(h, n, dtype)
+    return ops.expand_streams.ExpandStreams.apply(h, n, dtype)
 
 
 def sum_streams(x: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """As reference.sum_streams, in one kernel each way (kernels/fused/stream_ends.py)."""
+    """As reference.sum_streams, in one kernel each way (kernels/fused/ops/sum_streams.py)."""
     dtype = dtype or x.dtype
     if x.dim() < 2 or not _ends_fused(x, dtype):
         return reference.sum_streams(x, dtype)
-    return stream_ends.SumStreams.apply(x, dtype)
+    return ops.sum_streams.SumStreams.apply(x, dtype)

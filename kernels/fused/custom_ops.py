@@ -90,6 +90,35 @@ def register_routed(op, setup, backward) -> None:
     op.register_autograd(routed_backward, setup_context=lambda ctx, inputs, output: setup(ctx, inputs, output[:-1]))
 
 
+class CoefScalars(NamedTuple):
+    """`MHCOptions` as the coefficient ops' schemas take it, in their order: a custom op takes no dataclass."""
+    iters: int
+    eps: float
+    t_in: bool
+    t_out: bool
+    rms_eps: float
+    pre_eps: float
+    post_mult: float
+
+
+def coef_scalars(opts) -> CoefScalars:
+    """opts flattened into the coefficient ops' scalars. The kernels run the rows-exact K(w) on w = R^T or R and
+    transpose the result for "cols" (t_in, t_out; docs/design.md §3)."""
+    cols = opts.exact_axis == "cols"
+    return CoefScalars(iters=int(opts.sinkhorn_iters), eps=float(opts.sinkhorn_eps),
+                       t_in=(opts.res_layout == "src_dst") != cols, t_out=cols, rms_eps=float(opts.rms_eps),
+                       pre_eps=float(opts.pre_eps), post_mult=float(opts.post_mult))
+
+
+def with_options(call, at: int):
+    """call as the public wrappers take it: `MHCOptions` whole at argument `at`, flattened here, at the custom-op
+    boundary and nowhere else, into the schema's scalars."""
+    def call_with_options(*args):
+        return call(*args[:at], *coef_scalars(args[at]), *args[at + 1:])
+
+    return call_with_options
+
+
 def eager_op(op, setup, backward, routed=None):
     """op as the public wrappers call it: outside torch.compile its body under a plain autograd.Function (the same
     setup and backward), under compile (or on fake / traced tensors) the custom op itself.

@@ -9,10 +9,10 @@ import torch
 import triton
 import triton.language as tl
 
-from . import hc
 from .host import cdiv, empty, np2
 from .launch_cache import launcher
 from .launch_config import launch_options, tiles
+from .ops import hc_coefficients, hc_enter
 
 Tensor = torch.Tensor
 
@@ -82,15 +82,16 @@ def _hc_operand_grads(dw_ptr, dst_ptr, g_ptr, wb_ptr, wm_ptr, wr_ptr, dg_ptr, dw
 def hc_operands(g: Tensor, w_beta: Tensor, w_m: Tensor, w_r: Tensor, s_alpha: Tensor, s_beta: Tensor,
                 b_static: Tensor, am_static: Tensor, ar_static: Tensor) -> tuple[Tensor, Tensor]:
     """HC's nine parameters as its kernels take them, in one launch: W [C, n + 2] fp32
-    (reference.hc_projection_weights) and the statics (`hc.hc_statics`' layout)."""
+    (reference.hc_projection_weights) and the statics (`hc_coefficients.hc_statics`' layout)."""
     (C, n), dev = w_r.shape, w_r.device
     M, pw = n + 2, 2 + 2 * n + n * n
     w = empty((C, M), torch.float32, dev)
     statics = empty((pw,), torch.float32, dev)
     cfg = tiles("hc_operands")
     launcher(_hc_operands)[(max(1, cdiv(C, cfg["BR"])),)](
-        g, w_beta, w_m, w_r, s_alpha, s_beta, b_static, am_static, ar_static, w, statics, C, NH=n, M=M, MP=np2(M),
-        PW=pw, PWP=np2(pw), BR=cfg["BR"], **launch_options(cfg))
+        g_ptr=g, wb_ptr=w_beta, wm_ptr=w_m, wr_ptr=w_r, sa_ptr=s_alpha, sb_ptr=s_beta, b_ptr=b_static, am_ptr=am_static,
+        ar_ptr=ar_static, w_ptr=w, st_ptr=statics, C=C, NH=n, M=M, MP=np2(M), PW=pw, PWP=np2(pw), BR=cfg["BR"],
+        **launch_options(cfg))
     return w, statics
 
 
@@ -105,21 +106,22 @@ def hc_operand_grads(dw: Tensor, dstatics: Tensor, g: Tensor, w_beta: Tensor, w_
     pw = dstatics.shape[0]
     dg, dwb, dwm, dwr, dsa, dsb, db, dam, dar = grads
     launcher(_hc_operand_grads)[(max(1, cdiv(C, cfg["BR"])),)](
-        dw, dstatics, g, w_beta, w_m, w_r, dg, dwb, dwm, dwr, dsa, dsb, db, dam, dar, C, NH=n, M=n + 2, MP=np2(n + 2),
-        PW=pw, PWP=np2(pw), BR=cfg["BR"], **launch_options(cfg))
+        dw_ptr=dw, dst_ptr=dstatics, g_ptr=g, wb_ptr=w_beta, wm_ptr=w_m, wr_ptr=w_r, dg_ptr=dg, dwb_ptr=dwb,
+        dwm_ptr=dwm, dwr_ptr=dwr, dsa_ptr=dsa, dsb_ptr=dsb, db_ptr=db, dam_ptr=dam, dar_ptr=dar, C=C, NH=n, M=n + 2,
+        MP=np2(n + 2), PW=pw, PWP=np2(pw), BR=cfg["BR"], **launch_options(cfg))
     return grads
 
 
 class HCEnterFolded(torch.autograd.Function):
     """`hc_enter` on HC's nine raw parameters (eager only): the operands are made inside the op (`hc_operands`) and
     the backward turns dW and the statics' gradient into the nine parameter gradients (`hc_operand_grads`). Outputs as
-    `hc.hc_enter_eager`'s: x (the alias its write-back reads), then the op's."""
+    `hc_enter.hc_enter_eager`'s: x (the alias its write-back reads), then the op's."""
 
     @staticmethod
     def forward(ctx, x, g, w_beta, w_m, w_r, s_alpha, s_beta, b_static, am_static, ar_static, eps, tanh, u_dtype=None):
         params = (g, w_beta, w_m, w_r, s_alpha, s_beta, b_static, am_static, ar_static)
         w, statics = hc_operands(*params)
-        out = hc.enter_forward(x, w, statics, eps, tanh, u_dtype)
+        out = hc_enter.enter_forward(x, w, statics, eps, tanh, u_dtype)
         ctx.set_materialize_grads(False)
         _, h_pre, _, _, lg, rinv = out
         ctx.save_for_backward(x, w, statics, lg, rinv, h_pre, *params)
@@ -131,6 +133,6 @@ class HCEnterFolded(torch.autograd.Function):
     def backward(ctx, dx_next, du, d_pre, d_post, d_res, _dlg, _drinv):
         x, w, statics, lg, rinv, h_pre, *params = ctx.saved_tensors
         N, n, _ = x.shape
-        dh = hc.coefficient_grads(N * n, n, x.device, d_pre, d_post, d_res)
-        dx, dw, dst = hc.enter_backward(*dh, du, x, w, statics, lg, rinv, h_pre, ctx.tanh, dx_in=dx_next)
+        dh = hc_coefficients.coefficient_grads(N * n, n, x.device, d_pre, d_post, d_res)
+        dx, dw, dst = hc_enter.enter_backward(*dh, du, x, w, statics, lg, rinv, h_pre, ctx.tanh, dx_in=dx_next)
         return (dx, *hc_operand_grads(dw, dst, *params), None, None, None)

@@ -14,6 +14,7 @@ Sinkhorn count) therefore misses here and takes Triton's path once, which finds 
 recompile) and hands it back to be kept under the new key.
 """
 import dataclasses
+import inspect
 from typing import Optional
 
 import torch
@@ -30,10 +31,12 @@ MAX_KEYS = 256  # distinct calls kept per kernel (token counts, Sinkhorn counts)
 
 
 class Launcher:
-    """`launcher[grid](*args, **constexprs_and_options)`, as for the Triton kernel it wraps.
+    """`launcher[grid](name=value, ...)`, as for the Triton kernel it wraps.
 
-    Runtime arguments go positionally and constexprs / launch options by keyword, as the fused ops pass them. Every
-    call takes Triton's own path under the interpreter and while a launch hook is installed (Triton's profiler).
+    The fused ops pass every argument by name, so that a launch reads without the kernel's definition beside it. The
+    kernel's runtime arguments are put back in its order (`positional`), as the key and the compiled kernel's launcher
+    take them; constexprs and launch options stay keywords. Every call takes Triton's own path under the interpreter
+    and while a launch hook is installed (Triton's profiler).
     """
 
     misses = 0  # calls, over every Launcher, that took Triton's path for want of a kept key
@@ -42,12 +45,23 @@ class Launcher:
         self.fn = fn
         self.fast = isinstance(fn, JITFunction)
         self.kept: dict[tuple, tuple] = {}
+        py = getattr(fn, "fn", None)  # the Python function of a JITFunction or the interpreter's InterpretedFunction
+        params = inspect.signature(py).parameters.values() if callable(py) else ()
+        self.runtime = tuple(p.name for p in params if "constexpr" not in str(p.annotation))
         if self.fast:
             # a parameter's default, for the launcher's argument list (it takes every parameter, constexprs too)
             self.params = [(p.name, p.default) for p in fn.signature.parameters.values()]
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+        return lambda *args, **kwargs: self.launch(grid, *self.positional(args, kwargs))
+
+    def positional(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """(runtime arguments in the kernel's order, the other keywords): those passed by name are taken out of
+        kwargs (a dict of this call's own)."""
+        rest = self.runtime[len(args):]
+        if rest and rest[0] in kwargs:
+            args = (*args, *map(kwargs.pop, rest))
+        return args, kwargs
 
     def __repr__(self) -> str:
         return f"Launcher({getattr(self.fn, '__name__', self.fn)})"

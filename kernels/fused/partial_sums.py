@@ -78,6 +78,7 @@ def sum_partials(wpart: Tensor, dw: Tensor, vpart: Optional[Tensor] = None, da: 
         db = da if db is None else db
     s2 = 1 if wpart2 is None else wpart2.shape[0]
     launcher(_param_grad_sum)[(programs,)](
-        wpart, dw, wpart.shape[0], l1, wpart if wpart2 is None else wpart2, dw if dw2 is None else dw2, s2, l2,
-        vpart, da, db, vpart.shape[1], HAS_W2=dw2 is not None, HAS_V=has_v, A=a, BL=cfg["BL"],
-        BS=min(16, np2(max(wpart.shape[0], s2))), BP=cfg["BP"], **launch_options(cfg))
+        w1_ptr=wpart, o1_ptr=dw, S1=wpart.shape[0], L1=l1, w2_ptr=wpart if wpart2 is None else wpart2,
+        o2_ptr=dw if dw2 is None else dw2, S2=s2, L2=l2, v_ptr=vpart, da_ptr=da, db_ptr=db, P=vpart.shape[1],
+        HAS_W2=dw2 is not None, HAS_V=has_v, A=a, BL=cfg["BL"], BS=min(16, np2(max(wpart.shape[0], s2))), BP=cfg["BP"],
+        **launch_options(cfg))

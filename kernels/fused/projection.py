@@ -242,11 +242,11 @@ def x_pass(x: Tensor, phi: Tensor, dl: Tensor, dss: Tensor, dx: Tensor, h_pre: O
         tma = all(d is not None for k, d in descs.items() if tiled[k] is not None)
         tiled = descs if tma else tiled
     launcher(_coef_bwd_x)[(kblocks, splits)](
-        tiled["x"], phi, tiled["dl"], dss, tiled["dx"], dphi_part, h_pre.contiguous() if with_u else dss,
-        or_(tiled["du"], dss), or_(tiled["dx_in"], dss), N, K, C, x.stride(0), phi.stride(0), tok,
-        NS=n, M=M, MP=MP, HAS_U=with_u, ACC=dx_in is not None, ALIGNED=aligned, BT=BT, BK=BK, U_ROWS=u_rows,
-        **grad_dots(x.dtype, phi.dtype), LOOP_STAGES=cx["loop_stages"], TMA=tma, **launch_options(cx),
-    )
+        x_ptr=tiled["x"], phi_ptr=phi, dl_ptr=tiled["dl"], dss_ptr=dss, dx_ptr=tiled["dx"], dphi_ptr=dphi_part,
+        hpre_ptr=h_pre.contiguous() if with_u else dss, du_ptr=or_(tiled["du"], dss), dxin_ptr=or_(tiled["dx_in"], dss),
+        N=N, K=K, C=C, stride_x=x.stride(0), stride_phi=phi.stride(0), tok_per_split=tok, NS=n, M=M, MP=MP,
+        HAS_U=with_u, ACC=dx_in is not None, ALIGNED=aligned, BT=BT, BK=BK, U_ROWS=u_rows,
+        **grad_dots(x.dtype, phi.dtype), LOOP_STAGES=cx["loop_stages"], TMA=tma, **launch_options(cx))
     return dphi_part
 
 

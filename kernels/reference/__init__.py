@@ -6,7 +6,6 @@ The model runs these when no fused kernel is selected; no other copy of this mat
 
 from .amax import composite_products, gain_metrics, gain_report
 from .birkhoff import LITE_STREAMS, birkhoff_res, permutation_basis, permutation_count
-from .boundary import mhc_boundary
 from .coefficients import (
     columnwise_matmul,
     compute_dtype,
@@ -21,29 +20,34 @@ from .coefficients import (
     rms_proj,
 )
 from .exact_coefficients import (
-    EXACT_FAMILIES,
+    KROM,
+    LITE,
+    ExactFamily,
     exact_coefficients,
     exact_enter,
-    exact_res,
-    exact_res_count,
     exact_res_logits,
+    krom_enter,
+    lite_enter,
 )
 from .kronecker import KROM_STREAMS, factor_count, factor_masks, kronecker_res
+from .mhc_boundary import mhc_boundary
 from .pre import hc_enter, in_dtype, mhc_enter, mhc_pre, rebuild_u, request_u
 from .rope import apply_rope, rope_qkv, rope_tables
 from .sinkhorn import sinkhorn, sinkhorn_residuals
 from .streams import expand_streams, stream_post_res, stream_pre, sum_streams
 
 __all__ = [
-    "EXACT_FAMILIES",
+    "KROM",
     "KROM_STREAMS",
+    "LITE",
     "LITE_STREAMS",
+    "ExactFamily",
     "birkhoff_res",
     "exact_coefficients",
     "exact_enter",
-    "exact_res",
-    "exact_res_count",
     "exact_res_logits",
+    "krom_enter",
+    "lite_enter",
     "factor_count",
     "factor_masks",
     "gated_logits",

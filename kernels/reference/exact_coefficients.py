@@ -4,9 +4,12 @@ The same projection, gates and H^pre / H^post as mHC (`gated_logits`, docs/desig
 differs: r logits per token (n! for mHC-lite, log2 n for KromHC) in place of mHC's n^2, and H^res made from them
 without Sinkhorn. phi: [n C, 2n + r] with columns [pre (n) | post (n) | res (r)]; bias the same r + 2n; alpha
 [pre, post, res]. There are no fused kernels for these: the model always runs them from here (HyperConfig's
-`ops_backend`), in eager mode or under torch.compile.
+`ops_backend`), in eager mode or under torch.compile. Each family is an `ExactFamily` (LITE, KROM); the mode registry
+(model/modes.py) points each mode at its family's ops, `lite_enter` / `krom_enter`, which take mhc_enter's arguments.
 """
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -18,33 +21,27 @@ from .kronecker import factor_count, kronecker_res
 from .pre import in_dtype
 from .streams import stream_pre
 
-EXACT_FAMILIES = ("mhc_lite", "kromhc")
+
+@dataclass(frozen=True)
+class ExactFamily:
+    """One exactly doubly stochastic H^res family: its res logits per token at n streams (`res_count(n)`, which
+    refuses an n the family does not take) and H^res [..., n, n] from them (`res(z, n)`)."""
+
+    label: str
+    res_count: Callable[[int], int]
+    res: Callable[[torch.Tensor, int], torch.Tensor]
 
 
-def exact_res_count(family: str, n: int) -> int:
-    """Res logits per token: n! (mhc_lite) or log2 n (kromhc)."""
-    if family == "mhc_lite":
-        return permutation_count(n)
-    if family == "kromhc":
-        return factor_count(n)
-    raise ValueError(f"family must be one of {list(EXACT_FAMILIES)}, got {family!r}")
+LITE = ExactFamily("mHC-lite", permutation_count, birkhoff_res)  # n! permutation weights (birkhoff.py)
+KROM = ExactFamily("KromHC", factor_count, kronecker_res)  # log2 n 2 x 2 factors (kronecker.py)
 
 
-def exact_res(z: torch.Tensor, family: str, n: int) -> torch.Tensor:
-    """H^res [..., n, n] (left-multiplying) from the family's res logits z [..., r]."""
-    if family == "mhc_lite":
-        return birkhoff_res(z, n)
-    if family == "kromhc":
-        return kronecker_res(z, n)
-    raise ValueError(f"family must be one of {list(EXACT_FAMILIES)}, got {family!r}")
-
-
-def _logits(x, phi, bias, alpha, family: str, opts: MHCOptions):
+def _logits(x, phi, bias, alpha, family: ExactFamily, opts: MHCOptions):
     n = x.shape[-2]
-    want = 2 * n + exact_res_count(family, n)
+    want = 2 * n + family.res_count(n)
     if phi.shape[-1] != want or bias.shape[-1] != want:
         raise ValueError(
-            f"{family} at n={n} needs phi and bias with {want} columns [pre {n} | post {n} | res "
+            f"{family.label} at n={n} needs phi and bias with {want} columns [pre {n} | post {n} | res "
             f"{want - 2 * n}], got {phi.shape[-1]} and {bias.shape[-1]}"
         )
     return gated_logits(x, phi, bias, alpha, opts.rms_eps)
@@ -56,7 +53,7 @@ def exact_coefficients(
     phi: torch.Tensor,
     bias: torch.Tensor,
     alpha: torch.Tensor,
-    family: str,
+    family: ExactFamily,
     opts: MHCOptions = DEFAULT_OPTIONS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(h_pre [..., n], h_post [..., n], h_res [..., n, n]) for x [..., n, C], in promote(x.dtype, float32).
@@ -64,7 +61,7 @@ def exact_coefficients(
     pre, post, z = _logits(x, phi, bias, alpha, family, opts)
     h_pre = torch.sigmoid(pre) + opts.pre_eps
     h_post = opts.post_mult * torch.sigmoid(post)
-    return h_pre, h_post, exact_res(z, family, x.shape[-2])
+    return h_pre, h_post, family.res(z, x.shape[-2])
 
 
 @no_autocast
@@ -73,7 +70,7 @@ def exact_res_logits(
     phi: torch.Tensor,
     bias: torch.Tensor,
     alpha: torch.Tensor,
-    family: str,
+    family: ExactFamily,
     opts: MHCOptions = DEFAULT_OPTIONS,
 ) -> torch.Tensor:
     """The family's res logits [..., r] before the softmax / sigmoids."""
@@ -85,10 +82,34 @@ def exact_enter(
     phi: torch.Tensor,
     bias: torch.Tensor,
     alpha: torch.Tensor,
-    family: str,
+    family: ExactFamily,
     opts: MHCOptions = DEFAULT_OPTIONS,
     u_dtype: Optional[torch.dtype] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x, u, h_pre, h_post, h_res): as `mhc_enter`, with the family's H^res; u = sum_j h_pre_j x_j in u_dtype."""
     h_pre, h_post, h_res = exact_coefficients(x, phi, bias, alpha, family, opts)
     return x, in_dtype(stream_pre(x, h_pre), u_dtype), h_pre, h_post, h_res
+
+
+def lite_enter(
+    x: torch.Tensor,
+    phi: torch.Tensor,
+    bias: torch.Tensor,
+    alpha: torch.Tensor,
+    opts: MHCOptions = DEFAULT_OPTIONS,
+    u_dtype: Optional[torch.dtype] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mHC-lite's enter op (`exact_enter` with LITE)."""
+    return exact_enter(x, phi, bias, alpha, LITE, opts, u_dtype)
+
+
+def krom_enter(
+    x: torch.Tensor,
+    phi: torch.Tensor,
+    bias: torch.Tensor,
+    alpha: torch.Tensor,
+    opts: MHCOptions = DEFAULT_OPTIONS,
+    u_dtype: Optional[torch.dtype] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """KromHC's enter op (`exact_enter` with KROM)."""
+    return exact_enter(x, phi, bias, alpha, KROM, opts, u_dtype)

@@ -6,7 +6,7 @@ Everything here is written on H^res, the matrix that left-multiplies the stream 
 
 import torch
 
-from ..options import EXACT_AXES, STARTS, ExactAxis, SinkhornStart
+from ..options import EXACT_AXES, SINKHORN_ITERS, STARTS, ExactAxis, SinkhornStart
 
 
 def _check(iters: int, exact_axis: str, start: str) -> None:
@@ -42,7 +42,7 @@ def _sinkhorn_rows_exact(z: torch.Tensor, iters: int, eps: float, start: str) ->
 
 def sinkhorn(
     z: torch.Tensor,
-    iters: int = 20,
+    iters: int = SINKHORN_ITERS,
     eps: float = 1e-6,
     exact_axis: ExactAxis = "rows",
     start: SinkhornStart = "softmax_eps",

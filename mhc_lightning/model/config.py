@@ -7,6 +7,7 @@ from ..kernels.options import (
     EXACT_AXES,
     KERNEL_BACKENDS,
     RES_LAYOUTS,
+    SINKHORN_ITERS,
     STARTS,
     ExactAxis,
     KernelBackend,
@@ -51,7 +52,7 @@ class HyperConfig:
 
     residual_mode: ResidualMode = DEFAULT_MODE
     n_streams: int = 4
-    sinkhorn_iters: int = 20  # t_max; changed at run time by the scheduler callback
+    sinkhorn_iters: int = SINKHORN_ITERS  # t_max; changed at run time by the scheduler callback
     sinkhorn_eps: float = 1e-6
     sinkhorn_exact_axis: ExactAxis = "rows"  # rows = DeepSeek/paper, cols = Liger/lucidrains
     sinkhorn_start: SinkhornStart = "softmax_eps"

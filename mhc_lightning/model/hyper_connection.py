@@ -5,10 +5,10 @@ this module only owns the parameters, their initialisation and the wiring.
 
 mHC / identity-HC sublayers also run as a chain (`enter`, then `chain` per sublayer; model/recompute.py's
 `run_sublayers` drives it): at each sublayer boundary one op writes sublayer l's output stream and computes
-sublayer l+1's coefficients and input from it (kernels/reference/boundary.py): one op, and one autograd node, per
-sublayer instead of two (host time; the kernels are the same, docs/kernels.md). `forward` is one sublayer on its own.
-mHC-lite / KromHC sublayers run one at a time on the reference ops (`exact_enter`): no fused kernels. What each
-mode learns and which ops it runs is its spec's (model/modes.py).
+sublayer l+1's coefficients and input from it (kernels/reference/mhc_boundary.py): one op, and one autograd node,
+per sublayer instead of two (host time; the kernels are the same, docs/kernels.md). `forward` is one sublayer on its
+own. mHC-lite / KromHC sublayers run one at a time on the reference ops (`lite_enter`, `krom_enter`): no fused
+kernels. What each mode learns and which ops it runs is its spec's (model/modes.py).
 """
 
 import math
@@ -215,8 +215,7 @@ class HyperConnection(nn.Module):
                 use_tanh=c.hc_tanh,
                 u_dtype=self.branch_dtype(),
             )
-        family = (self.mode,) if self.spec.exact else ()  # the exact ops take the family's name
-        return enter(x, self.phi, self.bias, self.alpha, *family, self.options(), self.branch_dtype())
+        return enter(x, self.phi, self.bias, self.alpha, self.options(), self.branch_dtype())
 
     def chain(self, carry: Carry, nxt: Optional["HyperConnection"]):
         """Run the branch on the carried input and write its output back into the stream. With a next sublayer, the

@@ -26,8 +26,9 @@ class ModeSpec:
         stream through phi, with biases and gates alpha (docs/design.md §2; biases by `mhc_bias_init`); hc = HC's own
         (docs/design.md §5); None = nothing, the sublayer is x + F(x).
     res: how H_res comes about: sinkhorn = n^2 logits projected by Sinkhorn-Knopp (docs/design.md §3); identity =
-        no logits, H_res = I; exact = the family `name` of kernels/reference/exact_coefficients.py, exactly doubly
-        stochastic without Sinkhorn (docs/design.md §15); hc = HC's unconstrained A_r; None = one stream, no H_res.
+        no logits, H_res = I; exact = exactly doubly stochastic without Sinkhorn, by the family its enter op runs
+        (kernels/reference/exact_coefficients.py, docs/design.md §15); hc = HC's unconstrained A_r; None = one stream,
+        no H_res.
     res_init: for res=exact, the function of model/exact_init.py that gives the res logits' biases at t = 0.
     enter, exit: the ops (of the module `get_ops` picks) that compute a sublayer's coefficients and input from the
         stream, and write its branch's output back into it; None: a plain residual.
@@ -138,7 +139,7 @@ MODES: dict[str, ModeSpec] = {
             "mhc_lite",
             parameters="phi",
             res="exact",
-            enter="exact_enter",
+            enter="lite_enter",
             exit="stream_post_res",
             fused=False,
             chains=False,
@@ -152,7 +153,7 @@ MODES: dict[str, ModeSpec] = {
             "kromhc",
             parameters="phi",
             res="exact",
-            enter="exact_enter",
+            enter="krom_enter",
             exit="stream_post_res",
             fused=False,
             chains=False,

@@ -1,6 +1,5 @@
-"""The residual stream's two ends, one kernel each way (docs/design.md §4, docs/kernels.md "The stream's ends").
-Eager only: under torch.compile the reference's cast and copy (or sum) run, which inductor fuses with their
-neighbours.
+"""The kernels of the residual stream's two ends (docs/design.md §4, docs/kernels.md "The stream's ends"), which the
+ops `expand_streams` and `sum_streams` (ops/) launch, each the other's backward: `expand_rows` and `sum_rows`.
 
 `_expand`: x_0[t, j, :] = h[t, :] for every stream j, cast to the stream's dtype: the embedding's one read and the
 stream's one write (torch: a cast, then a broadcast copy that cannot vectorise its stride-0 reads). It is also
@@ -28,19 +27,19 @@ def _tile(N, C, BT: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["N"])
-def _expand(h_ptr, out_ptr, N, C, NS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+def _expand(src_ptr, out_ptr, N, C, NS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     rows64, cc, m2 = _tile(N, C, BT, BC)
-    h = tl.load(h_ptr + rows64[:, None] * C + cc[None, :], mask=m2, other=0.0).to(out_ptr.dtype.element_ty)
+    h = tl.load(src_ptr + rows64[:, None] * C + cc[None, :], mask=m2, other=0.0).to(out_ptr.dtype.element_ty)
     for j in tl.static_range(NS):
         tl.store(out_ptr + rows64[:, None] * (NS * C) + j * C + cc[None, :], h, mask=m2)
 
 
 @triton.jit(do_not_specialize=["N"])
-def _sum_streams(x_ptr, out_ptr, N, C, NS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+def _sum_streams(src_ptr, out_ptr, N, C, NS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     rows64, cc, m2 = _tile(N, C, BT, BC)
     acc = tl.zeros([BT, BC], dtype=tl.float32)
     for j in tl.static_range(NS):
-        acc += tl.load(x_ptr + rows64[:, None] * (NS * C) + j * C + cc[None, :], mask=m2, other=0.0).to(tl.float32)
+        acc += tl.load(src_ptr + rows64[:, None] * (NS * C) + j * C + cc[None, :], mask=m2, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows64[:, None] * C + cc[None, :], acc.to(out_ptr.dtype.element_ty), mask=m2)
 
 
@@ -48,8 +47,8 @@ def _launch(kernel, src: Tensor, out: Tensor, N: int, C: int, n: int) -> Tensor:
     """One of the two kernels over an [N, C] grid of rows (src and out contiguous); returns out."""
     if N:
         cfg = tiles("stream_ends", BC=np2(C, 16))
-        launcher(kernel)[(cdiv(N, cfg["BT"]), cdiv(C, cfg["BC"]))](src, out, N, C, NS=n, BT=cfg["BT"], BC=cfg["BC"],
-                                                                   **launch_options(cfg))
+        launcher(kernel)[(cdiv(N, cfg["BT"]), cdiv(C, cfg["BC"]))](
+            src_ptr=src, out_ptr=out, N=N, C=C, NS=n, BT=cfg["BT"], BC=cfg["BC"], **launch_options(cfg))
     return out
 
 
@@ -65,29 +64,3 @@ def sum_rows(x: Tensor, dtype: torch.dtype) -> Tensor:
     n, C = x.shape[-2], x.shape[-1]
     out = empty((*x.shape[:-2], C), dtype, x.device)
     return _launch(_sum_streams, x.contiguous(), out, out.numel() // max(C, 1), C, n)
-
-
-class ExpandStreams(torch.autograd.Function):
-    """x_0 = 1_n h in the stream's dtype; backward: the n streams' gradients summed into h's dtype."""
-
-    @staticmethod
-    def forward(ctx, h: Tensor, n: int, dtype: torch.dtype):
-        ctx.h_dtype = h.dtype
-        return expand_rows(h, n, dtype)
-
-    @staticmethod
-    def backward(ctx, g):
-        return sum_rows(g, ctx.h_dtype), None, None
-
-
-class SumStreams(torch.autograd.Function):
-    """The streams summed into dtype; backward: the gradient copied to every stream in the stream's dtype."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, dtype: torch.dtype):
-        ctx.x_dtype, ctx.n = x.dtype, x.shape[-2]
-        return sum_rows(x, dtype)
-
-    @staticmethod
-    def backward(ctx, g):
-        return expand_rows(g, ctx.n, ctx.x_dtype), None

@@ -12,9 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .host import c_contig, cdiv, empty, np2
-from .launch_cache import launcher
-from .launch_config import launch_options, tiles
+from ..host import c_contig, cdiv, empty, np2
+from ..launch_cache import launcher
+from ..launch_config import launch_options, tiles
 
 Tensor = torch.Tensor
 
@@ -91,8 +91,8 @@ class RopeQKV(torch.autograd.Function):
         cfg = tiles("rope")
         if B * T:
             launcher(_rope_fwd)[(cdiv(B * T, cfg["BR"]), 2 * H)](
-                rows, cos, sin, qk, B * T, T, H, C, rows.stride(0), HALF=half, BH=np2(half), BR=cfg["BR"],
-                **launch_options(cfg))
+                qkv_ptr=rows, cos_ptr=cos, sin_ptr=sin, out_ptr=qk, R=B * T, T=T, H=H, C=C, stride_row=rows.stride(0),
+                HALF=half, BH=np2(half), BR=cfg["BR"], **launch_options(cfg))
         ctx.save_for_backward(cos, sin)
         ctx.shape, ctx.dtype, ctx.n_heads = (B, T, C3), qkv.dtype, H
         ctx.set_materialize_grads(False)
@@ -110,8 +110,9 @@ class RopeQKV(torch.autograd.Function):
                  for g in (dq, dk, dv)]
         cfg = tiles("rope")
         if B * T:
-            strides = [st for g in grads for st in g.stride()[:3]]
+            (sqb, sqh, sqt), (skb, skh, skt), (svb, svh, svt) = (g.stride()[:3] for g in grads)
             launcher(_rope_bwd)[(cdiv(B * T, cfg["BR"]), 3 * H)](
-                *grads, cos, sin, dqkv, B * T, T, H, C, *strides, HALF=half, BH=np2(half), BR=cfg["BR"],
-                **launch_options(cfg))
+                dq_ptr=grads[0], dk_ptr=grads[1], dv_ptr=grads[2], cos_ptr=cos, sin_ptr=sin, dqkv_ptr=dqkv, R=B * T,
+                T=T, H=H, C=C, sqb=sqb, sqh=sqh, sqt=sqt, skb=skb, skh=skh, skt=skt, svb=svb, svh=svh, svt=svt,
+                HALF=half, BH=np2(half), BR=cfg["BR"], **launch_options(cfg))
         return dqkv, None, None, None

@@ -1,12 +1,11 @@
-"""HC's fused ops (kernels/fused/hc.py, hc_operands.py) against the float64 reference: `rms_proj`,
-`hc_coefficients`, `hc_enter` with its write-back, and HC's operands made inside the op."""
+"""`hc_enter` (kernels/fused/ops/hc_enter.py, hc_operands.py) against the float64 reference: HC's coefficients
+and u in one op with its write-back, HC's operands made inside the op, u in the branch's dtype."""
 
 import pytest
 import torch
 from helpers import fast_first
 from kernel_checks import (
     CUDA,
-    DEV,
     HC_PARAM_GRADS,
     SHAPES,
     TOL,
@@ -26,59 +25,10 @@ from kernel_checks import (
 
 from mhc_lightning.kernels import fused
 from mhc_lightning.kernels import reference as R
-from mhc_lightning.kernels.fused import hc, hc_operands, projection
+from mhc_lightning.kernels.fused import hc_operands, projection
+from mhc_lightning.kernels.fused.ops import hc_coefficients
 
 pytestmark = pytest.mark.usefixtures(poisoned_outputs.__name__)
-
-
-@fast_first("m", [3, 6, 10, 20])  # n + 2 for n = 1, 4, 8; and wider
-@fast_first(
-    "dtype,w_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)]
-)
-def test_rms_proj(m, dtype, w_dtype):
-    """HC's projection RMSNorm(x) w (one read of x; the projection without a tail), forward and both gradients
-    against float64, over several token blocks and a C that is not a power of two; with bf16 x, an fp32 w as pairs
-    or a bf16 w in native dots."""
-    torch.manual_seed(100 + m)
-    lead, c = SHAPES[1]
-    x = leaf(torch.randn(*lead, 4, c, device=DEV).to(dtype) * 3)
-    w = leaf((torch.randn(c, m, device=DEV) / c**0.5).to(w_dtype))
-    out = fused.rms_proj(x, w)
-    assert out.dtype == torch.float32 and out.shape == (*lead, 4, m)
-    ref_in = f64([x, w])
-    ref = R.rms_proj(*ref_in)
-    g = upstream(ref, out)
-    t_h, _, t_g = TOL[dtype]
-    check(out, ref, t_h, "y")
-    for name, a, b in zip(("dx", "dw"), grads([out], [x, w], [g]), grads([ref], ref_in, [g])):
-        check(a, b, t_g, name)
-
-
-@fast_first("n", [1, 2, 4, 8])
-@fast_first("dtype", [torch.float32, torch.bfloat16])
-@fast_first("use_tanh", [True, False])
-def test_hc_coefficients(n, dtype, use_tanh, monkeypatch):
-    """The fused HC coefficients (one op: projection and tail in one kernel, the tail's backward in another, partial
-    sums of the static parameters' gradients over several row blocks, the last one partial) against the float64
-    reference: the three maps and the gradient of x and of every parameter."""
-    torch.manual_seed(110 + n + 10 * use_tanh)
-    seen = []
-    real = hc.hc_coef_eager
-    monkeypatch.setattr(hc, "hc_coef_eager", lambda *a: seen.append(True) or real(*a))
-    inputs = hc_inputs(SHAPES[0][0], SHAPES[0][1], n, dtype)
-    with config_changed("hc_tail_bwd", BT=16 if not CUDA else 128):
-        out = fused.hc_coefficients(*inputs, use_tanh=use_tanh)
-        assert seen == [True] and (SHAPES[0][0][0] * n) % 16 != 0
-    ref_in = f64(inputs)
-    ref = R.hc_coefficients(*ref_in, use_tanh=use_tanh)
-    gs = [upstream(r, o) for r, o in zip(ref, out)]
-    t_h, _, t_g = TOL[dtype]
-    for name, a, b in zip(("h_pre", "h_post", "h_res"), out, ref):
-        check(a, b, t_h, name)
-    with config_changed("hc_tail_bwd", BT=16 if not CUDA else 128):
-        g_out = grads(out, inputs, gs)
-    for name, a, b in zip(HC_PARAM_GRADS, g_out, grads(ref, ref_in, gs)):
-        check(a, b, t_g, name)
 
 
 def _strided(p: torch.Tensor) -> torch.Tensor:
@@ -131,19 +81,19 @@ def test_hc_enter_then_write_back_matches_reference(n, dtype, use_tanh, layout, 
 @fast_first("dtype", [torch.float32, torch.bfloat16])
 def test_hc_operands_equal_the_torch_composition(n, dtype):
     """`hc_operands.hc_operands` (one launch) gives the projection weights and the packed statics exactly as the torch
-    composition does (reference.hc_projection_weights, `hc.hc_statics`), over several channel blocks with a partial
-    last one; `hc_operand_grads` gives the gradients autograd takes through that composition (float64 composition,
-    parameters in `dtype`), each in its parameter's dtype."""
+    composition does (reference.hc_projection_weights, `hc_coefficients.hc_statics`), over several channel blocks with
+    a partial last one; `hc_operand_grads` gives the gradients autograd takes through that composition (float64
+    composition, parameters in `dtype`), each in its parameter's dtype."""
     torch.manual_seed(140 + n)
     c = 300  # three blocks of 128 channels, the last partial
     params = [t.to(dtype) for t in hc_inputs((1,), c, n, torch.float32)[1:]]
     g, w_beta, w_m, w_r, s_alpha, s_beta, b_static, am_static, ar_static = params
     w, statics = hc_operands.hc_operands(*params)
     assert torch.equal(w, R.hc_projection_weights(g, w_beta, w_m, w_r).float())
-    assert torch.equal(statics, hc.hc_statics(s_alpha, s_beta, b_static, am_static, ar_static))
+    assert torch.equal(statics, hc_coefficients.hc_statics(s_alpha, s_beta, b_static, am_static, ar_static))
     leaves = [leaf(p.double()) for p in params]
     ref_w = R.hc_projection_weights(*leaves[:4])
-    ref_st = hc.hc_statics(*leaves[4:]).double()
+    ref_st = hc_coefficients.hc_statics(*leaves[4:]).double()
     dw, dst = torch.randn_like(w), torch.randn_like(statics)
     want = torch.autograd.grad([ref_w, ref_st], leaves, [dw.double(), dst.double()])
     got = hc_operands.hc_operand_grads(dw, dst, *params)
@@ -177,13 +127,3 @@ def test_u_in_the_branchs_dtype_is_the_cast_bitwise(layout, monkeypatch):
         hc_inputs(lead, c, 4, torch.bfloat16),
         monkeypatch,
     )
-
-
-def test_hc_static_and_float64_go_to_the_reference():
-    torch.manual_seed(12)
-    inputs = hc_inputs((5,), 8, 4, torch.float32)
-    for a, b in zip(fused.hc_coefficients(*inputs, dynamic=False), R.hc_coefficients(*inputs, dynamic=False)):
-        assert torch.equal(a, b)
-    xd = [t.detach().double() for t in inputs]
-    for a, b in zip(fused.hc_coefficients(*xd), R.hc_coefficients(*xd)):
-        assert torch.equal(a, b)

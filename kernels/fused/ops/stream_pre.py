@@ -12,10 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .custom_ops import body_of, custom_op, eager_op
-from .host import c_contig, cdiv, empty, fake_like, np2
-from .launch_cache import launcher
-from .launch_config import launch_options, tiles
+from ..custom_ops import body_of, custom_op, eager_op
+from ..host import c_contig, cdiv, empty, fake_like, np2
+from ..launch_cache import launcher
+from ..launch_config import launch_options, tiles
 
 Tensor = torch.Tensor
 
@@ -72,8 +72,9 @@ def write_u(x: Tensor, h_pre: Tensor, u: Tensor) -> None:
     x, h_pre = c_contig(x), h_pre.contiguous()
     cfg = tiles("pre_fwd", BC=np2(C, 16))
     grid = (cdiv(N, cfg["BT"]), cdiv(C, cfg["BC"]))
-    launcher(_pre_fwd)[grid](x, h_pre, u, N, C, x.stride(0), x.stride(1), NS=n, BT=cfg["BT"], BC=cfg["BC"],
-                             **launch_options(cfg))
+    launcher(_pre_fwd)[grid](
+        x_ptr=x, h_ptr=h_pre, u_ptr=u, N=N, C=C, stride_xt=x.stride(0), stride_xn=x.stride(1), NS=n, BT=cfg["BT"],
+        BC=cfg["BC"], **launch_options(cfg))
 
 
 def pre_u(x: Tensor, h_pre: Tensor, u_dtype: Optional[torch.dtype] = None) -> Tensor:
@@ -104,8 +105,8 @@ def _pre_bwd_body(du: Tensor, x: Tensor, h_pre: Tensor) -> tuple[Tensor, Tensor]
         x, h_pre, du = c_contig(x), h_pre.contiguous(), du.contiguous()
         cfg = tiles("pre_bwd", BC=np2(C, 16))
         launcher(_pre_bwd)[(cdiv(N, cfg["BT"]),)](
-            x, h_pre, du, dx, dh, N, C, x.stride(0), x.stride(1), NS=n, BT=cfg["BT"], BC=cfg["BC"],
-            **launch_options(cfg))
+            x_ptr=x, h_ptr=h_pre, du_ptr=du, dx_ptr=dx, dh_ptr=dh, N=N, C=C, stride_xt=x.stride(0),
+            stride_xn=x.stride(1), NS=n, BT=cfg["BT"], BC=cfg["BC"], **launch_options(cfg))
     return dx, dh.to(h_pre.dtype)
 
 

@@ -1,6 +1,6 @@
-"""HC's coefficients, unconstrained (docs/design.md §5; docs/kernels.md, "HC"): `rms_proj` (the projection
-RMSNorm(x) w alone), `hc_coef` (h_pre, h_post, H^res) and `hc_enter` (the same and u = sum_i h_pre_i x_i, x handed on
-to the write-back, one dx in its backward, as mHC's `mhc_enter`).
+"""`hc_coefficients`, HC's coefficients, unconstrained (docs/design.md §5; docs/kernels.md, "HC"): `hc_coef_fwd`
+(h_pre, h_post, H^res), and the projection kernel, forward and backward that `rms_proj` (rms_proj.py, the projection
+RMSNorm(x) w alone) and `hc_enter` (hc_enter.py, the coefficients and u = sum_i h_pre_i x_i) run as well.
 
 Every HC logit of stream i is RMSNorm(x_i; g) w = RMSNorm(x_i)(diag(g) w) with w = [w_beta | w_m | W_r] ([C, n + 2],
 `reference.hc_projection_weights`), so one projection of each (token, stream) row gives them all. Forward (`_hc_fwd`):
@@ -16,14 +16,13 @@ import torch
 import triton
 import triton.language as tl
 
-from . import projection
-from .custom_ops import body_of, custom_op, eager_op, register_routed, route_of
-from .host import c_contig, cdiv, empty, fake_like, grads_or_zeros, np2, or_, token_rows
-from .launch_cache import launcher
-from .launch_config import launch_options, tiles
-from .partial_sums import sum_partials
-from .projection import forward_dot, project_rows, row_block
-from .read_out import write_u
+from .. import projection
+from ..custom_ops import body_of, custom_op, eager_op
+from ..host import c_contig, cdiv, empty, fake_like, grads_or_zeros, np2, or_
+from ..launch_cache import launcher
+from ..launch_config import launch_options, tiles
+from ..partial_sums import sum_partials
+from ..projection import forward_dot, project_rows, row_block
 
 Tensor = torch.Tensor
 
@@ -151,72 +150,12 @@ def project(x: Tensor, w: Tensor, eps: float, lg: Tensor, rinv: Tensor, tail: Op
     cfg = tiles("rms_proj", BK=np2(C, 16))
     statics, h_pre, h_post, h_res, n, tanh = tail if tail is not None else (w, lg, lg, lg, 1, False)
     launcher(_hc_fwd)[(cdiv(R, cfg["BT"]),)](
-        x, w, statics, lg, rinv, h_pre, h_post, h_res, R, C, x.stride(0), w.stride(0), eps, M=w.shape[1],
-        MP=np2(w.shape[1], 16), DOT=dot_mode, BT=cfg["BT"], BK=cfg["BK"], PAIRS=pairs,
-        TAIL=0 if tail is None else 1 if tanh else 2, NH=n, **launch_options(cfg))
+        x_ptr=x, w_ptr=w, st_ptr=statics, lg_ptr=lg, rinv_ptr=rinv, hpre_ptr=h_pre, hpost_ptr=h_post, hres_ptr=h_res,
+        R=R, C=C, stride_x=x.stride(0), stride_w=w.stride(0), eps=eps, M=w.shape[1], MP=np2(w.shape[1], 16),
+        DOT=dot_mode, BT=cfg["BT"], BK=cfg["BK"], PAIRS=pairs, TAIL=0 if tail is None else 1 if tanh else 2, NH=n,
+        **launch_options(cfg))
 
 
-# rms_proj: HC's projection alone, y = RMSNorm(x) w
-def _rms_proj_fwd_body(x: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    """x [R, C] rows, w [C, M] -> y = L / r [R, M] fp32, the raw projection L = x w and 1/r [R] (r: RMS of the row)."""
-    R = x.shape[0]
-    lg, rinv = empty((R, w.shape[1]), torch.float32, x.device), empty((R,), torch.float32, x.device)
-    if R > 0:
-        project(x, w, eps, lg, rinv)
-    return lg * rinv[:, None], lg, rinv
-
-
-rms_proj_fwd = custom_op("rms_proj", _rms_proj_fwd_body)
-
-
-@rms_proj_fwd.register_fake
-def _(x, w, eps):
-    f32 = dict(dtype=torch.float32)
-    return x.new_empty((x.shape[0], w.shape[1]), **f32), x.new_empty((x.shape[0], w.shape[1]), **f32), \
-        x.new_empty((x.shape[0],), **f32)
-
-
-def _rms_proj_bwd_body(dy: Tensor, x: Tensor, w: Tensor, lg: Tensor, rinv: Tensor) -> tuple[Tensor, Tensor]:
-    """dx = dL w^T + 2 x d(sum x^2) and dw = x^T dL (the x pass), with dL = dy / r, d(sum x^2) from d(1/r)."""
-    R, C = x.shape
-    dx = empty((R, C), x.dtype, x.device)
-    if R == 0:
-        return dx, torch.zeros_like(w)
-    dl = (dy * rinv[:, None]).contiguous()
-    dss = (-0.5 / C) * (dy * lg).sum(1) * rinv.pow(3)  # 1/r = (sum x^2 / C + eps)^(-1/2)
-    part = projection.x_pass(c_contig(x).view(R, 1, C), c_contig(w), dl, dss.contiguous(), dx.view(R, 1, C))
-    dw = empty(w.shape, w.dtype, w.device)
-    sum_partials(part, dw)
-    return dx, dw
-
-
-rms_proj_bwd = custom_op("rms_proj_bwd", _rms_proj_bwd_body)
-
-
-@rms_proj_bwd.register_fake
-def _(dy, x, w, lg, rinv):
-    return fake_like(x), fake_like(w)
-
-
-def _rms_proj_setup(ctx, inputs, output):
-    x, w, _ = inputs
-    _, lg, rinv = output
-    ctx.save_for_backward(x, w, lg, rinv)
-    ctx.mark_non_differentiable(lg, rinv)
-
-
-def _rms_proj_backward(ctx, dy, _dlg, _drinv):
-    x, w, lg, rinv = ctx.saved_tensors
-    if dy is None:
-        return None, None, None
-    dx, dw = body_of(ctx, rms_proj_bwd)(dy.contiguous(), x, w, lg, rinv)
-    return dx, dw, None
-
-
-rms_proj_fwd.register_autograd(_rms_proj_backward, setup_context=_rms_proj_setup)
-
-
-# hc_coef: HC's coefficients, its projection and the per-row tail in one op (reference.hc_coefficients)
 def hc_statics(s_alpha: Tensor, s_beta: Tensor, b_static: Tensor, am_static: Tensor, ar_static: Tensor) -> Tensor:
     """HC's static parameters as its kernels take them: fp32 [s_beta, s_alpha, B (n), A_m (n), A_r (n x n)], one
     autograd-tracked concatenation (its backward splits the op's one gradient vector back onto the parameters)."""
@@ -243,7 +182,7 @@ def _hc_coef_fwd_body(x: Tensor, w: Tensor, statics: Tensor, n: int, eps: float,
     return coefficients(x, w, statics, n, eps, tanh)
 
 
-hc_coef_fwd = custom_op("hc_coef", _hc_coef_fwd_body)
+hc_coef_fwd = custom_op("hc_coefficients", _hc_coef_fwd_body)
 
 
 @hc_coef_fwd.register_fake
@@ -275,10 +214,10 @@ def backward(d_pre: Optional[Tensor], d_post: Tensor, d_res: Tensor, x: Tensor, 
     dl, dss = empty((R, M), torch.float32, x.device), empty((R,), torch.float32, x.device)
     part = empty((statics.shape[0], programs), torch.float32, x.device)
     launcher(_hc_tail_bwd)[(programs,)](
-        lg, rinv, statics, lg if d_pre is None else d_pre.contiguous(), d_post.contiguous(), d_res.contiguous(),
-        dl, dss,
-        part, x, du if with_u else x, or_(dun, x), R, programs, C, 1.0 / C, M=M, NH=n, TANH=tanh, BT=cfg["BT"],
-        HAS_U=with_u, BC=cfg["BC"], HAS_DPRE=d_pre is not None, DU_NARROW=narrow, **launch_options(cfg))
+        lg_ptr=lg, rinv_ptr=rinv, st_ptr=statics, dpre_ptr=lg if d_pre is None else d_pre.contiguous(),
+        dpost_ptr=d_post.contiguous(), dres_ptr=d_res.contiguous(), dl_ptr=dl, dss_ptr=dss, part_ptr=part, x_ptr=x,
+        du_ptr=du if with_u else x, dun_ptr=or_(dun, x), R=R, NP=programs, C=C, inv_c=1.0 / C, M=M, NH=n, TANH=tanh,
+        BT=cfg["BT"], HAS_U=with_u, BC=cfg["BC"], HAS_DPRE=d_pre is not None, DU_NARROW=narrow, **launch_options(cfg))
     du = or_(dun, du)
     dw = projection.x_pass(x.view(R, 1, C), c_contig(w), dl, dss, dx.view(R, 1, C), h_pre=h_pre if with_u else None,
                            du=du, dx_in=None if dx_in is None else c_contig(dx_in).view(R, 1, C), u_rows=n)
@@ -292,7 +231,7 @@ def _hc_coef_bwd_body(d_pre: Optional[Tensor], d_post: Tensor, d_res: Tensor, x:
     return backward(d_pre, d_post, d_res, x, w, statics, lg, rinv, n, tanh)
 
 
-hc_coef_bwd = custom_op("hc_coef_bwd", _hc_coef_bwd_body)
+hc_coef_bwd = custom_op("hc_coefficients_bwd", _hc_coef_bwd_body)
 
 
 @hc_coef_bwd.register_fake
@@ -322,98 +261,5 @@ def _hc_coef_backward(ctx, d_pre, d_post, d_res, _dlg, _drinv):
 hc_coef_fwd.register_autograd(_hc_coef_backward, setup_context=_hc_coef_setup)
 
 
-# hc_enter: HC's coefficients and u = sum_i h_pre_i x_i in one op, one dx in its backward (as mhc_enter for mHC)
-def enter_forward(x: Tensor, w: Tensor, statics: Tensor, eps: float, tanh: bool,
-                  u_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """x [N, n, C] -> u [N, C] (u_dtype, None: x.dtype), then the coefficients of x's rows: h_pre [N n], h_post [N n],
-    h_res [N, n, n], the raw projection [N n, n + 2], 1/r [N n]. u by stream_pre's streaming kernel (x read again)."""
-    N, n, C = x.shape
-    x = token_rows(x)
-    coefs = coefficients(x.view(N * n, C), w, statics, n, eps, tanh)
-    u = empty((N, C), u_dtype or x.dtype, x.device)
-    if N > 0:
-        write_u(x, coefs[0].view(N, n), u)
-    return (u, *coefs)
-
-
-def _hc_enter_fwd_body(x: Tensor, w: Tensor, statics: Tensor, eps: float, tanh: bool,
-                       u_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return enter_forward(x, w, statics, eps, tanh, u_dtype)
-
-
-hc_enter_fwd = custom_op("hc_enter", _hc_enter_fwd_body)
-
-
-@hc_enter_fwd.register_fake
-def _hc_enter_fake(x, w, statics, eps, tanh, u_dtype=None):
-    N, n, C = x.shape
-    f32 = dict(dtype=torch.float32)
-    return (x.new_empty((N, C), dtype=u_dtype or x.dtype), x.new_empty((N * n,), **f32), x.new_empty((N * n,), **f32),
-            x.new_empty((N, n, n), **f32), x.new_empty((N * n, w.shape[1]), **f32), x.new_empty((N * n,), **f32))
-
-
-def enter_backward(d_pre: Optional[Tensor], d_post: Tensor, d_res: Tensor, du: Optional[Tensor], x: Tensor, w: Tensor,
-                   statics: Tensor, lg: Tensor, rinv: Tensor, h_pre: Tensor, tanh: bool,
-                   dx_in: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    """dx [N, n, C] (with h_pre_i du and dx_in, the write-back's gradient of x, added in the same pass), dw,
-    dstatics."""
-    N, n, C = x.shape
-    dx, dw, dst = backward(d_pre, d_post, d_res, token_rows(x).view(N * n, C), w, statics, lg, rinv, n, tanh,
-                           h_pre=h_pre, du=du, dx_in=None if dx_in is None else dx_in.reshape(N * n, C))
-    return dx.view(N, n, C), dw, dst
-
-
-hc_enter_bwd = custom_op("hc_enter_bwd", enter_backward)
-
-
-@hc_enter_bwd.register_fake
-def _(d_pre, d_post, d_res, du, x, w, statics, lg, rinv, h_pre, tanh, dx_in=None):
-    return fake_like(x), fake_like(w), fake_like(statics)
-
-
-def _hc_enter_setup(ctx, inputs, output):
-    x, w, statics, _, tanh = inputs[:5]
-    _, h_pre, _, _, lg, rinv = output
-    ctx.save_for_backward(x, w, statics, lg, rinv, h_pre)
-    ctx.mark_non_differentiable(lg, rinv)
-    ctx.tanh = tanh
-
-
-def _hc_enter_op_backward(ctx, du, d_pre, d_post, d_res, _dlg, _drinv, dx_next=None):
-    x, w, statics, lg, rinv, h_pre = ctx.saved_tensors
-    N, n, _ = x.shape
-    dh = coefficient_grads(N * n, n, x.device, d_pre, d_post, d_res)
-    dx, dw, dst = body_of(ctx, hc_enter_bwd)(*dh, du, x, w, statics, lg, rinv, h_pre, ctx.tanh, dx_in=dx_next)
-    return dx, dw, dst, None, None, None
-
-
-hc_enter_fwd.register_autograd(_hc_enter_op_backward, setup_context=_hc_enter_setup)
-
-
-def _hc_enter_routed_body(
-    x: Tensor, w: Tensor, statics: Tensor, eps: float, tanh: bool, u_dtype: Optional[torch.dtype] = None
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """hc_enter's outputs and x's route to the write-back (`Routed`): `hc_enter` as torch.compile sees it."""
-    return (*enter_forward(x, w, statics, eps, tanh, u_dtype), route_of(x))
-
-
-hc_enter_routed = custom_op("hc_enter_routed", _hc_enter_routed_body)
-
-
-@hc_enter_routed.register_fake
-def _(x, w, statics, eps, tanh, u_dtype=None):
-    return (*_hc_enter_fake(x, w, statics, eps, tanh, u_dtype), route_of(x))
-
-
-register_routed(hc_enter_routed, _hc_enter_setup, _hc_enter_op_backward)
-
-
-def _hc_enter_backward(ctx, dx_next, *grads):
-    """The eager `hc_enter`: the gradient of the x handed on to the write-back joins dx in the x pass."""
-    return _hc_enter_op_backward(ctx, *grads, dx_next=dx_next)
-
-
-# the ops as the public wrappers call them (custom_ops.eager_op)
-rms_proj_eager = eager_op(rms_proj_fwd, _rms_proj_setup, _rms_proj_backward)
+# the op as the public wrappers call it (custom_ops.eager_op)
 hc_coef_eager = eager_op(hc_coef_fwd, _hc_coef_setup, _hc_coef_backward)
-hc_enter_eager = eager_op(hc_enter_fwd, _hc_enter_setup, _hc_enter_backward, routed=hc_enter_routed)

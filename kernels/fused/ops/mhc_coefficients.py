@@ -1,6 +1,6 @@
-"""mHC's coefficients and the sublayer's entry (docs/design.md §2-3, §10; docs/kernels.md, the section of that name):
-`coef_fwd` (h_pre, h_post, H^res), `mhc_pre` (the same and u = sum_j h_pre_j x_j, one dx in its backward) and
-`mhc_enter` (mhc_pre, x handed on to the write-back, whose gradient of x joins that one dx).
+"""`mhc_coefficients` (docs/design.md §2-3, §10; docs/kernels.md, "mHC's coefficients and the sublayer's entry"):
+`coef_fwd` (h_pre, h_post, H^res), and the forward and backward that `mhc_pre` (mhc_pre.py), `mhc_enter`
+(mhc_enter.py) and `mhc_boundary` (mhc_boundary.py) run with u.
 
 Forward, one kernel (`_coef_fwd`): one read of x [N, n, C] yields the raw projection L = x phi [N, M]
 (M = n^2 + 2n) and sum(x^2) (`projection`); the per-token tail (norm after the product, gates, bias, sigmoid / 2
@@ -21,15 +21,15 @@ import torch
 import triton
 import triton.language as tl
 
-from . import projection
-from .custom_ops import body_of, custom_op, eager_op, register_routed, route_of
-from .host import c_contig, cdiv, empty, fake_like, grads_or_zeros, np2, or_, token_rows
-from .launch_cache import launcher
-from .launch_config import launch_options, tiles
-from .partial_sums import sum_partials
-from .projection import forward_dot, forward_tiles, project_rows, row_block
-from .read_out import write_u
-from .sinkhorn import _coef_tail, res_backward, res_tail
+from .. import projection
+from ..custom_ops import body_of, custom_op, eager_op, with_options
+from ..host import c_contig, cdiv, empty, fake_like, grads_or_zeros, np2, or_, token_rows
+from ..launch_cache import launcher
+from ..launch_config import launch_options, tiles
+from ..partial_sums import sum_partials
+from ..projection import forward_dot, forward_tiles, project_rows, row_block
+from ..sinkhorn import _coef_tail, res_backward, res_tail
+from .stream_pre import write_u
 
 Tensor = torch.Tensor
 
@@ -172,18 +172,18 @@ def forward(x: Tensor, phi: Tensor, bias: Tensor, alpha: Tensor, iters: int, eps
     own_launch = has_res and not pairs
     u_inside = with_u and C <= cfg["u_inside_max_c"]
     launcher(_coef_fwd)[(cdiv(N, cfg["BT"]),)](
-        x, phi, bias, alpha, lg, rinv, h_pre, h_post, h_res, u if u_inside else h_pre,
-        N, C, x.stride(0), phi.stride(0), iters, eps, rms_eps, pre_eps, post_mult,
-        NS=n, M=M, MP=np2(M, 16), HAS_RES=has_res, SINK=not own_launch, HAS_U=u_inside, T_IN=t_in, T_OUT=t_out,
-        DOT=dot_mode, BT=cfg["BT"], BK=cfg["BK"], BC=cfg["BC"], PAIRS=pairs, **launch_options(cfg),
-    )
+        x_ptr=x, phi_ptr=phi, bias_ptr=bias, alpha_ptr=alpha, lg_ptr=lg, rinv_ptr=rinv, hpre_ptr=h_pre,
+        hpost_ptr=h_post, hres_ptr=h_res, u_ptr=u if u_inside else h_pre, N=N, C=C, stride_x=x.stride(0),
+        stride_phi=phi.stride(0), iters=iters, eps=eps, rms_eps=rms_eps, pre_eps=pre_eps, post_mult=post_mult, NS=n,
+        M=M, MP=np2(M, 16), HAS_RES=has_res, SINK=not own_launch, HAS_U=u_inside, T_IN=t_in, T_OUT=t_out, DOT=dot_mode,
+        BT=cfg["BT"], BK=cfg["BK"], BC=cfg["BC"], PAIRS=pairs, **launch_options(cfg))
     if with_u and not u_inside:  # u by stream_pre's streaming kernel: x read again, at copy speed
         write_u(x, h_pre, u)
     if own_launch:
         ct = tiles("coef_tail")
         launcher(_coef_tail)[(cdiv(N, ct["BT"]),)](
-            lg, rinv, bias, alpha, h_res, N, iters, eps, NS=n, M=M, T_IN=t_in, T_OUT=t_out, BT=ct["BT"],
-            **launch_options(ct))
+            lg_ptr=lg, rinv_ptr=rinv, bias_ptr=bias, alpha_ptr=alpha, hres_ptr=h_res, N=N, iters=iters, eps=eps, NS=n,
+            M=M, T_IN=t_in, T_OUT=t_out, BT=ct["BT"], **launch_options(ct))
     return u, h_pre, h_post, h_res, lg, rinv
 
 
@@ -205,13 +205,13 @@ def token_backward(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, e
     narrow = with_u and du.dtype != x.dtype
     dun = empty(du.shape, x.dtype, dev) if narrow else None
     launcher(_coef_bwd_tok)[(n_prog,)](
-        lg, rinv, bias.contiguous(), alpha.contiguous(), lg if d_pre is None else d_pre.contiguous(),
-        d_post.contiguous(), d_res.contiguous(), dl, dss, part, sc, x, du.contiguous() if with_u else x, or_(dun, x),
-        N, n_prog, n * C, C,
-        x.stride(0), iters, eps, post_mult, NS=n, M=M, HAS_RES=has_res, T_IN=t_in, T_OUT=t_out, HAS_U=with_u,
-        HAS_DPRE=d_pre is not None, BT=ct["BT"], BC=ct["BC"], LOOP_STAGES=ct["loop_stages"], DU_NARROW=narrow,
-        **launch_options(ct),
-    )
+        lg_ptr=lg, rinv_ptr=rinv, bias_ptr=bias.contiguous(), alpha_ptr=alpha.contiguous(),
+        dpre_ptr=lg if d_pre is None else d_pre.contiguous(), dpost_ptr=d_post.contiguous(),
+        dres_ptr=d_res.contiguous(), dl_ptr=dl, dss_ptr=dss, part_ptr=part, sc_ptr=sc, x_ptr=x,
+        du_ptr=du.contiguous() if with_u else x, dun_ptr=or_(dun, x), N=N, NP=n_prog, K=n * C, C=C,
+        stride_x=x.stride(0), iters=iters, eps=eps, post_mult=post_mult, NS=n, M=M, HAS_RES=has_res, T_IN=t_in,
+        T_OUT=t_out, HAS_U=with_u, HAS_DPRE=d_pre is not None, BT=ct["BT"], BC=ct["BC"], LOOP_STAGES=ct["loop_stages"],
+        DU_NARROW=narrow, **launch_options(ct))
     return dl, dss, part, or_(dun, du)
 
 
@@ -231,8 +231,8 @@ def backward(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_
     if N == 0:
         return dx, torch.zeros_like(phi), torch.zeros_like(bias), torch.zeros_like(alpha)
     x, dx_in, phi = token_rows(x), None if dx_in is None else token_rows(dx_in), c_contig(phi)
-    dl, dss, part, du = token_backward(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out,
-                                       post_mult, du=du)
+    dl, dss, part, du = token_backward(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters=iters, eps=eps,
+                                       t_in=t_in, t_out=t_out, post_mult=post_mult, du=du)
     dphi_part = projection.x_pass(x, phi, dl, dss, dx, h_pre=h_pre, du=du, dx_in=dx_in)
     return (dx, *param_grads(phi, bias, alpha, dphi_part, part))
 
@@ -242,10 +242,11 @@ def _coef_fwd_body(
     rms_eps: float, pre_eps: float, post_mult: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """x [N, n, C] -> h_pre [N, n], h_post [N, n], h_res [N, n, n] (or [N, 0, 0]), raw logits [N, M], 1/r [N]."""
-    return forward(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult, False)[1:]
+    return forward(x, phi, bias, alpha, iters=iters, eps=eps, t_in=t_in, t_out=t_out, rms_eps=rms_eps,
+                   pre_eps=pre_eps, post_mult=post_mult, with_u=False)[1:]
 
 
-coef_fwd = custom_op("coef_fwd", _coef_fwd_body)
+coef_fwd = custom_op("mhc_coefficients", _coef_fwd_body)
 
 
 def coef_fake(x: Tensor, phi: Tensor) -> tuple[Tensor, ...]:
@@ -272,10 +273,11 @@ def _coef_bwd_body(
     d_pre: Optional[Tensor], d_post: Tensor, d_res: Tensor, iters: int, eps: float, t_in: bool, t_out: bool,
     post_mult: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return backward(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult)
+    return backward(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters=iters, eps=eps, t_in=t_in, t_out=t_out,
+                    post_mult=post_mult)
 
 
-coef_bwd = custom_op("coef_bwd", _coef_bwd_body)
+coef_bwd = custom_op("mhc_coefficients_bwd", _coef_bwd_body)
 
 
 @coef_bwd.register_fake
@@ -287,7 +289,7 @@ def _coef_setup(ctx, inputs, output):
     x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult = inputs
     _, _, _, lg, rinv = output
     ctx.save_for_backward(x, phi, bias, alpha, lg, rinv)
-    ctx.opts = (iters, eps, t_in, t_out, post_mult)
+    ctx.opts = dict(iters=iters, eps=eps, t_in=t_in, t_out=t_out, post_mult=post_mult)  # the backward ops' scalars
     ctx.mark_non_differentiable(lg, rinv)
 
 
@@ -301,99 +303,11 @@ def coefficient_grads(x: Tensor, phi: Tensor, d_pre, d_post, d_res) -> tuple[Opt
 def _coef_backward(ctx, d_pre, d_post, d_res, _dlg, _drinv):
     x, phi, bias, alpha, lg, rinv = ctx.saved_tensors
     dh = coefficient_grads(x, phi, d_pre, d_post, d_res)
-    dx, dphi, dbias, dalpha = body_of(ctx, coef_bwd)(x, phi, bias, alpha, lg, rinv, *dh, *ctx.opts)
+    dx, dphi, dbias, dalpha = body_of(ctx, coef_bwd)(x, phi, bias, alpha, lg, rinv, *dh, **ctx.opts)
     return dx, dphi, dbias, dalpha, None, None, None, None, None, None, None
 
 
 coef_fwd.register_autograd(_coef_backward, setup_context=_coef_setup)
 
-
-# mhc_pre: the coefficients and u = sum_j h_pre_j x_j in one op, one dx in its backward
-def _mhc_pre_fwd_body(
-    x: Tensor, phi: Tensor, bias: Tensor, alpha: Tensor, iters: int, eps: float, t_in: bool, t_out: bool,
-    rms_eps: float, pre_eps: float, post_mult: float, u_dtype: Optional[torch.dtype] = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """x [N, n, C] -> u [N, C] (u_dtype, None: x.dtype), h_pre, h_post, h_res, raw logits, 1/r (as coef_fwd)."""
-    return forward(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult, True, u_dtype)
-
-
-mhc_pre_fwd = custom_op("mhc_pre", _mhc_pre_fwd_body)
-
-
-@mhc_pre_fwd.register_fake
-def _(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult, u_dtype=None):
-    return (u_fake(x, u_dtype),) + coef_fake(x, phi)
-
-
-def _mhc_pre_bwd_body(
-    x: Tensor, phi: Tensor, bias: Tensor, alpha: Tensor, lg: Tensor, rinv: Tensor, h_pre: Tensor, du: Tensor,
-    d_pre: Optional[Tensor], d_post: Tensor, d_res: Tensor, iters: int, eps: float, t_in: bool, t_out: bool,
-    post_mult: float, dx_in: Optional[Tensor] = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """dx_in: the gradient x received from its other consumer (`mhc_enter`), added into dx by the same kernel."""
-    return backward(x, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult,
-                    h_pre=h_pre, du=du, dx_in=dx_in)
-
-
-mhc_pre_bwd = custom_op("mhc_pre_bwd", _mhc_pre_bwd_body)
-
-
-@mhc_pre_bwd.register_fake
-def _(x, phi, bias, alpha, lg, rinv, h_pre, du, d_pre, d_post, d_res, iters, eps, t_in, t_out, post_mult, dx_in=None):
-    return fake_like(x), fake_like(phi), fake_like(bias), fake_like(alpha)
-
-
-def _mhc_pre_setup(ctx, inputs, output):
-    x, phi, bias, alpha, iters, eps, t_in, t_out, _rms_eps, _pre_eps, post_mult = inputs[:11]
-    _, h_pre, _, _, lg, rinv = output
-    ctx.save_for_backward(x, phi, bias, alpha, lg, rinv, h_pre)
-    ctx.opts = (iters, eps, t_in, t_out, post_mult)
-    ctx.mark_non_differentiable(lg, rinv)
-
-
-def _mhc_pre_backward(ctx, du, d_pre, d_post, d_res, _dlg, _drinv, dx_next=None):
-    """dx_next (`mhc_enter`): the gradient of the x handed on to the write-back, added in the x pass. du comes in u's
-    dtype (`token_backward` rounds a wider one)."""
-    x, phi, bias, alpha, lg, rinv, h_pre = ctx.saved_tensors
-    dh = coefficient_grads(x, phi, d_pre, d_post, d_res)
-    if du is None:
-        grads = body_of(ctx, coef_bwd)(x, phi, bias, alpha, lg, rinv, *dh, *ctx.opts)
-        if dx_next is not None:
-            grads = (grads[0] + dx_next, *grads[1:])
-    else:
-        grads = body_of(ctx, mhc_pre_bwd)(x, phi, bias, alpha, lg, rinv, h_pre, du, *dh, *ctx.opts, dx_in=dx_next)
-    return (*grads, None, None, None, None, None, None, None, None)
-
-
-mhc_pre_fwd.register_autograd(_mhc_pre_backward, setup_context=_mhc_pre_setup)
-
-
-def _mhc_enter_backward(ctx, dx_next, *grads):
-    """The eager `mhc_enter`: mhc_pre's outputs plus x handed on to the sublayer's write-back, whose gradient dx_next
-    joins this backward's dx in the x pass (no separate sum of two stream-sized gradients)."""
-    return _mhc_pre_backward(ctx, *grads, dx_next=dx_next)
-
-
-def _mhc_enter_fwd_body(
-    x: Tensor, phi: Tensor, bias: Tensor, alpha: Tensor, iters: int, eps: float, t_in: bool, t_out: bool,
-    rms_eps: float, pre_eps: float, post_mult: float, u_dtype: Optional[torch.dtype] = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """mhc_pre's outputs and x's route to the write-back (`Routed`): `mhc_enter` as torch.compile sees it."""
-    return (*_mhc_pre_fwd_body(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult, u_dtype),
-            route_of(x))
-
-
-mhc_enter_fwd = custom_op("mhc_enter", _mhc_enter_fwd_body)
-
-
-@mhc_enter_fwd.register_fake
-def _(x, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult, u_dtype=None):
-    return (u_fake(x, u_dtype),) + coef_fake(x, phi) + (route_of(x),)
-
-
-register_routed(mhc_enter_fwd, _mhc_pre_setup, _mhc_pre_backward)
-
-# the ops as the public wrappers call them (custom_ops.eager_op)
-coef_eager = eager_op(coef_fwd, _coef_setup, _coef_backward)
-mhc_pre_eager = eager_op(mhc_pre_fwd, _mhc_pre_setup, _mhc_pre_backward)
-mhc_enter_eager = eager_op(mhc_pre_fwd, _mhc_pre_setup, _mhc_enter_backward, routed=mhc_enter_fwd)
+# the op as the public wrappers call it (custom_ops.eager_op), MHCOptions whole as its fifth argument
+coef_eager = with_options(eager_op(coef_fwd, _coef_setup, _coef_backward), at=4)

@@ -1,8 +1,8 @@
-"""The sublayer boundary op (`mhc_boundary`, kernels/reference/boundary.py): sublayer l's write-back and sublayer
+"""The sublayer boundary op (`mhc_boundary`, kernels/reference/mhc_boundary.py): sublayer l's write-back and sublayer
 l + 1's coefficients and input in one op, x_{l+1} written once and its gradient written once (docs/kernels.md,
 "How the model calls them").
 
-Forward: the write-back's kernel writes x_{l+1} and the coefficient kernel reads it back (`mhc.forward`
+Forward: the write-back's kernel writes x_{l+1} and the coefficient kernel reads it back (`mhc_coefficients.forward`
 with u), the per-sublayer kernels. Backward: the per-token pass and the x pass on x_{l+1}, the downstream gradient of
 x_{l+1} added in that pass (ACC), so that the x pass writes x_{l+1}'s whole gradient; then the write-back's backward
 reads it. The same kernels and bytes as one sublayer at a time: what the op saves is host time (one op, one autograd
@@ -12,10 +12,10 @@ from typing import Optional
 
 import torch
 
-from .custom_ops import body_of, custom_op, eager_op
-from .host import fake_like
-from .mhc import backward, coef_fake, coefficient_grads, forward, u_fake
-from .write_back import post_backward, post_forward, requested_u
+from ..custom_ops import body_of, custom_op, eager_op, with_options
+from ..host import fake_like
+from .mhc_coefficients import backward, coef_fake, coefficient_grads, forward, u_fake
+from .stream_post_res import post_backward, post_forward, requested_u
 
 Tensor = torch.Tensor
 
@@ -28,8 +28,8 @@ def _bnd_fwd_body(
     """x [N, n, C], f [N, C], h_post [N, n], h_res [N, n, n] or [N, 0, 0] (H^res = I) of sublayer l -> x_next, then
     u (u_dtype, None: x.dtype), h_pre, h_post, h_res, raw logits, 1/r of sublayer l + 1 (as mhc_pre on x_next)."""
     x_next = post_forward(x, f, h_post, h_res)
-    return (x_next, *forward(x_next, phi, bias, alpha, iters, eps, t_in, t_out, rms_eps, pre_eps, post_mult, True,
-                             u_dtype))
+    return (x_next, *forward(x_next, phi, bias, alpha, iters=iters, eps=eps, t_in=t_in, t_out=t_out, rms_eps=rms_eps,
+                             pre_eps=pre_eps, post_mult=post_mult, with_u=True, u_dtype=u_dtype))
 
 
 bnd_fwd = custom_op("mhc_boundary", _bnd_fwd_body)
@@ -47,8 +47,8 @@ def _boundary_backward(x, f, h_post, h_res, phi, bias, alpha, x_next, lg, rinv, 
     if x.shape[0] == 0:
         dx, df, dhp, dhr = post_backward(g, x, f, h_post, h_res, hu=hu, u_out=u_out)
         return dx, df, dhp, dhr, torch.zeros_like(phi), torch.zeros_like(bias), torch.zeros_like(alpha)
-    G, dphi, dbias, dalpha = backward(x_next, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters, eps, t_in,
-                                      t_out, post_mult, h_pre=h_pre2, du=du, dx_in=g)
+    G, dphi, dbias, dalpha = backward(x_next, phi, bias, alpha, lg, rinv, d_pre, d_post, d_res, iters=iters, eps=eps,
+                                      t_in=t_in, t_out=t_out, post_mult=post_mult, h_pre=h_pre2, du=du, dx_in=g)
     dx, df, dhp, dhr = post_backward(G, x, f, h_post, h_res, hu=hu, u_out=u_out)
     return dx, df, dhp.to(h_post.dtype), dhr.to(h_res.dtype), dphi, dbias, dalpha
 
@@ -59,7 +59,7 @@ def _bnd_bwd_body(
     d_res: Tensor, iters: int, eps: float, t_in: bool, t_out: bool, post_mult: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     return _boundary_backward(x, f, h_post, h_res, phi, bias, alpha, x_next, lg, rinv, h_pre2, g, du, d_pre, d_post,
-                              d_res, iters, eps, t_in, t_out, post_mult)
+                              d_res, iters=iters, eps=eps, t_in=t_in, t_out=t_out, post_mult=post_mult)
 
 
 bnd_bwd = custom_op("mhc_boundary_bwd", _bnd_bwd_body)
@@ -77,7 +77,7 @@ def _bnd_setup(ctx, inputs, output):
     x_next, _, h_pre2, _, _, lg, rinv = output
     # x_next is also the next op's input: saving it here keeps no extra copy
     ctx.save_for_backward(x, f, h_post, h_res, phi, bias, alpha, x_next, lg, rinv, h_pre2)
-    ctx.opts = (iters, eps, t_in, t_out, post_mult)
+    ctx.opts = dict(iters=iters, eps=eps, t_in=t_in, t_out=t_out, post_mult=post_mult)  # the backward ops' scalars
     ctx.mark_non_differentiable(lg, rinv)
 
 
@@ -86,12 +86,16 @@ def _bnd_backward(ctx, g, du, d_pre, d_post, d_res, _dlg, _drinv):
     dh = coefficient_grads(x_next, phi, d_pre, d_post, d_res)
     g = torch.zeros_like(x_next) if g is None else g
     du = torch.zeros((x.shape[0], x.shape[2]), dtype=x.dtype, device=x.device) if du is None else du
-    args = (x, f, h_post, h_res, phi, bias, alpha, x_next, lg, rinv, h_pre2, g, du, *dh, *ctx.opts)
+    args = (x, f, h_post, h_res, phi, bias, alpha, x_next, lg, rinv, h_pre2, g, du, *dh)
     wanted = requested_u(ctx, x)  # eager only: the plain body, with the u buffer
-    grads = _boundary_backward(*args, *wanted) if wanted else body_of(ctx, bnd_bwd)(*args)
+    if wanted:
+        grads = _boundary_backward(*args, **ctx.opts, hu=wanted[0], u_out=wanted[1])
+    else:
+        grads = body_of(ctx, bnd_bwd)(*args, **ctx.opts)
     return (*grads, None, None, None, None, None, None, None, None)
 
 
 bnd_fwd.register_autograd(_bnd_backward, setup_context=_bnd_setup)
 
-boundary_eager = eager_op(bnd_fwd, _bnd_setup, _bnd_backward)
+# the op as the public wrappers call it (custom_ops.eager_op), MHCOptions whole as its eighth argument
+boundary_eager = with_options(eager_op(bnd_fwd, _bnd_setup, _bnd_backward), at=7)

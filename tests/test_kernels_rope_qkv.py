@@ -1,4 +1,4 @@
-"""The fused RoPE op (kernels/fused/rope.py) against its float64 reference: q, k, v and the gradient of qkv.
+"""The fused RoPE op (kernels/fused/ops/rope_qkv.py) against its float64 reference: q, k, v and the gradient of qkv.
 
 Without CUDA the kernels run under the Triton interpreter at small shapes. Outputs start NaN-filled
 (kernel_checks.poisoned_outputs), so an element a kernel fails to write fails the comparison.

@@ -17,11 +17,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .custom_ops import body_of, custom_op, eager_op
-from .host import c_contig, cdiv, empty, fake_like, np2, num_sms
-from .launch_cache import launcher
-from .launch_config import CONFIG, launch_options, tiles
-from .partial_sums import sum_partials
+from ..custom_ops import body_of, custom_op, eager_op
+from ..host import c_contig, cdiv, empty, fake_like, np2, num_sms
+from ..launch_cache import launcher
+from ..launch_config import CONFIG, launch_options, tiles
+from ..partial_sums import sum_partials
 
 Tensor = torch.Tensor
 
@@ -159,9 +159,10 @@ def post_backward(g: Tensor, x: Tensor, f: Tensor, h_post: Tensor, h_res: Tensor
         blocks = min(blocks, max(1, per_sm * num_sms(dev) // n_cblk))
     hu, u_out = (hu.contiguous(), u_out) if has_u else (g, g)  # unused pointers without u
     launcher(_post_bwd_2d)[(blocks, n_cblk)](
-        x, f, h_post.contiguous(), h_res.contiguous(), g, dx, df, php, phr, hu, u_out,
-        N, C, x.stride(0), x.stride(1), f.stride(0),
-        NS=n, HAS_RES=has_res, BT=cfg["BT"], BC=cfg["BC"], LOOP_STAGES=stages, HAS_U=has_u, **launch_options(cfg))
+        x_ptr=x, f_ptr=f, hp_ptr=h_post.contiguous(), hr_ptr=h_res.contiguous(), g_ptr=g, dx_ptr=dx, df_ptr=df,
+        dhp_ptr=php, dhr_ptr=phr, hu_ptr=hu, u_ptr=u_out, N=N, C=C, stride_xt=x.stride(0), stride_xn=x.stride(1),
+        stride_ft=f.stride(0), NS=n, HAS_RES=has_res, BT=cfg["BT"], BC=cfg["BC"], LOOP_STAGES=stages, HAS_U=has_u,
+        **launch_options(cfg))
     if n_cblk > 1:  # the per-C-block partials summed in one launch
         sum_partials(php, dhp, wpart2=phr if has_res else None, dw2=dhr if has_res else None)
     return dx, df, dhp, dhr
@@ -177,8 +178,9 @@ def post_forward(x: Tensor, f: Tensor, h_post: Tensor, h_res: Tensor) -> Tensor:
     cfg = tiles("post_fwd", BC=np2(C, 16))
     grid = (cdiv(N, cfg["BT"]), cdiv(C, cfg["BC"]))
     launcher(_post_fwd)[grid](
-        x, f, h_post.contiguous(), h_res.contiguous(), out, N, C, x.stride(0), x.stride(1), f.stride(0),
-        NS=n, HAS_RES=h_res.shape[-1] != 0, BT=cfg["BT"], BC=cfg["BC"], **launch_options(cfg))
+        x_ptr=x, f_ptr=f, hp_ptr=h_post.contiguous(), hr_ptr=h_res.contiguous(), out_ptr=out, N=N, C=C,
+        stride_xt=x.stride(0), stride_xn=x.stride(1), stride_ft=f.stride(0), NS=n, HAS_RES=h_res.shape[-1] != 0,
+        BT=cfg["BT"], BC=cfg["BC"], **launch_options(cfg))
     return out
 
 
