@@ -14,7 +14,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from helpers import make_text  # noqa: E402
+from helpers import make_text, write_documents  # noqa: E402
 
 os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
 
@@ -50,6 +50,28 @@ def mlflow_uri(tmp_path: Path, _mlflow_template: Path, monkeypatch) -> str:
     shutil.copy(_mlflow_template, db)
     monkeypatch.chdir(tmp_path)  # sqlite stores without a server put artifacts under ./mlruns
     return f"sqlite:///{db}"
+
+
+@pytest.fixture(scope="session")
+def prepared_shards(tmp_path_factory) -> tuple[Path, list[str]]:
+    """Token shards of write_documents(n=90) (bytes tokenizer, val fraction 0.2) and the documents: prepared once per
+    test run for all xdist workers, since a preparation starts litdata's worker processes (seconds). Read-only: copy
+    the folder before changing it."""
+    from filelock import FileLock
+
+    from mhc_lightning.commands import main
+    from mhc_lightning.data.shards import META
+
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "prepared_shards"  # this run's
+    docs = write_documents(tmp_path_factory.mktemp("documents"), n=90)
+    with FileLock(f"{root}.lock"):
+        if not (root / "out" / META).is_file():
+            write_documents(root / "src", n=90)
+            with pytest.raises(SystemExit) as done:
+                main(["prepare", str(root / "src"), "--out", str(root / "out"), "--val-fraction=0.2", "--workers=1"])
+            assert done.value.code == 0
+    return root / "out", docs
 
 
 @pytest.fixture(scope="module")

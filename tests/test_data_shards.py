@@ -13,24 +13,18 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from helpers import make_text, write_documents
+from helpers import make_text
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from mhc_lightning.commands import main
 from mhc_lightning.data import ByteTextDataModule
 from mhc_lightning.data.prepare import META
 from mhc_lightning.data.shards import windows
 from mhc_lightning.errors import UserError
 
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("shards")
-    write_documents(root / "src", n=90)
-    with pytest.raises(SystemExit) as e:
-        main(["prepare", str(root / "src"), "--out", str(root / "out"), "--val-fraction", "0.2", "--workers", "1"])
-    assert e.value.code == 0
-    return root / "out"
+@pytest.fixture
+def shards(prepared_shards) -> Path:
+    return prepared_shards[0]  # conftest.py: shared by the test run; read-only
 
 
 def test_the_datamodule_takes_vocabulary_and_units_from_the_metadata(shards):

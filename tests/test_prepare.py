@@ -25,14 +25,9 @@ def prepare(*args, capsys=None) -> tuple[int, str]:
     return exit_info.value.code, capsys.readouterr().err if capsys else ""
 
 
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory) -> tuple[Path, list[str]]:
-    root = tmp_path_factory.mktemp("prepared")
-    docs = write_documents(root / "src")
-    with pytest.raises(SystemExit) as e:
-        main(["prepare", str(root / "src"), "--out", str(root / "out"), "--val-fraction", "0.2", "--workers", "1"])
-    assert e.value.code == 0
-    return root / "out", docs
+@pytest.fixture
+def prepared(prepared_shards) -> tuple[Path, list[str]]:
+    return prepared_shards  # conftest.py: shared by the test run; read-only
 
 
 def test_shards_hold_every_document_once_with_end_of_document_tokens(prepared):
