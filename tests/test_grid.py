@@ -81,8 +81,8 @@ def test_killed_grid_takes_its_runs_along(tiny_corpus, tmp_path):
 
 def test_a_stopped_grid_gives_all_its_runs_the_same_time_to_end(tmp_path):
     """SIGTERM on the grid: every running child is signalled at once and gets the whole grace period to write its
-    checkpoint and end its run; signalled one after another, the last of 14 fits was reached after the first 13 had
-    used theirs, and SIGKILL left its run RUNNING."""
+    checkpoint and end its run (signalled one after another, the last of 14 fits would be reached after the others
+    had used theirs, and SIGKILL would leave its run RUNNING)."""
     import signal
     import sys
     import threading

@@ -53,7 +53,7 @@ def test_fit_with_another_logger_saves_its_config_in_the_log_dir(class_path, tin
 @pytest.mark.slow
 def test_two_wandb_fits_in_one_save_dir_each_keep_their_config(tiny_corpus, tmp_path):
     """W&B's runs share their save_dir: each fit's config.yaml goes into its own run folder, beside its checkpoints
-    (Lightning's stock callback put it in the save_dir and stopped the second fit after its W&B run was created)."""
+    (Lightning's stock callback puts it in the save_dir, where a second fit would stop after creating its W&B run)."""
     pytest.importorskip("wandb")
     args = [a for a in tiny_fit_args(tiny_corpus, "unused", tmp_path / "root", steps=3) if "trainer.logger" not in a]
     wandb_logger = "lightning.pytorch.loggers.WandbLogger"

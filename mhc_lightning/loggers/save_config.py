@@ -6,8 +6,8 @@ The stock SaveConfigCallback asserts on trainer.log_dir, which is None for sqlit
 URIs (Lightning issues #19441, #16310, #20273); MLflowSaveConfig writes the config into the run instead.
 With any other logger (CSVLogger, TensorBoardLogger, WandbLogger, ...) config.yaml goes into the run's own folder,
 <save_dir>/<name>/<version>, where its checkpoints go: a CSV or TensorBoard logger's version folder, a W&B run's
-folder. Lightning's stock callback writes it to trainer.log_dir, which for W&B is the save_dir every run shares, so a
-second fit there stopped with a traceback after its W&B run was created.
+folder. Lightning's stock callback writes it to trainer.log_dir, which for W&B is the save_dir every run shares: a
+second fit there would stop with a traceback after creating its W&B run.
 """
 
 from __future__ import annotations
