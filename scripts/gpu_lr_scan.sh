@@ -3,7 +3,7 @@
 # The store is committed, docs/results/lr_scan_mlflow.db.gz, so that any session continues it; it comes back as
 # $OUT/mlflow.db.gz: copy that over the committed one (and commit) before the next part. Carry .gpuwheels,
 # .cache/corpus and .gitpin (scripts/gpu_env.sh).
-# KERNEL_TESTS=1 runs the kernel test tree on CUDA first, alone (beside 14 fits both ran out of GPU memory), and gives
+# KERNEL_TESTS=1 runs the kernel test tree on CUDA first, alone (beside 14 fits both run out of GPU memory), and gives
 # the grid what is left of LIMIT.
 #
 # The plan, each step one device call (here: bash scripts/gpu_wheels.sh once, bash scripts/gpu_pin_commit.sh before
