@@ -296,10 +296,9 @@ def typical_durations(client, exp_id: str) -> dict[str, float]:
     return {v: statistics.median(t for t in ts if t <= 2 * min(ts)) for v, ts in took.items()}
 
 
-def fits_in(seconds: float, tags: dict[str, dict], durations: dict[str, float], margin: float = 1.1):
-    """may_start for run_parallel: a run starts only while a run of its variant would still end within `seconds` of
-    now (with `margin`); a variant that has no finished run yet always starts."""
-    deadline = time.monotonic() + seconds
+def fits_in(deadline: float, tags: dict[str, dict], durations: dict[str, float], margin: float = 1.1):
+    """may_start for run_parallel: a run starts only while a run of its variant would still end by `deadline`
+    (time.monotonic(), with `margin`); a variant that has no finished run yet always starts."""
 
     def may_start(name: str) -> bool:
         took = durations.get(tags[name].get("variant"))
@@ -360,6 +359,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from .check import check_names, check_runs, check_sets, sinkhorn_no_ops
     from .jobs import tag_runs
 
+    started = time.monotonic()  # --finish-within counts from here, as its help says
     clean_tracking_env()  # the runs inherit it: a password goes to MLflow's credential variables, not into configs
     p = build_parser()
     args = p.parse_args(argv)
@@ -418,7 +418,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         else:
             may_start = None
             if args.finish_within is not None:
-                may_start = fits_in(args.finish_within, tags, typical_durations(client, exp_id))
+                deadline = started + args.finish_within
+                may_start = fits_in(deadline, tags, typical_durations(client, exp_id))
             left = run_parallel(jobs, args.parallel, on_done, spread_gpus=True, may_start=may_start)
     except KeyboardInterrupt as err:
         if args.launcher == "local":  # the runs stopped, and any that ended as the grid was stopped
